@@ -1,0 +1,68 @@
+"""Storage backends: one module per kind of storage, picked by URL scheme.
+
+Third parties add a backend through the ``ckptio.backends`` entry-point
+group: the entry point's name is the URL scheme, its value the Backend class.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib.metadata import entry_points
+from typing import Any
+
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key, join_key
+
+__all__ = [
+    "Backend",
+    "ByteRange",
+    "Capabilities",
+    "ObjectInfo",
+    "RetryableError",
+    "check_key",
+    "join_key",
+    "open_backend",
+    "split_url",
+]
+
+# Built-in schemes, resolved lazily so that importing ckptio never imports aiohttp.
+_BUILTIN: dict[str, str] = {
+    "": "ckptio.backends.local:LocalBackend",
+    "file": "ckptio.backends.local:LocalBackend",
+    "mem": "ckptio.backends.memory:MemoryBackend",
+    "memory": "ckptio.backends.memory:MemoryBackend",
+    "gs": "ckptio.backends.gcs:GCSBackend",
+    "hdml": "ckptio.backends.hyperdisk_ml:HyperdiskMLBackend",
+    "pstore": "ckptio.backends.parallelstore:ParallelstoreBackend",
+}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``"gs://b/p"`` -> ``("gs", "b/p")``; a plain path -> ``("", path)``."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+def _load(spec: str) -> type[Backend]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def backend_class(scheme: str) -> type[Backend]:
+    """The Backend class serving ``scheme``; entry points may add or override schemes."""
+    for ep in entry_points(group="ckptio.backends"):
+        if ep.name == scheme and ep.value != _BUILTIN.get(scheme):
+            return ep.load()
+    if scheme in _BUILTIN:
+        return _load(_BUILTIN[scheme])
+    known = sorted({*_BUILTIN, *(ep.name for ep in entry_points(group="ckptio.backends"))} - {""})
+    raise ValueError(f"no ckptio backend for URL scheme {scheme!r}; known schemes: {', '.join(known)}")
+
+
+def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
+    """Create the backend for ``url`` (a plain path means local disk)."""
+    url = os.fspath(url)
+    scheme, _ = split_url(url)
+    return backend_class(scheme)(url, **options)

@@ -1,0 +1,211 @@
+"""The backend contract: one small async ABC that only moves bytes.
+
+Everything else -- retries, concurrency, packing, checksums, commit order --
+lives once, above this layer, in :mod:`ckptio.engine`.
+
+Contract every backend keeps (the conformance suite in
+``tests/backend_conformance.py`` checks each point):
+
+* Keys are ``/``-separated relative names (no leading ``/``, no ``.`` or
+  ``..`` components, no empty components). :func:`check_key` enforces this.
+* :meth:`Backend.write` creates or replaces a whole object from one or more
+  buffers, in order, without concatenating them first. A reader never sees a
+  partially written object under ``key``: either the old state or the new one.
+* :meth:`Backend.read_into` fills caller-owned buffers from a half-open
+  :class:`ByteRange`; reading past the end is an error, never a short read.
+* :meth:`Backend.create_if_absent` is the commit primitive: it writes a small
+  object only if no object has that key, atomically, and raises
+  :class:`FileExistsError` otherwise.
+* Errors leave a backend as builtins (``FileNotFoundError``,
+  ``FileExistsError``, ``PermissionError``, ``ValueError``) or as
+  :class:`RetryableError`; the engine retries only the latter. Backends
+  translate their native errors once, here at the boundary.
+* Capabilities are declared data (:class:`Capabilities`), not discovered by
+  failure.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+__all__ = [
+    "Backend",
+    "ByteRange",
+    "Capabilities",
+    "ObjectInfo",
+    "RetryableError",
+    "check_key",
+    "join_key",
+]
+
+
+class RetryableError(Exception):
+    """A transient failure (throttling, reset, timeout, 5xx): the same call may succeed later.
+
+    The only exception class the engine retries. ``retry_after`` is a server
+    hint in seconds, when the storage gave one.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ByteRange:
+    """A half-open byte range ``[start, end)`` of an object."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end < self.start:
+            raise ValueError(f"invalid byte range [{self.start}, {self.end})")
+
+    @classmethod
+    def of(cls, start: int, length: int) -> ByteRange:
+        return cls(start, start + length)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def http_header(self) -> str:
+        """HTTP's inclusive ``Range`` header value; the one place that converts.
+
+        An empty range has no HTTP form: callers must not send a request for it.
+        """
+        if self.length == 0:
+            raise ValueError("an empty byte range has no HTTP Range header")
+        return f"bytes={self.start}-{self.end - 1}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What :meth:`Backend.stat` and :meth:`Backend.list` say of one object."""
+
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch; orphan sweeps compare it to a grace period
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do and how it likes to be driven; declared, not probed by failure."""
+
+    read_only: bool = False
+    #: ``write`` is atomic per object (temp + rename, or an object store PUT).
+    atomic_write: bool = True
+    #: ``create_if_absent`` is a real conditional create (not check-then-write).
+    conditional_create: bool = True
+    #: Completed writes survive a crash without :meth:`Backend.sync`.
+    durable_on_close: bool = True
+    #: IO sizes the storage likes; the layout packs objects of about ``object_size``.
+    preferred_io_size: int = 8 << 20
+    object_size: int = 64 << 20
+    #: Buffer/offset alignment needed for direct IO (1 = none).
+    alignment: int = 1
+    #: How many requests in flight keep this storage busy.
+    concurrency: int = 8
+    #: A listing right after a write shows it.
+    list_consistent: bool = True
+    #: Object names should start with a hashed component (object stores).
+    hashed_names: bool = False
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid relative object key, else raise ValueError naming it."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, got {key!r}")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"object key {key!r} is not a relative '/'-separated name")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"object key {key!r} has an empty, '.' or '..' component")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key components with ``/``, dropping empty ones."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Backend(abc.ABC):
+    """Moves bytes for one kind of storage. Knows nothing about arrays.
+
+    A backend is created from a URL and a small picklable config (see
+    :func:`ckptio.backends.open_backend`); all methods are coroutines that
+    the engine runs on its own event loop. Implementations do blocking IO in
+    threads that release the GIL.
+    """
+
+    #: URL schemes this class serves (``("file", "")`` for local paths).
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    capabilities: Capabilities
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The root URL this backend serves; keys are relative to it."""
+
+    @abc.abstractmethod
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        """Create or replace object ``key`` with the concatenation of ``buffers``."""
+
+    @abc.abstractmethod
+    async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` (whose lengths sum to ``rng.length``) with bytes ``rng`` of ``key``.
+
+        Raises FileNotFoundError if the object is absent and ValueError if the
+        range runs past its end.
+        """
+
+    @abc.abstractmethod
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        """Atomically create ``key`` holding ``data``; FileExistsError if it exists."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete ``key``; FileNotFoundError if it is absent."""
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectInfo:
+        """Size and mtime of ``key``; FileNotFoundError if absent."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (a plain string prefix), sorted by key."""
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        """Names of the immediate children under directory ``prefix`` (objects and sub-"directories").
+
+        Object stores override this with a delimiter listing; the default
+        derives it from :meth:`list`.
+        """
+        base = prefix.rstrip("/") + "/" if prefix else ""
+        names = {info.key[len(base):].split("/", 1)[0] for info in await self.list(base)}
+        return sorted(names)
+
+    async def read(self, key: str) -> bytes:
+        """Read a whole (small) object."""
+        info = await self.stat(key)
+        buf = bytearray(info.size)
+        if info.size:
+            await self.read_into(key, ByteRange(0, info.size), [memoryview(buf)])
+        return bytes(buf)
+
+    async def sync(self) -> None:
+        """Make every completed :meth:`write` durable (directory entries included).
+
+        Backends whose writes are durable on close keep this no-op.
+        """
+
+    async def close(self) -> None:
+        """Release connections, threads and files."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,1 @@
+"""ckptio: a storage layer for sharded ML checkpoints."""
