@@ -1,0 +1,77 @@
+"""The native API: ``ckptio.save`` and ``ckptio.restore``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .distributed import Coordinator, default_coordinator
+from .engine import EngineConfig, Progress, run_sync
+from .layout import Naming
+from .restore import restore_checkpoint
+from .save import SaveHandle, start_save
+from .staging import StagingPool
+from .store import CheckpointStore
+
+__all__ = ["restore", "save"]
+
+
+def save(
+    url: str | os.PathLike[str],
+    state: Any,
+    step: int | None = None,
+    *,
+    metadata: dict[str, Any] | None = None,
+    coordinator: Coordinator | None = None,
+    copy: bool = True,
+    engine_config: EngineConfig | None = None,
+    naming: Naming | None = None,
+    backend_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    pool: StagingPool | None = None,
+) -> SaveHandle:
+    """Save ``state`` (a pytree of dicts, lists and tuples) as step ``step`` under ``url``.
+
+    Returns once the state is staged (the training step may go on and mutate
+    its arrays); ``.result()`` waits until every host's objects are written
+    and the manifest is committed. With ``step=None`` the checkpoint is
+    ``url`` itself. In a multi-process job (torch.distributed or
+    jax.distributed initialized) every process calls ``save``; each writes
+    only its own shards and process 0 commits.
+
+    ``copy=False`` skips the staging copy of mutable arrays: only for callers
+    that promise not to mutate them until ``.result()`` returns.
+    """
+    store = CheckpointStore(url, engine_config=engine_config, naming=naming, backend_options=backend_options)
+    handle = start_save(
+        store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
+        copy=copy, progress=progress, pool=pool,
+        on_done=lambda _h: run_sync(store.close()),
+    )
+    return handle
+
+
+def restore(
+    url: str | os.PathLike[str],
+    step: int | None = None,
+    target: Any = None,
+    *,
+    engine_config: EngineConfig | None = None,
+    backend_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> Any:
+    """Restore step ``step`` (default: the newest committed) from ``url``.
+
+    ``target`` is a pytree like the saved one whose leaves say what to read
+    and in which layout (see :mod:`ckptio.restore`); by default every item is
+    restored whole, as numpy arrays and Python values. Every byte read is
+    checked against its crc32c; a mismatch raises IntegrityError naming the
+    object and the item, and nothing is returned.
+    """
+    store = CheckpointStore(url, engine_config=engine_config, backend_options=backend_options)
+    try:
+        step_dir = run_sync(store.resolve(step))
+        manifest = run_sync(store.read_manifest(step_dir))
+        return restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+    finally:
+        run_sync(store.close())

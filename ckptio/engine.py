@@ -1,0 +1,282 @@
+"""The async IO engine: concurrency, byte budget, retries, checksums, progress.
+
+One engine drives one backend from a shared event-loop thread (``ckptio-io``),
+so the caller's thread -- the training step -- never runs IO. Every request
+holds a concurrency slot and a share of the in-flight byte budget; only
+:class:`~ckptio.backends.base.RetryableError` is retried, with exponential
+backoff and full jitter. Checksums are crc32c per block (computed in worker
+threads: the crc32c library releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import random
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from ckptio.backends.base import Backend, ByteRange, RetryableError
+
+from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
+from .errors import IntegrityError
+from .layout import ObjectPlan
+
+__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "run_sync"]
+
+log = logging.getLogger("ckptio.engine")
+T = TypeVar("T")
+
+#: ``progress(event, nbytes)``; event is "written" or "read".
+Progress = Callable[[str, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the engine (picklable). ``None`` means: take it from the backend's capabilities."""
+
+    concurrency: int | None = None
+    byte_budget: int = 1 << 30
+    block_size: int = DEFAULT_BLOCK_SIZE
+    retries: int = 8
+    backoff_initial: float = 0.05
+    backoff_max: float = 8.0
+    #: Adjacent ranges of one object are merged into reads of at most this many bytes.
+    max_read_size: int = 64 << 20
+    checksum_threads: int = 2
+
+
+# -- the shared event-loop thread -------------------------------------------
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _io_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="ckptio-io", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Run ``coro`` on the ckptio IO loop; returns a thread-safe future."""
+    return asyncio.run_coroutine_threadsafe(coro, _io_loop())
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the IO loop and wait for it (never call from the loop itself)."""
+    loop = _io_loop()
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise RuntimeError("run_sync called from the ckptio IO loop: await the coroutine instead")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+class ByteBudget:
+    """An async semaphore counted in bytes; a request larger than the budget takes all of it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass(slots=True)
+class WrittenObject:
+    """What the engine reports for one written object: its key and each extent's block checksums."""
+
+    key: str
+    size: int
+    crcs: list[list[int]]  # per extent of the plan, in order
+
+
+@dataclasses.dataclass(slots=True)
+class ReadRequest:
+    """Read ``rng`` of ``key`` into ``buffers``, verify ``checks``, then run ``after`` (in a thread).
+
+    ``checks`` are ``(offset within the request, length, expected block crcs, item)``.
+    """
+
+    key: str
+    rng: ByteRange
+    buffers: list[memoryview]
+    checks: list[tuple[int, int, list[int], str]]
+    after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Reads and writes objects of one backend, concurrently and within a byte budget."""
+
+    def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or EngineConfig()
+        self.concurrency = self.config.concurrency or backend.capabilities.concurrency
+        self._cpu = concurrent.futures.ThreadPoolExecutor(self.config.checksum_threads, "ckptio-crc")
+        self._state: dict[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, ByteBudget]] = {}
+
+    def _limits(self) -> tuple[asyncio.Semaphore, ByteBudget]:
+        # asyncio primitives belong to one loop; an Orbax commit thread brings its own.
+        loop = asyncio.get_running_loop()
+        if loop not in self._state:
+            self._state[loop] = (asyncio.Semaphore(self.concurrency), ByteBudget(self.config.byte_budget))
+        return self._state[loop]
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call()``, retrying RetryableError with exponential backoff and full jitter."""
+        cfg = self.config
+        for attempt in range(cfg.retries + 1):
+            try:
+                return await call()
+            except RetryableError as e:
+                if attempt == cfg.retries:
+                    raise
+                delay = random.uniform(0, min(cfg.backoff_max, cfg.backoff_initial * 2**attempt))
+                if e.retry_after is not None:
+                    delay = max(delay, min(e.retry_after, cfg.backoff_max))
+                log.debug("retrying %s in %.2fs after %s", what, delay, e)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- writing ---------------------------------------------------------
+
+    async def write_object(self, plan: ObjectPlan, progress: Progress | None = None) -> WrittenObject:
+        sem, budget = self._limits()
+        size = plan.size
+        bs = self.config.block_size
+        async with sem:
+            held = await budget.acquire(size)
+            try:
+                crcs = await self._in_thread(lambda: [block_crcs(e.data, bs) for e in plan.extents])
+                await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
+            finally:
+                await budget.release(held)
+        if progress:
+            progress("written", size)
+        return WrittenObject(plan.key, size, crcs)
+
+    async def write_objects(self, plans: Sequence[ObjectPlan], progress: Progress | None = None) -> list[WrittenObject]:
+        """Write every plan concurrently; on the first failure cancel the rest and raise it."""
+        tasks = [asyncio.ensure_future(self.write_object(p, progress)) for p in plans]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    # -- reading ---------------------------------------------------------
+
+    def coalesce(self, requests: Sequence[ReadRequest]) -> list[ReadRequest]:
+        """Merge requests for adjacent ranges of one object into fewer, larger reads."""
+        out: list[ReadRequest] = []
+        for r in sorted(requests, key=lambda r: (r.key, r.rng.start)):
+            prev = out[-1] if out else None
+            if (
+                prev is not None
+                and prev.key == r.key
+                and prev.rng.end == r.rng.start
+                and prev.rng.length + r.rng.length <= self.config.max_read_size
+            ):
+                shift = prev.rng.length
+                out[-1] = ReadRequest(
+                    r.key,
+                    ByteRange(prev.rng.start, r.rng.end),
+                    prev.buffers + r.buffers,
+                    prev.checks + [(o + shift, n, c, i) for o, n, c, i in r.checks],
+                    prev.after + r.after,
+                )
+            else:
+                out.append(r)
+        return out
+
+    def _verify(self, req: ReadRequest) -> None:
+        flat = _Concat(req.buffers)
+        bs = self.config.block_size
+        for offset, length, crcs, item in req.checks:
+            verify_blocks(flat.slice(offset, length), crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
+        for fn in req.after:
+            fn()
+
+    async def read_one(self, req: ReadRequest, progress: Progress | None = None) -> None:
+        sem, budget = self._limits()
+        async with sem:
+            held = await budget.acquire(req.rng.length)
+            try:
+                for attempt in (0, 1):
+                    await self.retrying(
+                        f"read {req.key!r}", lambda: self.backend.read_into(req.key, req.rng, req.buffers)
+                    )
+                    try:
+                        await self._in_thread(self._verify, req)
+                        break
+                    except IntegrityError:
+                        if attempt:  # corrupt twice: it is the object, not the wire
+                            raise
+                        log.warning("checksum mismatch reading %r; reading it once more", req.key)
+            finally:
+                await budget.release(held)
+        if progress:
+            progress("read", req.rng.length)
+
+    async def read(self, requests: Sequence[ReadRequest], progress: Progress | None = None) -> None:
+        """Coalesce, then run every read concurrently; the first failure cancels the rest."""
+        tasks = [asyncio.ensure_future(self.read_one(r, progress)) for r in self.coalesce(requests)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False)
+
+
+class _Concat:
+    """Byte-offset slicing over a list of buffers (copies only when a slice straddles two)."""
+
+    def __init__(self, buffers: Sequence[memoryview]) -> None:
+        self.buffers = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        self.starts = []
+        pos = 0
+        for b in self.buffers:
+            self.starts.append(pos)
+            pos += b.nbytes
+
+    def slice(self, offset: int, length: int) -> memoryview:
+        parts = []
+        for start, b in zip(self.starts, self.buffers):
+            lo, hi = max(offset, start), min(offset + length, start + b.nbytes)
+            if lo < hi:
+                parts.append(b[lo - start : hi - start])
+        if len(parts) == 1:
+            return parts[0]
+        return memoryview(b"".join(parts))

@@ -1,0 +1,41 @@
+"""ckptio's own exception classes. Storage errors are builtins (see ckptio.backends.base)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CkptioError",
+    "IntegrityError",
+    "ManifestError",
+    "SaveFailedError",
+    "UnsupportedLeafError",
+]
+
+
+class CkptioError(Exception):
+    """Base class of ckptio's own errors."""
+
+
+class IntegrityError(CkptioError):
+    """Bytes read back do not match their checksum: the object is corrupt; nothing is returned."""
+
+    def __init__(self, message: str, *, key: str, item: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.item = item
+
+
+class ManifestError(CkptioError, ValueError):
+    """A manifest is malformed, from an unsupported version, or names something it may not."""
+
+
+class CheckpointNotFoundError(CkptioError, FileNotFoundError):
+    """No committed checkpoint at the given URL / step."""
+
+
+class UnsupportedLeafError(CkptioError, TypeError):
+    """A leaf of the state cannot be saved without pickle (names its pytree path)."""
+
+
+class SaveFailedError(CkptioError):
+    """A save did not commit (on this host or another); the previous checkpoints are untouched."""

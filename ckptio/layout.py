@@ -1,0 +1,142 @@
+"""Object packing and naming.
+
+Packing: the shards a host owns become objects of about ``object_size``
+bytes -- small shards coalesced into one object (few requests, few files),
+huge ones cut into several (parallel IO, bounded requests).
+
+Naming: on POSIX a flat directory per checkpoint; on object stores a
+hashed first component right under the root, *before* the step::
+
+    flat:    <step_dir>/<save_id>.h00003-00012
+    hashed:  h3f/<step_dir>/<save_id>.h00003-00012
+
+Object stores index keys lexicographically and split hot ranges slowly, so
+every save spreads its objects over the same ``16**chars`` ranges that
+earlier saves already warmed up. The component is a hash of the checkpoint
+plus a round-robin over hosts and objects, so the spread is even by
+construction (not only in expectation). The leading ``h`` keeps it from ever
+looking like a step number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterable
+
+from ckptio.backends.base import join_key
+
+__all__ = ["FlatNaming", "HashedNaming", "Naming", "ObjectPlan", "Piece", "PlannedExtent", "pack"]
+
+
+@dataclasses.dataclass(slots=True)
+class Piece:
+    """One staged shard: ``item`` and shard number, with its C-order bytes."""
+
+    item: str
+    shard: int
+    data: memoryview  # 1-D unsigned bytes
+
+
+@dataclasses.dataclass(slots=True)
+class PlannedExtent:
+    item: str
+    shard: int
+    shard_offset: int
+    offset: int  # within the object
+    data: memoryview
+
+
+@dataclasses.dataclass(slots=True)
+class ObjectPlan:
+    key: str
+    extents: list[PlannedExtent]
+
+    @property
+    def size(self) -> int:
+        return sum(e.data.nbytes for e in self.extents)
+
+    @property
+    def buffers(self) -> list[memoryview]:
+        return [e.data for e in self.extents]
+
+
+class Naming:
+    """How an object of a save is named; a strategy per backend."""
+
+    def object_key(self, step_dir: str, save_id: str, host: int, num_hosts: int, n: int) -> str:
+        raise NotImplementedError
+
+    def prefixes(self) -> list[str]:
+        """Top-level components that hold objects outside step directories (for sweeps)."""
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatNaming(Naming):
+    """All of a checkpoint's objects in its own directory (POSIX)."""
+
+    def object_key(self, step_dir: str, save_id: str, host: int, num_hosts: int, n: int) -> str:
+        return join_key(step_dir, f"{save_id}.h{host:05d}-{n:05d}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HashedNaming(Naming):
+    """A hashed component first, then the step (object stores)."""
+
+    chars: int = 2
+
+    def component(self, step_dir: str, host: int, num_hosts: int, n: int) -> str:
+        slots = 16**self.chars
+        seed = int.from_bytes(hashlib.blake2b(step_dir.encode(), digest_size=8).digest(), "big")
+        # Global object number interleaves hosts, so all hosts together fill every slot evenly.
+        slot = (seed + n * num_hosts + host) % slots
+        return f"h{slot:0{self.chars}x}"
+
+    def object_key(self, step_dir: str, save_id: str, host: int, num_hosts: int, n: int) -> str:
+        return join_key(self.component(step_dir, host, num_hosts, n), step_dir, f"{save_id}.h{host:05d}-{n:05d}")
+
+    def prefixes(self) -> list[str]:
+        return [f"h{i:0{self.chars}x}" for i in range(16**self.chars)]
+
+
+def pack(
+    pieces: Iterable[Piece],
+    *,
+    object_size: int,
+    key_for: Callable[[int], str],
+    split_align: int = 1 << 20,
+) -> list[ObjectPlan]:
+    """Pack pieces into objects of about ``object_size`` bytes, in order.
+
+    A piece larger than ``object_size`` is cut at multiples of ``split_align``
+    into objects of its own; smaller ones are appended to the current object
+    until it would pass the target. ``key_for(n)`` names object ``n``.
+    """
+    step = max(split_align, object_size - object_size % split_align)
+    plans: list[ObjectPlan] = []
+    current: list[PlannedExtent] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if current:
+            plans.append(ObjectPlan(key_for(len(plans)), current))
+            current, size = [], 0
+
+    for p in pieces:
+        n = p.data.nbytes
+        if n == 0:
+            continue
+        if n > object_size:
+            close()
+            for start in range(0, n, step):
+                chunk = p.data[start : start + step]
+                plans.append(ObjectPlan(key_for(len(plans)), [PlannedExtent(p.item, p.shard, start, 0, chunk)]))
+            continue
+        if size and size + n > object_size:
+            close()
+        current.append(PlannedExtent(p.item, p.shard, 0, size, p.data))
+        size += n
+    close()
+    return plans

@@ -1,0 +1,157 @@
+"""``ckptio.CheckpointManager``: periodic saves with retention, like Orbax's.
+
+One save in flight at a time (a new save waits for the previous one);
+staging buffers are reused between saves; retention runs on the coordinator
+after each commit and deletes by manifest (see :mod:`ckptio.store`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from .distributed import Coordinator, default_coordinator
+from .engine import EngineConfig, Progress, run_sync
+from .layout import Naming
+from .restore import restore_checkpoint
+from .save import SaveHandle, start_save
+from .staging import StagingPool
+from .store import CheckpointStore
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("ckptio.manager")
+
+
+class CheckpointManager:
+    """Saves steps under one root URL and keeps the ones retention asks for.
+
+    Args:
+        url: root URL or path; step ``s`` lives in ``<url>/<s>``.
+        max_to_keep: keep at most this many newest checkpoints (None: all),
+            not counting those kept by ``keep_period``.
+        keep_period: also keep every step divisible by this, forever.
+        save_interval_steps: :meth:`should_save` is true every this many steps.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        save_interval_steps: int = 1,
+        coordinator: Coordinator | None = None,
+        engine_config: EngineConfig | None = None,
+        naming: Naming | None = None,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        if keep_period is not None and keep_period < 1:
+            raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        self.store = CheckpointStore(url, engine_config=engine_config, naming=naming, backend_options=backend_options)
+        self.url = self.store.url
+        self.max_to_keep = max_to_keep
+        self.keep_period = keep_period
+        self.save_interval_steps = max(1, save_interval_steps)
+        self.coordinator = coordinator or default_coordinator()
+        self._pool = StagingPool()
+        self._pending: SaveHandle | None = None
+        self._lock = threading.Lock()
+        self._retention_error: BaseException | None = None
+
+    # -- queries ---------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return run_sync(self.store.committed_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True if ``step`` is on the save interval and newer than the latest committed step."""
+        latest = self.latest_step()
+        return step % self.save_interval_steps == 0 and (latest is None or step > latest)
+
+    # -- save / restore --------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+        force: bool = False,
+        progress: Progress | None = None,
+    ) -> SaveHandle | None:
+        """Save ``state`` as ``step`` unless :meth:`should_save` says no (``force`` overrides).
+
+        Waits for the previous save to commit first, then returns once staged.
+        """
+        self.wait_until_finished()
+        if not force and not self.should_save(step):
+            return None
+        handle = start_save(
+            self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
+            progress=progress, on_done=self._after_save,
+        )
+        self._pending = handle
+        return handle
+
+    def _after_save(self, handle: SaveHandle) -> None:
+        if handle.state.value != "committed" or self.coordinator.rank != 0:
+            return
+        try:
+            for step in self._doomed(run_sync(self.store.committed_steps())):
+                run_sync(self.store.delete(str(step)))
+        except BaseException as e:  # surfaced by wait_until_finished; the checkpoint itself is fine
+            log.error("%s: retention failed: %r", self.url, e)
+            self._retention_error = e
+
+    def _doomed(self, steps: list[int]) -> list[int]:
+        """Steps retention deletes: beyond the newest ``max_to_keep``, unless kept by ``keep_period``."""
+        if self.max_to_keep is None:
+            return []
+        periodic = {s for s in steps if self.keep_period and s % self.keep_period == 0}
+        others = [s for s in steps if s not in periodic]
+        newest = set(steps[-self.max_to_keep :])
+        return [s for s in others if s not in newest]
+
+    def wait_until_finished(self) -> None:
+        """Wait for the save in flight to commit (and its retention to run); re-raise its failure."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            handle.result()
+        if self._retention_error is not None:
+            err, self._retention_error = self._retention_error, None
+            raise err
+
+    def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None) -> Any:
+        """Restore ``step`` (default: the newest committed) as ``target`` asks (see ``ckptio.restore``)."""
+        step_dir = run_sync(self.store.resolve(step))
+        manifest = run_sync(self.store.read_manifest(step_dir))
+        return restore_checkpoint(self.store, manifest, step_dir, target, progress=progress)
+
+    def delete(self, step: int) -> None:
+        """Delete one committed checkpoint (coordinator only)."""
+        run_sync(self.store.delete(str(step)))
+
+    def sweep_orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
+        """Delete objects no committed manifest names, older than ``grace_seconds`` (crashed saves)."""
+        return run_sync(self.store.sweep(grace_seconds, dry_run=dry_run))
+
+    def close(self) -> None:
+        self.wait_until_finished()
+        self._pool.clear()
+        run_sync(self.store.close())
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,336 @@
+"""The manifest: the JSON document whose presence makes a checkpoint exist.
+
+Schema (version 1)::
+
+    {"format": "ckptio", "version": 1, "step": 100 | null,
+     "checkpoint_id": "<hex>", "created": <unix seconds>, "block_size": 4194304,
+     "num_hosts": 4, "tree": <structure, see ckptio.tree>,
+     "objects": ["h3f/100/<id>/h00000-00000", ...],        # keys relative to the checkpoint root
+     "items": {"params/w": {"kind": "array", "dtype": "bfloat16", "shape": [8, 4],
+                            "scalar": false, "origin": "jax",
+                            "shards": [{"offsets": [0, 0], "shape": [4, 4], "host": 0,
+                                        "extents": [[object, offset, shard_offset, length, [crc, ...]]]}]},
+               "step": {"kind": "value", "type": "int", "value": 100}},
+     "metadata": {...user JSON...}}
+
+An array's shards tile its global shape; each shard's C-order bytes are cut
+into extents, each stored at ``offset`` in ``objects[object]`` with the
+crc32c of every ``block_size`` bytes from the extent's start. Everything read
+is validated (bounded sizes, keys that cannot escape the root, dtypes from an
+allow-list); nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from ckptio.backends.base import check_key
+
+from .dtypes import decode_dtype, encode_dtype
+from .errors import ManifestError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "TOMBSTONE_NAME",
+    "VERSION",
+    "ArrayItem",
+    "Extent",
+    "Manifest",
+    "ShardRecord",
+    "ValueItem",
+    "decode_value",
+    "encode_value",
+    "item_to_json",
+]
+
+FORMAT = "ckptio"
+VERSION = 1
+MANIFEST_NAME = "ckptio.manifest.json"
+#: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
+TOMBSTONE_NAME = "ckptio.deleting"
+MAX_MANIFEST_BYTES = 1 << 30
+
+_MAX_NDIM = 64
+_MAX_DIM = 1 << 62
+_MAX_COUNT = 50_000_000
+_U32 = 1 << 32
+
+
+@dataclasses.dataclass(slots=True)
+class Extent:
+    """``length`` bytes of a shard, from ``shard_offset``, stored at ``offset`` in object ``object``."""
+
+    object: int
+    offset: int
+    shard_offset: int
+    length: int
+    crcs: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class ShardRecord:
+    """One saved slice of an array: where it sits in the global array and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    host: int
+    extents: list[Extent]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(slots=True)
+class ArrayItem:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    shards: list[ShardRecord]
+    scalar: bool = False  # saved from a numpy scalar: restored as one
+    origin: str = "numpy"  # numpy | jax | torch | sharded: a hint for adapters
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(slots=True)
+class ValueItem:
+    """A small non-array leaf kept inline: int, float, bool, str, bytes or None."""
+
+    value: Any
+
+
+def encode_value(value: Any, where: str) -> dict[str, Any]:
+    """The JSON form of a value leaf; TypeError naming ``where`` for anything else."""
+    if value is None:
+        return {"kind": "value", "type": "none"}
+    if isinstance(value, bool):
+        return {"kind": "value", "type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"kind": "value", "type": "int", "value": str(value)}
+    if isinstance(value, float):
+        return {"kind": "value", "type": "float", "value": value.hex()}
+    if isinstance(value, str):
+        return {"kind": "value", "type": "str", "value": value}
+    if isinstance(value, (bytes, bytearray)):
+        return {"kind": "value", "type": "bytes", "value": base64.b64encode(bytes(value)).decode()}
+    raise TypeError(f"{where}: leaf of type {type(value).__name__} is not a value ckptio can store")
+
+
+def decode_value(d: dict[str, Any], where: str) -> Any:
+    kind, v = d.get("type"), d.get("value")
+    try:
+        if kind == "none":
+            return None
+        if kind == "bool" and isinstance(v, bool):
+            return v
+        if kind == "int" and isinstance(v, str) and len(v) < 4000:
+            return int(v)
+        if kind == "float" and isinstance(v, str):
+            return float.fromhex(v)
+        if kind == "str" and isinstance(v, str):
+            return v
+        if kind == "bytes" and isinstance(v, str):
+            return base64.b64decode(v, validate=True)
+    except ValueError as e:
+        raise ManifestError(f"{where}: bad {kind} value: {e}") from e
+    raise ManifestError(f"{where}: malformed value item {str(d)[:100]!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class Manifest:
+    step: int | None
+    checkpoint_id: str
+    created: float
+    block_size: int
+    num_hosts: int
+    tree: Any
+    items: dict[str, ArrayItem | ValueItem]
+    objects: list[str]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # -- writing ---------------------------------------------------------
+
+    def to_doc(self) -> dict[str, Any]:
+        """The manifest as a JSON-able dict."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "checkpoint_id": self.checkpoint_id,
+            "created": self.created,
+            "block_size": self.block_size,
+            "num_hosts": self.num_hosts,
+            "tree": self.tree,
+            "objects": self.objects,
+            "items": {name: item_to_json(item, name) for name, item in self.items.items()},
+            "metadata": self.metadata,
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_doc(), separators=(",", ":"), allow_nan=False).encode()
+
+    # -- reading ---------------------------------------------------------
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse and validate a manifest; ManifestError naming ``where`` (its URL) on any fault."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from e
+        try:
+            return cls.from_doc(doc, where)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"{where}: malformed manifest: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def from_doc(cls, doc: Any, where: str) -> Manifest:
+        """Validate a parsed manifest document (see :meth:`from_json`)."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ManifestError(f"{where}: not a ckptio manifest")
+        version = doc.get("version")
+        if not isinstance(version, int) or version < 1 or version > VERSION:
+            raise ManifestError(
+                f"{where}: manifest version {version!r} is not supported by this ckptio (reads <= {VERSION})"
+            )
+        block_size = _int(doc["block_size"], "block_size", where, lo=1)
+        objects = doc["objects"]
+        if not isinstance(objects, list) or len(objects) > _MAX_COUNT:
+            raise ManifestError(f"{where}: 'objects' must be a list of keys")
+        for key in objects:
+            try:
+                check_key(key)
+            except ValueError as e:
+                raise ManifestError(f"{where}: object key escapes the checkpoint root: {e}") from e
+        raw_items = doc["items"]
+        if not isinstance(raw_items, dict) or len(raw_items) > _MAX_COUNT:
+            raise ManifestError(f"{where}: 'items' must be a JSON object")
+        items: dict[str, ArrayItem | ValueItem] = {}
+        for name, raw in raw_items.items():
+            here = f"{where}: item {name!r}"
+            if not isinstance(raw, dict):
+                raise ManifestError(f"{here}: not a JSON object")
+            if raw.get("kind") == "value":
+                items[name] = ValueItem(decode_value(raw, here))
+            elif raw.get("kind") == "array":
+                items[name] = _array_item(raw, here, len(objects), block_size)
+            else:
+                raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
+        step = doc.get("step")
+        if step is not None:
+            _int(step, "step", where)
+        metadata = doc.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: 'metadata' must be a JSON object")
+        from .tree import tree_leaf_paths
+
+        tree = doc["tree"]
+        try:
+            missing = [p for p in tree_leaf_paths(tree) if p not in items]
+        except (AttributeError, ValueError, TypeError) as e:
+            raise ManifestError(f"{where}: malformed tree: {e}") from e
+        if missing:
+            raise ManifestError(f"{where}: tree names items the manifest lacks: {missing[:5]}")
+        return cls(
+            step=step,
+            checkpoint_id=str(doc.get("checkpoint_id", "")),
+            created=float(doc.get("created", 0.0)),
+            block_size=block_size,
+            num_hosts=_int(doc.get("num_hosts", 1), "num_hosts", where, lo=1),
+            tree=tree,
+            items=items,
+            objects=objects,
+            metadata=metadata,
+        )
+
+
+def item_to_json(item: ArrayItem | ValueItem, name: str) -> dict[str, Any]:
+    """The manifest's JSON form of one item."""
+    if isinstance(item, ValueItem):
+        return encode_value(item.value, name)
+    return {
+        "kind": "array",
+        "dtype": encode_dtype(item.dtype),
+        "shape": list(item.shape),
+        "scalar": item.scalar,
+        "origin": item.origin,
+        "shards": [
+            {
+                "offsets": list(s.offsets),
+                "shape": list(s.shape),
+                "host": s.host,
+                "extents": [[e.object, e.offset, e.shard_offset, e.length, e.crcs] for e in s.extents],
+            }
+            for s in item.shards
+        ],
+    }
+
+
+def _int(v: Any, what: str, where: str, lo: int = 0, hi: int = _MAX_DIM) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ManifestError(f"{where}: {what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _dims(v: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_NDIM:
+        raise ManifestError(f"{where}: {what} must be a list of at most {_MAX_NDIM} integers")
+    return tuple(_int(d, what, where) for d in v)
+
+
+def _array_item(raw: dict[str, Any], where: str, n_objects: int, block_size: int) -> ArrayItem:
+    try:
+        dtype = decode_dtype(raw["dtype"], where)
+    except ValueError as e:
+        raise ManifestError(str(e)) from e
+    shape = _dims(raw["shape"], "shape", where)
+    shards_raw = raw["shards"]
+    if not isinstance(shards_raw, list) or len(shards_raw) > _MAX_COUNT:
+        raise ManifestError(f"{where}: 'shards' must be a list")
+    shards = []
+    for i, s in enumerate(shards_raw):
+        here = f"{where} shard {i}"
+        offsets = _dims(s["offsets"], "offsets", here)
+        sshape = _dims(s["shape"], "shape", here)
+        if len(offsets) != len(shape) or len(sshape) != len(shape):
+            raise ManifestError(f"{here}: rank differs from the array's {len(shape)}")
+        if any(o + n > d for o, n, d in zip(offsets, sshape, shape)):
+            raise ManifestError(f"{here}: slice {offsets}+{sshape} lies outside the array shape {shape}")
+        nbytes = math.prod(sshape) * dtype.itemsize
+        extents, covered = [], 0
+        for e in s["extents"]:
+            if not (isinstance(e, list) and len(e) == 5 and isinstance(e[4], list)):
+                raise ManifestError(f"{here}: malformed extent {str(e)[:80]!r}")
+            obj = _int(e[0], "extent object", here, hi=max(n_objects - 1, 0))
+            ext = Extent(obj, _int(e[1], "extent offset", here), _int(e[2], "shard offset", here),
+                         _int(e[3], "extent length", here, lo=1), e[4])
+            if n_objects == 0 or ext.shard_offset != covered:
+                raise ManifestError(f"{here}: extents do not tile the shard's bytes (gap or overlap at {covered})")
+            if len(ext.crcs) != -(-ext.length // block_size) or not all(
+                isinstance(c, int) and 0 <= c < _U32 for c in ext.crcs
+            ):
+                raise ManifestError(f"{here}: extent checksums do not match its length")
+            covered += ext.length
+            extents.append(ext)
+        if covered != nbytes:
+            raise ManifestError(f"{here}: extents hold {covered} bytes, the shard needs {nbytes}")
+        shards.append(ShardRecord(offsets, sshape, _int(s.get("host", 0), "host", here), extents))
+    scalar = raw.get("scalar", False)
+    origin = raw.get("origin", "numpy")
+    if not isinstance(scalar, bool) or origin not in ("numpy", "jax", "torch", "sharded"):
+        raise ManifestError(f"{where}: bad 'scalar' or 'origin'")
+    return ArrayItem(dtype, shape, shards, scalar, origin)

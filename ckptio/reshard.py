@@ -1,0 +1,200 @@
+"""Overlap arithmetic between saved slices and target slices.
+
+A restore asks for target regions (any sharding, not necessarily the saved
+one). For each saved shard that overlaps a region, the overlap is read as
+the span of the saved shard's rows (its outermost dimension) that the
+overlap touches, rounded out to the checksum blocks of the extents holding
+those bytes -- blocks are the unit that can be verified. Where the region
+and the saved shard share their inner dimensions, the bytes go straight into
+the destination; only partial blocks at the ends pass through a small
+scratch buffer. Otherwise a bounded scratch buffer holds a run of rows and a
+numpy copy scatters the overlap into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ckptio.backends.base import ByteRange
+
+from .engine import ReadRequest
+from .manifest import ArrayItem, Extent, ShardRecord
+
+__all__ = ["Region", "coverage_gaps", "overlap", "plan_region"]
+
+_SCRATCH_ROWS_BYTES = 32 << 20
+
+
+@dataclasses.dataclass(slots=True)
+class Region:
+    """A target slice of an array and the C-contiguous host buffer that receives it."""
+
+    offsets: tuple[int, ...]
+    dest: np.ndarray  # shape is the region's shape
+
+
+def overlap(
+    a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...], b_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes as ``(offsets, shape)``, or None if they do not meet."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tuple[int, ...]) -> int:
+    """Elements of the region that no saved shard covers (shards never overlap each other)."""
+    covered = 0
+    for s in item.shards:
+        o = overlap(s.offsets, s.shape, region_off, region_shape)
+        if o is not None:
+            covered += math.prod(o[1])
+    return math.prod(region_shape) - covered
+
+
+def _pieces(shard: ShardRecord, lo: int, hi: int, bs: int) -> list[tuple[Extent, int, int, int, int]]:
+    """Cut shard bytes ``[lo, hi)`` by extent: ``(extent, lo, hi, block_lo, block_hi)`` in shard coordinates.
+
+    ``block_lo``/``block_hi`` round ``lo``/``hi`` out to the extent's checksum blocks.
+    """
+    out = []
+    for e in shard.extents:
+        a, b = max(lo, e.shard_offset), min(hi, e.shard_offset + e.length)
+        if a >= b:
+            continue
+        ra = e.shard_offset + (a - e.shard_offset) // bs * bs
+        rb = min(e.shard_offset + e.length, e.shard_offset + -(-(b - e.shard_offset) // bs) * bs)
+        out.append((e, a, b, ra, rb))
+    return out
+
+
+def _check(e: Extent, ra: int, rb: int, bs: int, at: int, item: str) -> tuple[int, int, list[int], str]:
+    first = (ra - e.shard_offset) // bs
+    last = -(-(rb - e.shard_offset) // bs)
+    return (at, rb - ra, e.crcs[first:last], item)
+
+
+def _request(objects: list[str], e: Extent, ra: int, rb: int, buffers: list[memoryview], checks: list, after: list) -> ReadRequest:
+    start = e.offset + (ra - e.shard_offset)
+    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after)
+
+
+def plan_region(
+    name: str, item: ArrayItem, region: Region, objects: list[str], block_size: int
+) -> list[ReadRequest]:
+    """Read requests that fill ``region.dest`` from the saved shards of ``item``."""
+    shape = tuple(region.dest.shape)
+    itemsize = item.dtype.itemsize
+    dest_bytes = region.dest.reshape(-1).view(np.uint8) if region.dest.size else None
+    reqs: list[ReadRequest] = []
+    for shard in item.shards:
+        o = overlap(shard.offsets, shard.shape, region.offsets, shape)
+        if o is None or dest_bytes is None:
+            continue
+        o_off, o_shape = o
+        ndim = len(shape)
+        row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
+        r0 = o_off[0] - shard.offsets[0] if ndim else 0
+        nrows = o_shape[0] if ndim else 1
+        inner_same = ndim == 0 or (shard.shape[1:] == o_shape[1:] == shape[1:])
+        if inner_same:
+            d0 = (o_off[0] - region.offsets[0]) * row_bytes if ndim else 0
+            reqs += _direct(name, shard, r0 * row_bytes, (r0 + nrows) * row_bytes, dest_bytes, d0, objects, block_size)
+        else:
+            rows_per = max(1, _SCRATCH_ROWS_BYTES // max(row_bytes, 1))
+            for c0 in range(r0, r0 + nrows, rows_per):
+                c1 = min(r0 + nrows, c0 + rows_per)
+                reqs += _scattered(name, item, shard, region, o_off, o_shape, c0, c1, row_bytes, objects, block_size)
+    return reqs
+
+
+def _direct(
+    name: str, shard: ShardRecord, lo: int, hi: int, dest: np.ndarray, d0: int, objects: list[str], bs: int
+) -> list[ReadRequest]:
+    """Shard bytes ``[lo, hi)`` go to ``dest[d0:]``; only partial end blocks use scratch."""
+    reqs = []
+    for e, a, b, ra, rb in _pieces(shard, lo, hi, bs):
+        at = d0 + (a - lo)
+        # Aligned middle: whole blocks read straight into the destination.
+        ma = e.shard_offset + -(-(a - e.shard_offset) // bs) * bs
+        mb = b if b == e.shard_offset + e.length else e.shard_offset + (b - e.shard_offset) // bs * bs
+        if ma < mb:
+            view = memoryview(dest[at + (ma - a) : at + (mb - a)])
+            reqs.append(_request(objects, e, ma, mb, [view], [_check(e, ma, mb, bs, 0, name)], []))
+        partial = [(ra, ma), (mb, rb)] if ma < mb else [(ra, rb)]
+        for sa, sb in partial:  # partial blocks at either end: through scratch
+            if sa >= sb:
+                continue
+            scratch = np.empty(sb - sa, np.uint8)
+            ca, cb = max(a, sa), min(b, sb)
+            copy = _copier(dest, at + (ca - a), scratch, ca - sa, cb - ca)
+            reqs.append(_request(objects, e, sa, sb, [memoryview(scratch)], [_check(e, sa, sb, bs, 0, name)], [copy]))
+    return reqs
+
+
+def _copier(dest: np.ndarray, d: int, src: np.ndarray, s: int, n: int) -> Callable[[], None]:
+    def copy() -> None:
+        dest[d : d + n] = src[s : s + n]
+
+    return copy
+
+
+def _scattered(
+    name: str,
+    item: ArrayItem,
+    shard: ShardRecord,
+    region: Region,
+    o_off: tuple[int, ...],
+    o_shape: tuple[int, ...],
+    c0: int,
+    c1: int,
+    row_bytes: int,
+    objects: list[str],
+    bs: int,
+) -> list[ReadRequest]:
+    """Rows ``[c0, c1)`` of the saved shard through scratch, then the overlap's part of them into place."""
+    lo, hi = c0 * row_bytes, c1 * row_bytes
+    pieces = _pieces(shard, lo, hi, bs)
+    base = pieces[0][3]
+    scratch = np.empty(pieces[-1][4] - base, np.uint8)
+    reqs = []
+    for e, _a, _b, ra, rb in pieces:
+        view = memoryview(scratch[ra - base : rb - base])
+        reqs.append(_request(objects, e, ra, rb, [view], [_check(e, ra, rb, bs, 0, name)], []))
+
+    def scatter() -> None:
+        rows = scratch[lo - base : hi - base].view(item.dtype).reshape((c1 - c0, *shard.shape[1:]))
+        src = (slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(o_off[1:], shard.offsets[1:], o_shape[1:]))
+        g0 = shard.offsets[0] + c0  # global row of the chunk's first row
+        dst = (slice(g0 - region.offsets[0], g0 - region.offsets[0] + c1 - c0),) + tuple(
+            slice(o - r, o - r + n) for o, r, n in zip(o_off[1:], region.offsets[1:], o_shape[1:])
+        )
+        region.dest[dst] = rows[src]
+
+    # The scatter may run only once every piece of the chunk is in and verified.
+    reqs[-1].after.append(_after_all(len(reqs), scatter, reqs))
+    return reqs
+
+
+def _after_all(n: int, fn: Callable[[], None], reqs: list[ReadRequest]) -> Callable[[], None]:
+    """Run ``fn`` once all ``n`` requests are done (each request's ``after`` counts down)."""
+    lock = threading.Lock()
+    left = [n]
+
+    def done() -> None:
+        with lock:
+            left[0] -= 1
+            fire = left[0] == 0
+        if fire:
+            fn()
+
+    for r in reqs[:-1]:
+        r.after.append(done)
+    return done

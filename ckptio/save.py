@@ -1,0 +1,253 @@
+"""A save, from staging to commit, and the handle the caller holds.
+
+``start_save`` stages on the calling thread (the only part the training
+step waits for), then a background thread drives the engine: write every
+object (``written``), gather every host's records, and the coordinator
+commits the manifest (``committed``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .distributed import Coordinator, SingleProcess
+from .engine import Progress, WrittenObject, run_sync
+from .errors import ManifestError, SaveFailedError
+from .layout import ObjectPlan, Piece, pack
+from .dtypes import encode_dtype
+from .manifest import Manifest, item_to_json
+from .staging import StagedArray, StagingPool, stage_leaf
+from .states import SaveState
+from .store import CheckpointStore, step_dir_of
+from .tree import flatten, path_str
+
+__all__ = ["SaveHandle", "start_save"]
+
+log = logging.getLogger("ckptio.save")
+
+
+class SaveHandle:
+    """A save in flight. Returned once staged; :meth:`result` waits until committed."""
+
+    def __init__(self, url: str, step: int | None) -> None:
+        self.url = url
+        self.step = step
+        self.state = SaveState.STAGED
+        self.stage_seconds = 0.0
+        self._future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
+
+    def result(self, timeout: float | None = None) -> Manifest | None:
+        """Wait until the checkpoint is committed; raise if the save failed (on any host).
+
+        Returns the manifest on the coordinator (rank 0), None on other hosts.
+        """
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
+
+
+def _stage(
+    state: Any, rank: int, copy: bool, pool: StagingPool | None
+) -> tuple[Any, dict[str, Any], list[np.ndarray]]:
+    leaves, structure = flatten(state)
+    staged: dict[str, Any] = {}
+    owned: list[np.ndarray] = []
+    for path, leaf in leaves:
+        name = path_str(path)
+        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, copy=copy, pool=pool, owned=owned)
+    return structure, staged, owned
+
+
+def _pieces(staged: dict[str, Any]) -> list[Piece]:
+    out = []
+    for name, item in staged.items():
+        if isinstance(item, StagedArray):
+            for i, (_offs, _shape, data) in enumerate(item.shards):
+                out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
+    return out
+
+
+def _host_record(
+    staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool
+) -> dict[str, Any]:
+    """This host's part of the manifest, with object numbers local to the host."""
+    extents: dict[tuple[str, int], list[list[Any]]] = {}
+    for n, (plan, w) in enumerate(zip(plans, written)):
+        for e, crcs in zip(plan.extents, w.crcs):
+            extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.data.nbytes, crcs])
+    items: dict[str, Any] = {}
+    for name, item in staged.items():
+        if isinstance(item, StagedArray):
+            items[name] = {
+                "kind": "array",
+                "dtype": encode_dtype(item.dtype),
+                "shape": list(item.shape),
+                "scalar": item.scalar,
+                "origin": item.origin,
+                "shards": [
+                    {"offsets": list(o), "shape": list(s), "host": rank,
+                     "extents": sorted(extents.get((name, i), []), key=lambda x: x[2])}
+                    for i, (o, s, _d) in enumerate(item.shards)
+                ],
+            }
+        elif include_values:
+            items[name] = item_to_json(item, name)
+    return {"ok": True, "objects": [p.key for p in plans], "items": items}
+
+
+def _merge(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
+    """The coordinator's manifest from every host's record (validated like any manifest read)."""
+    objects: list[str] = []
+    items: dict[str, Any] = {}
+    for host, rec in enumerate(records):
+        base = len(objects)
+        objects.extend(rec["objects"])
+        for name, it in rec["items"].items():
+            if it["kind"] == "array":
+                for s in it["shards"]:
+                    for e in s["extents"]:
+                        e[0] += base
+            mine = items.get(name)
+            if mine is None:
+                items[name] = it
+                continue
+            if it["kind"] != mine["kind"] or (it["kind"] == "array" and (it["dtype"], it["shape"]) != (mine["dtype"], mine["shape"])):
+                raise SaveFailedError(f"{where}: item {name!r} differs between hosts (dtype, shape or kind)")
+            if it["kind"] == "array":
+                seen = {(tuple(s["offsets"]), tuple(s["shape"])) for s in mine["shards"]}
+                mine["shards"] += [s for s in it["shards"] if (tuple(s["offsets"]), tuple(s["shape"])) not in seen]
+    for name, it in items.items():
+        if it["kind"] == "array":
+            _check_tiling(name, it, where)
+    doc = {**head, "objects": objects, "items": items}
+    try:
+        return Manifest.from_doc(doc, where)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where}: the merged manifest is invalid: {e}") from e
+
+
+def _check_tiling(name: str, it: dict[str, Any], where: str) -> None:
+    """Saved shards must cover the array exactly once: else a restore would return holes."""
+    shards = [(tuple(s["offsets"]), tuple(s["shape"])) for s in it["shards"]]
+    total = sum(math.prod(s) for _o, s in shards)
+    if total != math.prod(it["shape"]):
+        raise SaveFailedError(
+            f"{where}: item {name!r}: the hosts' shards hold {total} elements of {math.prod(it['shape'])} "
+            "(missing or overlapping slices)"
+        )
+    if len(shards) <= 4096:
+        from .reshard import overlap
+
+        for i in range(len(shards)):
+            for j in range(i):
+                if overlap(*shards[i], *shards[j]) is not None and math.prod(shards[i][1]):
+                    raise SaveFailedError(f"{where}: item {name!r}: shards {shards[j]} and {shards[i]} overlap")
+
+
+def start_save(
+    store: CheckpointStore,
+    step: int | None,
+    state: Any,
+    *,
+    metadata: dict[str, Any] | None = None,
+    coordinator: Coordinator | None = None,
+    copy: bool = True,
+    pool: StagingPool | None = None,
+    progress: Progress | None = None,
+    on_done: Callable[[SaveHandle], None] | None = None,
+) -> SaveHandle:
+    """Stage ``state`` now and write + commit it in the background."""
+    coord = coordinator or SingleProcess()
+    step_dir = step_dir_of(step)
+    where = store.where(step_dir)
+    if run_sync(store.is_committed(step_dir)):
+        raise FileExistsError(f"checkpoint {where} is already committed")
+    t0 = time.perf_counter()
+    structure, staged, owned = _stage(state, coord.rank, copy, pool)
+    save_id = uuid.uuid4().hex[:12]
+    plans = pack(
+        _pieces(staged),
+        object_size=store.backend.capabilities.object_size,
+        key_for=lambda n: store.naming.object_key(step_dir, save_id, coord.rank, coord.size, n),
+    )
+    handle = SaveHandle(where, step)
+    handle.stage_seconds = time.perf_counter() - t0
+    log.info("%s: staged %d objects (%.3fs)", where, len(plans), handle.stage_seconds)
+    head = {
+        "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "created": time.time(),
+        "block_size": store.engine.config.block_size, "num_hosts": coord.size, "tree": structure,
+        "metadata": metadata or {},
+    }
+
+    def background() -> None:
+        try:
+            written = run_sync(store.engine.write_objects(plans, progress))
+            run_sync(store.backend.sync())
+            record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
+            handle.state = SaveState.WRITTEN
+            log.info("%s: host %d written (%d objects)", where, coord.rank, len(plans))
+        except BaseException as e:  # every host must still join the gather, or the others hang
+            log.error("%s: host %d failed to write: %r", where, coord.rank, e)
+            record = {"ok": False, "error": f"host {coord.rank}: {type(e).__name__}: {e}"}
+            failure: BaseException | None = e
+        else:
+            failure = None
+        finally:
+            if pool is not None:
+                pool.give_back(owned)
+        try:
+            records = coord.all_gather(record)
+            verdict: dict[str, Any] = {"ok": False}
+            manifest: Manifest | None = None
+            if coord.rank == 0:
+                errors = [r["error"] for r in records if not r["ok"]]
+                if errors:
+                    verdict = {"ok": False, "error": "; ".join(errors)}
+                else:
+                    try:
+                        manifest = _merge(records, head, where)
+                        run_sync(store.commit(step_dir, manifest))
+                        verdict = {"ok": True}
+                    except BaseException as e:
+                        verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
+                        failure = failure or e
+            verdict = coord.all_gather(verdict)[0] if coord.size > 1 else verdict
+            if not verdict["ok"]:
+                raise failure or SaveFailedError(f"{where}: save failed: {verdict['error']}")
+            handle.state = SaveState.COMMITTED
+            log.info("%s: committed", where)
+            outcome: tuple[Manifest | None, BaseException | None] = (manifest if coord.rank == 0 else None, None)
+        except BaseException as e:
+            handle.state = SaveState.FAILED
+            outcome = (None, e)
+        # Hooks (retention, closing the store) run before the handle resolves, so that
+        # result() returning means everything this save set off is done.
+        if on_done is not None:
+            try:
+                on_done(handle)
+            except BaseException as e:  # a hook must not hide the save's own outcome
+                log.error("%s: after-save hook failed: %r", where, e)
+        if outcome[1] is not None:
+            handle._future.set_exception(outcome[1])
+        else:
+            handle._future.set_result(outcome[0])
+
+    threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
+    return handle
+

@@ -1,0 +1,200 @@
+"""Stage: turn a state's leaves into shards in host memory the save owns.
+
+This is the only part of a save that the training step waits for. Mutable
+arrays (numpy, torch) are copied into reusable host buffers; immutable ones
+already on the host (JAX CPU arrays) are referenced without a copy. Only one
+replica of each shard is staged: plain numpy leaves are treated as
+replicated across hosts and written by host 0; JAX arrays write the shards
+whose ``replica_id`` is 0; :class:`Sharded` leaves write the pieces given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .dtypes import check_dtype
+from .errors import UnsupportedLeafError
+from .manifest import ValueItem, encode_value
+
+__all__ = ["Sharded", "StagedArray", "StagingPool", "index_to_box", "stage_leaf", "torch_to_numpy"]
+
+
+@dataclasses.dataclass
+class Sharded:
+    """A global array of which this host holds some slices.
+
+    ``pieces`` are ``(index, data)`` with ``index`` a tuple of slices (as
+    numpy indexing would take it) into the global ``shape``. As a restore
+    target, ``data`` may be None: the restored Sharded has them filled.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: list[tuple[tuple[slice, ...], np.ndarray | None]]
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(d) for d in self.shape)
+        self.dtype = np.dtype(self.dtype)
+
+
+def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A tuple of (step-1) slices into ``shape`` -> ``(offsets, sizes)``."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    offs, sizes = [], []
+    for sl, dim in zip(index, shape):
+        if not isinstance(sl, slice):
+            raise TypeError(f"index {index!r}: only slices are supported")
+        start, stop, step = sl.indices(dim)
+        if step != 1:
+            raise ValueError(f"index {index!r}: strided slices cannot describe a shard")
+        offs.append(start)
+        sizes.append(max(0, stop - start))
+    return tuple(offs), tuple(sizes)
+
+
+class StagingPool:
+    """Host buffers reused across saves, so staging copies into already-touched memory.
+
+    Fresh memory costs page faults (~2.5 GiB/s here) where touched memory
+    copies at ~7.7 GiB/s: reusing buffers is most of the stall.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            if bufs:
+                return bufs.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give_back(self, buffers: Sequence[np.ndarray]) -> None:
+        with self._lock:
+            for b in buffers:
+                self._free.setdefault(b.nbytes, []).append(b)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+@dataclasses.dataclass
+class StagedArray:
+    """An array item as this host stages it: metadata, plus the shards it writes."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    scalar: bool
+    origin: str
+    shards: list[tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]  # offsets, shape, C-contiguous data
+
+
+_TORCH_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
+               "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8", "float8_e8m0fnu": "uint8"}
+
+
+def torch_to_numpy(t: Any) -> np.ndarray:
+    """A numpy view of a CPU torch tensor, bfloat16 and float8 included (as ml_dtypes)."""
+    import ml_dtypes
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _TORCH_VIEW:
+        import torch
+
+        return t.view(getattr(torch, _TORCH_VIEW[name])).numpy().view(getattr(ml_dtypes, name))
+    return t.numpy()
+
+
+def _is_jax_array(x: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _copy(arr: np.ndarray, pool: StagingPool | None, owned: list[np.ndarray]) -> np.ndarray:
+    buf = pool.take(arr.nbytes) if pool is not None else np.empty(arr.nbytes, np.uint8)
+    owned.append(buf)
+    out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
+    np.copyto(out, arr, casting="no")
+    return out
+
+
+def stage_leaf(
+    where: str,
+    leaf: Any,
+    *,
+    host: int,
+    copy: bool,
+    pool: StagingPool | None,
+    owned: list[np.ndarray],
+) -> StagedArray | ValueItem:
+    """Stage one leaf (``where`` is its pytree path, used in errors)."""
+    if isinstance(leaf, Sharded):
+        check_dtype(leaf.dtype, where)
+        shards = []
+        for index, data in leaf.pieces:
+            offs, sizes = index_to_box(index, leaf.shape)
+            arr = np.asarray(data)
+            if arr.shape != sizes or arr.dtype != leaf.dtype:
+                raise ValueError(
+                    f"{where}: piece {index!r} holds {arr.dtype}{list(arr.shape)}, expected {leaf.dtype}{list(sizes)}"
+                )
+            shards.append((offs, sizes, _copy(arr, pool, owned) if copy else np.ascontiguousarray(arr)))
+        return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards)
+    if _is_jax_array(leaf):
+        shards = []
+        for s in leaf.addressable_shards:
+            if s.replica_id != 0:
+                continue
+            offs, sizes = index_to_box(s.index, leaf.shape)
+            # JAX arrays are immutable: a host view is a consistent snapshot without a copy.
+            data = np.ascontiguousarray(np.asarray(s.data))
+            shards.append((offs, sizes, data))
+        return StagedArray(np.dtype(leaf.dtype), tuple(leaf.shape), False, "jax", shards)
+    origin = "numpy"
+    if _is_torch_tensor(leaf):
+        if type(leaf).__name__ == "DTensor":
+            raise UnsupportedLeafError(f"{where}: DTensor leaves go through ckptio.dcp (torch.distributed.checkpoint)")
+        t = leaf.detach()
+        moved = t.device.type != "cpu"
+        leaf = torch_to_numpy(t.cpu() if moved else t.contiguous() if not t.is_contiguous() else t)
+        copy = copy and not moved  # .cpu() already made a private copy
+        origin = "torch"
+    scalar = isinstance(leaf, np.generic)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        arr = np.asarray(leaf)
+        try:
+            check_dtype(arr.dtype, where)
+        except TypeError as e:
+            raise UnsupportedLeafError(str(e)) from None
+        shards = []
+        if host == 0:
+            data = _copy(arr, pool, owned) if copy else np.ascontiguousarray(arr)
+            shards.append(((0,) * arr.ndim, tuple(arr.shape), data))
+        return StagedArray(arr.dtype, tuple(arr.shape), scalar, origin, shards)
+    try:
+        encode_value(leaf, where)
+    except TypeError:
+        raise UnsupportedLeafError(
+            f"{where}: cannot save a leaf of type {type(leaf).__module__}.{type(leaf).__qualname__}; "
+            "ckptio stores arrays (numpy, jax, torch, ckptio.Sharded), int, float, bool, str, bytes and None, "
+            "in dicts, lists and tuples -- never pickle"
+        ) from None
+    return ValueItem(leaf)
+
+
+def nbytes_of(staged: StagedArray) -> int:
+    return sum(math.prod(s[1]) for s in staged.shards) * staged.dtype.itemsize
