@@ -125,6 +125,8 @@ class ReadRequest:
     buffers: list[memoryview]
     checks: list[tuple[int, int, list[int], str]]
     after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    #: The checkpoint's checksum block size (from its manifest, not this engine's config).
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 class Engine:
@@ -202,6 +204,7 @@ class Engine:
                 prev is not None
                 and prev.key == r.key
                 and prev.rng.end == r.rng.start
+                and prev.block_size == r.block_size
                 and prev.rng.length + r.rng.length <= self.config.max_read_size
             ):
                 shift = prev.rng.length
@@ -211,6 +214,7 @@ class Engine:
                     prev.buffers + r.buffers,
                     prev.checks + [(o + shift, n, c, i) for o, n, c, i in r.checks],
                     prev.after + r.after,
+                    r.block_size,
                 )
             else:
                 out.append(r)
@@ -218,7 +222,7 @@ class Engine:
 
     def _verify(self, req: ReadRequest) -> None:
         flat = _Concat(req.buffers)
-        bs = self.config.block_size
+        bs = req.block_size
         for offset, length, crcs, item in req.checks:
             verify_blocks(flat.slice(offset, length), crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
         for fn in req.after:

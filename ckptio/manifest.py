@@ -329,8 +329,35 @@ def _array_item(raw: dict[str, Any], where: str, n_objects: int, block_size: int
         if covered != nbytes:
             raise ManifestError(f"{here}: extents hold {covered} bytes, the shard needs {nbytes}")
         shards.append(ShardRecord(offsets, sshape, _int(s.get("host", 0), "host", here), extents))
+    _check_tiling(shards, shape, where)
     scalar = raw.get("scalar", False)
     origin = raw.get("origin", "numpy")
     if not isinstance(scalar, bool) or origin not in ("numpy", "jax", "torch", "sharded"):
         raise ManifestError(f"{where}: bad 'scalar' or 'origin'")
     return ArrayItem(dtype, shape, shards, scalar, origin)
+
+
+def overlap(
+    a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...], b_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes as ``(offsets, shape)``, or None if they do not meet."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def _check_tiling(shards: list[ShardRecord], shape: tuple[int, ...], where: str) -> None:
+    """Shards must cover the array exactly once, or a restore would return holes or ambiguity."""
+    total = sum(s.size for s in shards)
+    if total != math.prod(shape):
+        raise ManifestError(
+            f"{where}: the shards hold {total} of the array's {math.prod(shape)} elements (missing or overlapping slices)"
+        )
+    if len(shards) <= 4096:  # pairwise check; beyond that the volume check alone stands
+        boxes = [(s.offsets, s.shape) for s in shards if s.size]
+        for i in range(len(boxes)):
+            for j in range(i):
+                if overlap(*boxes[i], *boxes[j]) is not None:
+                    raise ManifestError(f"{where}: shards {boxes[j]} and {boxes[i]} overlap")

@@ -23,7 +23,7 @@ import numpy as np
 from ckptio.backends.base import ByteRange
 
 from .engine import ReadRequest
-from .manifest import ArrayItem, Extent, ShardRecord
+from .manifest import ArrayItem, Extent, ShardRecord, overlap
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region"]
 
@@ -36,17 +36,6 @@ class Region:
 
     offsets: tuple[int, ...]
     dest: np.ndarray  # shape is the region's shape
-
-
-def overlap(
-    a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...], b_shape: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The intersection of two boxes as ``(offsets, shape)``, or None if they do not meet."""
-    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
-    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
 
 
 def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tuple[int, ...]) -> int:
@@ -81,9 +70,11 @@ def _check(e: Extent, ra: int, rb: int, bs: int, at: int, item: str) -> tuple[in
     return (at, rb - ra, e.crcs[first:last], item)
 
 
-def _request(objects: list[str], e: Extent, ra: int, rb: int, buffers: list[memoryview], checks: list, after: list) -> ReadRequest:
+def _request(
+    objects: list[str], e: Extent, ra: int, rb: int, bs: int, buffers: list[memoryview], checks: list, after: list
+) -> ReadRequest:
     start = e.offset + (ra - e.shard_offset)
-    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after)
+    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after, bs)
 
 
 def plan_region(
@@ -127,7 +118,7 @@ def _direct(
         mb = b if b == e.shard_offset + e.length else e.shard_offset + (b - e.shard_offset) // bs * bs
         if ma < mb:
             view = memoryview(dest[at + (ma - a) : at + (mb - a)])
-            reqs.append(_request(objects, e, ma, mb, [view], [_check(e, ma, mb, bs, 0, name)], []))
+            reqs.append(_request(objects, e, ma, mb, bs, [view], [_check(e, ma, mb, bs, 0, name)], []))
         partial = [(ra, ma), (mb, rb)] if ma < mb else [(ra, rb)]
         for sa, sb in partial:  # partial blocks at either end: through scratch
             if sa >= sb:
@@ -135,7 +126,7 @@ def _direct(
             scratch = np.empty(sb - sa, np.uint8)
             ca, cb = max(a, sa), min(b, sb)
             copy = _copier(dest, at + (ca - a), scratch, ca - sa, cb - ca)
-            reqs.append(_request(objects, e, sa, sb, [memoryview(scratch)], [_check(e, sa, sb, bs, 0, name)], [copy]))
+            reqs.append(_request(objects, e, sa, sb, bs, [memoryview(scratch)], [_check(e, sa, sb, bs, 0, name)], [copy]))
     return reqs
 
 
@@ -167,7 +158,7 @@ def _scattered(
     reqs = []
     for e, _a, _b, ra, rb in pieces:
         view = memoryview(scratch[ra - base : rb - base])
-        reqs.append(_request(objects, e, ra, rb, [view], [_check(e, ra, rb, bs, 0, name)], []))
+        reqs.append(_request(objects, e, ra, rb, bs, [view], [_check(e, ra, rb, bs, 0, name)], []))
 
     def scatter() -> None:
         rows = scratch[lo - base : hi - base].view(item.dtype).reshape((c1 - c0, *shard.shape[1:]))

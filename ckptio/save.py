@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 import uuid
@@ -132,32 +131,12 @@ def _merge(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> M
             if it["kind"] == "array":
                 seen = {(tuple(s["offsets"]), tuple(s["shape"])) for s in mine["shards"]}
                 mine["shards"] += [s for s in it["shards"] if (tuple(s["offsets"]), tuple(s["shape"])) not in seen]
-    for name, it in items.items():
-        if it["kind"] == "array":
-            _check_tiling(name, it, where)
     doc = {**head, "objects": objects, "items": items}
     try:
         return Manifest.from_doc(doc, where)
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where}: the merged manifest is invalid: {e}") from e
-
-
-def _check_tiling(name: str, it: dict[str, Any], where: str) -> None:
-    """Saved shards must cover the array exactly once: else a restore would return holes."""
-    shards = [(tuple(s["offsets"]), tuple(s["shape"])) for s in it["shards"]]
-    total = sum(math.prod(s) for _o, s in shards)
-    if total != math.prod(it["shape"]):
-        raise SaveFailedError(
-            f"{where}: item {name!r}: the hosts' shards hold {total} elements of {math.prod(it['shape'])} "
-            "(missing or overlapping slices)"
-        )
-    if len(shards) <= 4096:
-        from .reshard import overlap
-
-        for i in range(len(shards)):
-            for j in range(i):
-                if overlap(*shards[i], *shards[j]) is not None and math.prod(shards[i][1]):
-                    raise SaveFailedError(f"{where}: item {name!r}: shards {shards[j]} and {shards[i]} overlap")
+    # (from_doc also checks that every array's shards tile it exactly once.)
 
 
 def start_save(

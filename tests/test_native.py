@@ -1,0 +1,284 @@
+"""Native save/restore: every dtype and edge case bit-exact, resharding, integrity, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio.dtypes import ML_DTYPES
+from ckptio.manifest import MANIFEST_NAME
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _random(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "U":  # must be valid code points
+        return rng.integers(32, 0x10FFFF // 2, size=shape).astype(np.uint32).view(dtype.newbyteorder("=")).astype(dtype) if False else np.array(["ab\u00e9"] * int(np.prod(shape)), dtype).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+NUMPY_DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128, np.clongdouble,
+    ">i4", ">f8", "M8[ns]", "m8[s]", "S7", "U5", "V6", np.dtype([("a", "<i4"), ("b", "<f8", (2,))]),
+]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES + sorted(ML_DTYPES), ids=str)
+def test_round_trip_every_dtype_bit_exact(tmp_path, dtype):
+    dtype = np.dtype(getattr(ml_dtypes, dtype) if isinstance(dtype, str) and dtype in ML_DTYPES else dtype)
+    rng = np.random.default_rng(0)
+    state = {"x": _random((7, 5), dtype, rng), "empty": np.zeros((0, 3), dtype), "scalar0d": _random((), dtype, rng)}
+    ckptio.save(tmp_path, state, step=1).result()
+    out = ckptio.restore(tmp_path)
+    for k in state:
+        assert _bits_equal(out[k], state[k]), k
+
+
+def test_values_structure_and_edge_cases(tmp_path):
+    base = np.arange(48, dtype=np.float32).reshape(6, 8)
+    state = {
+        "noncontig": base[::2, 1::3],
+        "transposed": base.T,
+        "numpy_scalar": np.float32(2.5),
+        "values": [1, -(2**80), 1.0 / 3, float("nan"), float("-inf"), True, False, "héllo", b"\x00\xff", None],
+        "nested": {"tuple": (np.int8(1), {"deep": [np.zeros(0)]}), "slash/key": np.ones(2), "%": 3},
+        "empty_list": [],
+        "empty_dict": {},
+    }
+    ckptio.save(tmp_path, state, step=3).result()
+    out = ckptio.restore(tmp_path, step=3)
+    assert _bits_equal(out["noncontig"], np.ascontiguousarray(state["noncontig"]))
+    assert _bits_equal(out["transposed"], np.ascontiguousarray(base.T))
+    assert isinstance(out["numpy_scalar"], np.float32) and out["numpy_scalar"] == np.float32(2.5)
+    v = out["values"]
+    assert v[:3] == [1, -(2**80), 1.0 / 3] and np.isnan(v[3]) and v[4] == float("-inf")
+    assert v[5:] == [True, False, "héllo", b"\x00\xff", None]
+    assert type(v[5]) is bool and type(v[0]) is int
+    assert isinstance(out["nested"]["tuple"], tuple)
+    assert out["nested"]["tuple"][1]["deep"][0].shape == (0,)
+    assert _bits_equal(out["nested"]["slash/key"], np.ones(2))
+    assert out["nested"]["%"] == 3
+    assert out["empty_list"] == [] and out["empty_dict"] == {}
+
+
+def test_staging_copies_mutable_arrays(tmp_path):
+    a = np.zeros(1000, np.int64)
+    h = ckptio.save(tmp_path, {"a": a}, step=0)
+    a[:] = 7  # the training step goes on and mutates its arrays
+    h.result()
+    assert (ckptio.restore(tmp_path)["a"] == 0).all()
+
+
+@pytest.mark.slow
+def test_array_over_2gib(tmp_path):
+    n = (2 << 30) + 4099
+    big = np.empty(n, np.uint8)
+    big[::4096] = np.arange(len(big[::4096]), dtype=np.uint64).astype(np.uint8)
+    big[-5:] = [1, 2, 3, 4, 5]
+    ckptio.save(tmp_path, {"big": big}, step=1, copy=False).result()
+    out = ckptio.restore(tmp_path)["big"]
+    assert out.shape == big.shape and np.array_equal(out[::4096], big[::4096]) and (out[-5:] == big[-5:]).all()
+    del out
+    # A slice of it restores by ranged reads.
+    part = ckptio.restore(tmp_path, target={"big": ckptio.Sharded((n,), np.uint8, [((slice(n - 10, n),), None)])})
+    assert (part["big"].pieces[0][1] == big[n - 10 :]).all()
+
+
+def _saved_grid(tmp_path, shape=(64, 48), blocks=4, dtype=np.float32, block_size=None):
+    """Save a global array as `blocks` row shards (as 4 hosts would), return it."""
+    full = np.arange(np.prod(shape), dtype=np.float64).reshape(shape).astype(dtype)
+    rows = shape[0] // blocks
+    pieces = [((slice(i * rows, (i + 1) * rows), slice(None)), full[i * rows : (i + 1) * rows]) for i in range(blocks)]
+    cfg = ckptio.EngineConfig(block_size=block_size) if block_size else None
+    ckptio.save(tmp_path, {"w": ckptio.Sharded(shape, dtype, pieces)}, step=5, engine_config=cfg).result()
+    return full
+
+
+@pytest.mark.parametrize("block_size", [None, 256, 1000])
+def test_reshard_rows_to_columns_and_odd_boxes(tmp_path, block_size):
+    full = _saved_grid(tmp_path, block_size=block_size)
+    cols = [(slice(None), slice(j * 12, (j + 1) * 12)) for j in range(4)]
+    odd = [(slice(3, 50), slice(5, 47)), (slice(63, 64), slice(0, 48)), (slice(10, 11), slice(7, 8))]
+    for layout in (cols, odd):
+        out = ckptio.restore(tmp_path, target={"w": ckptio.Sharded(full.shape, full.dtype, [(ix, None) for ix in layout])})
+        for ix, data in out["w"].pieces:
+            assert _bits_equal(data, np.ascontiguousarray(full[ix])), ix
+    whole = ckptio.restore(tmp_path)["w"]
+    assert _bits_equal(whole, full)
+    into = np.empty_like(full)
+    assert ckptio.restore(tmp_path, target={"w": into})["w"] is into and _bits_equal(into, full)
+
+
+def _object_files(root) -> list[str]:
+    out = []
+    for d, _dirs, files in os.walk(root):
+        out += [os.path.join(d, f) for f in files if f != MANIFEST_NAME]
+    return sorted(out)
+
+
+def test_flipped_byte_is_detected_naming_object_and_item(tmp_path):
+    state = {"params": {"w": np.random.default_rng(1).random((256, 256))}, "b": np.ones(10)}
+    ckptio.save(tmp_path, state, step=1).result()
+    [obj] = _object_files(tmp_path)
+    with open(obj, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ckptio.IntegrityError) as e:
+        ckptio.restore(tmp_path)
+    msg = str(e.value)
+    assert os.path.basename(obj) in msg and "params/w" in msg
+    assert e.value.item == "params/w"
+
+
+def test_truncated_object_is_an_error(tmp_path):
+    ckptio.save(tmp_path, {"w": np.ones(10000)}, step=1).result()
+    [obj] = _object_files(tmp_path)
+    os.truncate(obj, 100)
+    with pytest.raises(ValueError, match="past its end"):
+        ckptio.restore(tmp_path)
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "state, where",
+    [
+        ({"a": {"b": np.array([object(), 1], dtype=object)}}, "a/b"),
+        ({"x": [1, Opaque()]}, "x/1"),
+        ({"s": {1, 2}}, "s"),
+        ({"d": {3: np.ones(1)}}, "d"),
+    ],
+)
+def test_bad_leaves_name_their_path(tmp_path, state, where):
+    with pytest.raises(TypeError, match=where):
+        ckptio.save(tmp_path, state, step=1)
+    assert not os.path.exists(tmp_path / "1" / MANIFEST_NAME)
+
+
+def test_missing_and_uncommitted_checkpoints(tmp_path):
+    with pytest.raises(ckptio.CheckpointNotFoundError, match=str(tmp_path)):
+        ckptio.restore(tmp_path)
+    ckptio.save(tmp_path, {"a": np.ones(3)}, step=1).result()
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="7"):
+        ckptio.restore(tmp_path, step=7)
+    # A step directory with objects but no manifest: an interrupted save.
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "junk.h00000-00000").write_bytes(b"x" * 10)
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="not committed"):
+        ckptio.restore(tmp_path, step=2)
+    assert ckptio.CheckpointManager(tmp_path).all_steps() == [1]
+    assert (ckptio.restore(tmp_path)["a"] == 1).all()  # the newest *committed* one
+
+
+def test_existing_checkpoint_is_never_overwritten(tmp_path):
+    ckptio.save(tmp_path, {"a": np.ones(3)}, step=1).result()
+    with pytest.raises(FileExistsError, match="already committed"):
+        ckptio.save(tmp_path, {"a": np.zeros(3)}, step=1)
+    assert (ckptio.restore(tmp_path)["a"] == 1).all()
+
+
+def _edit_manifest(tmp_path, fn):
+    path = tmp_path / "1" / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d["objects"].__setitem__(0, "../../etc/passwd"), "escapes"),
+        (lambda d: d["objects"].__setitem__(0, "/etc/passwd"), "escapes"),
+        (lambda d: d.__setitem__("version", 99), "version 99"),
+        (lambda d: d["items"]["a"].__setitem__("dtype", "|O8"), "allow-list"),
+        (lambda d: d["items"]["a"].__setitem__("dtype", {"struct": [["x", "|O", []]], "offsets": [0], "itemsize": 8}), "allow-list"),
+        (lambda d: d["items"]["a"].__setitem__("shape", [10**6]), "missing or overlapping"),
+        (lambda d: d["items"]["a"]["shards"][0].__setitem__("offsets", [5]), "outside"),
+        (lambda d: d["items"]["a"]["shards"][0]["extents"][0].__setitem__(0, 7), "extent object"),
+        (lambda d: d.pop("items"), "malformed"),
+    ],
+)
+def test_malformed_manifest_is_refused_naming_it(tmp_path, edit, match):
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    _edit_manifest(tmp_path, edit)
+    with pytest.raises(ckptio.ManifestError, match=match) as e:
+        ckptio.restore(tmp_path, step=1)
+    assert MANIFEST_NAME in str(e.value)
+
+
+def test_garbage_manifest(tmp_path):
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    (tmp_path / "1" / MANIFEST_NAME).write_bytes(b"\x80not json")
+    with pytest.raises(ckptio.ManifestError, match="not valid JSON"):
+        ckptio.restore(tmp_path, step=1)
+
+
+def test_target_mismatch_names_item(tmp_path):
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    with pytest.raises(ValueError, match="'a'"):
+        ckptio.restore(tmp_path, target={"a": np.empty(10, np.float32)})
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="'b'"):
+        ckptio.restore(tmp_path, target={"b": np.empty(10)})
+
+
+def test_memory_backend_url():
+    state = {"w": np.arange(100, dtype=np.int32), "step": 4}
+    ckptio.save("mem://native-test", state, step=4).result()
+    out = ckptio.restore("mem://native-test")
+    assert out["step"] == 4 and _bits_equal(out["w"], state["w"])
+
+
+def test_unknown_scheme_names_url():
+    with pytest.raises(ValueError, match="nosuch"):
+        ckptio.save("nosuch://x", {"a": 1}, step=1)
+
+
+def test_torch_tensors_round_trip(tmp_path):
+    torch = pytest.importorskip("torch")
+    state = {
+        "bf16": torch.randn(16, 8).to(torch.bfloat16),
+        "f8": torch.randn(4, 4).to(torch.float8_e4m3fn),
+        "i": torch.arange(10),
+        "b": torch.tensor([True, False]),
+        "view": torch.arange(20.0).reshape(4, 5).t(),
+    }
+    ckptio.save(tmp_path, state, step=1).result()
+    target = {k: torch.empty_like(v.contiguous()) for k, v in state.items()}
+    out = ckptio.restore(tmp_path, target=target)
+    for k, v in state.items():
+        assert out[k] is target[k]
+        assert torch.equal(out[k].view(torch.uint8) if v.dtype.itemsize == 1 and v.dtype != torch.bool else out[k], (v.contiguous().view(torch.uint8) if v.dtype.itemsize == 1 and v.dtype != torch.bool else v.contiguous())), k
+    plain = ckptio.restore(tmp_path)
+    assert plain["bf16"].dtype == ml_dtypes.bfloat16
+
+
+def test_jax_arrays_round_trip_and_reshard(tmp_path):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = np.array(jax.devices())
+    x = jnp.arange(8 * 16, dtype=jnp.bfloat16).reshape(8, 16)
+    if len(devices) >= 4:
+        mesh = jax.sharding.Mesh(devices[:4].reshape(2, 2), ("a", "b"))
+        x = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    ckptio.save(tmp_path, {"x": x, "k": jax.random.key_data(jax.random.key(0))}, step=1).result()
+    out = ckptio.restore(tmp_path)
+    assert _bits_equal(out["x"], np.asarray(x))
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(devices[0]))}
+    y = ckptio.restore(tmp_path, target=target)["x"]
+    assert isinstance(y, jax.Array) and _bits_equal(np.asarray(y), np.asarray(x))
