@@ -1,0 +1,123 @@
+"""CheckpointManager retention, queries and the orphan sweep; layout naming spread."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio.layout import FlatNaming, HashedNaming, Piece, pack
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
+
+
+def _files(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("url_kind", ["local", "mem"])
+def test_retention_max_to_keep_and_keep_period(tmp_path, url_kind):
+    url = str(tmp_path) if url_kind == "local" else f"mem://retention-{tmp_path.name}"
+    with ckptio.CheckpointManager(url, max_to_keep=2, keep_period=4) as mngr:
+        for step in range(1, 11):
+            assert mngr.should_save(step)
+            mngr.save(step, {"w": np.full(1000, step, np.float32), "step": step})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8, 9, 10]
+        assert mngr.latest_step() == 10
+        assert not mngr.should_save(10) and not mngr.should_save(3)
+        assert mngr.restore(8)["step"] == 8
+        assert (mngr.restore()["w"] == 10).all()
+        # Deletion by manifest leaves nothing behind: exactly the kept checkpoints' objects.
+        keys = [i.key for i in ckptio.engine.run_sync(mngr.store.backend.list(""))]
+        assert {k.split("/")[0] for k in keys} == {"4", "8", "9", "10"}
+        assert len(keys) == 4 * 2  # one object + one manifest each
+
+
+def test_save_interval_and_force(tmp_path):
+    with ckptio.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
+        assert mngr.save(3, {"a": 1}) is None
+        assert mngr.save(5, {"a": 1}) is not None
+        assert mngr.save(7, {"a": 1}, force=True) is not None
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [5, 7]
+
+
+def test_interrupted_deletion_is_hidden_then_finished(tmp_path):
+    with ckptio.CheckpointManager(tmp_path) as mngr:
+        for s in (1, 2):
+            mngr.save(s, {"w": np.ones(10)})
+        mngr.wait_until_finished()
+        (tmp_path / "1" / TOMBSTONE_NAME).write_bytes(b"")  # a crash right after the tombstone
+        assert mngr.all_steps() == [2]
+        with pytest.raises(ckptio.CheckpointNotFoundError, match="being deleted"):
+            mngr.restore(1)
+        mngr.sweep_orphans(grace_seconds=0)
+        assert not (tmp_path / "1").exists()
+        assert mngr.all_steps() == [2]
+
+
+def test_orphan_sweep_respects_grace_and_committed(tmp_path):
+    with ckptio.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, {"w": np.ones(10)})
+        mngr.wait_until_finished()
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "dead.h00000-00000").write_bytes(b"x")
+    (tmp_path / "1" / "dead.h00001-00000").write_bytes(b"y")
+    (tmp_path / "notes.txt").write_text("user file, not ours")
+    mngr = ckptio.CheckpointManager(tmp_path)
+    assert mngr.sweep_orphans(grace_seconds=3600) == []
+    doomed = mngr.sweep_orphans(grace_seconds=0)
+    assert sorted(doomed) == ["1/dead.h00001-00000", "2/dead.h00000-00000"]
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "1" / MANIFEST_NAME).exists()
+    assert (mngr.restore(1)["w"] == 1).all()
+
+
+def test_failed_save_keeps_previous_checkpoints(tmp_path):
+    from ckptio.backends.memory import MemoryBackend
+
+    class Broken(MemoryBackend):
+        async def write(self, key, buffers):
+            raise PermissionError(f"{key}: denied")
+
+    url = f"mem://broken-{tmp_path.name}"
+    mngr = ckptio.CheckpointManager(url)
+    mngr.save(1, {"w": np.ones(10)})
+    mngr.wait_until_finished()
+    from ckptio.store import CheckpointStore
+
+    mngr.store = CheckpointStore(url, backend=Broken(url))
+    h = mngr.save(2, {"w": np.zeros(10)})
+    with pytest.raises(PermissionError, match="denied"):
+        h.result()
+    assert h.state == ckptio.SaveState.FAILED
+    mngr._pending = None
+    assert mngr.all_steps() == [1] and (mngr.restore()["w"] == 1).all()
+
+
+def test_hashed_names_spread_evenly_and_steps_share_prefixes():
+    """1000 objects from 8 hosts: >= 16 first components, none over twice its fair share."""
+    naming = HashedNaming(chars=2)
+    spread = {}
+    for step in (100, 101):
+        first = collections.Counter(
+            naming.object_key(str(step), "abc", host, 8, n).split("/")[0] for host in range(8) for n in range(125)
+        )
+        fair = 1000 / len(first)
+        assert len(first) >= 16 and max(first.values()) <= 2 * fair, first.most_common(3)
+        spread[step] = set(first)
+        key = naming.object_key(str(step), "abc", 3, 8, 7)
+        assert key.split("/")[1] == str(step)  # the hash comes before the step
+    assert len(spread[100] & spread[101]) >= 16
+
+
+def test_pack_coalesces_small_and_splits_big():
+    small = [Piece(f"s{i}", 0, memoryview(bytes(100))) for i in range(50)]
+    big = Piece("big", 0, memoryview(bytes(10 << 20)))
+    plans = pack([*small, big, *small], object_size=4 << 20, key_for=lambda n: f"o{n}", split_align=1 << 20)
+    sizes = [p.size for p in plans]
+    assert sizes == [5000, 4 << 20, 4 << 20, 2 << 20, 5000]
+    assert [e.shard_offset for p in plans[1:4] for e in p.extents] == [0, 4 << 20, 8 << 20]
+    assert FlatNaming().object_key("7", "id", 2, 4, 3) == "7/id.h00002-00003"
