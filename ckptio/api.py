@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptio.backends import Backend
+
 from .distributed import Coordinator, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
@@ -29,6 +31,7 @@ def save(
     backend_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     pool: StagingPool | None = None,
+    backend: Backend | None = None,
 ) -> SaveHandle:
     """Save ``state`` (a pytree of dicts, lists and tuples) as step ``step`` under ``url``.
 
@@ -40,9 +43,12 @@ def save(
     only its own shards and process 0 commits.
 
     ``copy=False`` skips the staging copy of mutable arrays: only for callers
-    that promise not to mutate them until ``.result()`` returns.
+    that promise not to mutate them until ``.result()`` returns. ``backend``
+    overrides the backend ``url`` would pick (e.g. a wrapped one).
     """
-    store = CheckpointStore(url, engine_config=engine_config, naming=naming, backend_options=backend_options)
+    store = CheckpointStore(
+        url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+    )
     handle = start_save(
         store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
         copy=copy, progress=progress, pool=pool,
@@ -59,6 +65,7 @@ def restore(
     engine_config: EngineConfig | None = None,
     backend_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    backend: Backend | None = None,
 ) -> Any:
     """Restore step ``step`` (default: the newest committed) from ``url``.
 
@@ -68,7 +75,7 @@ def restore(
     checked against its crc32c; a mismatch raises IntegrityError naming the
     object and the item, and nothing is returned.
     """
-    store = CheckpointStore(url, engine_config=engine_config, backend_options=backend_options)
+    store = CheckpointStore(url, backend=backend, engine_config=engine_config, backend_options=backend_options)
     try:
         step_dir = run_sync(store.resolve(step))
         manifest = run_sync(store.read_manifest(step_dir))

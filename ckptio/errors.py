@@ -19,7 +19,9 @@ class CkptioError(Exception):
 class IntegrityError(CkptioError):
     """Bytes read back do not match their checksum: the object is corrupt; nothing is returned."""
 
-    def __init__(self, message: str, *, key: str, item: str | None = None) -> None:
+    # ``key`` has a default only so that the exception pickles (BaseException re-creates it
+    # from ``args`` and then restores ``__dict__``): DCP gathers a rank's exception to rank 0.
+    def __init__(self, message: str, *, key: str = "", item: str | None = None) -> None:
         super().__init__(message)
         self.key = key
         self.item = item

@@ -12,6 +12,8 @@ import os
 import threading
 from typing import Any
 
+from ckptio.backends import Backend
+
 from .distributed import Coordinator, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
@@ -47,12 +49,15 @@ class CheckpointManager:
         engine_config: EngineConfig | None = None,
         naming: Naming | None = None,
         backend_options: dict[str, Any] | None = None,
+        backend: Backend | None = None,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if keep_period is not None and keep_period < 1:
             raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
-        self.store = CheckpointStore(url, engine_config=engine_config, naming=naming, backend_options=backend_options)
+        self.store = CheckpointStore(
+            url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+        )
         self.url = self.store.url
         self.max_to_keep = max_to_keep
         self.keep_period = keep_period

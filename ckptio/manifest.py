@@ -33,7 +33,8 @@ import numpy as np
 from ckptio.backends.base import check_key
 
 from .dtypes import decode_dtype, encode_dtype
-from .errors import ManifestError
+from .checksum import crc32c
+from .errors import IntegrityError, ManifestError
 
 __all__ = [
     "FORMAT",
@@ -49,6 +50,8 @@ __all__ = [
     "decode_value",
     "encode_value",
     "item_to_json",
+    "seal",
+    "unseal",
 ]
 
 FORMAT = "ckptio"
@@ -177,7 +180,7 @@ class Manifest:
         }
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_doc(), separators=(",", ":"), allow_nan=False).encode()
+        return seal(self.to_doc())
 
     # -- reading ---------------------------------------------------------
 
@@ -186,8 +189,9 @@ class Manifest:
         """Parse and validate a manifest; ManifestError naming ``where`` (its URL) on any fault."""
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{where}: manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        body = unseal(data, where)
         try:
-            doc = json.loads(data)
+            doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from e
         try:
@@ -256,6 +260,36 @@ class Manifest:
             objects=objects,
             metadata=metadata,
         )
+
+
+_SEAL_HEAD, _SEAL_TAIL = b'{"crc32c":"', b'","manifest":'
+_SEAL_LEN = len(_SEAL_HEAD) + 8 + len(_SEAL_TAIL)
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """A manifest document as stored: JSON whose ``manifest`` member is checksummed byte for byte.
+
+    The checksum covers the exact bytes of the body, so a flipped byte that
+    still parses as JSON (a digit of a shape, say) is caught too.
+    """
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return b"%s%08x%s%s}" % (_SEAL_HEAD, crc32c(body), _SEAL_TAIL, body)
+
+
+def unseal(data: bytes, where: str) -> bytes:
+    """The body of a sealed manifest; IntegrityError naming ``where`` if its checksum fails."""
+    head = data[:_SEAL_LEN]
+    n = len(_SEAL_HEAD)
+    if len(data) <= _SEAL_LEN or head[:n] != _SEAL_HEAD or head[n + 8 :] != _SEAL_TAIL or data[-1:] != b"}":
+        raise ManifestError(f"{where}: manifest is not valid JSON of the ckptio format (no sealed body)")
+    body = data[_SEAL_LEN:-1]
+    try:
+        expected = int(head[n : n + 8], 16)
+    except ValueError:
+        raise ManifestError(f"{where}: manifest checksum field is malformed") from None
+    if crc32c(body) != expected:
+        raise IntegrityError(f"checksum mismatch in manifest {where}: the object is corrupt", key=where)
+    return body
 
 
 def item_to_json(item: ArrayItem | ValueItem, name: str) -> dict[str, Any]:

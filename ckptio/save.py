@@ -177,7 +177,7 @@ def start_save(
     def background() -> None:
         try:
             written = run_sync(store.engine.write_objects(plans, progress))
-            run_sync(store.backend.sync())
+            run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
             record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
             handle.state = SaveState.WRITTEN
             log.info("%s: host %d written (%d objects)", where, coord.rank, len(plans))

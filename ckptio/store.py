@@ -22,9 +22,9 @@ from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import join_key
 
 from .engine import Engine, EngineConfig
-from .errors import CheckpointNotFoundError, ManifestError
+from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from .layout import FlatNaming, HashedNaming, Naming
-from .manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from .manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest, unseal
 
 __all__ = ["CheckpointStore", "step_dir_of"]
 
@@ -64,19 +64,15 @@ class CheckpointStore:
     # -- finding checkpoints ---------------------------------------------
 
     async def is_committed(self, step_dir: str) -> bool:
-        async def exists(name: str) -> bool:
-            try:
-                await self.backend.stat(join_key(step_dir, name))
-                return True
-            except FileNotFoundError:
-                return False
-
-        manifest, tombstone = await asyncio.gather(exists(MANIFEST_NAME), exists(TOMBSTONE_NAME))
+        manifest, tombstone = await asyncio.gather(
+            self._exists(join_key(step_dir, MANIFEST_NAME)), self._exists(join_key(step_dir, TOMBSTONE_NAME))
+        )
         return manifest and not tombstone
 
     async def step_dirs(self) -> list[int]:
         """Every step that has a directory (committed or not), ascending."""
-        return sorted(int(n) for n in await self.backend.list_children("") if n.isdigit() and str(int(n)) == n)
+        names = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list_children(""))
+        return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n)
 
     async def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint (manifest present, no tombstone), ascending."""
@@ -87,10 +83,13 @@ class CheckpointStore:
     async def read_manifest(self, step_dir: str) -> Manifest:
         """The validated manifest of a committed checkpoint; CheckpointNotFoundError otherwise."""
         where = self.where(step_dir)
+        key = join_key(step_dir, MANIFEST_NAME)
         try:
-            data = await self.engine.retrying(
-                f"read manifest of {where}", lambda: self.backend.read(join_key(step_dir, MANIFEST_NAME))
-            )
+            data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
+            try:
+                unseal(data, f"{where}/{MANIFEST_NAME}")
+            except (IntegrityError, ManifestError):  # corrupted in flight? one more read tells
+                data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
         except FileNotFoundError:
             if step_dir and int(step_dir) in await self.step_dirs():
                 raise CheckpointNotFoundError(
@@ -104,7 +103,7 @@ class CheckpointStore:
 
     async def _exists(self, key: str) -> bool:
         try:
-            await self.backend.stat(key)
+            await self.engine.retrying(f"stat {key!r}", lambda: self.backend.stat(key))
             return True
         except FileNotFoundError:
             return False
@@ -144,16 +143,17 @@ class CheckpointStore:
         where = self.where(step_dir)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         try:
-            await self.backend.create_if_absent(tomb, b"")
+            await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, b""))
         except FileExistsError:
             pass  # an earlier deletion was interrupted: finish it
         try:
-            data = await self.backend.read(join_key(step_dir, MANIFEST_NAME))
+            key = join_key(step_dir, MANIFEST_NAME)
+            data = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key))
             manifest = Manifest.from_json(data, where)
             keys = list(manifest.objects)
         except FileNotFoundError:
             keys = []
-        except ManifestError as e:
+        except (ManifestError, IntegrityError) as e:
             log.warning("deleting %s: its manifest is unreadable (%s); leaving its objects to the sweep", where, e)
             keys = []
         await self._delete_keys(keys)
@@ -161,7 +161,8 @@ class CheckpointStore:
         if step_dir and not self.backend.capabilities.hashed_names:
             # Flat layout: whatever else is in the step directory belongs to it (crashed retries).
             await self._delete_keys(
-                [i.key for i in await self.backend.list(step_dir + "/") if i.key != tomb]
+                [i.key for i in await self.engine.retrying("list", lambda: self.backend.list(step_dir + "/"))
+                 if i.key != tomb]
             )
         await self._delete_keys([tomb])
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
@@ -200,7 +201,7 @@ class CheckpointStore:
                 await self.delete(str(s))
         doomed = [
             info.key
-            for info in await self.backend.list("")
+            for info in await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
             if info.key not in keep and now - info.mtime >= grace_seconds and not _foreign(info.key)
         ]
         if not dry_run:

@@ -11,7 +11,7 @@ import pytest
 
 import ckptio
 from ckptio.dtypes import ML_DTYPES
-from ckptio.manifest import MANIFEST_NAME
+from ckptio.manifest import MANIFEST_NAME, seal, unseal
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -192,10 +192,11 @@ def test_existing_checkpoint_is_never_overwritten(tmp_path):
 
 
 def _edit_manifest(tmp_path, fn):
+    """Edit a manifest as a bug or an attacker would: consistently, checksum included."""
     path = tmp_path / "1" / MANIFEST_NAME
-    doc = json.loads(path.read_bytes())
+    doc = json.loads(unseal(path.read_bytes(), "test"))
     fn(doc)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(seal(doc))
 
 
 @pytest.mark.parametrize(
@@ -224,6 +225,20 @@ def test_garbage_manifest(tmp_path):
     ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
     (tmp_path / "1" / MANIFEST_NAME).write_bytes(b"\x80not json")
     with pytest.raises(ckptio.ManifestError, match="not valid JSON"):
+        ckptio.restore(tmp_path, step=1)
+    (tmp_path / "1" / MANIFEST_NAME).write_bytes(seal({"format": "ckptio"})[:-1] + b"x")
+    with pytest.raises(ckptio.ManifestError):
+        ckptio.restore(tmp_path, step=1)
+
+
+def test_flipped_byte_in_manifest_is_detected(tmp_path):
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    path = tmp_path / "1" / MANIFEST_NAME
+    data = bytearray(path.read_bytes())
+    i = data.index(b'"shape":[10]') + len('"shape":[')
+    data[i] = ord("2")  # still valid JSON, wrong shape
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckptio.IntegrityError, match="manifest"):
         ckptio.restore(tmp_path, step=1)
 
 

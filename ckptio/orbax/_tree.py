@@ -1,0 +1,269 @@
+"""JAX pytrees <-> ckptio items: naming by keypath, staging to host, restore targets.
+
+Any jax pytree (dicts, lists, tuples, NamedTuples, flax/optax nodes, registered
+dataclasses) is flattened with :mod:`jax.tree_util` keypaths; each leaf
+becomes the ckptio item named by its path (``params/dense/kernel``,
+``opt_state/0/mu/w``). The pytree's own classes are never saved (no pickle):
+a restore takes its structure from the abstract target, or returns nested
+dicts when there is none -- as Orbax does.
+
+Staging runs on the caller's thread (the training step), because it is the
+only moment the arrays are guaranteed alive: a jitted step may donate them
+right after. jax shards are brought to host (``replica_id == 0`` only:
+one replica of each shard is written); numpy arrays are copied (mutable);
+everything else is an immutable value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckptio.errors import UnsupportedLeafError
+from ckptio.manifest import ArrayItem, Manifest, encode_value
+from ckptio.staging import Sharded
+from ckptio.tree import path_str
+
+__all__ = [
+    "META_KEY",
+    "Leaf",
+    "RestorePlan",
+    "StagedTree",
+    "key_parts",
+    "plan_restore",
+    "stage_tree",
+]
+
+#: The manifest's user-metadata key under which the adapter records what it needs to rebuild leaves.
+META_KEY = "ckptio.orbax"
+
+Parts = tuple[str, ...]
+
+
+def key_parts(path: Sequence[Any]) -> Parts:
+    """A jax keypath as string components: dict keys, sequence indices, attribute names."""
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(str(k.key))
+        else:  # a custom key class: its str is what the user would recognise
+            out.append(str(k))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One flattened leaf: its path components, item name and value."""
+
+    parts: Parts
+    name: str
+    value: Any
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Leaf], Any]:
+    """Leaves with their item names, and the treedef. Two leaves may not share a name."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    leaves = []
+    seen: dict[str, Parts] = {}
+    for path, value in pairs:
+        parts = key_parts(path)
+        name = path_str(parts)
+        if name in seen:
+            raise ValueError(
+                f"two leaves of the state map to the item name {name!r} ({jax.tree_util.keystr(path)}): "
+                "their keys differ only in type (e.g. 1 and '1'); rename one"
+            )
+        seen[name] = parts
+        leaves.append(Leaf(parts, name, value))
+    return leaves, treedef
+
+
+def nest(leaves: Sequence[Leaf], values: Sequence[Any]) -> Any:
+    """Nested dicts keyed by path components (the form ckptio saves and Restore(None) returns)."""
+    if len(leaves) == 1 and not leaves[0].parts:
+        return values[0]  # the state is a single leaf
+    root: dict[str, Any] = {}
+    for leaf, value in zip(leaves, values):
+        node = root
+        for i, part in enumerate(leaf.parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"item {path_str(leaf.parts[: i + 1])!r} is both a leaf and a subtree")
+            node = nxt
+        if leaf.parts[-1] in node:
+            raise ValueError(f"item {leaf.name!r} is both a leaf and a subtree")
+        node[leaf.parts[-1]] = value
+    return root
+
+
+# -- saving --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StagedTree:
+    """A state staged for ckptio: the tree to save (nested dicts of host data) and adapter metadata."""
+
+    tree: Any
+    meta: dict[str, Any]
+    nbytes: int
+
+
+def _is_key_array(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def stage_tree(state: Any) -> StagedTree:
+    """Stage every leaf of ``state`` on the calling thread (see the module docstring)."""
+    leaves, _ = flatten(state)
+    kinds: dict[str, Any] = {}
+    # Start every device->host copy first, so they overlap instead of running one by one.
+    for leaf in leaves:
+        if isinstance(leaf.value, jax.Array):
+            arr = jax.random.key_data(leaf.value) if _is_key_array(leaf.value) else leaf.value
+            for s in arr.addressable_shards:
+                if s.replica_id == 0:
+                    try:
+                        s.data.copy_to_host_async()
+                    except (AttributeError, RuntimeError):  # CPU arrays / deleted arrays: np.asarray says why
+                        pass
+    staged = []
+    nbytes = 0
+    for leaf in leaves:
+        v = leaf.value
+        where = leaf.name or "<root>"
+        if isinstance(v, jax.Array):
+            kind: dict[str, Any] = {"kind": "jax"}
+            if _is_key_array(v):
+                # Typed PRNG keys have no numpy dtype: save their raw data and the impl's name.
+                kind = {"kind": "key", "impl": str(jax.random.key_impl(v))}
+                v = jax.random.key_data(v)
+            pieces = []
+            for s in v.addressable_shards:
+                if s.replica_id == 0:
+                    host = np.asarray(s.data)
+                    pieces.append((s.index, host))
+                    nbytes += host.nbytes
+            staged.append(Sharded(tuple(v.shape), np.dtype(v.dtype), pieces))
+            kinds[leaf.name] = kind
+        elif isinstance(v, np.ndarray):
+            staged.append(np.array(v, copy=True, order="C"))  # mutable: the step may change it next
+            nbytes += v.nbytes
+        elif isinstance(v, np.generic) or v is None:
+            staged.append(v)
+        else:
+            try:
+                encode_value(v, where)
+            except TypeError:
+                raise UnsupportedLeafError(
+                    f"{where}: cannot save a leaf of type {type(v).__module__}.{type(v).__qualname__}; "
+                    "ckptio.orbax saves jax and numpy arrays, numpy scalars, int, float, bool, str, bytes "
+                    "and None -- never pickle"
+                ) from None
+            staged.append(v)
+    meta = {"version": 1, "leaves": kinds}
+    return StagedTree(nest(leaves, staged) if leaves else {}, meta, nbytes)
+
+
+# -- restoring -----------------------------------------------------------
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
+
+
+@dataclasses.dataclass
+class RestorePlan:
+    """What to ask ckptio for (``target``), and how to turn its answer into the caller's tree."""
+
+    target: Any
+    finish: Callable[[Any], Any]
+
+
+def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> tuple[Any, Callable[[Any], Any]]:
+    """The ckptio target for one leaf and the post-processing of what comes back."""
+    if kind.get("kind") == "key":
+        impl = str(kind.get("impl", ""))
+        if not isinstance(item, ArrayItem):
+            raise ValueError(f"item {name!r}: saved as a PRNG key but holds no array")
+        sharding = getattr(abstract, "sharding", None)
+        if abstract is not None and _is_target_leaf(abstract):
+            if not _is_key_array(abstract):
+                raise ValueError(f"item {name!r} holds a typed PRNG key; the target asks for {abstract.dtype}")
+            if tuple(abstract.shape) != item.shape[: len(abstract.shape)]:
+                raise ValueError(f"item {name!r}: target shape {abstract.shape} but saved keys {item.shape}")
+        tgt = jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding)
+        return tgt, lambda data: jax.random.wrap_key_data(data, impl=impl)
+    if isinstance(abstract, (jax.ShapeDtypeStruct, jax.Array)):
+        return abstract, lambda x: x
+    if isinstance(abstract, np.ndarray):
+        # A fresh buffer: the abstract tree is a description, not storage to overwrite.
+        return np.empty(abstract.shape, abstract.dtype), lambda x: x
+    if abstract is None and kind.get("kind") == "jax" and isinstance(item, ArrayItem):
+        # No target: a jax leaf comes back as a jax array on the default device.
+        return jax.ShapeDtypeStruct(item.shape, item.dtype), lambda x: x
+    return None, lambda x: x  # numpy arrays and values: as saved
+
+
+def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
+    """The ckptio target tree for ``abstract`` (any pytree, or None for "everything as saved")."""
+    meta = manifest.metadata.get(META_KEY, {}) if isinstance(manifest.metadata, dict) else {}
+    kinds = meta.get("leaves", {}) if isinstance(meta, dict) else {}
+    if abstract is None:
+        names = list(manifest.items)
+        # The saved tree is nested dicts; rebuild it from the manifest's item names.
+        from ckptio.tree import tree_leaf_paths, unflatten
+
+        order = list(tree_leaf_paths(manifest.tree))
+        plans = {n: _leaf_target(n, None, manifest.items[n], kinds.get(n, {})) for n in names}
+        target = unflatten(manifest.tree, lambda n: plans[n][0])
+
+        def finish_all(restored: Any) -> Any:
+            flat = dict(zip(order, _leaves_in_order(restored, manifest.tree)))
+            return unflatten(manifest.tree, lambda n: plans[n][1](flat[n]))
+
+        return RestorePlan(target, finish_all)
+    leaves, treedef = flatten(abstract, is_leaf=lambda x: x is None)
+    leaves = [lf for lf in leaves if lf.value is not None or True]
+    missing = [lf.name for lf in leaves if lf.name not in manifest.items]
+    if missing:
+        raise KeyError(
+            f"the abstract state asks for {missing[:5]} which the checkpoint does not hold "
+            f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
+        )
+    pairs = [_leaf_target(lf.name, lf.value, manifest.items[lf.name], kinds.get(lf.name, {})) for lf in leaves]
+
+    def finish(restored: Any) -> Any:
+        flat = _flat_by_parts(restored, leaves)
+        return jax.tree_util.tree_unflatten(treedef, [f(x) for (_, f), x in zip(pairs, flat)])
+
+    return RestorePlan(nest(leaves, [t for t, _ in pairs]) if leaves else {}, finish)
+
+
+def _flat_by_parts(tree: Any, leaves: Sequence[Leaf]) -> list[Any]:
+    out = []
+    for leaf in leaves:
+        node = tree
+        for part in leaf.parts:
+            node = node[part]
+        out.append(node)
+    return out
+
+
+def _leaves_in_order(tree: Any, structure: Any) -> list[Any]:
+    """Leaves of a restored ckptio tree in the order of ``structure`` (dict/list/tuple nodes)."""
+    (kind, body), = structure.items()
+    if kind == "leaf":
+        return [tree]
+    if kind == "dict":
+        return [x for k, v in body.items() for x in _leaves_in_order(tree[k], v)]
+    return [x for i, v in enumerate(body) for x in _leaves_in_order(tree[i], v)]

@@ -1,0 +1,172 @@
+"""The engine under faults, corruption, budgets; ranged restore reads only what it needs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio.backends.base import RetryableError
+from ckptio.backends.memory import MemoryBackend
+from ckptio.backends.wrappers import CountingBackend, FaultInjectingBackend, LatencyBackend, WrapperBackend
+
+FAST_RETRY = ckptio.EngineConfig(backoff_initial=0.001, backoff_max=0.01, retries=12, block_size=64 << 10)
+
+
+def _state(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((512, 300)), "v": [rng.integers(0, 9, 5000) for _ in range(20)], "step": 3}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] and a["w"].tobytes() == b["w"].tobytes()
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(a["v"], b["v"]))
+
+
+def test_retryable_faults_are_retried_until_success(tmp_path):
+    url = f"mem://faults-{tmp_path.name}"
+    faulty = FaultInjectingBackend(MemoryBackend(url), rate=0.3, seed=7, fail_after=0.3)
+    state = _state()
+    small = ckptio.EngineConfig(**{**FAST_RETRY.__dict__})
+    ckptio.save(url, state, step=1, backend=faulty, engine_config=small,
+                naming=None).result()
+    _same(ckptio.restore(url, backend=faulty, engine_config=small), state)
+    assert sum(faulty.injected.values()) > 3
+
+
+def test_non_retryable_errors_are_not_retried(tmp_path):
+    url = f"mem://perm-{tmp_path.name}"
+
+    class Denied(WrapperBackend):
+        calls = 0
+
+        async def write(self, key, buffers):
+            Denied.calls += 1
+            raise PermissionError(f"{key}: denied")
+
+    h = ckptio.save(url, _state(), step=1, backend=Denied(MemoryBackend(url)), engine_config=FAST_RETRY)
+    with pytest.raises(PermissionError, match="denied"):
+        h.result()
+    assert Denied.calls <= 2  # one object (maybe two), each tried once
+    with pytest.raises(ckptio.CheckpointNotFoundError):
+        ckptio.restore(url)
+
+
+def test_retries_give_up_after_the_limit(tmp_path):
+    url = f"mem://giveup-{tmp_path.name}"
+    always = FaultInjectingBackend(MemoryBackend(url), rate=1.0, faults=("write",))
+    cfg = ckptio.EngineConfig(retries=3, backoff_initial=0.001, backoff_max=0.001)
+    with pytest.raises(RetryableError):
+        ckptio.save(url, {"a": np.ones(10)}, step=1, backend=always, engine_config=cfg).result()
+    assert always.injected[("write", "error")] == 4
+
+
+def test_corruption_on_the_wire_is_reread_and_on_disk_is_reported(tmp_path):
+    url = f"mem://corrupt-{tmp_path.name}"
+    state = _state()
+    ckptio.save(url, state, step=1, engine_config=FAST_RETRY).result()
+
+    class CorruptFirstRead(WrapperBackend):
+        """Flips a byte of the first read of each object: corruption on the wire, not at rest."""
+
+        seen: set = set()
+
+        async def read_into(self, key, rng, buffers):
+            await self.inner.read_into(key, rng, buffers)
+            if key not in self.seen and rng.length:
+                self.seen.add(key)
+                buffers[0].cast("B")[0] ^= 1
+
+    flaky = CorruptFirstRead(MemoryBackend(url))
+    _same(ckptio.restore(url, backend=flaky), state)  # each corrupt read is read once more
+    assert len(flaky.seen) >= 2  # the manifest and the data object
+    broken = FaultInjectingBackend(MemoryBackend(url), rate=1.0, faults=(), corrupt_reads=True)
+    with pytest.raises(ckptio.IntegrityError, match="checksum mismatch in object"):
+        ckptio.restore(url, backend=broken)
+
+
+def test_corrupted_write_is_caught_on_restore(tmp_path):
+    url = f"mem://badwrite-{tmp_path.name}"
+
+    class CorruptData(WrapperBackend):
+        async def write(self, key, buffers):
+            data = bytearray(b"".join(buffers))
+            data[len(data) // 2] ^= 0x40
+            await self.inner.write(key, [memoryview(data)])
+
+    ckptio.save(url, {"w": np.arange(1000.0)}, step=1, backend=CorruptData(MemoryBackend(url))).result()
+    with pytest.raises(ckptio.IntegrityError) as e:
+        ckptio.restore(url)
+    assert e.value.item == "w"
+    # A corrupted manifest is caught by its own checksum.
+    url2 = url + "-manifest"
+    bad = FaultInjectingBackend(MemoryBackend(url2), rate=1.0, faults=(), corrupt_writes=True)
+    ckptio.save(url2, {"w": np.arange(1000.0)}, step=1, backend=bad).result()
+    with pytest.raises((ckptio.IntegrityError, ckptio.ManifestError)):
+        ckptio.restore(url2)
+
+
+class InFlight(WrapperBackend):
+    """Records the most bytes and requests in flight at once."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.bytes = self.reqs = self.max_bytes = self.max_reqs = 0
+
+    async def _track(self, n, call):
+        self.bytes += n
+        self.reqs += 1
+        self.max_bytes, self.max_reqs = max(self.max_bytes, self.bytes), max(self.max_reqs, self.reqs)
+        try:
+            await asyncio.sleep(0.002)
+            return await call()
+        finally:
+            self.bytes -= n
+            self.reqs -= 1
+
+    async def write(self, key, buffers):
+        return await self._track(sum(b.nbytes for b in buffers), lambda: self.inner.write(key, buffers))
+
+    async def read_into(self, key, rng, buffers):
+        return await self._track(rng.length, lambda: self.inner.read_into(key, rng, buffers))
+
+
+def test_concurrency_and_byte_budget_bound_requests(tmp_path):
+    url = f"mem://budget-{tmp_path.name}"
+    inner = MemoryBackend(url)
+    inner.capabilities = type(inner.capabilities)(object_size=64 << 10, concurrency=8)
+    tracked = InFlight(LatencyBackend(inner, 0.001))
+    state = {f"a{i}": np.full(60 << 10, i, np.uint8) for i in range(40)}
+    cfg = ckptio.EngineConfig(concurrency=6, byte_budget=200 << 10)
+    ckptio.save(url, state, step=1, backend=tracked, engine_config=cfg).result()
+    assert tracked.max_reqs <= 6 and tracked.max_bytes <= 200 << 10 and tracked.max_reqs >= 2
+    tracked.max_reqs = tracked.max_bytes = 0
+    out = ckptio.restore(url, backend=tracked, engine_config=cfg)
+    assert all((out[k] == v).all() for k, v in state.items())
+    assert tracked.max_reqs <= 6 and tracked.max_bytes <= 200 << 10
+
+
+def test_restoring_a_slice_reads_about_the_slice(tmp_path):
+    url = f"mem://slice-{tmp_path.name}"
+    full = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)  # 4 MiB, rows of 1 KiB
+    ckptio.save(url, {"w": full}, step=1, engine_config=ckptio.EngineConfig(block_size=64 << 10)).result()
+    counting = CountingBackend(MemoryBackend(url))
+    rows = (slice(1000, 1100), slice(None))  # 100 KiB of 4 MiB
+    out = ckptio.restore(url, backend=counting, target={"w": ckptio.Sharded(full.shape, full.dtype, [(rows, None)])})
+    assert out["w"].pieces[0][1].tobytes() == full[rows].tobytes()
+    data_read = sum(r.length for k, r in counting.reads if not k.endswith(".json"))
+    assert 100 << 10 <= data_read <= (100 << 10) + 2 * (64 << 10)
+
+
+def test_progress_reports_every_byte(tmp_path):
+    seen = {"written": 0, "read": 0}
+
+    def progress(event, n):
+        seen[event] += n
+
+    state = {"w": np.ones((1000, 100))}
+    ckptio.save(tmp_path, state, step=1, progress=progress).result()
+    ckptio.restore(tmp_path, progress=progress)
+    assert seen == {"written": state["w"].nbytes, "read": state["w"].nbytes}
