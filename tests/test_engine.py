@@ -83,8 +83,8 @@ def test_corruption_on_the_wire_is_reread_and_on_disk_is_reported(tmp_path):
     _same(ckptio.restore(url, backend=flaky), state)  # each corrupt read is read once more
     assert len(flaky.seen) >= 2  # the manifest and the data object
     broken = FaultInjectingBackend(MemoryBackend(url), rate=1.0, faults=(), corrupt_reads=True)
-    with pytest.raises(ckptio.IntegrityError, match="checksum mismatch in object"):
-        ckptio.restore(url, backend=broken)
+    with pytest.raises(ckptio.IntegrityError, match="checksum mismatch in manifest"):
+        ckptio.restore(url, backend=broken)  # every read corrupt: the manifest is the first casualty
 
 
 def test_corrupted_write_is_caught_on_restore(tmp_path):
