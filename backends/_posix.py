@@ -35,7 +35,9 @@ def translate_os_errors(what: str) -> Iterator[None]:
             raise PermissionError(f"{what}: the file system is mounted read-only") from e
         if e.errno in (errno.EACCES, errno.EPERM):
             raise PermissionError(f"{what}: {e.strerror}") from e
-        if e.errno == errno.ENOENT:
+        # ENOTDIR: a component of the path is a file, e.g. reading "a/b" when "a" is an
+        # object. In the object-store view the backends offer, that object is simply absent.
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
             raise FileNotFoundError(f"{what}: no such file") from e
         if e.errno == errno.EEXIST:
             raise FileExistsError(f"{what}: exists") from e

@@ -7,7 +7,9 @@ Contract every backend keeps (the conformance suite in
 ``tests/backend_conformance.py`` checks each point):
 
 * Keys are ``/``-separated relative names (no leading ``/``, no ``.`` or
-  ``..`` components, no empty components). :func:`check_key` enforces this.
+  ``..`` components, no empty components). :func:`check_key` enforces this;
+  listing prefixes pass :func:`check_prefix`, so no listing reaches outside
+  the root either.
 * :meth:`Backend.write` creates or replaces a whole object from one or more
   buffers, in order, without concatenating them first. A reader never sees a
   partially written object under ``key``: either the old state or the new one.
@@ -38,6 +40,7 @@ __all__ = [
     "ObjectInfo",
     "RetryableError",
     "check_key",
+    "check_prefix",
     "join_key",
 ]
 
@@ -126,6 +129,24 @@ def check_key(key: str) -> str:
         if part in ("", ".", ".."):
             raise ValueError(f"object key {key!r} has an empty, '.' or '..' component")
     return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is a valid listing prefix, else raise ValueError naming it.
+
+    A prefix is a plain string prefix of keys, so its last component may be
+    partial or empty (``""``, ``"step_1/sha"``, ``"step_1/"``); every complete
+    component before the last ``/`` must be a valid key component, so that no
+    listing can name anything outside the backend's root (``"../"``, ``"/etc/"``).
+    """
+    if not isinstance(prefix, str) or "\\" in prefix or "\x00" in prefix:
+        raise ValueError(f"listing prefix {prefix!r} is not a '/'-separated string")
+    head, sep, _ = prefix.rpartition("/")
+    if sep:
+        for part in head.split("/"):
+            if part in ("", ".", ".."):
+                raise ValueError(f"listing prefix {prefix!r} has an empty, '.' or '..' component")
+    return prefix
 
 
 def join_key(*parts: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import stat as stat_mod
 import threading
 import uuid
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ._posix import aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key, check_prefix
 
 __all__ = ["LocalBackend", "LocalConfig", "TMP_MARK"]
 
@@ -30,13 +31,15 @@ T = TypeVar("T")
 #: Temporary files carry this in their name; listings skip them.
 TMP_MARK = ".ckptio-tmp-"
 _DIRECT_CHUNK = 8 << 20
+#: Tries to create a temp file while concurrent deletes keep removing its empty directory.
+_MKDIR_ATTEMPTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalConfig:
     """Options of the POSIX backends (picklable)."""
 
-    #: Bypass the page cache with O_DIRECT for the aligned bulk of each write/read.
+    #: Bypass the page cache with O_DIRECT for the aligned bulk of each write (reads stay buffered).
     direct: bool = False
     #: fsync each file before its rename (and directories in ``sync``).
     fsync: bool = True
@@ -68,7 +71,7 @@ class LocalBackend(Backend):
 
     def _capabilities(self) -> Capabilities:
         return Capabilities(
-            durable_on_close=not self.config.fsync,
+            durable_on_close=False,  # directory entries need sync(); without fsync nothing is durable
             preferred_io_size=8 << 20,
             object_size=self.config.object_size,
             alignment=self.config.alignment if self.config.direct else 1,
@@ -105,13 +108,15 @@ class LocalBackend(Backend):
     def _write_tmp(self, path: str, buffers: Sequence[memoryview]) -> str:
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f"{TMP_MARK}{uuid.uuid4().hex}")
-        for attempt in (0, 1):
-            self._makedirs(directory)
+        for attempt in range(_MKDIR_ATTEMPTS):
             try:
+                self._makedirs(directory)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 break
             except FileNotFoundError:
-                if attempt:  # a concurrent delete removed the fresh directory; recreate once
+                # A concurrent delete emptied and removed a directory on our path between
+                # makedirs and open (or inside makedirs); it may do so more than once.
+                if attempt == _MKDIR_ATTEMPTS - 1:
                     raise
         try:
             if self.config.direct:
@@ -130,7 +135,8 @@ class LocalBackend(Backend):
     def _write_direct(self, tmp: str, fd: int, buffers: Sequence[memoryview]) -> None:
         """Aligned chunks through an O_DIRECT descriptor; the unaligned tail through ``fd``."""
         align = self.config.alignment
-        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        # Empty views are dropped first: cast() refuses views with a zero in their shape.
+        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers if b.nbytes]
         total = sum(v.nbytes for v in views)
         direct_bytes = total - total % align
         dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -207,7 +213,10 @@ class LocalBackend(Backend):
         with translate_os_errors(f"{self._url}: reading {key!r}"):
             fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                if not stat_mod.S_ISREG(st.st_mode):  # open(2) succeeds on a directory
+                    raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object")
+                size = st.st_size
                 if rng.end > size:
                     raise ValueError(
                         f"{self._url}: range [{rng.start}, {rng.end}) of {key!r} runs past its end ({size} bytes)"
@@ -229,7 +238,10 @@ class LocalBackend(Backend):
     def _delete(self, key: str) -> None:
         path = self.path(key)
         with translate_os_errors(f"{self._url}: deleting {key!r}"):
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except IsADirectoryError:
+                raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object") from None
         self._mark_dirty(os.path.dirname(path))
         # Remove directories the deletion emptied, up to (not including) the root.
         d = os.path.dirname(path)
@@ -256,6 +268,7 @@ class LocalBackend(Backend):
         return await self._run(self._stat, key)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
+        check_prefix(prefix)  # "../" would otherwise walk (and report) the root's parent
         # Walk only the deepest directory that the prefix pins down.
         start = os.path.join(self.root, os.path.dirname(prefix)) if "/" in prefix else self.root
         out: list[ObjectInfo] = []
@@ -279,6 +292,8 @@ class LocalBackend(Backend):
         return await self._run(self._list, prefix)
 
     def _list_children(self, prefix: str) -> list[str]:
+        if prefix:  # the whole prefix names a directory here, so all of it must be a valid key
+            check_prefix(prefix.rstrip("/") + "/")
         directory = os.path.join(self.root, prefix.strip("/")) if prefix.strip("/") else self.root
         try:
             return sorted(e.name for e in os.scandir(directory) if TMP_MARK not in e.name)

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key, check_prefix
 
 __all__ = ["MemoryBackend"]
 
@@ -44,9 +44,9 @@ class MemoryBackend(Backend):
     def url(self) -> str:
         return self._url
 
-    def _get(self, key: str) -> bytes:
+    def _get(self, key: str) -> tuple[bytes, float]:
         try:
-            return self._objects[check_key(key)][0]
+            return self._objects[check_key(key)]
         except KeyError:
             raise FileNotFoundError(f"{self._url}/{key}: no such object") from None
 
@@ -60,16 +60,18 @@ class MemoryBackend(Backend):
         await asyncio.sleep(0)
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        data = self._get(key)
+        data, _ = self._get(key)
         if rng.end > len(data):
             raise ValueError(f"{self._url}/{key}: range [{rng.start}, {rng.end}) past end {len(data)}")
-        if sum(len(b) for b in buffers) != rng.length:
-            raise ValueError(f"buffers hold {sum(len(b) for b in buffers)} bytes, range {rng.length}")
+        # nbytes, not len(): len() counts items, and destinations are often float arrays.
+        if sum(b.nbytes for b in buffers) != rng.length:
+            raise ValueError(f"buffers hold {sum(b.nbytes for b in buffers)} bytes, range {rng.length}")
         view = memoryview(data)
         pos = rng.start
         for buf in buffers:
-            n = len(buf)
-            buf.cast("B")[:] = view[pos : pos + n]
+            n = buf.nbytes
+            if n:  # cast() refuses views with a zero in their shape (zero-size arrays)
+                buf.cast("B")[:] = view[pos : pos + n]
             pos += n
         await asyncio.sleep(0)
 
@@ -87,10 +89,12 @@ class MemoryBackend(Backend):
                 raise FileNotFoundError(f"{self._url}/{key}: no such object")
 
     async def stat(self, key: str) -> ObjectInfo:
-        data = self._get(key)
-        return ObjectInfo(key, len(data), self._objects[key][1])
+        # One lookup: a second one could race with a delete and leak a KeyError.
+        data, mtime = self._get(key)
+        return ObjectInfo(key, len(data), mtime)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        check_prefix(prefix)
         with self._lock:
             items = [(k, v) for k, v in self._objects.items() if k.startswith(prefix)]
         return [ObjectInfo(k, len(d), t) for k, (d, t) in sorted(items)]

@@ -167,7 +167,15 @@ class Engine:
 
     # -- writing ---------------------------------------------------------
 
-    async def write_object(self, plan: ObjectPlan, progress: Progress | None = None) -> WrittenObject:
+    async def write_object(
+        self,
+        plan: ObjectPlan,
+        progress: Progress | None = None,
+        ready: concurrent.futures.Future[None] | None = None,
+    ) -> WrittenObject:
+        """Write one object once ``ready`` resolves (its bytes are staged), with block checksums."""
+        if ready is not None:
+            await asyncio.wrap_future(ready)
         sem, budget = self._limits()
         size = plan.size
         bs = self.config.block_size
@@ -182,9 +190,18 @@ class Engine:
             progress("written", size)
         return WrittenObject(plan.key, size, crcs)
 
-    async def write_objects(self, plans: Sequence[ObjectPlan], progress: Progress | None = None) -> list[WrittenObject]:
-        """Write every plan concurrently; on the first failure cancel the rest and raise it."""
-        tasks = [asyncio.ensure_future(self.write_object(p, progress)) for p in plans]
+    async def write_objects(
+        self,
+        plans: Sequence[ObjectPlan],
+        progress: Progress | None = None,
+        ready: Sequence[concurrent.futures.Future[None]] | None = None,
+    ) -> list[WrittenObject]:
+        """Write every plan concurrently; on the first failure cancel the rest and raise it.
+
+        ``ready[i]``, when given, resolves once plan ``i``'s bytes are staged.
+        """
+        gates = ready if ready is not None else [None] * len(plans)
+        tasks = [asyncio.ensure_future(self.write_object(p, progress, g)) for p, g in zip(plans, gates)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:

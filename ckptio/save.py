@@ -24,7 +24,7 @@ from .errors import ManifestError, SaveFailedError
 from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .manifest import Manifest, item_to_json
-from .staging import StagedArray, StagingPool, stage_leaf
+from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tree import flatten, path_str
@@ -61,25 +61,25 @@ class SaveHandle:
         return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
 
 
-def _stage(
-    state: Any, rank: int, copy: bool, pool: StagingPool | None
-) -> tuple[Any, dict[str, Any], list[np.ndarray]]:
+def _plan_staging(state: Any, rank: int, area: StagingArea | None) -> tuple[Any, dict[str, Any]]:
+    """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled."""
     leaves, structure = flatten(state)
     staged: dict[str, Any] = {}
-    owned: list[np.ndarray] = []
     for path, leaf in leaves:
         name = path_str(path)
-        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, copy=copy, pool=pool, owned=owned)
-    return structure, staged, owned
+        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area)
+    return structure, staged
 
 
-def _pieces(staged: dict[str, Any]) -> list[Piece]:
-    out = []
+def _pieces(staged: dict[str, Any]) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
+    """Every shard as a byte piece, and each piece's array (to fill before its object is written)."""
+    out, arrays = [], {}
     for name, item in staged.items():
         if isinstance(item, StagedArray):
             for i, (_offs, _shape, data) in enumerate(item.shards):
                 out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
-    return out
+                arrays[(name, i)] = data
+    return out, arrays
 
 
 def _host_record(
@@ -158,16 +158,18 @@ def start_save(
     if run_sync(store.is_committed(step_dir)):
         raise FileExistsError(f"checkpoint {where} is already committed")
     t0 = time.perf_counter()
-    structure, staged, owned = _stage(state, coord.rank, copy, pool)
+    area = StagingArea(pool) if copy else None
+    structure, staged = _plan_staging(state, coord.rank, area)
+    pieces, arrays = _pieces(staged)
     save_id = uuid.uuid4().hex[:12]
     plans = pack(
-        _pieces(staged),
+        pieces,
         object_size=store.backend.capabilities.object_size,
         key_for=lambda n: store.naming.object_key(step_dir, save_id, coord.rank, coord.size, n),
     )
+    # Each object's write starts as soon as its own bytes are staged.
+    ready: list[concurrent.futures.Future[None]] = [concurrent.futures.Future() for _ in plans]
     handle = SaveHandle(where, step)
-    handle.stage_seconds = time.perf_counter() - t0
-    log.info("%s: staged %d objects (%.3fs)", where, len(plans), handle.stage_seconds)
     head = {
         "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "created": time.time(),
         "block_size": store.engine.config.block_size, "num_hosts": coord.size, "tree": structure,
@@ -176,7 +178,7 @@ def start_save(
 
     def background() -> None:
         try:
-            written = run_sync(store.engine.write_objects(plans, progress))
+            written = run_sync(store.engine.write_objects(plans, progress, ready))
             run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
             record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
             handle.state = SaveState.WRITTEN
@@ -188,8 +190,8 @@ def start_save(
         else:
             failure = None
         finally:
-            if pool is not None:
-                pool.give_back(owned)
+            if area is not None:
+                area.release()
         try:
             records = coord.all_gather(record)
             verdict: dict[str, Any] = {"ok": False}
@@ -228,5 +230,20 @@ def start_save(
             handle._future.set_result(outcome[0])
 
     threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
+    try:
+        for plan, fut in zip(plans, ready):
+            if area is not None:
+                for e in plan.extents:
+                    area.fill(arrays[(e.item, e.shard)])
+            fut.set_result(None)
+        if area is not None:
+            area.fill_all()  # zero-byte pieces belong to no object
+    except BaseException as e:
+        for fut in ready:
+            if not fut.done():
+                fut.set_exception(SaveFailedError(f"{where}: staging failed: {e!r}"))
+        raise
+    handle.stage_seconds = time.perf_counter() - t0
+    log.info("%s: staged %d objects (%.3fs)", where, len(plans), handle.stage_seconds)
     return handle
 

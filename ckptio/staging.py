@@ -23,7 +23,7 @@ from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
 
-__all__ = ["Sharded", "StagedArray", "StagingPool", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -124,12 +124,42 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _copy(arr: np.ndarray, pool: StagingPool | None, owned: list[np.ndarray]) -> np.ndarray:
-    buf = pool.take(arr.nbytes) if pool is not None else np.empty(arr.nbytes, np.uint8)
-    owned.append(buf)
-    out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
-    np.copyto(out, arr, casting="no")
-    return out
+class StagingArea:
+    """The host buffers one save owns, and the copies that fill them.
+
+    Copies are registered while a save is planned and run afterwards, object
+    by object, so each object's write can start as soon as its own bytes are
+    staged instead of after the whole state.
+    """
+
+    def __init__(self, pool: StagingPool | None) -> None:
+        self.pool = pool
+        self.owned: list[np.ndarray] = []
+        self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def snapshot(self, arr: np.ndarray) -> np.ndarray:
+        """A buffer of ``arr``'s shape and dtype that :meth:`fill` will copy ``arr`` into."""
+        buf = self.pool.take(arr.nbytes) if self.pool is not None else np.empty(arr.nbytes, np.uint8)
+        self.owned.append(buf)
+        out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
+        self._pending[id(out)] = (out, arr)
+        return out
+
+    def fill(self, out: np.ndarray) -> None:
+        """Run the copy into ``out`` if it has not run yet."""
+        job = self._pending.pop(id(out), None)
+        if job is not None:
+            np.copyto(job[0], job[1], casting="no")
+
+    def fill_all(self) -> None:
+        for out, _src in list(self._pending.values()):
+            self.fill(out)
+
+    def release(self) -> None:
+        """Give the buffers back to the pool (once their objects are written)."""
+        if self.pool is not None:
+            self.pool.give_back(self.owned)
+        self.owned = []
 
 
 def stage_leaf(
@@ -137,11 +167,13 @@ def stage_leaf(
     leaf: Any,
     *,
     host: int,
-    copy: bool,
-    pool: StagingPool | None,
-    owned: list[np.ndarray],
+    area: StagingArea | None,
 ) -> StagedArray | ValueItem:
-    """Stage one leaf (``where`` is its pytree path, used in errors)."""
+    """Stage one leaf (``where`` is its pytree path, used in errors).
+
+    Mutable arrays get a snapshot buffer in ``area`` (filled later by
+    ``area.fill``); with ``area=None`` they are referenced as they are.
+    """
     if isinstance(leaf, Sharded):
         check_dtype(leaf.dtype, where)
         shards = []
@@ -152,7 +184,7 @@ def stage_leaf(
                 raise ValueError(
                     f"{where}: piece {index!r} holds {arr.dtype}{list(arr.shape)}, expected {leaf.dtype}{list(sizes)}"
                 )
-            shards.append((offs, sizes, _copy(arr, pool, owned) if copy else np.ascontiguousarray(arr)))
+            shards.append((offs, sizes, area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)))
         return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards)
     if _is_jax_array(leaf):
         shards = []
@@ -171,7 +203,8 @@ def stage_leaf(
         t = leaf.detach()
         moved = t.device.type != "cpu"
         leaf = torch_to_numpy(t.cpu() if moved else t.contiguous() if not t.is_contiguous() else t)
-        copy = copy and not moved  # .cpu() already made a private copy
+        if moved:  # .cpu() already made a private copy
+            area = None
         origin = "torch"
     scalar = isinstance(leaf, np.generic)
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -182,7 +215,7 @@ def stage_leaf(
             raise UnsupportedLeafError(str(e)) from None
         shards = []
         if host == 0:
-            data = _copy(arr, pool, owned) if copy else np.ascontiguousarray(arr)
+            data = area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)
             shards.append(((0,) * arr.ndim, tuple(arr.shape), data))
         return StagedArray(arr.dtype, tuple(arr.shape), scalar, origin, shards)
     try:

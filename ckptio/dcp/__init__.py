@@ -1,0 +1,23 @@
+"""PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``) on ckptio.
+
+>>> import torch.distributed.checkpoint as dcp
+>>> from ckptio.dcp import Writer, Reader
+>>> dcp.save(state_dict, storage_writer=Writer("gs://bucket/run1", step=100))
+>>> dcp.async_save(state_dict, storage_writer=Writer("/mnt/ssd/run1/100"))   # thread or process executor
+>>> dcp.load(state_dict, storage_reader=Reader("gs://bucket/run1", step=100))
+
+Every byte goes through the ckptio engine: tensors as raw bytes (no
+torch.save), chunks packed into objects named by the store's layout, DCP's
+Metadata kept as JSON inside a normal ckptio manifest, committed last. The
+result is also a native ckptio checkpoint (``ckptio.restore(url)`` returns
+``{fqn: array}``). Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+from ._codec import ChunkLocation
+from .reader import Reader
+from .staging import DEFAULT_BUFFERS, HostBuffers, Stager, stage_state_dict
+from .writer import Writer
+
+__all__ = ["DEFAULT_BUFFERS", "ChunkLocation", "HostBuffers", "Reader", "Stager", "Writer", "stage_state_dict"]

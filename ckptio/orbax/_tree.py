@@ -26,7 +26,7 @@ import numpy as np
 from ckptio.errors import UnsupportedLeafError
 from ckptio.manifest import ArrayItem, Manifest, encode_value
 from ckptio.staging import Sharded
-from ckptio.tree import path_str
+from ckptio.tree import path_str, tree_leaf_paths, unflatten
 
 __all__ = [
     "META_KEY",
@@ -219,12 +219,9 @@ def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
     meta = manifest.metadata.get(META_KEY, {}) if isinstance(manifest.metadata, dict) else {}
     kinds = meta.get("leaves", {}) if isinstance(meta, dict) else {}
     if abstract is None:
-        names = list(manifest.items)
-        # The saved tree is nested dicts; rebuild it from the manifest's item names.
-        from ckptio.tree import tree_leaf_paths, unflatten
-
+        # Everything as saved, in the saved structure (nested dicts).
         order = list(tree_leaf_paths(manifest.tree))
-        plans = {n: _leaf_target(n, None, manifest.items[n], kinds.get(n, {})) for n in names}
+        plans = {n: _leaf_target(n, None, manifest.items[n], kinds.get(n, {})) for n in order}
         target = unflatten(manifest.tree, lambda n: plans[n][0])
 
         def finish_all(restored: Any) -> Any:
@@ -232,8 +229,8 @@ def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
             return unflatten(manifest.tree, lambda n: plans[n][1](flat[n]))
 
         return RestorePlan(target, finish_all)
-    leaves, treedef = flatten(abstract, is_leaf=lambda x: x is None)
-    leaves = [lf for lf in leaves if lf.value is not None or True]
+    # None is an empty subtree for jax (as when saving): it comes back as None, never read.
+    leaves, treedef = flatten(abstract)
     missing = [lf.name for lf in leaves if lf.name not in manifest.items]
     if missing:
         raise KeyError(

@@ -1,0 +1,399 @@
+"""Plumbing of the GCS backend: HTTP payloads, error translation, auth, rate ramp, sessions.
+
+Kept apart from :mod:`ckptio.backends.gcs` so that module reads as the
+protocol (which request, which status) and this one as the mechanics.
+Imports aiohttp, so it is only imported when a ``gs://`` backend is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import email.utils
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+import crc32c as _crc32c
+from aiohttp.abc import AbstractStreamWriter
+
+from .base import RetryableError
+
+__all__ = [
+    "BuffersPayload",
+    "RateRamp",
+    "SessionPool",
+    "TokenSource",
+    "byte_views",
+    "crc32c_b64",
+    "parse_retry_after",
+    "parse_rfc3339",
+    "raise_for_status",
+    "slice_views",
+    "translating",
+]
+
+# Writes go to the socket in slices of this size: the transport copies what the
+# kernel does not take at once, so slices bound that copy and let the writer's
+# drain() apply back-pressure, instead of buffering a whole object in the loop.
+_WRITE_SLICE = 1 << 20
+# Checksums of bigger inputs run in a thread (crc32c releases the GIL) so the loop keeps serving.
+_CRC_IN_THREAD = 1 << 20
+# Bytes of an error response kept for the message.
+_ERROR_BODY = 4096
+
+
+# -- buffers ------------------------------------------------------------------
+
+
+def byte_views(buffers: Sequence[memoryview | bytes | bytearray]) -> list[memoryview]:
+    """Flat unsigned-byte views of ``buffers`` (any format or shape; C-contiguous)."""
+    out = []
+    for b in buffers:
+        v = b if isinstance(b, memoryview) else memoryview(b)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        out.append(v)
+    return out
+
+
+def slice_views(views: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
+    """The bytes ``[start, end)`` of the concatenation of ``views``, as views (no copy)."""
+    out: list[memoryview] = []
+    pos = 0
+    for v in views:
+        n = v.nbytes
+        if pos + n > start and pos < end:
+            out.append(v[max(start - pos, 0) : min(end - pos, n)])
+        pos += n
+        if pos >= end:
+            break
+    return out
+
+
+def _crc_of(views: Sequence[memoryview]) -> int:
+    value = 0
+    for v in views:
+        value = _crc32c.crc32c(v, value)
+    return value
+
+
+async def crc32c_b64(views: Sequence[memoryview]) -> str:
+    """GCS's form of a CRC32C: base64 of the big-endian 4 bytes."""
+    if sum(v.nbytes for v in views) >= _CRC_IN_THREAD:
+        value = await asyncio.to_thread(_crc_of, views)
+    else:
+        value = _crc_of(views)
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+class BuffersPayload(aiohttp.payload.Payload):
+    """A request body made of several buffers sent in order, never concatenated."""
+
+    _autoclose = True  # only memory, nothing to release
+
+    def __init__(self, parts: Sequence[memoryview | bytes], content_type: str) -> None:
+        super().__init__(parts, content_type=content_type)
+        self._parts = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
+        self._size = sum(p.nbytes for p in self._parts)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._parts).decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        left = self._size if content_length is None else min(content_length, self._size)
+        for part in self._parts:
+            for off in range(0, part.nbytes, _WRITE_SLICE):
+                if left <= 0:
+                    return
+                piece = part[off : off + min(_WRITE_SLICE, left)]
+                await writer.write(piece)
+                left -= piece.nbytes
+
+
+# -- errors -------------------------------------------------------------------
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max((when - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
+
+def parse_rfc3339(value: str) -> float:
+    """Epoch seconds of a GCS timestamp such as ``2024-05-01T12:00:00.123456Z`` (Python 3.10 safe)."""
+    value = value.strip()
+    if value.endswith(("Z", "z")):
+        value = value[:-1] + "+00:00"
+    head, sep, rest = value.partition(".")
+    if sep:  # 3.10's fromisoformat wants exactly 3 or 6 fraction digits
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        frac, tz = rest[:digits], rest[digits:]
+        value = f"{head}.{(frac + '000000')[:6]}{tz}"
+    dt = datetime.fromisoformat(value)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        doc = json.loads(body)
+        return str(doc["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace").strip()[:500]
+
+
+async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
+    """Raise the builtin (or RetryableError) that a non-success response means.
+
+    404 -> FileNotFoundError, 412 -> FileExistsError (a failed
+    ``ifGenerationMatch=0``), 401/403 -> PermissionError, 416 -> ValueError
+    (range past the end), 408/429/5xx -> RetryableError with ``Retry-After``,
+    a 400 about a hash mismatch -> RetryableError (bytes damaged in transit),
+    other 4xx -> ValueError.
+    """
+    status = resp.status
+    try:
+        body = await resp.content.read(_ERROR_BODY)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        body = b""
+    message = f"{what}: HTTP {status} {_error_message(body) or resp.reason or ''}".rstrip()
+    if status == 404:
+        raise FileNotFoundError(message)
+    if status == 412:
+        raise FileExistsError(message)
+    if status in (401, 403):
+        raise PermissionError(message)
+    if status == 416:
+        # fake-gcs-server drops the connection after a 416 without saying so; never reuse it.
+        resp.close()
+        raise ValueError(f"{message} (byte range runs past the end of the object)")
+    if status in (408, 429) or status >= 500:
+        raise RetryableError(message, retry_after=parse_retry_after(resp.headers.get("Retry-After")))
+    if status == 400 and any(w in message.lower() for w in ("crc32c", "md5", "checksum", "hash")):
+        raise RetryableError(message)
+    if 400 <= status < 500:
+        raise ValueError(message)
+    raise OSError(message)  # 1xx/3xx we did not ask for
+
+
+@contextlib.asynccontextmanager
+async def translating(what: str) -> AsyncIterator[None]:
+    """Turn transport failures inside the block into RetryableError (the one place that does)."""
+    try:
+        yield
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+        # Resets, refused connections, truncated bodies, socket timeouts: all transient.
+        raise RetryableError(f"{what}: {type(e).__name__}: {e}") from e
+    except aiohttp.ClientResponseError as e:  # raised by aiohttp itself, e.g. a malformed response
+        raise RetryableError(f"{what}: {e}") from e
+    except aiohttp.InvalidURL as e:
+        raise ValueError(f"{what}: {e}") from e
+    except aiohttp.ClientError as e:
+        raise OSError(f"{what}: {type(e).__name__}: {e}") from e
+
+
+# -- credentials ----------------------------------------------------------------
+
+_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
+
+
+class TokenSource:
+    """OAuth headers from google-auth's application-default credentials, refreshed when stale.
+
+    The refresh is a blocking HTTP call, so it runs in a thread, one at a time
+    across every loop that uses the backend. ``anonymous`` sends no header
+    (the emulator).
+    """
+
+    def __init__(self, anonymous: bool) -> None:
+        self.anonymous = anonymous
+        self._creds: Any = None
+        self._lock = threading.Lock()
+        self._stale = False
+
+    def invalidate(self) -> None:
+        """Refresh before the next request (after a 401: the token may have been revoked)."""
+        self._stale = True
+
+    def _refresh(self) -> None:
+        import google.auth
+        import google.auth.exceptions
+        import google.auth.transport.requests
+
+        with self._lock:
+            try:
+                if self._creds is None:
+                    self._creds, _project = google.auth.default(scopes=list(_SCOPES))
+                if self._stale or not self._creds.valid:
+                    self._creds.refresh(google.auth.transport.requests.Request())
+                    self._stale = False
+            except google.auth.exceptions.DefaultCredentialsError as e:
+                raise PermissionError(
+                    f"no Google credentials for GCS ({e}); set GOOGLE_APPLICATION_CREDENTIALS, run "
+                    "`gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator"
+                ) from e
+            except google.auth.exceptions.RefreshError as e:
+                if getattr(e, "retryable", False):
+                    raise RetryableError(f"refreshing GCS credentials: {e}") from e
+                raise PermissionError(f"refreshing GCS credentials: {e}") from e
+            except google.auth.exceptions.TransportError as e:
+                raise RetryableError(f"refreshing GCS credentials: {e}") from e
+
+    async def headers(self) -> dict[str, str]:
+        """``Authorization`` (and quota-project) headers for one request."""
+        if self.anonymous:
+            return {}
+        creds = self._creds
+        if creds is None or self._stale or not creds.valid:
+            await asyncio.to_thread(self._refresh)
+            creds = self._creds
+        headers: dict[str, str] = {}
+        creds.apply(headers)
+        return headers
+
+
+# -- request-rate ramp ------------------------------------------------------------
+
+
+class RateRamp:
+    """A token bucket whose rate doubles every ``doubling_s`` seconds from ``initial_per_s``.
+
+    GCS's request-rate guide: a bucket starts at about 1000 writes/s and 5000
+    reads/s and scales by splitting hot key ranges over minutes, so a client
+    should start below that and double at most every 20 minutes. The clock
+    starts at the first request. Thread-safe: one ramp serves every loop.
+    Requests reserve a token and sleep until it is due, so waiters queue
+    fairly instead of polling.
+    """
+
+    def __init__(
+        self,
+        initial_per_s: float,
+        doubling_s: float = 1200.0,
+        max_per_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if initial_per_s <= 0 or doubling_s <= 0:
+            raise ValueError("a rate ramp needs a positive initial rate and doubling time")
+        self.initial_per_s = initial_per_s
+        self.doubling_s = doubling_s
+        self.max_per_s = max_per_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._t0: float | None = None
+        self._last = 0.0
+        self._tokens = 0.0
+
+    def rate(self, now: float | None = None) -> float:
+        """The allowed requests per second at ``now`` (clock seconds)."""
+        if self._t0 is None:
+            return self.initial_per_s
+        now = self._clock() if now is None else now
+        # Exponent capped: past ~60 doublings the rate is unlimited in practice.
+        r = self.initial_per_s * 2.0 ** min((now - self._t0) / self.doubling_s, 60.0)
+        return min(r, self.max_per_s) if self.max_per_s else r
+
+    def reserve(self) -> float:
+        """Take one token; return how many seconds the caller must wait before using it."""
+        with self._lock:
+            now = self._clock()
+            if self._t0 is None:
+                # Start with one second's worth: the guide's rates are per second, bursts included.
+                self._t0, self._last, self._tokens = now, now, self.initial_per_s
+            rate = self.rate(now)
+            self._tokens = min(self._tokens + (now - self._last) * rate, rate)
+            self._last = now
+            self._tokens -= 1.0
+            return 0.0 if self._tokens >= 0 else -self._tokens / rate
+
+    async def acquire(self) -> None:
+        """Wait for the right to send one request."""
+        delay = self.reserve()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+# -- sessions ---------------------------------------------------------------------------
+
+
+class SessionPool:
+    """One aiohttp session per event loop, made lazily on the loop that needs it.
+
+    aiohttp sessions and connectors are bound to the loop they were created
+    on, and the backend is driven from several: the engine's loop thread, a
+    fresh loop per Orbax commit future, the test's own loop.
+    """
+
+    def __init__(self, factory: Callable[[], aiohttp.ClientSession]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+
+    async def get(self) -> aiohttp.ClientSession:
+        """The running loop's session (created on first use)."""
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is not None and not session.closed:
+            return session
+        with self._lock:
+            dead = [lp for lp in self._sessions if lp.is_closed()]
+            stale = [self._sessions.pop(lp) for lp in dead]
+            session = self._factory()
+            self._sessions[loop] = session
+        for s in stale:
+            await _forget(s)
+        return session
+
+    async def close_current(self) -> None:
+        """Close the running loop's session only (call before closing a short-lived loop)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            session = self._sessions.pop(loop, None)
+        if session is not None:
+            await session.close()
+
+    async def close_all(self) -> None:
+        """Close every session: ours directly, other running loops' through their loop."""
+        current = asyncio.get_running_loop()
+        with self._lock:
+            sessions, self._sessions = self._sessions, {}
+        for loop, session in sessions.items():
+            if loop is current:
+                await session.close()
+            elif loop.is_closed():
+                await _forget(session)
+            elif loop.is_running():
+                fut = asyncio.run_coroutine_threadsafe(session.close(), loop)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
+            # A stopped but unclosed loop cannot run the close; its sockets go with it.
+
+
+async def _forget(session: aiohttp.ClientSession) -> None:
+    """Mark a session of a closed loop closed (no 'unclosed' warning); its sockets die with the loop."""
+    if session.connector is not None:
+        # On a closed loop the connector only flags itself closed; the awaitable is a no-op.
+        with contextlib.suppress(Exception):
+            await session.connector.close()

@@ -1,0 +1,283 @@
+"""Where an Orbax item's ckptio checkpoint lives, and the save/restore/sweep that run there.
+
+Two layouts:
+
+* **in the item directory** (default, ``storage=None``): the ckptio store is
+  rooted at Orbax's item directory (``<root>/<step>/<item>/``): manifest and
+  objects are inside it, so Orbax's atomic rename commits them with the step
+  and Orbax's retention (``rmtree`` of the step) removes every byte.
+* **external** (``storage="gs://bucket/run1"``, typically with hashed
+  naming): objects and manifest live in ``<storage>/<item>/``, as the ckptio
+  checkpoint of the Orbax step (``<storage>/<item>/h3f/<step>/...``,
+  manifest at ``<storage>/<item>/<step>/``), so saves spread over hashed key
+  ranges. The item directory holds only a small pointer file
+  (:data:`POINTER_NAME`). Orbax deletes only the step directory, so the
+  adapter deletes the external checkpoint itself: through the deleter
+  that :func:`ckptio.orbax.retention.attach` installs (at once), and by an
+  orphan sweep after each save and on close (any Orbax manager).
+
+Everything here runs inside Orbax's commit futures (a thread with its own
+event loop, after the directories exist) or on Orbax's restore path; the
+ckptio engine runs on its own IO loop thread, so we block on it (``run_sync``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+from etils import epath
+
+from ckptio.backends import open_backend
+from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess
+from ckptio.engine import EngineConfig, run_sync
+from ckptio.errors import CheckpointNotFoundError
+from ckptio.layout import Naming
+from ckptio.manifest import Manifest
+from ckptio.save import start_save
+from ckptio.store import CheckpointStore
+
+__all__ = [
+    "POINTER_NAME",
+    "Location",
+    "StorageConfig",
+    "coordinator_for",
+    "delete_external",
+    "locate_for_restore",
+    "locate_for_save",
+    "read_manifest",
+    "read_pointer",
+    "step_of",
+    "sweep_external",
+    "url_of",
+    "write_and_commit",
+]
+
+log = logging.getLogger("ckptio.orbax")
+
+#: In an Orbax item directory: where the item's ckptio checkpoint lives when it is external.
+POINTER_NAME = "ckptio.orbax.json"
+_POINTER_FORMAT = "ckptio-orbax-pointer"
+_MAX_POINTER_BYTES = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """Where and how the handler stores data (picklable; every field optional)."""
+
+    #: Root URL of external storage; None keeps the data in Orbax's item directory.
+    url: str | None = None
+    naming: Naming | None = None
+    engine_config: EngineConfig | None = None
+    backend_options: dict[str, Any] | None = None
+    #: The orphan sweep leaves uncommitted objects younger than this alone (saves in flight elsewhere).
+    sweep_grace_seconds: float = 3600.0
+
+    def store(self, url: str) -> CheckpointStore:
+        return CheckpointStore(
+            url, naming=self.naming, engine_config=self.engine_config, backend_options=self.backend_options
+        )
+
+
+def url_of(path: Any) -> str:
+    """A ckptio URL for an Orbax path (epath, PathAwaitingCreation, str): a local path or ``gs://...``."""
+    path = getattr(path, "path", path)  # PathAwaitingCreation: its logical path
+    return os.fspath(path).rstrip("/")
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+
+def step_of(item_dir: Any) -> int:
+    """The Orbax step an item directory belongs to (tmp directories included)."""
+    name = epath.Path(url_of(item_dir)).parent.name
+    try:
+        import orbax.checkpoint as ocp
+
+        return int(ocp.path.step.step_from_checkpoint_name(name))
+    except ValueError:
+        # A custom step name format: any stable non-negative number names the checkpoint.
+        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "big")
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A ckptio checkpoint: its store's root URL and step (None: the root itself)."""
+
+    url: str
+    step: int | None
+    #: External storage root (without the item) when the checkpoint is outside the item directory.
+    storage: str | None = None
+    item: str = ""
+
+    @property
+    def step_dir(self) -> str:
+        return "" if self.step is None else str(self.step)
+
+
+def locate_for_save(item_dir: Any, config: StorageConfig) -> Location:
+    if config.url is None:
+        return Location(url_of(item_dir), None)
+    item = epath.Path(url_of(item_dir)).name
+    return Location(_join(config.url, item), step_of(item_dir), config.url, item)
+
+
+def read_pointer(item_dir: Any) -> dict[str, Any] | None:
+    """The item directory's pointer to external storage, or None if its data is inside it."""
+    backend = open_backend(url_of(item_dir))
+    try:
+        try:
+            data = run_sync(backend.read(POINTER_NAME))
+        except FileNotFoundError:
+            return None
+    finally:
+        run_sync(backend.close())
+    where = f"{url_of(item_dir)}/{POINTER_NAME}"
+    try:
+        if len(data) > _MAX_POINTER_BYTES:
+            raise ValueError("too large")
+        doc = json.loads(data)
+        if doc.get("format") != _POINTER_FORMAT or doc.get("version") != 1:
+            raise ValueError(f"unknown format {doc.get('format')!r} version {doc.get('version')!r}")
+        for field in ("storage", "item"):
+            if not isinstance(doc.get(field), str):
+                raise ValueError(f"{field!r} is not a string")
+        if not isinstance(doc.get("step"), int) or doc["step"] < 0:
+            raise ValueError("'step' is not a non-negative int")
+    except ValueError as e:
+        raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {e}") from None
+    return doc
+
+
+def _write_pointer(item_dir: Any, loc: Location) -> None:
+    doc = {"format": _POINTER_FORMAT, "version": 1, "storage": loc.storage, "item": loc.item, "step": loc.step}
+    store = CheckpointStore(url_of(item_dir))
+    try:
+        data = memoryview(json.dumps(doc).encode())
+        run_sync(store.engine.retrying(f"write {POINTER_NAME}", lambda: store.backend.write(POINTER_NAME, [data])))
+        run_sync(store.backend.sync())
+    finally:
+        run_sync(store.close())
+
+
+def locate_for_restore(item_dir: Any, config: StorageConfig) -> Location:
+    """Follow the pointer if there is one; the handler's configured storage wins over the pointer's
+    (so a checkpoint whose bucket moved can still be read)."""
+    ptr = read_pointer(item_dir)
+    if ptr is None:
+        return Location(url_of(item_dir), None)
+    storage = config.url or ptr["storage"]
+    return Location(_join(storage, ptr["item"]), ptr["step"], storage, ptr["item"])
+
+
+def coordinator_for(item_dir: Any, tag: str) -> Coordinator:
+    """A coordinator for one save, created on the caller's thread (same order on every host).
+
+    Each save gets its own key prefix (Orbax's operation id, the directory,
+    ``tag``): concurrent saves of several items never share a gather counter,
+    so their gathers cannot cross even when their threads run in any order.
+    """
+    if jax.process_count() == 1:
+        return SingleProcess()
+    from orbax.checkpoint._src.futures import synchronization
+
+    op = synchronization.OperationIdGenerator.get_current_operation_id()
+    digest = hashlib.blake2b(f"{url_of(item_dir)}\0{tag}".encode(), digest_size=8).hexdigest()
+    return JaxCoordinator(prefix=f"ckptio/orbax/{op}/{digest}")
+
+
+def write_and_commit(
+    item_dir: Any,
+    tree: Any,
+    metadata: dict[str, Any],
+    config: StorageConfig,
+    coord: Coordinator,
+    loc: Location | None = None,
+) -> None:
+    """Write this host's shards and (coordinator) commit; blocks until committed on every host."""
+    loc = loc or locate_for_save(item_dir, config)
+    store = config.store(loc.url)
+    try:
+        if loc.storage is not None:
+            if coord.rank == 0:
+                # Point at the data before it exists: an external checkpoint is then always
+                # referenced while its Orbax step directory exists (the sweep relies on it).
+                _write_pointer(item_dir, loc)
+                if run_sync(store.is_committed(loc.step_dir)):
+                    # Left by a save whose Orbax step never finalised (crash, or a re-save of the step).
+                    log.warning("%s: replacing a stale checkpoint of step %s", loc.url, loc.step)
+                    run_sync(store.delete(loc.step_dir))
+            if coord.size > 1:
+                coord.all_gather(None)  # nobody checks for an existing checkpoint before the stale one is gone
+        handle = start_save(store, loc.step, tree, metadata=metadata, coordinator=coord, copy=False)
+        handle.result()
+    finally:
+        run_sync(store.close())
+
+
+def read_manifest(loc: Location, config: StorageConfig) -> tuple[CheckpointStore, Manifest]:
+    """Open ``loc``'s store and read its manifest (the caller closes the store)."""
+    store = config.store(loc.url)
+    try:
+        return store, run_sync(store.read_manifest(loc.step_dir))
+    except BaseException:
+        run_sync(store.close())
+        raise
+
+
+def delete_external(item_dir: Any, config: StorageConfig | None = None) -> bool:
+    """Delete the external checkpoint an item directory points to; False if it has none."""
+    ptr = read_pointer(item_dir)
+    if ptr is None:
+        return False
+    loc = locate_for_restore(item_dir, config or StorageConfig())
+    store = (config or StorageConfig()).store(loc.url)
+    try:
+        run_sync(store.delete(loc.step_dir))
+    finally:
+        run_sync(store.close())
+    return True
+
+
+def _referenced_steps(root: epath.Path, item: str) -> set[int]:
+    """Steps of ``item`` that some directory under the Orbax root (tmp ones included) points to."""
+    steps = set()
+    for child in root.iterdir():
+        try:
+            ptr = read_pointer(child / item)
+        except (CheckpointNotFoundError, NotADirectoryError, OSError):
+            continue
+        if ptr is not None:
+            steps.add(ptr["step"])
+    return steps
+
+
+def sweep_external(root: Any, item: str, config: StorageConfig) -> list[int]:
+    """Delete external checkpoints of ``item`` that no directory under the Orbax ``root`` points to.
+
+    Orbax's retention removed their step directories (and pointers); this
+    removes their objects. Also collects uncommitted objects older than the
+    grace period (crashed saves). Returns the steps deleted.
+    """
+    if config.url is None:
+        return []
+    root = epath.Path(url_of(root))
+    referenced = _referenced_steps(root, item)
+    store = config.store(_join(config.url, item))
+    try:
+        doomed = [s for s in run_sync(store.committed_steps()) if s not in referenced]
+        for s in doomed:
+            run_sync(store.delete(str(s)))
+        run_sync(store.sweep(config.sweep_grace_seconds))
+    finally:
+        run_sync(store.close())
+    if doomed:
+        log.info("%s/%s: swept checkpoints of steps %s (their Orbax steps are gone)", config.url, item, doomed)
+    return doomed
+

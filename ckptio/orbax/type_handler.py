@@ -1,0 +1,258 @@
+"""A ``jax.Array`` TypeHandler, so Orbax's own handlers (``StandardSave``, ``PyTreeSave``) use ckptio.
+
+>>> ckptio.orbax.register()          # once, before saving
+>>> mngr.save(step, args=ocp.args.StandardSave(state))
+
+Orbax keeps its tree metadata (``_METADATA``, with this handler's distinct
+typestr, so a restore finds it again) and its numpy/scalar leaves; the
+``jax.Array`` leaves of one save become one ckptio checkpoint in
+``<item dir>/ckptio/<n>/`` -- inside the item directory, so Orbax's atomic
+step commit and its retention cover every byte. Checkpoints written by
+Orbax's own ``ArrayHandler`` (typestr ``jax.Array``) still restore through
+it: :func:`register` keeps it as the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from ckptio.engine import EngineConfig, run_sync
+from ckptio.layout import Naming
+from ckptio.manifest import ArrayItem, Manifest
+from ckptio.restore import restore_checkpoint
+from ckptio.store import CheckpointStore
+
+from ._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
+from ._tree import META_KEY, plan_restore, stage_tree
+
+__all__ = ["TYPESTR", "CkptioArrayHandler", "register", "unregister"]
+
+#: Recorded in Orbax's tree metadata for leaves this handler wrote.
+TYPESTR = "ckptio.jax.Array"
+#: The ckptio store of an item, inside Orbax's item directory.
+SUBDIR = "ckptio"
+
+types = ocp.type_handlers
+
+
+def _sharding_metadata() -> Any:
+    try:
+        from orbax.checkpoint._src.metadata import sharding as sm
+
+        return sm
+    except ImportError:  # pragma: no cover - a later Orbax moved it; restores then need explicit shardings
+        return None
+
+
+def _group_step(names: Sequence[str]) -> int:
+    """A stable checkpoint number for one serialize call's set of leaves (usually the only one)."""
+    h = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=6)
+    return int.from_bytes(h.digest(), "big")
+
+
+class CkptioArrayHandler(types.TypeHandler):
+    """Serializes ``jax.Array`` leaves through ckptio (one replica of each shard, each host its own)."""
+
+    def __init__(
+        self,
+        *,
+        naming: Naming | None = None,
+        engine_config: EngineConfig | None = None,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._config = StorageConfig(None, naming, engine_config, backend_options)
+        #: Orbax's handler, for checkpoints it wrote (set by :func:`register`).
+        self.fallback: types.TypeHandler | None = None
+
+    def typestr(self) -> str:
+        return TYPESTR
+
+    # -- save ------------------------------------------------------------
+
+    async def serialize(
+        self,
+        values: Sequence[jax.Array],
+        infos: Sequence[types.ParamInfo],
+        args: Sequence[types.SaveArgs] | None = None,
+    ) -> Sequence[ocp.future.Future]:
+        """Stage now (device -> host); the returned commit future writes and commits."""
+        args = args or [types.SaveArgs()] * len(values)
+        leaves = {}
+        shardings: dict[str, str] = {}
+        sm = _sharding_metadata()
+        for value, info, arg in zip(values, infos, args):
+            if arg is not None and arg.dtype is not None and value.dtype != arg.dtype:
+                value = value.astype(arg.dtype)  # SaveArgs.dtype: Orbax casts before saving, so do we
+            leaves[info.name] = value
+            if sm is not None:
+                meta = sm.from_jax_sharding(value.sharding)
+                if meta is not None:  # lets a restore without a target use the saved sharding
+                    shardings[info.name] = meta.to_serialized_string()
+        staged = stage_tree(leaves)
+        parent = infos[0].parent_dir
+        step = _group_step(list(leaves))
+        loc = Location(f"{url_of(parent)}/{SUBDIR}", step)
+        coord = coordinator_for(parent, f"arrays:{step}")
+        metadata = {META_KEY: {**staged.meta, "shardings": shardings}}
+        config = self._config
+
+        async def commit() -> None:
+            if isinstance(parent, ocp.path.types.PathAwaitingCreation):
+                await parent.await_creation()
+            write_and_commit(parent, staged.tree, metadata, config, coord, loc)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="ckptio_array_save")]
+
+    # -- restore ---------------------------------------------------------
+
+    def _manifests(self, parent: Any) -> tuple[CheckpointStore, dict[str, tuple[int, Manifest]]] | None:
+        """Every ckptio checkpoint of the item (name -> (step, manifest)); None if it has none."""
+        store = self._config.store(f"{url_of(parent)}/{SUBDIR}")
+        try:
+            steps = run_sync(store.committed_steps())
+            if not steps:
+                run_sync(store.close())
+                return None
+            by_name: dict[str, tuple[int, Manifest]] = {}
+            for s in steps:
+                m = run_sync(store.read_manifest(str(s)))
+                for name in m.items:
+                    by_name[name] = (s, m)
+            return store, by_name
+        except BaseException:
+            run_sync(store.close())
+            raise
+
+    async def _await_paths(self, infos: Sequence[types.ParamInfo]) -> Any:
+        await asyncio.gather(*[info.await_path_creation() for info in infos])
+        return infos[0].parent_dir
+
+    async def metadata(self, infos: Sequence[types.ParamInfo]) -> Sequence[Any]:
+        parent = await self._await_paths(infos)
+        found = await asyncio.to_thread(self._manifests, parent)
+        if found is None:
+            if self.fallback is not None:
+                return await self.fallback.metadata(infos)
+            raise FileNotFoundError(f"{url_of(parent)}: no ckptio arrays")
+        store, by_name = found
+        run_sync(store.close())
+        sm = _sharding_metadata()
+        out = []
+        for info in infos:
+            key = _item_name(info.name)
+            _, m = by_name[key]
+            item = m.items[key]
+            assert isinstance(item, ArrayItem)
+            serialized = m.metadata.get(META_KEY, {}).get("shardings", {}).get(key)
+            sharding = sm.from_serialized_string(serialized) if sm is not None and serialized else None
+            out.append(
+                ocp.metadata.ArrayMetadata(
+                    name=info.name, directory=parent, shape=item.shape, sharding=sharding, dtype=item.dtype
+                )
+            )
+        return out
+
+    async def deserialize(
+        self, infos: Sequence[types.ParamInfo], args: Sequence[types.RestoreArgs] | None = None
+    ) -> Sequence[jax.Array]:
+        """Read only this host's addressable slices of each target sharding."""
+        args = args or [types.ArrayRestoreArgs()] * len(infos)
+        parent = await self._await_paths(infos)
+        found = await asyncio.to_thread(self._manifests, parent)
+        if found is None:
+            if self.fallback is not None:  # written by Orbax's own handler
+                return await self.fallback.deserialize(infos, args)
+            raise FileNotFoundError(f"{url_of(parent)}: no ckptio arrays")
+        store, by_name = found
+        try:
+            return await asyncio.to_thread(self._restore, store, by_name, infos, args)
+        finally:
+            run_sync(store.close())
+
+    def _restore(
+        self,
+        store: CheckpointStore,
+        by_name: dict[str, tuple[int, Manifest]],
+        infos: Sequence[types.ParamInfo],
+        args: Sequence[types.RestoreArgs],
+    ) -> list[jax.Array]:
+        groups: dict[int, list[int]] = {}
+        for i, info in enumerate(infos):
+            key = _item_name(info.name)
+            if key not in by_name:
+                raise KeyError(f"{url_of(infos[0].parent_dir)}: ckptio holds no array {info.name!r}")
+            groups.setdefault(by_name[key][0], []).append(i)
+        out: list[Any] = [None] * len(infos)
+        for step, idx in groups.items():
+            manifest = by_name[_item_name(infos[idx[0]].name)][1]
+            abstract = {infos[i].name: self._abstract(manifest, infos[i], args[i]) for i in idx}
+            plan = plan_restore(manifest, abstract)
+            restored = plan.finish(restore_checkpoint(store, manifest, str(step), plan.target))
+            for i in idx:
+                x = restored[infos[i].name]
+                want = getattr(args[i], "dtype", None)
+                out[i] = x.astype(want) if want is not None and x.dtype != want else x
+        return out
+
+    def _abstract(self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs) -> jax.ShapeDtypeStruct:
+        key = _item_name(info.name)
+        item = manifest.items[key]
+        assert isinstance(item, ArrayItem)
+        shape = getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
+        if shape is not None and tuple(shape) != item.shape and manifest.metadata.get(META_KEY, {}).get(
+            "leaves", {}
+        ).get(key, {}).get("kind") != "key":
+            raise ValueError(
+                f"{info.name}: restoring as shape {tuple(shape)} but saved {item.shape} (ckptio does not pad or truncate)"
+            )
+        return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=self._sharding(manifest, key, info, arg))
+
+    def _sharding(self, manifest: Manifest, key: str, info: types.ParamInfo, arg: types.RestoreArgs) -> Any:
+        mesh, axes = getattr(arg, "mesh", None), getattr(arg, "mesh_axes", None)
+        if mesh is not None and axes is not None:
+            return jax.sharding.NamedSharding(mesh, axes)
+        sharding = getattr(arg, "sharding", None)
+        sm = _sharding_metadata()
+        if sharding is not None:
+            if sm is not None and isinstance(sharding, sm.ShardingMetadata):
+                return sharding.to_jax_sharding()
+            return getattr(sharding, "sharding", sharding)  # a jax Format carries its sharding
+        serialized = manifest.metadata.get(META_KEY, {}).get("shardings", {}).get(key)
+        if serialized and sm is not None:
+            # As Orbax does without a target: the saved sharding (unsafe on another topology).
+            meta = sm.get_sharding_or_none(serialized)
+            if meta is not None:
+                return meta
+        raise ValueError(f"{info.name}: no sharding to restore onto; pass one (e.g. a ShapeDtypeStruct with sharding)")
+
+
+def _item_name(name: str) -> str:
+    """The ckptio item of an Orbax leaf name (a dict key at the root of the staged tree)."""
+    from ckptio.tree import path_str
+
+    return path_str((name,))
+
+
+def register(handler: CkptioArrayHandler | None = None) -> CkptioArrayHandler:
+    """Route every ``jax.Array`` leaf of Orbax's pytree handlers through ckptio; returns the handler."""
+    h = handler or CkptioArrayHandler()
+    prev = types.get_type_handler(jax.Array)
+    if not isinstance(prev, CkptioArrayHandler):
+        h.fallback = prev
+    elif h.fallback is None:
+        h.fallback = prev.fallback
+    types.register_type_handler(jax.Array, h, override=True)
+    return h
+
+
+def unregister() -> None:
+    """Give ``jax.Array`` back to the handler that had it before :func:`register`."""
+    cur = types.get_type_handler(jax.Array)
+    if isinstance(cur, CkptioArrayHandler) and cur.fallback is not None:
+        types.register_type_handler(jax.Array, cur.fallback, override=True)
