@@ -21,6 +21,7 @@ __all__ = [
     "RetryableError",
     "check_key",
     "join_key",
+    "detect_scheme",
     "open_backend",
     "split_url",
 ]
@@ -61,8 +62,28 @@ def backend_class(scheme: str) -> type[Backend]:
     raise ValueError(f"no ckptio backend for URL scheme {scheme!r}; known schemes: {', '.join(known)}")
 
 
+def detect_scheme(path: str, mountinfo: str | None = None) -> str:
+    """The POSIX flavour a plain path's mount calls for: ``pstore`` on dfuse, ``hdml`` on a
+    read-only mount (a many-readers attachment), else ``file``."""
+    from ._mounts import MOUNTINFO, find_mount
+    from .parallelstore import is_dfuse
+
+    mount = find_mount(path, mountinfo or MOUNTINFO)
+    if is_dfuse(mount):
+        return "pstore"
+    if mount is not None and mount.read_only:
+        return "hdml"
+    return "file"
+
+
 def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
-    """Create the backend for ``url`` (a plain path means local disk)."""
+    """Create the backend for ``url``.
+
+    A plain path is auto-detected from its mount (see :func:`detect_scheme`);
+    ``file://``, ``hdml://``, ``pstore://`` pick a POSIX flavour explicitly.
+    """
     url = os.fspath(url)
     scheme, _ = split_url(url)
+    if scheme == "":
+        scheme = detect_scheme(url)
     return backend_class(scheme)(url, **options)

@@ -186,8 +186,6 @@ async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
     if status in (401, 403):
         raise PermissionError(message)
     if status == 416:
-        # fake-gcs-server drops the connection after a 416 without saying so; never reuse it.
-        resp.close()
         raise ValueError(f"{message} (byte range runs past the end of the object)")
     if status in (408, 429) or status >= 500:
         raise RetryableError(message, retry_after=parse_retry_after(resp.headers.get("Retry-After")))

@@ -117,6 +117,8 @@ class Capabilities:
     list_consistent: bool = True
     #: Object names should start with a hashed component (object stores).
     hashed_names: bool = False
+    #: Spread a checkpoint's objects over this many sub-directories (parallel file systems).
+    dir_fanout: int = 0
 
 
 def check_key(key: str) -> str:

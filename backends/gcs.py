@@ -250,6 +250,10 @@ class GCSBackend(Backend):
                 if resp.status not in ok:
                     if resp.status == 401:
                         self._auth.invalidate()
+                    if resp.status == 416 and self.emulated:
+                        # fake-gcs-server closes the connection after a 416 without saying so,
+                        # once aiohttp has pooled it again: let the close land before the next request.
+                        await asyncio.sleep(0.01)
                     await raise_for_status(resp, what)
                 return await handle(resp)
         raise AssertionError("unreachable")  # translating() re-raises; keeps type checkers content

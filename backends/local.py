@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import os
 import stat as stat_mod
 import threading
@@ -50,6 +51,13 @@ class LocalConfig:
     alignment: int = 4096
     #: posix_fadvise(SEQUENTIAL/WILLNEED) before large reads.
     readahead_hint: bool = False
+    #: fsync directories after creating entries (not needed where metadata is synchronous, e.g. dfuse).
+    dir_fsync: bool = True
+    #: Commit with link(2) (atomic no-replace). File systems without hard links use an
+    #: O_EXCL lock file plus rename instead.
+    link_commit: bool = True
+    #: Split a checkpoint's objects over this many sub-directories (0: flat).
+    dir_fanout: int = 0
 
 
 class LocalBackend(Backend):
@@ -59,7 +67,7 @@ class LocalBackend(Backend):
 
     def __init__(self, url: str, config: LocalConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or LocalConfig(), **options)
-        path = url[len("file://") :] if url.startswith("file://") else url
+        path = url.split("://", 1)[1] if "://" in url else url
         if not path:
             raise ValueError(f"local backend URL {url!r} names no directory")
         self.root = os.path.abspath(path)
@@ -76,6 +84,7 @@ class LocalBackend(Backend):
             object_size=self.config.object_size,
             alignment=self.config.alignment if self.config.direct else 1,
             concurrency=self.config.threads,
+            dir_fanout=self.config.dir_fanout,
         )
 
     @property
@@ -173,7 +182,16 @@ class LocalBackend(Backend):
                 raise
         self._mark_dirty(os.path.dirname(path))
 
+    def _refuse_if_read_only(self, key: str) -> None:
+        if self.capabilities.read_only:
+            raise PermissionError(self.read_only_message(key))
+
+    def read_only_message(self, key: str) -> str:
+        """Why writing ``key`` is refused; flavours explain their own read-only phase."""
+        return f"{self._url}: cannot modify {key!r}: the storage is read-only"
+
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        self._refuse_if_read_only(check_key(key))
         await self._run(self._write, key, buffers)
 
     def _create_if_absent(self, key: str, data: bytes) -> None:
@@ -181,19 +199,35 @@ class LocalBackend(Backend):
         with translate_os_errors(f"{self._url}: creating {key!r}"):
             tmp = self._write_tmp(path, [memoryview(data)])
             try:
-                os.link(tmp, path)  # atomic, and fails if the name exists
+                if self.config.link_commit:
+                    os.link(tmp, path)  # atomic, and fails if the name exists
+                else:
+                    self._rename_exclusive(tmp, path)
             finally:
                 _unlink_quietly(tmp)
-            if self.config.fsync:
+            if self.config.fsync and self.config.dir_fsync:
                 _fsync_dir(os.path.dirname(path))
 
+    @staticmethod
+    def _rename_exclusive(tmp: str, path: str) -> None:
+        """No-replace rename without hard links: whoever creates the lock file (O_EXCL) renames.
+
+        The lock stays, so a later creator fails too even after the object is gone.
+        """
+        fd = os.open(_lock_path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        os.close(fd)
+        if os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "exists", path)
+        os.rename(tmp, path)
+
     async def create_if_absent(self, key: str, data: bytes) -> None:
+        self._refuse_if_read_only(check_key(key))
         await self._run(self._create_if_absent, key, data)
 
     def _sync(self) -> None:
         with self._dirty_lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
-        if not self.config.fsync:
+        if not (self.config.fsync and self.config.dir_fsync):
             return
         for d in sorted(dirs, key=len, reverse=True):
             with translate_os_errors(f"{self._url}: fsync of directory {d!r}"):
@@ -242,6 +276,8 @@ class LocalBackend(Backend):
                 os.unlink(path)
             except IsADirectoryError:
                 raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object") from None
+        if not self.config.link_commit:
+            _unlink_quietly(_lock_path(path))
         self._mark_dirty(os.path.dirname(path))
         # Remove directories the deletion emptied, up to (not including) the root.
         d = os.path.dirname(path)
@@ -254,6 +290,7 @@ class LocalBackend(Backend):
             self._mark_dirty(d)
 
     async def delete(self, key: str) -> None:
+        self._refuse_if_read_only(check_key(key))
         await self._run(self._delete, key)
 
     def _stat(self, key: str) -> ObjectInfo:
@@ -305,6 +342,11 @@ class LocalBackend(Backend):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _lock_path(path: str) -> str:
+    """The lock file of a lock-and-rename commit; a temp-marked name, so listings skip it."""
+    return os.path.join(os.path.dirname(path), f"{TMP_MARK}lock.{os.path.basename(path)}")
 
 
 def _fsync_dir(directory: str) -> None:

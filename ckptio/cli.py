@@ -7,10 +7,10 @@ import json
 import sys
 from typing import Any
 
-from .engine import ReadRequest, run_sync
+from .engine import run_sync
 from .manifest import ArrayItem, Manifest
-from .reshard import Region, plan_region
 from .store import CheckpointStore
+from .verify import verify_checkpoint, verify_requests
 
 __all__ = ["main"]
 
@@ -76,20 +76,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Re-read every byte of a checkpoint and check every checksum."""
-    import numpy as np
     from tqdm import tqdm
 
     store, step_dir, m = _load(args.url, args.step)
-    requests: list[ReadRequest] = []
-    for name, it in m.items.items():
-        if isinstance(it, ArrayItem):
-            for s in it.shards:
-                region = Region(s.offsets, np.empty(s.shape, it.dtype))
-                requests += plan_region(name, it, region, m.objects, m.block_size)
-    total = sum(r.rng.length for r in requests)
+    total = sum(r.rng.length for r in verify_requests(m))
     with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="verify") as bar:
         try:
-            run_sync(store.engine.read(requests, lambda _e, n: bar.update(n)))
+            run_sync(verify_checkpoint(store, step_dir, lambda _e, n: bar.update(n)))
         except Exception as e:  # report, don't trace: this is the tool's answer
             if args.json:
                 print(json.dumps({"ok": False, "error": str(e)}))

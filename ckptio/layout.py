@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from ckptio.backends.base import join_key
 
-__all__ = ["FlatNaming", "HashedNaming", "Naming", "ObjectPlan", "Piece", "PlannedExtent", "pack"]
+__all__ = ["FanoutNaming", "FlatNaming", "HashedNaming", "Naming", "ObjectPlan", "Piece", "PlannedExtent", "pack"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,6 +78,17 @@ class FlatNaming(Naming):
 
     def object_key(self, step_dir: str, save_id: str, host: int, num_hosts: int, n: int) -> str:
         return join_key(step_dir, f"{save_id}.h{host:05d}-{n:05d}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FanoutNaming(Naming):
+    """A checkpoint's objects spread over ``fanout`` sub-directories (parallel file systems,
+    where one huge directory serialises metadata operations)."""
+
+    fanout: int = 16
+
+    def object_key(self, step_dir: str, save_id: str, host: int, num_hosts: int, n: int) -> str:
+        return join_key(step_dir, f"d{(n * num_hosts + host) % self.fanout:03d}", f"{save_id}.h{host:05d}-{n:05d}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ckptio.backends.base import join_key
 
 from .engine import Engine, EngineConfig
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from .layout import FlatNaming, HashedNaming, Naming
+from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest, unseal
 
 __all__ = ["CheckpointStore", "step_dir_of"]
@@ -55,7 +55,7 @@ class CheckpointStore:
         self.url = os.fspath(url).rstrip("/") or "/"
         self.backend = backend if backend is not None else open_backend(self.url, **(backend_options or {}))
         self.engine = Engine(self.backend, engine_config)
-        self.naming = naming or (HashedNaming() if self.backend.capabilities.hashed_names else FlatNaming())
+        self.naming = naming or _default_naming(self.backend)
 
     def where(self, step_dir: str) -> str:
         """A human-readable URL of a step directory, for error messages."""
@@ -211,6 +211,15 @@ class CheckpointStore:
     async def close(self) -> None:
         self.engine.close()
         await self.backend.close()
+
+
+def _default_naming(backend: Backend) -> Naming:
+    caps = backend.capabilities
+    if caps.hashed_names:
+        return HashedNaming()
+    if caps.dir_fanout > 0:
+        return FanoutNaming(caps.dir_fanout)
+    return FlatNaming()
 
 
 def _foreign(key: str) -> bool:

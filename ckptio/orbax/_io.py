@@ -52,6 +52,7 @@ __all__ = [
     "locate_for_save",
     "read_manifest",
     "read_pointer",
+    "final_name",
     "step_of",
     "sweep_external",
     "url_of",
@@ -64,6 +65,8 @@ log = logging.getLogger("ckptio.orbax")
 POINTER_NAME = "ckptio.orbax.json"
 _POINTER_FORMAT = "ckptio-orbax-pointer"
 _MAX_POINTER_BYTES = 1 << 16
+#: Orbax's suffix of directories not yet committed (orbax.checkpoint._src.path.atomicity_types).
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +124,17 @@ class Location:
         return "" if self.step is None else str(self.step)
 
 
+def final_name(name: str) -> str:
+    """A directory's name once Orbax commits it (``state.orbax-checkpoint-tmp`` -> ``state``)."""
+    i = name.find(_TMP_SUFFIX)
+    return name if i < 0 else name[:i]
+
+
 def locate_for_save(item_dir: Any, config: StorageConfig) -> Location:
     if config.url is None:
         return Location(url_of(item_dir), None)
-    item = epath.Path(url_of(item_dir)).name
+    # Orbax saves into temporary item directories: name the data by the final item name.
+    item = final_name(epath.Path(url_of(item_dir)).name)
     return Location(_join(config.url, item), step_of(item_dir), config.url, item)
 
 
@@ -248,13 +258,16 @@ def delete_external(item_dir: Any, config: StorageConfig | None = None) -> bool:
 def _referenced_steps(root: epath.Path, item: str) -> set[int]:
     """Steps of ``item`` that some directory under the Orbax root (tmp ones included) points to."""
     steps = set()
-    for child in root.iterdir():
+    for step_dir in root.iterdir():
         try:
-            ptr = read_pointer(child / item)
+            # The step's item directory may still carry Orbax's tmp suffix (a save being finalised).
+            item_dirs = [d for d in step_dir.iterdir() if final_name(d.name) == item] if step_dir.is_dir() else []
+            for d in item_dirs:
+                ptr = read_pointer(d)
+                if ptr is not None:
+                    steps.add(ptr["step"])
         except (CheckpointNotFoundError, NotADirectoryError, OSError):
             continue
-        if ptr is not None:
-            steps.add(ptr["step"])
     return steps
 
 

@@ -30,6 +30,7 @@ from ckptio.tree import unflatten
 from ._io import (
     StorageConfig,
     coordinator_for,
+    final_name,
     locate_for_restore,
     locate_for_save,
     read_manifest,
@@ -91,7 +92,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         async def commit() -> None:
             path = directory
-            if isinstance(path, ocp.path.types.PathAwaitingCreation):
+            if hasattr(path, "await_creation"):  # a PathAwaitingCreation
                 path = await path.await_creation()
             # Blocking is fine: this coroutine owns its thread and event loop.
             write_and_commit(path, staged.tree, metadata, config, coord, loc)
@@ -112,7 +113,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         if self._config.url is None:
             return
         path = epath.Path(url_of(directory))
-        key = (url_of(path.parent.parent), path.name)
+        key = (url_of(path.parent.parent), final_name(path.name))
         with self._lock:
             self._swept.add(key)
         self._sweep(*key)

@@ -52,7 +52,7 @@ def _sharding_metadata() -> Any:
 
 def _group_step(names: Sequence[str]) -> int:
     """A stable checkpoint number for one serialize call's set of leaves (usually the only one)."""
-    h = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=6)
+    h = hashlib.blake2b("\0".join(sorted(names)).encode(), digest_size=3)
     return int.from_bytes(h.digest(), "big")
 
 
@@ -103,7 +103,7 @@ class CkptioArrayHandler(types.TypeHandler):
         config = self._config
 
         async def commit() -> None:
-            if isinstance(parent, ocp.path.types.PathAwaitingCreation):
+            if hasattr(parent, "await_creation"):  # a PathAwaitingCreation
                 await parent.await_creation()
             write_and_commit(parent, staged.tree, metadata, config, coord, loc)
 
@@ -197,7 +197,8 @@ class CkptioArrayHandler(types.TypeHandler):
             for i in idx:
                 x = restored[infos[i].name]
                 want = getattr(args[i], "dtype", None)
-                out[i] = x.astype(want) if want is not None and x.dtype != want else x
+                is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # keys have no astype
+                out[i] = x.astype(want) if want is not None and not is_key and x.dtype != want else x
         return out
 
     def _abstract(self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs) -> jax.ShapeDtypeStruct:
@@ -226,9 +227,10 @@ class CkptioArrayHandler(types.TypeHandler):
         serialized = manifest.metadata.get(META_KEY, {}).get("shardings", {}).get(key)
         if serialized and sm is not None:
             # As Orbax does without a target: the saved sharding (unsafe on another topology).
-            meta = sm.get_sharding_or_none(serialized)
-            if meta is not None:
-                return meta
+            try:
+                return sm.from_serialized_string(serialized).to_jax_sharding()
+            except Exception as e:  # e.g. saved on devices this process does not have
+                raise ValueError(f"{info.name}: the saved sharding does not fit here ({e}); pass a target") from e
         raise ValueError(f"{info.name}: no sharding to restore onto; pass one (e.g. a ShapeDtypeStruct with sharding)")
 
 
