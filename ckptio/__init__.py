@@ -37,6 +37,17 @@ __all__ = [
     "UnsupportedLeafError",
     "restore",
     "save",
+    "zarr_store",
 ]
 
 __version__ = "0.1.0"
+
+
+def zarr_store(url: str, step: int | None = None, **options: object) -> object:
+    """A read-only zarr v3 store over a committed checkpoint (needs the ``zarr`` extra).
+
+    See :mod:`ckptio.zarr_view`.
+    """
+    from .zarr_view import zarr_store as _zarr_store
+
+    return _zarr_store(url, step, **options)
