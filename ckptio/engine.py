@@ -11,6 +11,7 @@ threads: the crc32c library releases the GIL).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import dataclasses
 import logging
@@ -213,7 +214,11 @@ class Engine:
     # -- reading ---------------------------------------------------------
 
     def coalesce(self, requests: Sequence[ReadRequest]) -> list[ReadRequest]:
-        """Merge requests for adjacent ranges of one object into fewer, larger reads."""
+        """Merge requests for adjacent ranges of one object into fewer, larger reads.
+
+        Merging extends the previous request's lists in place: thousands of
+        small shards in one object must not cost quadratic list copies.
+        """
         out: list[ReadRequest] = []
         for r in sorted(requests, key=lambda r: (r.key, r.rng.start)):
             prev = out[-1] if out else None
@@ -225,16 +230,12 @@ class Engine:
                 and prev.rng.length + r.rng.length <= self.config.max_read_size
             ):
                 shift = prev.rng.length
-                out[-1] = ReadRequest(
-                    r.key,
-                    ByteRange(prev.rng.start, r.rng.end),
-                    prev.buffers + r.buffers,
-                    prev.checks + [(o + shift, n, c, i) for o, n, c, i in r.checks],
-                    prev.after + r.after,
-                    r.block_size,
-                )
+                prev.rng = ByteRange(prev.rng.start, r.rng.end)
+                prev.buffers.extend(r.buffers)
+                prev.checks.extend((o + shift, n, c, i) for o, n, c, i in r.checks)
+                prev.after.extend(r.after)
             else:
-                out.append(r)
+                out.append(ReadRequest(r.key, r.rng, list(r.buffers), list(r.checks), list(r.after), r.block_size))
         return out
 
     def _verify(self, req: ReadRequest) -> None:
@@ -293,11 +294,14 @@ class _Concat:
             pos += b.nbytes
 
     def slice(self, offset: int, length: int) -> memoryview:
+        i = bisect.bisect_right(self.starts, offset) - 1  # the buffer holding the first byte
         parts = []
-        for start, b in zip(self.starts, self.buffers):
+        while i < len(self.buffers) and self.starts[i] < offset + length:
+            start, b = self.starts[i], self.buffers[i]
             lo, hi = max(offset, start), min(offset + length, start + b.nbytes)
             if lo < hi:
                 parts.append(b[lo - start : hi - start])
+            i += 1
         if len(parts) == 1:
             return parts[0]
         return memoryview(b"".join(parts))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 import uuid
@@ -131,6 +132,12 @@ def _merge(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> M
             if it["kind"] == "array":
                 seen = {(tuple(s["offsets"]), tuple(s["shape"])) for s in mine["shards"]}
                 mine["shards"] += [s for s in it["shards"] if (tuple(s["offsets"]), tuple(s["shape"])) not in seen]
+    for name, it in items.items():
+        if it["kind"] == "array" and not it["shards"] and math.prod(it["shape"]):
+            raise SaveFailedError(
+                f"{where}: item {name!r} has no shard on any host. Plain arrays count as replicated and are "
+                "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
+            )
     doc = {**head, "objects": objects, "items": items}
     try:
         return Manifest.from_doc(doc, where)

@@ -1,0 +1,8 @@
+"""``python -m ckptio.bench ...``: the same as ``ckptio bench ...``."""
+
+import sys
+
+from . import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""ckptio itself, through its public native API, on numpy, jax and torch state.
+
+Written against the public surface only (``ckptio.CheckpointManager``: ``save(step,
+state) -> handle``, ``handle.result()``, ``restore(step)``), so the bench
+measures what users get. One manager per worker process, reused across
+rounds: that is how a training job uses it, and it lets the engine reuse its
+staging buffers from one save to the next.
+
+Multi-process (``--sweep`` procs): every rank calls the same API inside an
+initialised ``torch.distributed`` gloo group (the engine coordinates through
+it) with the whole tree, each array a ``ckptio.Sharded`` holding the
+arrays this rank owns in full and no piece of the others: the same bytes
+per rank as the raw disk and DCP cases write. Restore asks each rank for
+its own arrays only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from .cases import Case, Pending, register
+from .state import describe
+
+__all__ = ["CkptioJax", "CkptioNumpy", "CkptioTorch"]
+
+
+class _Handle:
+    """Wraps a ckptio save handle to keep the engine's own timings, when it reports any."""
+
+    def __init__(self, handle: Any, sink: list[Any]) -> None:
+        self._handle = handle
+        self._sink = sink
+
+    def result(self) -> Any:
+        out = self._handle.result()
+        timings = getattr(self._handle, "timings", None)
+        if timings is not None:
+            self._sink.append(dict(timings) if isinstance(timings, Mapping) else timings)
+        return out
+
+
+@register
+class CkptioNumpy(Case):
+    """``ckptio.CheckpointManager`` on numpy arrays."""
+
+    name = "ckptio"
+    kind = "ckptio"
+    framework = "numpy"
+    requires: ClassVar[tuple[str, ...]] = ("ckptio",)
+    schemes = frozenset({"*"})  # any URL ckptio has a backend for
+    max_world = 64
+    sweep_max_tensors = 1_000_000
+    description = "ckptio.CheckpointManager.save/restore (numpy state)"
+    durability = "ckptio: objects durable, then manifest committed (handle.result())"
+
+    def setup(self) -> None:
+        import ckptio
+
+        # Keep every round's step: retention deletes must not land inside a timed save.
+        keep = int(self.ctx.options.get("rounds", 3)) + 1
+        self._mngr = ckptio.CheckpointManager(self.ctx.root, max_to_keep=keep)
+        self._timings: list[Any] = []
+
+    def _payload(self) -> dict[str, Any]:
+        if self.ctx.world_size == 1:
+            return dict(self.state)
+        from ckptio import Sharded
+
+        out: dict[str, Any] = {}
+        for name, (shape, dtype) in describe(self.ctx.spec).items():
+            mine = self.state.get(name)
+            index = (slice(None),) * len(shape)
+            out[name] = Sharded(shape, dtype, [(index, mine)] if mine is not None else [])
+        return out
+
+    def save(self, step: int) -> Pending | None:
+        return _Handle(self._mngr.save(step, self._payload()), self._timings)
+
+    def restore(self, step: int) -> Mapping[str, Any]:
+        if self.ctx.world_size == 1:
+            return self._mngr.restore(step)
+        from ckptio import Sharded
+
+        target = {k: Sharded(v.shape, v.dtype, [((slice(None),) * v.ndim, None)]) for k, v in self.state.items()}
+        out = self._mngr.restore(step, target=target)
+        return {k: out[k].pieces[0][1] for k in self.state}
+
+    def step_path(self, step: int) -> str | None:
+        # The layout (flat or hashed names) is the engine's business: drop caches and
+        # measure sizes over the whole case root, which holds only this case's steps.
+        return self.ctx.root if self.ctx.scheme == "file" else None
+
+    def info(self) -> dict[str, Any]:
+        return {"engine_timings": self._timings} if self._timings else {}
+
+    def close(self) -> None:
+        wait = getattr(self._mngr, "wait_until_finished", None)
+        if wait is not None:
+            wait()
+        close = getattr(self._mngr, "close", None)
+        if close is not None:
+            close()
+
+
+@register
+class CkptioJax(CkptioNumpy):
+    """The same on jax CPU arrays: compare its stall with Orbax's (immutable arrays need no copy)."""
+
+    name = "ckptio-jax"
+    framework = "jax"
+    requires = ("ckptio", "jax")
+    max_world = 1
+    sweep_max_tensors = 0
+    description = "ckptio.CheckpointManager.save/restore (jax CPU arrays)"
+
+
+@register
+class CkptioTorch(CkptioNumpy):
+    """The same on torch tensors: its stall should be at most one memcpy of the state."""
+
+    name = "ckptio-torch"
+    framework = "torch"
+    requires = ("ckptio", "torch")
+    max_world = 1
+    sweep_max_tensors = 0
+    description = "ckptio.CheckpointManager.save/restore (torch tensors)"

@@ -1,0 +1,267 @@
+"""``ckptio bench``: the command line over the harness, reports, sweep and advice.
+
+``main(argv) -> int`` is what ``ckptio bench ...`` and ``python -m ckptio.bench`` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import report
+from .advise import advise, render_advice
+from .cases import Case, all_cases
+from .harness import run_job, select_cases
+from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
+from .system import environment
+from .targets import Target, open_target
+
+__all__ = ["build_parser", "main"]
+
+SCHEMA = "ckptio.bench/1"
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(parse_size(t)) if t[-1:].isalpha() else int(t) for t in _csv(text)]
+
+
+def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
+    """The ``ckptio bench`` argument parser (the CLI may embed it as a subcommand)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Save/restore throughput, stall and memory of ckptio side by side with the raw disk, "
+                    "Orbax, DCP, torch.save and tensorstore, on the same generated state.",
+    )
+    g = p.add_argument_group("state")
+    g.add_argument("--size", default="1GiB", help="total state size (default 1GiB)")
+    g.add_argument("--arrays", type=int, default=32, help="number of arrays (default 32)")
+    g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
+    g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
+    g = p.add_argument_group("where")
+    g.add_argument("--backend", default=None,
+                   help="storage URL: a directory or file://DIR (a temp dir is made inside it); gs://… (later)")
+    g.add_argument("--dir", default=None, help="parent directory for the local temp dir (default: system temp)")
+    g.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    g.add_argument("--cache-drop", default="auto", choices=["auto", "drop_caches", "fadvise", "none"],
+                   help="how restores are made cold (auto: drop_caches if permitted, else fadvise)")
+    g = p.add_argument_group("what")
+    g.add_argument("--cases", type=_csv, default=None, help="comma-separated case names/globs (default: all)")
+    g.add_argument("--skip", type=_csv, default=[], help="comma-separated case names/globs to leave out")
+    g.add_argument("--list", action="store_true", help="list the cases and whether they can run here")
+    g.add_argument("--no-verify", dest="verify", action="store_false", help="do not check restored bytes")
+    g.add_argument("--timeout", type=float, default=None, help="seconds per case (default: from the size)")
+    g = p.add_argument_group("sweep")
+    g.add_argument("--sweep", action="store_true", help="also sweep tensor counts and process counts")
+    g.add_argument("--sweep-counts", type=_ints, default=[32, 1000, 10000, 100000])
+    g.add_argument("--sweep-procs", type=_ints, default=[1, 2, 4])
+    g.add_argument("--sweep-rounds", type=int, default=None, help="rounds in the sweep (default: --rounds)")
+    g = p.add_argument_group("advice")
+    g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
+    g.add_argument("--mtbf", default="4h", help="mean time between failures for --advise (default 4h)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="FILE", help="write every raw sample and the environment as JSON")
+    g.add_argument("--plot", metavar="FILE.png", help="bar chart with min–max error bars")
+    g.add_argument("--from-json", metavar="FILE", help="report (tables, --plot, --advise) from an earlier --json")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--strict", action="store_true", help="exit 1 if any case failed")
+    return p
+
+
+class _Progress:
+    """A tqdm bar over rounds (stderr); silent when tqdm is missing or disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar: Any = None
+        self.reserved = 0  # rounds already counted in the total by reserve()
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=0, unit="round", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def reserve(self, n: int) -> None:
+        """Count ``n`` planned rounds in the total up front, so the bar does not restart per job."""
+        self.reserved += n
+        if self.bar is not None:
+            self.bar.total += n
+            self.bar.refresh()
+
+    def add(self, n: int) -> None:
+        """A job of ``n`` rounds starts: use the reservation, grow the total past it (sweeps)."""
+        used = min(n, self.reserved)
+        self.reserved -= used
+        if self.bar is not None and n > used:
+            self.bar.total += n - used
+            self.bar.refresh()
+
+    def event(self, label: str, ev: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        if ev.get("event") == "round_done":
+            self.bar.update(1)
+        elif ev.get("event") == "phase":
+            self.bar.set_description_str(f"{label} r{ev['round']} {ev['phase']}", refresh=True)
+
+    def finish_job(self, planned: int, done: int) -> None:
+        if self.bar is not None and done < planned:
+            self.bar.update(planned - done)  # a failed job's remaining rounds
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Runner:
+    """Runs one case as a job on the target, with progress, and returns its summarised result."""
+
+    def __init__(self, target: Target, cache_drop: str, rounds: int, verify: bool,
+                 timeout: float | None, progress: _Progress) -> None:
+        self.target, self.cache_drop, self.rounds = target, cache_drop, rounds
+        self.verify, self.timeout, self.progress = verify, timeout, progress
+
+    def __call__(self, cls: type[Case], spec: StateSpec, world_size: int = 1, rounds: int | None = None) -> dict[str, Any]:
+        rounds = rounds or self.rounds
+        gib = spec.total_bytes / (1 << 30)
+        timeout = self.timeout or (300 + 120 * gib * rounds) * (1 + spec.count / 20_000)
+        root = self.target.case_root(cls.name)
+        job = Job(case=cls.name, root=root, state=spec, rounds=rounds, cache_drop=self.cache_drop,
+                  verify=self.verify, world_size=world_size)
+        label = cls.name + (f" ×{world_size}p" if world_size > 1 else "") + (
+            f" n={spec.count}" if spec.count != 32 else "")
+        self.progress.add(rounds)
+        done = 0
+
+        def on_event(ev: dict[str, Any]) -> None:
+            nonlocal done
+            done += ev.get("event") == "round_done"
+            self.progress.event(label, ev)
+
+        try:
+            result = run_job(job, self.target, timeout, on_event)
+        finally:
+            self.target.cleanup_case(root)
+        self.progress.finish_job(rounds, done)
+        result.update(case=cls.name, kind=cls.kind, framework=cls.framework, description=cls.description,
+                      durability=cls.durability)
+        report.summarize(result)
+        return result
+
+
+def _list_cases(scheme: str) -> int:
+    rows = []
+    for cls in all_cases():
+        why = cls.unavailable() or ("" if "*" in cls.schemes or scheme in cls.schemes else f"not on {scheme}://")
+        rows.append([cls.name, cls.kind, cls.framework, "yes" if not why else f"no: {why}",
+                     "" if cls.in_default_run else "opt-in", cls.description])
+    report.print_table("bench cases", ["case", "kind", "state", "runs here", "default", "what"], rows)
+    return 0
+
+
+def _header(doc: dict[str, Any]) -> str:
+    c = doc["config"]
+    st = c["state"]
+    return (f"ckptio bench — {format_bytes(st['total_bytes'])} as {st['count']} × {st['dtype']}, "
+            f"{c['rounds']} rounds, target {c['target'].get('dir') or c['target'].get('scheme')}, "
+            f"cold reads: {doc['cache_drop']['method']}")
+
+
+def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    spec = StateSpec(total_bytes=parse_size(args.size), count=args.arrays, dtype=args.dtype)
+    target = open_target(args.backend or args.dir, keep=args.keep)
+    progress = _Progress(args.progress)
+    try:
+        method, reason = target.cache_drop()
+        if args.cache_drop != "auto":
+            method, reason = args.cache_drop, "forced by --cache-drop"
+        sel = select_cases(args.cases, args.skip, target.scheme)
+        base = getattr(target, "base", None)
+        if base is not None:
+            need = spec.total_bytes * (args.rounds + 1)
+            free = shutil.disk_usage(base).free
+            if free < need:
+                print(f"warning: {format_bytes(free)} free under {base}, a case needs ~{format_bytes(need)}",
+                      file=sys.stderr)
+        doc: dict[str, Any] = {
+            "schema": SCHEMA, "argv": list(argv),
+            "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify,
+                       "target": target.describe(), "cases": [c.name for c in sel.run]},
+            "env": environment(base),
+            "cache_drop": {"method": method, "reason": reason},
+        }
+        run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress)
+        progress.reserve(len(sel.run) * args.rounds)
+        doc["cases"] = [run(cls, spec) for cls in sel.run]
+        doc["cases"] += [{"case": n, "status": "skipped", "reason": why} for n, why in sel.skipped.items()]
+        if args.sweep:
+            from .sweep import plan_sweep, run_sweep
+
+            rounds = args.sweep_rounds or args.rounds
+            progress.reserve(len(plan_sweep(sel.run, args.sweep_counts, args.sweep_procs)) * rounds)
+            doc["sweep"] = run_sweep(sel.run, spec, args.sweep_counts, args.sweep_procs,
+                                     lambda cls, sp, n: run(cls, sp, n, rounds))
+    finally:
+        progress.close()
+        target.close()
+    methods = {s.get("rss_method") for r in doc["cases"] for s in r.get("samples", [])} - {None}
+    doc["rss_method"] = sorted(methods)
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the bench; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.list:
+        backend = args.backend or ""
+        return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")
+    try:
+        mtbf_s = parse_duration(args.mtbf)
+    except ValueError as e:
+        print(f"ckptio bench: {e}", file=sys.stderr)
+        return 2
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+    else:
+        try:
+            doc = _measure(args, argv)
+        except (NotImplementedError, ValueError) as e:
+            print(f"ckptio bench: {e}", file=sys.stderr)
+            return 2
+    results = [r for r in doc["cases"] if r.get("status") != "skipped"]
+    skipped = {r["case"]: r.get("reason", "") for r in doc["cases"] if r.get("status") == "skipped"}
+    doc["ratios"] = report.compute_ratios(results)
+    doc["goals"] = report.check_goals(results)
+    report.render_main(results, skipped, _header(doc))
+    report.render_ratios(results, doc["ratios"])
+    report.render_goals(doc["goals"])
+    if doc.get("sweep"):
+        from .sweep import render_sweep
+
+        render_sweep(doc["sweep"])
+    if args.advise:
+        doc["advise"] = advise(results, mtbf_s)
+        render_advice(doc["advise"], mtbf_s)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        from .plot import plot
+
+        plot(args.plot, results, _header(doc))
+    failed = [r["case"] for r in results if r.get("status") != "ok"]
+    if failed:
+        print(f"failed cases: {', '.join(failed)} (see the table / --json for why)", file=sys.stderr)
+    return 1 if failed and args.strict else 0

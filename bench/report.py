@@ -1,0 +1,219 @@
+"""From raw samples to figures: medians with min–max, ratios, goals, terminal tables.
+
+Every figure is computed per sample first (one round's GiB/s), then
+summarised, so the min–max spread is of the figure itself, not of its
+inputs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from .spec import FIGURES
+
+__all__ = [
+    "GOALS",
+    "check_goals",
+    "compute_ratios",
+    "fmt_cell",
+    "print_table",
+    "render_goals",
+    "render_main",
+    "render_ratios",
+    "summarize",
+]
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+RAW = "raw-disk"
+
+# The goals issue 3 sets for ckptio: (case, figure, reference, bound, kind) where kind
+# ">=" means case/reference must be at least bound (throughput), "<=" at most (stall).
+GOALS: tuple[tuple[str, str, str, float, str], ...] = (
+    ("ckptio", "save_gibps", RAW, 0.9, ">="),
+    ("ckptio", "save_gibps", "orbax-default", 2.5, ">="),
+    ("ckptio", "save_gibps", "dcp", 1.6, ">="),
+    ("ckptio", "restore_gibps", RAW, 0.9, ">="),
+    ("ckptio-jax", "stall_s", "orbax-default", 1.0, "<="),
+    ("ckptio-torch", "stall_s", "memcpy", 1.0, "<="),
+)
+
+_LABELS = {
+    "save_gibps": "save GiB/s",
+    "restore_gibps": "restore GiB/s",
+    "stall_s": "stall s",
+    "save_rss_mib": "save +RSS MiB",
+    "restore_rss_mib": "restore +RSS MiB",
+}
+
+
+def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if sample.get("save_s"):
+        out["save_s"] = sample["save_s"]
+        out["save_gibps"] = nbytes / GIB / sample["save_s"]
+    if sample.get("stall_s") is not None:
+        out["stall_s"] = sample["stall_s"]
+    if sample.get("restore_s"):
+        out["restore_s"] = sample["restore_s"]
+        out["restore_gibps"] = nbytes / GIB / sample["restore_s"]
+    for key, fig in (("save_rss_bytes", "save_rss_mib"), ("restore_rss_bytes", "restore_rss_mib"),
+                     ("save_held_bytes", "save_held_mib")):
+        if sample.get(key) is not None:
+            out[fig] = sample[key] / MIB
+    return out
+
+
+def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``{figure: {median, min, max, n}}`` over the result's samples; stored as ``result["summary"]``."""
+    nbytes = int(result.get("state_bytes") or 0)
+    per = [_per_sample(s, nbytes) for s in result.get("samples", [])]
+    summary: dict[str, dict[str, float]] = {}
+    for fig in sorted({k for p in per for k in p}):
+        vals = [p[fig] for p in per if fig in p]
+        summary[fig] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+    result["summary"] = summary
+    return summary
+
+
+def _median(result: Mapping[str, Any] | None, fig: str) -> float | None:
+    if not result or result.get("status") != "ok":
+        return None
+    s = result.get("summary", {}).get(fig)
+    return None if s is None else float(s["median"])
+
+
+def compute_ratios(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """``ratios[case][ref][figure] = median(case) / median(ref)`` for every ok pair."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for a in ok:
+        row: dict[str, dict[str, float | None]] = {}
+        for b in ok:
+            if a is b:
+                continue
+            cells: dict[str, float | None] = {}
+            for fig, _, _ in FIGURES:
+                x, y = _median(a, fig), _median(b, fig)
+                cells[fig] = x / y if x is not None and y else None
+            row[b["case"]] = cells
+        out[a["case"]] = row
+    return out
+
+
+def check_goals(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each goal with its measured ratio and verdict (None when a side did not run)."""
+    by = {r["case"]: r for r in results}
+    out = []
+    for case, fig, ref, bound, kind in GOALS:
+        x, y = _median(by.get(case), fig), _median(by.get(ref), fig)
+        ratio = x / y if x is not None and y else None
+        met = None if ratio is None else (ratio >= bound if kind == ">=" else ratio <= bound)
+        out.append({"case": case, "figure": fig, "vs": ref, "goal": f"{kind} {bound}", "ratio": ratio, "met": met})
+    return out
+
+
+def fmt_num(x: float | None) -> str:
+    if x is None:
+        return "—"
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 0.1:
+        return f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+    return f"{x:.2g}"
+
+
+def fmt_cell(s: Mapping[str, float] | None) -> str:
+    """``median (min–max)``; just the median for one sample."""
+    if not s:
+        return "—"
+    if s.get("n", 1) <= 1 or s["min"] == s["max"]:
+        return fmt_num(s["median"])
+    return f"{fmt_num(s['median'])} ({fmt_num(s['min'])}–{fmt_num(s['max'])})"
+
+
+def fmt_ratio(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"  # a 100× smaller stall must not print as 0.00×
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                notes: Sequence[str] = (), out: TextIO | None = None) -> None:
+    """A rich table when rich is installed and ``out`` is a terminal-like stream, else plain text."""
+    out = out or sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", caption="\n".join(notes) or None,
+                      caption_justify="left")
+        for i, h in enumerate(headers):
+            table.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
+        for r in rows:
+            table.add_row(*r)
+        Console(file=out, width=max(100, min(200, 24 + 22 * len(headers)))).print(table)
+        return
+    except ImportError:
+        pass
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    print(title, file=out)
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)), file=out)
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)), file=out)
+    for n in notes:
+        print(n, file=out)
+    print(file=out)
+
+
+def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], header: str,
+                out: TextIO | None = None) -> None:
+    """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
+    raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
+    headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), "held MiB", "save ×raw", "restore ×raw"]
+    rows = []
+    for r in results:
+        if r.get("status") != "ok":
+            rows.append([r["case"], f"ERROR: {r.get('error', '?')}"[:160], *[""] * (len(headers) - 2)])
+            continue
+        s = r["summary"]
+        ratios = []
+        for fig in ("save_gibps", "restore_gibps"):
+            x, y = _median(r, fig), _median(raw, fig)
+            ratios.append(fmt_ratio(x / y) if x is not None and y else "—")
+        rows.append([r["case"], *(fmt_cell(s.get(f)) for f, _, _ in FIGURES), fmt_cell(s.get("save_held_mib")),
+                     *ratios])
+    for name, why in skipped.items():
+        rows.append([name, f"skipped: {why}", *[""] * (len(headers) - 2)])
+    notes = [
+        "median (min–max) over rounds. stall: time save() blocks before returning;",
+        "+RSS: peak RSS increase over the RSS before the call (restore includes the restored state itself);",
+        "held: RSS after the save is durable over the RSS before the first save (buffers kept between saves).",
+    ]
+    print_table(header, headers, rows, notes, out)
+
+
+def render_ratios(results: Sequence[dict[str, Any]], ratios: Mapping[str, Any], out: TextIO | None = None) -> None:
+    """For each ckptio case: its figures divided by every other case's."""
+    mine = [r["case"] for r in results if r.get("kind") == "ckptio" and r.get("status") == "ok"]
+    if not mine:
+        print_table("ckptio vs anchors", ["ratio"], [["no ckptio case succeeded: no ratios"]], out=out)
+        return
+    for case in mine:
+        rows = [[ref, *(fmt_ratio(cells.get(f)) for f, _, _ in FIGURES)] for ref, cells in ratios[case].items()]
+        print_table(f"{case} ÷ each case (throughput: >1 is better; stall, RSS: <1 is better)",
+                    ["vs", *(_LABELS[f] for f, _, _ in FIGURES)], rows, out=out)
+
+
+def render_goals(goals: Sequence[Mapping[str, Any]], out: TextIO | None = None) -> None:
+    rows = []
+    for g in goals:
+        verdict = "—" if g["met"] is None else ("met" if g["met"] else "MISSED")
+        rows.append([g["case"], _LABELS.get(g["figure"], g["figure"]), g["vs"], g["goal"],
+                     fmt_ratio(g["ratio"]), verdict])
+    print_table("goals (issue 3)", ["case", "figure", "vs", "goal", "ratio", "verdict"], rows, out=out)

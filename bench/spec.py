@@ -1,0 +1,113 @@
+"""Plain data shared by the parent (CLI) and the worker processes.
+
+Everything here is JSON-serialisable on purpose: a job travels to a worker as
+one JSON document and its result comes back the same way, so the worker never
+needs the parent's Python objects and a crashed worker cannot take the
+parent's state with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+__all__ = [
+    "FIGURES",
+    "Job",
+    "StateSpec",
+    "format_bytes",
+    "parse_duration",
+    "parse_size",
+]
+
+# The figures every successful case reports, with their unit and which way is better.
+# (name, unit, higher_is_better)
+FIGURES: tuple[tuple[str, str, bool], ...] = (
+    ("save_gibps", "GiB/s", True),
+    ("restore_gibps", "GiB/s", True),
+    ("stall_s", "s", False),
+    ("save_rss_mib", "MiB", False),
+    ("restore_rss_mib", "MiB", False),
+)
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"4M"``, ``"512k"``, ``"1e9"`` -> bytes (bare K/M/G are binary)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (try 1GiB, 64MiB, 4M)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str) -> float:
+    """``"4h"``, ``"30m"``, ``"1.5d"``, ``"900"`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"not a duration: {text!r} (try 4h, 30m, 1d, 900s)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, 3 significant digits: 1073741824 -> '1.00 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """The generated state: ``count`` arrays of one dtype, ``total_bytes`` in all."""
+
+    total_bytes: int = 1 << 30
+    count: int = 32
+    dtype: str = "float32"
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StateSpec:
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class Job:
+    """One case run in one worker process: ``rounds`` of save + cold restore.
+
+    ``root`` is the case's own fresh directory (or URL) on the target storage;
+    round ``r`` saves step ``r`` under it. ``world_size > 1`` runs the job in
+    that many gloo processes, each owning every ``world_size``-th array.
+    """
+
+    case: str
+    root: str
+    state: StateSpec
+    rounds: int = 3
+    cache_drop: str = "fadvise"  # "drop_caches" | "fadvise" | "none"
+    verify: bool = True
+    world_size: int = 1
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["state"] = self.state.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Job:
+        d = dict(d)
+        d["state"] = StateSpec.from_json(d["state"])
+        return cls(**d)

@@ -1,0 +1,150 @@
+"""``ckptio bench`` end to end at a tiny size, plus the harness's small pure parts.
+
+The end-to-end run is one subprocess (4 MiB, 1 round, every default case)
+shared by the tests of this module; it takes ~20-30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from ckptio.bench.advise import young_daly
+from ckptio.bench.harness import run_job
+from ckptio.bench.spec import FIGURES, Job, StateSpec, parse_duration, parse_size
+from ckptio.bench.system import drop_cache, resident_fraction
+from ckptio.bench.targets import LocalTarget
+
+
+def _have(*mods: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in mods)
+
+
+# Decided here, independently of the harness's own availability checks.
+EXPECTED_ANCHORS = ["raw-disk"]
+if _have("jax", "orbax.checkpoint"):
+    EXPECTED_ANCHORS += ["orbax-default", "orbax-nocomp"]
+if _have("tensorstore"):
+    EXPECTED_ANCHORS += ["tensorstore-zarr3"]
+if _have("torch"):
+    EXPECTED_ANCHORS += ["dcp", "dcp-async", "torch-save"]
+CKPTIO_CASES = ["ckptio"] + (["ckptio-jax"] if _have("jax") else []) + (["ckptio-torch"] if _have("torch") else [])
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "ckptio.bench", "--size", "4MiB", "--rounds", "1", "--dir", str(out / "work"),
+           "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"), "--advise", "--mtbf", "4h"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "bench.json").read_text())
+    return proc, doc, out
+
+
+def _case(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [c for c in doc["cases"] if c["case"] == name]
+    assert found, f"{name} missing from the JSON (cases: {[c['case'] for c in doc['cases']]})"
+    return found[0]
+
+
+def _assert_every_figure(result: dict[str, Any]) -> None:
+    assert result["status"] == "ok", result.get("error")
+    for fig, _, _ in FIGURES:
+        s = result["summary"].get(fig)
+        assert s is not None, f"{result['case']}: no {fig}"
+        assert all(math.isfinite(s[k]) for k in ("median", "min", "max")), (result["case"], fig, s)
+        assert s["min"] <= s["median"] <= s["max"]
+    assert result["summary"]["save_gibps"]["median"] > 0
+    assert result["summary"]["restore_gibps"]["median"] > 0
+    for sample in result["samples"]:  # the raw samples are there, not only the summary
+        for key in ("save_s", "stall_s", "restore_s", "save_rss_bytes", "restore_rss_bytes"):
+            assert sample[key] is not None, (result["case"], key)
+        assert sample["stall_s"] <= sample["save_s"] + 1e-9
+        assert sample["verified"] is True
+
+
+@pytest.mark.parametrize("name", EXPECTED_ANCHORS)
+def test_every_installed_anchor_has_every_figure(bench_run: Any, name: str) -> None:
+    _, doc, _ = bench_run
+    _assert_every_figure(_case(doc, name))
+
+
+@pytest.mark.parametrize("name", CKPTIO_CASES)
+def test_every_ckptio_case_has_every_figure(bench_run: Any, name: str) -> None:
+    _, doc, _ = bench_run
+    _assert_every_figure(_case(doc, name))
+
+
+def test_run_records_environment_and_outputs(bench_run: Any) -> None:
+    proc, doc, out = bench_run
+    assert doc["schema"] == "ckptio.bench/1"
+    assert doc["cache_drop"]["method"] in ("drop_caches", "fadvise", "none")
+    assert doc["cache_drop"]["reason"]
+    assert doc["config"]["state"] == {"total_bytes": 4 << 20, "count": 32, "dtype": "float32", "seed": 0}
+    assert doc["env"]["versions"]["numpy"]
+    assert doc["rss_method"]
+    raw = _case(doc, "raw-disk")
+    assert raw["samples"][0]["cache_drop"] == doc["cache_drop"]["method"]
+    if doc["cache_drop"]["method"] != "none":
+        resident = raw["samples"][0]["resident_before_restore"]  # mincore after the drop
+        assert resident is None or resident < 0.05
+    # ratios of every ok case to every other, and to the raw disk
+    assert "orbax-default" not in EXPECTED_ANCHORS or doc["ratios"]["orbax-default"]["raw-disk"]["save_gibps"] > 0
+    assert {g["vs"] for g in doc["goals"]} >= {"raw-disk"}
+    assert any(a["case"] == "raw-disk" and a["interval_s"] > 0 for a in doc["advise"])
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "raw-disk" in proc.stdout and "goals" in proc.stdout
+    assert not any((out / "work").iterdir()), "the bench left checkpoints behind"
+
+
+@pytest.mark.skipif(not _have("jax", "orbax.checkpoint", "tensorstore"), reason="needs orbax + tensorstore")
+def test_orbax_compression_is_verified_from_disk(bench_run: Any) -> None:
+    _, doc, _ = bench_run
+    assert _case(doc, "orbax-default")["info"]["compressor"]["id"] == "zstd"
+    assert _case(doc, "orbax-nocomp")["info"]["compressor"] is None
+
+
+def test_a_failing_case_is_an_error_row_not_a_crash(tmp_path: Path) -> None:
+    target = LocalTarget(str(tmp_path))
+    job = Job(case="no-such-case", root=target.case_root("x"), state=StateSpec(1 << 16, 2), rounds=1)
+    result = run_job(job, target, timeout_s=60)
+    assert result["status"] == "error" and "no-such-case" in result["error"]
+    target.close()
+
+
+def test_parse_size_and_duration() -> None:
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("4M") == 4 << 20
+    assert parse_size("1GB") == 10**9
+    assert parse_duration("4h") == 14400
+    assert parse_duration("30m") == 1800
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_young_daly() -> None:
+    tau, loss = young_daly(cost_s=2.0, mtbf_s=4 * 3600)
+    assert tau == pytest.approx(math.sqrt(2 * 2.0 * 14400))
+    assert loss == pytest.approx(math.sqrt(2 * 2.0 / 14400))  # at the optimum: sqrt(2C/M)
+    assert young_daly(0.0, 3600) == (0.0, 0.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_fadvise_drop_empties_the_page_cache_of_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "f.bin").write_bytes(np.random.default_rng(0).bytes(8 << 20))
+    (tmp_path / "f.bin").read_bytes()
+    before = resident_fraction(tmp_path)
+    if before is None:
+        pytest.skip("mincore unavailable")
+    assert drop_cache("fadvise", tmp_path) == "fadvise"
+    after = resident_fraction(tmp_path)
+    assert after is not None and after < 0.05 <= before
