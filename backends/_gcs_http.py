@@ -14,7 +14,7 @@ import email.utils
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,7 +22,7 @@ import aiohttp
 import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
-from .base import RetryableError
+from .base import ByteRange, RetryableError
 
 __all__ = [
     "BuffersPayload",
@@ -31,6 +31,7 @@ __all__ = [
     "TokenSource",
     "byte_views",
     "crc32c_b64",
+    "fill_from_response",
     "parse_retry_after",
     "parse_rfc3339",
     "raise_for_status",
@@ -52,10 +53,12 @@ _ERROR_BODY = 4096
 
 
 def byte_views(buffers: Sequence[memoryview | bytes | bytearray]) -> list[memoryview]:
-    """Flat unsigned-byte views of ``buffers`` (any format or shape; C-contiguous)."""
+    """Flat unsigned-byte views of ``buffers`` (any format or shape; C-contiguous); empty ones dropped."""
     out = []
     for b in buffers:
         v = b if isinstance(b, memoryview) else memoryview(b)
+        if not v.nbytes:
+            continue  # nothing to send or fill, and a zero in the shape cannot be cast
         if v.format != "B" or v.ndim != 1:
             v = v.cast("B")
         out.append(v)
@@ -119,6 +122,50 @@ class BuffersPayload(aiohttp.payload.Payload):
                 left -= piece.nbytes
 
 
+async def fill_from_response(
+    resp: aiohttp.ClientResponse, rng: ByteRange, views: Sequence[memoryview], what: str
+) -> None:
+    """Stream a (ranged) GET body into ``views``, chunk by chunk, with no intermediate object."""
+    if resp.status == 206:
+        # "bytes a-b/total": GCS clips a range that runs past the end instead of failing.
+        content_range = resp.headers.get("Content-Range", "")
+        span, _, total = content_range.removeprefix("bytes ").partition("/")
+        if total.isdigit() and int(total) < rng.end:
+            raise ValueError(f"{what}: runs past the end ({total} bytes)")
+        if span.partition("-")[0] not in ("", str(rng.start)):
+            raise RetryableError(f"{what}: server sent Content-Range {content_range!r}")
+        skip = 0
+    else:  # 200: the server ignored Range and sends the whole object
+        length = resp.content_length
+        if length is not None and length < rng.end:
+            raise ValueError(f"{what}: runs past the end ({length} bytes)")
+        skip = rng.start
+    want = rng.length
+    got = 0
+    vi, vpos = 0, 0  # current destination view and position in it
+    async for chunk in resp.content.iter_any():
+        data = memoryview(chunk)
+        if skip:
+            cut = min(skip, len(data))
+            skip -= cut
+            data = data[cut:]
+        data = data[: want - got]
+        while data:
+            dst = views[vi]
+            n = min(dst.nbytes - vpos, len(data))
+            dst[vpos : vpos + n] = data[:n]
+            data = data[n:]
+            got += n
+            vpos += n
+            if vpos == dst.nbytes:
+                vi, vpos = vi + 1, 0
+        if got == want:
+            break
+    if got != want:
+        # The server or network cut the body short (aiohttp usually raises first).
+        raise RetryableError(f"{what}: response ended after {got} of {want} bytes")
+
+
 # -- errors -------------------------------------------------------------------
 
 
@@ -178,7 +225,8 @@ async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
         body = await resp.content.read(_ERROR_BODY)
     except (aiohttp.ClientError, asyncio.TimeoutError):
         body = b""
-    message = f"{what}: HTTP {status} {_error_message(body) or resp.reason or ''}".rstrip()
+    detail = _error_message(body)
+    message = f"{what}: HTTP {status} {detail or resp.reason or ''}".rstrip()
     if status == 404:
         raise FileNotFoundError(message)
     if status == 412:
@@ -189,7 +237,7 @@ async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
         raise ValueError(f"{message} (byte range runs past the end of the object)")
     if status in (408, 429) or status >= 500:
         raise RetryableError(message, retry_after=parse_retry_after(resp.headers.get("Retry-After")))
-    if status == 400 and any(w in message.lower() for w in ("crc32c", "md5", "checksum", "hash")):
+    if status == 400 and any(w in detail.lower() for w in ("crc32c", "md5", "checksum", "hash")):
         raise RetryableError(message)
     if 400 <= status < 500:
         raise ValueError(message)
@@ -336,57 +384,72 @@ class RateRamp:
 # -- sessions ---------------------------------------------------------------------------
 
 
+_Closer = AsyncGenerator[None, None]
+
+
 class SessionPool:
     """One aiohttp session per event loop, made lazily on the loop that needs it.
 
     aiohttp sessions and connectors are bound to the loop they were created
     on, and the backend is driven from several: the engine's loop thread, a
-    fresh loop per Orbax commit future, the test's own loop.
+    fresh loop per Orbax commit future, the test's own loop. Each session is
+    tied to an async generator parked on its loop, so a loop that ends
+    properly (``asyncio.run``, or ``loop.shutdown_asyncgens()`` before
+    ``close()``) closes its session and sockets even if nobody calls
+    :meth:`close_current`.
     """
 
     def __init__(self, factory: Callable[[], aiohttp.ClientSession]) -> None:
         self._factory = factory
         self._lock = threading.Lock()
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._sessions: dict[asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, _Closer]] = {}
+
+    @staticmethod
+    async def _closer(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:  # runs at the loop's shutdown_asyncgens(), or when we aclose() it
+            await session.close()
 
     async def get(self) -> aiohttp.ClientSession:
         """The running loop's session (created on first use)."""
         loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is not None and not session.closed:
-            return session
+        entry = self._sessions.get(loop)
+        if entry is not None and not entry[0].closed:
+            return entry[0]
         with self._lock:
-            dead = [lp for lp in self._sessions if lp.is_closed()]
-            stale = [self._sessions.pop(lp) for lp in dead]
+            stale = [self._sessions.pop(lp)[0] for lp in [lp for lp in self._sessions if lp.is_closed()]]
             session = self._factory()
-            self._sessions[loop] = session
+            closer = self._closer(session)
+            self._sessions[loop] = (session, closer)
+        await closer.__anext__()  # parks it on this loop: the loop now finalises it at shutdown
         for s in stale:
             await _forget(s)
         return session
 
     async def close_current(self) -> None:
-        """Close the running loop's session only (call before closing a short-lived loop)."""
+        """Close the running loop's session only (before closing a short-lived loop by hand)."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            session = self._sessions.pop(loop, None)
-        if session is not None:
-            await session.close()
+            entry = self._sessions.pop(loop, None)
+        if entry is not None:
+            await entry[1].aclose()
 
     async def close_all(self) -> None:
         """Close every session: ours directly, other running loops' through their loop."""
         current = asyncio.get_running_loop()
         with self._lock:
             sessions, self._sessions = self._sessions, {}
-        for loop, session in sessions.items():
+        for loop, (session, closer) in sessions.items():
             if loop is current:
-                await session.close()
+                await closer.aclose()
             elif loop.is_closed():
                 await _forget(session)
             elif loop.is_running():
-                fut = asyncio.run_coroutine_threadsafe(session.close(), loop)
+                fut = asyncio.run_coroutine_threadsafe(closer.aclose(), loop)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
-            # A stopped but unclosed loop cannot run the close; its sockets go with it.
+            # A stopped but unclosed loop cannot run the close; its shutdown_asyncgens() will.
 
 
 async def _forget(session: aiohttp.ClientSession) -> None:

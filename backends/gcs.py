@@ -2,29 +2,38 @@
 
 Why aiohttp directly (and not gcsfs or tensorstore's kvstore)
 ---------------------------------------------------------------
-Measured once against fake-gcs-server (memory backend) on the 2-core build
-machine, 8 concurrent 64 MiB objects, client and server sharing the cores,
-both clients in the same run (MiB/s, upload / download, 3 rounds, median):
+Measured against fake-gcs-server 1.54 (memory backend) on the 2-core
+build machine: 8 concurrent 64 MiB objects, client and server sharing the
+cores, every client in the same run, 3 rounds, median (min-max), MiB/s:
 
-    MEASUREMENTS_PLACEHOLDER
+    client (aiohttp 3.14, gcsfs 2026.10.1)              upload            download
+    this backend: multipart POST, GET into buffers     269 (159-270)     909 (715-967)
+    gcsfs pipe/cat, defaults (resumable above 50 MiB)  124 (119-144)     375 (347-388)
+    gcsfs pipe(chunksize=128 MiB): one request each    181 (180-191)     397 (372-431)
 
-The figures swing ±40 % run to run (the server's CPU is part of every
-figure), so the ratio is what counts: this path is at least as fast as gcsfs,
-and it is the only one of the two that
+A second run while other jobs loaded the machine gave 83 / 703 for this
+backend against 50 / 186 for gcsfs (54 / 145 with one request per object).
+gcsfs's download includes copying the ``bytes`` it returns into the
+destination buffers, as a restore must (without that copy: 650-850 MiB/s).
+Against the same server, resumable uploads in 16 or 32 MiB chunks reached
+only 57-118 MiB/s (the emulator's resumable path is slow), so objects of
+the layout's size go up in one request. The figures swing ±40 % run to run
+(the server's CPU is in every figure); the ratio is what counts: this path
+is at least as fast as gcsfs both ways, and unlike gcsfs it
 
 * uploads from several caller buffers without joining them (a payload that
   streams memoryview slices) and downloads straight into caller-owned
-  buffers (the response body is copied chunk by chunk into the destination
-  memoryviews; gcsfs hands back ``bytes``, one extra full copy);
+  buffers (the body is copied chunk by chunk into the destination
+  memoryviews; gcsfs hands back ``bytes``, one more full copy);
 * leaves retries to the engine (gcsfs retries internally, which would
   multiply with the engine's retries and hide throttling from its budget);
 * exposes the commit primitive exactly (a multipart upload with
   ``ifGenerationMatch=0``) and maps every status once, at this boundary.
 
-tensorstore's kvstore uploads faster on this machine (its C++ threads do the
-HTTP work outside the GIL) but takes and returns whole values (a copy on each
-side), has no conditional create with a clear 412, and brings its own
-retries; it stays the benchmark anchor, not the backend.
+tensorstore's kvstore (not re-measured here; the project notes give it the
+fastest uploads on this machine, its C++ threads working outside the GIL)
+reads and writes whole values, i.e. a copy on each side, and brings its own
+retries; it stays a benchmark anchor, not the backend.
 
 Protocol
 --------
@@ -42,7 +51,9 @@ Protocol
 * Parallel composite upload (parts + compose) is not used: with objects of
   ~64 MiB and 32 requests in flight the connection count, not per-object
   parallelism, limits throughput, and on 2 cores the extra requests and the
-  compose cost more than they gain. COMPOSITE_PLACEHOLDER
+  compose cost more than they gain.
+  Measured: one 256 MiB object as a single multipart request 150-256
+  MiB/s, as 4 parallel parts + compose + deleting the parts 100-106 MiB/s.
 * Ranged reads send ``ByteRange.http_header()`` and stream the body into the
   destination buffers; ``Content-Range``'s total detects a range past the end.
 * ``create_if_absent`` is a multipart upload with ``ifGenerationMatch=0``
@@ -65,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -83,12 +95,13 @@ from ._gcs_http import (
     TokenSource,
     byte_views,
     crc32c_b64,
+    fill_from_response,
     parse_rfc3339,
     raise_for_status,
     slice_views,
     translating,
 )
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key, check_prefix
 
 __all__ = ["GCSBackend", "GCSConfig", "RampConfig"]
 
@@ -140,6 +153,10 @@ class GCSConfig:
             raise ValueError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
         if self.list_page_size <= 0 or self.concurrency <= 0:
             raise ValueError("list_page_size and concurrency must be positive")
+
+
+class _SessionGone(RetryableError):
+    """A resumable upload session expired or was cancelled: retry with a new upload, not a chunk."""
 
 
 def _resolve_endpoint(config: GCSConfig) -> tuple[str, bool]:
@@ -216,13 +233,16 @@ class GCSBackend(Backend):
     def _name(self, key: str) -> str:
         return self._name_prefix + check_key(key)
 
-    def _object_url(self, name: str, **query: Any) -> URL:
+    def _api_url(self, path: str, query: dict[str, Any]) -> URL:
         qs = "?" + urlencode(query, quote_via=quote) if query else ""
-        # encoded=True: the name's %2F must reach the server as is, not be re-quoted by yarl.
-        return URL(f"{self.endpoint}/storage/v1/b/{self._b}/o/{quote(name, safe='')}{qs}", encoded=True)
+        # encoded=True: an object name's %2F must reach the server as is, not be re-quoted by yarl.
+        return URL(f"{self.endpoint}{path}{qs}", encoded=True)
+
+    def _object_url(self, name: str, **query: Any) -> URL:
+        return self._api_url(f"/storage/v1/b/{self._b}/o/{quote(name, safe='')}", query)
 
     def _upload_url(self, **query: Any) -> URL:
-        return URL(f"{self.endpoint}/upload/storage/v1/b/{self._b}/o?{urlencode(query, quote_via=quote)}", encoded=True)
+        return self._api_url(f"/upload/storage/v1/b/{self._b}/o", query)
 
     # -- the one request path ------------------------------------------------
 
@@ -237,17 +257,25 @@ class GCSBackend(Backend):
         headers: dict[str, str] | None = None,
         data: Any = None,
         ramp: RateRamp | None = None,
+        session: bool = False,
     ) -> T:
-        """Send one request; ``handle`` reads a success, anything else is translated and raised."""
+        """Send one request; ``handle`` reads a success, anything else is translated and raised.
+
+        ``session``: the URL is a resumable upload session, whose 404/410 means
+        it expired -- a reason to start the upload again, not a missing object.
+        """
         async with translating(what):
-            session = await self._sessions.get()
+            if ramp is not None:  # first: a token fetched before a long wait could go stale
+                await ramp.acquire()
+            client = await self._sessions.get()
             all_headers = await self._auth.headers()
             if headers:
                 all_headers.update(headers)
-            if ramp is not None:
-                await ramp.acquire()
-            async with session.request(method, url, headers=all_headers, data=data, allow_redirects=False) as resp:
+            request = client.request(method, url, headers=all_headers, data=data, allow_redirects=False)
+            async with request as resp:
                 if resp.status not in ok:
+                    if session and resp.status in (404, 410):
+                        raise _SessionGone(f"{what}: HTTP {resp.status}: the upload session is gone")
                     if resp.status == 401:
                         self._auth.invalidate()
                     if resp.status == 416 and self.emulated:
@@ -273,7 +301,8 @@ class GCSBackend(Backend):
         size = sum(v.nbytes for v in views)
         crc = await crc32c_b64(views)
         if size > self.config.resumable_threshold:
-            await self._resumable_upload(name, views, size, crc)
+            what = f"{self._url}: writing {key!r} (resumable)"
+            await self._resumable_upload(name, views, size, crc, what=what)
         else:
             await self._multipart_upload(name, views, crc, what=f"{self._url}: writing {key!r}")
 
@@ -307,10 +336,13 @@ class GCSBackend(Backend):
         query: dict[str, Any] = {"uploadType": "multipart", "fields": "generation"}
         if if_generation_match is not None:
             query["ifGenerationMatch"] = if_generation_match
-        await self._call("POST", self._upload_url(**query), what, self._drain, data=body, ramp=self._write_ramp)
+        url = self._upload_url(**query)
+        await self._call("POST", url, what, self._drain, data=body, ramp=self._write_ramp)
 
-    async def _resumable_upload(self, name: str, views: Sequence[memoryview], size: int, crc: str) -> None:
-        what = f"{self._url}: writing {name!r} (resumable)"
+    async def _resumable_upload(
+        self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str
+    ) -> None:
+        """Start a resumable session, then send ``chunk_size`` chunks; resume a failed one if allowed."""
 
         async def location(resp: aiohttp.ClientResponse) -> str:
             await resp.read()
@@ -333,21 +365,31 @@ class GCSBackend(Backend):
             ramp=self._write_ramp,
         )
         upload = URL(session_url, encoded=True)
-        offset, failures = 0, 0
-        while True:
+        offset = 0
+        while offset < size:
             end = min(offset + self.config.chunk_size, size)
-            last = end == size
             try:
-                offset = await self._put_chunk(upload, views, offset, end, size, crc if last else None, what)
-                failures = 0
+                final_crc = crc if end == size else None
+                offset = await self._put_chunk(upload, views, offset, end, size, final_crc, what)
+            except _SessionGone:
+                raise  # only a new upload helps: the engine's retry starts one
             except RetryableError:
-                failures += 1
-                if not self._resume or failures > 3:
+                if not self._resume:
                     raise
-                await asyncio.sleep(min(0.25 * 2**failures, 4.0) * (0.5 + random.random()))
-                offset = await self._query_offset(upload, size, what)
-            if offset >= size:
-                return
+                offset = await self._recover_offset(upload, size, what)
+
+    async def _recover_offset(self, upload: URL, size: int, what: str) -> int:
+        """After a failed chunk, ask the session how much it holds (a few tries, with backoff)."""
+        for attempt in range(1, 5):
+            await asyncio.sleep(min(0.1 * 2**attempt, 2.0) * (0.5 + random.random()))
+            try:
+                return await self._query_offset(upload, size, what)
+            except _SessionGone:
+                raise
+            except RetryableError:
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _put_chunk(
         self,
@@ -360,14 +402,14 @@ class GCSBackend(Backend):
         what: str,
     ) -> int:
         """Send bytes ``[start, end)``; return the offset GCS has persisted up to."""
-        last = end == size
-        total = str(size) if last else "*"
-        headers = {"Content-Range": f"bytes {start}-{end - 1}/{total}" if end > start else f"bytes */{size}"}
+        total = str(size) if end == size else "*"  # "*": more chunks follow
+        headers = {"Content-Range": f"bytes {start}-{end - 1}/{total}"}
         if crc is not None:
             headers["x-goog-hash"] = f"crc32c={crc}"
         body = BuffersPayload(slice_views(views, start, end), content_type="application/octet-stream")
+        persisted = functools.partial(self._persisted, size=size)
         return await self._call(
-            "PUT", upload, what, lambda r: self._persisted(r, size), ok=(200, 201, 308), headers=headers, data=body
+            "PUT", upload, what, persisted, ok=(200, 201, 308), headers=headers, data=body, session=True
         )
 
     async def _query_offset(self, upload: URL, size: int, what: str) -> int:
@@ -376,9 +418,10 @@ class GCSBackend(Backend):
             "PUT",
             upload,
             f"{what} status",
-            lambda r: self._persisted(r, size),
+            functools.partial(self._persisted, size=size),
             ok=(200, 201, 308),
             headers={"Content-Range": f"bytes */{size}"},
+            session=True,
         )
 
     @staticmethod
@@ -395,7 +438,7 @@ class GCSBackend(Backend):
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         name = self._name(key)
-        views = [v for v in byte_views(buffers) if v.nbytes]  # empty ones would stall the fill loop
+        views = byte_views(buffers)  # no empty views: they would stall the fill loop
         have = sum(v.nbytes for v in views)
         if have != rng.length:
             raise ValueError(f"buffers hold {have} bytes, range [{rng.start}, {rng.end}) needs {rng.length}")
@@ -407,7 +450,7 @@ class GCSBackend(Backend):
             return
 
         async def fill(resp: aiohttp.ClientResponse) -> None:
-            await _fill(resp, rng, views, what)
+            await fill_from_response(resp, rng, views, what)
 
         await self._call(
             "GET",
@@ -456,7 +499,7 @@ class GCSBackend(Backend):
             query["delimiter"] = "/"
         what = f"{self._url}: listing {prefix!r}"
         while True:
-            url = URL(f"{self.endpoint}/storage/v1/b/{self._b}/o?{urlencode(query, quote_via=quote)}", encoded=True)
+            url = self._api_url(f"/storage/v1/b/{self._b}/o", query)
             doc = await self._call("GET", url, what, self._json, ramp=self._read_ramp)
             items.extend(doc.get("items", ()))
             prefixes.extend(doc.get("prefixes", ()))
@@ -466,7 +509,7 @@ class GCSBackend(Backend):
             query["pageToken"] = token
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        items, _ = await self._list_pages(self._name_prefix + prefix, delimiter=False)
+        items, _ = await self._list_pages(self._name_prefix + check_prefix(prefix), delimiter=False)
         cut = len(self._name_prefix)
         out = [
             ObjectInfo(item["name"][cut:], int(item["size"]), parse_rfc3339(item["updated"]))
@@ -477,7 +520,9 @@ class GCSBackend(Backend):
         return out
 
     async def list_children(self, prefix: str = "") -> list[str]:
-        base = self._name_prefix + (prefix.strip("/") + "/" if prefix.strip("/") else "")
+        # Trailing slashes are forgiven ("a/" is "a"); the rest is checked like a listing prefix.
+        rel = check_prefix(prefix.rstrip("/") + "/") if prefix else ""
+        base = self._name_prefix + rel
         items, prefixes = await self._list_pages(base, delimiter=True)
         names = {item["name"][len(base) :] for item in items}
         names.update(p[len(base) :].rstrip("/") for p in prefixes)
@@ -497,44 +542,3 @@ class GCSBackend(Backend):
         """Close every loop's session. The backend stays usable (sessions are remade lazily)."""
         await self._sessions.close_all()
 
-
-async def _fill(resp: aiohttp.ClientResponse, rng: ByteRange, views: Sequence[memoryview], what: str) -> None:
-    """Stream a (ranged) GET body into ``views``, chunk by chunk, with no intermediate object."""
-    if resp.status == 206:
-        # "bytes a-b/total": GCS clips a range that runs past the end instead of failing.
-        content_range = resp.headers.get("Content-Range", "")
-        span, _, total = content_range.removeprefix("bytes ").partition("/")
-        if total.isdigit() and int(total) < rng.end:
-            raise ValueError(f"{what}: runs past the end ({total} bytes)")
-        if span.partition("-")[0] not in ("", str(rng.start)):
-            raise RetryableError(f"{what}: server sent Content-Range {content_range!r}")
-        skip = 0
-    else:  # 200: the server ignored Range and sends the whole object
-        length = resp.content_length
-        if length is not None and length < rng.end:
-            raise ValueError(f"{what}: runs past the end ({length} bytes)")
-        skip = rng.start
-    want = rng.length
-    got = 0
-    vi, vpos = 0, 0  # current destination view and position in it
-    async for chunk in resp.content.iter_any():
-        data = memoryview(chunk)
-        if skip:
-            cut = min(skip, len(data))
-            skip -= cut
-            data = data[cut:]
-        data = data[: want - got]
-        while data:
-            dst = views[vi]
-            n = min(dst.nbytes - vpos, len(data))
-            dst[vpos : vpos + n] = data[:n]
-            data = data[n:]
-            got += n
-            vpos += n
-            if vpos == dst.nbytes:
-                vi, vpos = vi + 1, 0
-        if got == want:
-            break
-    if got != want:
-        # The server or network cut the body short (aiohttp usually raises first).
-        raise RetryableError(f"{what}: response ended after {got} of {want} bytes")

@@ -128,12 +128,19 @@ class CheckpointStore:
     async def commit(self, step_dir: str, manifest: Manifest) -> None:
         """Write the manifest once, atomically; FileExistsError if the checkpoint exists."""
         data = manifest.to_json()
+        key = join_key(step_dir, MANIFEST_NAME)
         try:
             await self.engine.retrying(
-                f"commit {self.where(step_dir)}",
-                lambda: self.backend.create_if_absent(join_key(step_dir, MANIFEST_NAME), data),
+                f"commit {self.where(step_dir)}", lambda: self.backend.create_if_absent(key, data)
             )
         except FileExistsError:
+            # A retried create may meet its own first attempt, which won but lost its reply:
+            # the manifest is unique to this save (id, time), so equal bytes mean we won.
+            try:
+                if await self.backend.read(key) == data:
+                    return
+            except FileNotFoundError:
+                pass
             raise FileExistsError(f"checkpoint {self.where(step_dir)} is already committed") from None
 
     # -- deletion --------------------------------------------------------
