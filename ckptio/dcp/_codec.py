@@ -247,9 +247,17 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
     )
 
     dcp = manifest.metadata.get("dcp")
-    if dcp is None:  # a native checkpoint: every array item, named by its item name
-        fqns = {name: {"item": name, "kind": "native"} for name, it in manifest.items.items()
-                if isinstance(it, ArrayItem)}
+    if dcp is None:  # a native checkpoint: its array items with a torch dtype, FQN = item name
+        fqns = {}
+        for name, it in manifest.items.items():
+            if not isinstance(it, ArrayItem):
+                continue
+            try:
+                _torch_dtype_for(it.dtype, where)
+            except ManifestError:
+                log.debug("%s: item %r (%s) has no torch dtype; not offered to DCP", where, name, it.dtype)
+                continue
+            fqns[name] = {"item": name, "kind": "native"}
         dcp = {"items": fqns, "planner_data": None, "modules": []}
     if not isinstance(dcp, dict) or not isinstance(dcp.get("items"), dict):
         raise ManifestError(f"{where}: malformed 'dcp' metadata")
@@ -258,7 +266,7 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
     names: dict[str, tuple[str, str]] = {}
     for fqn, d in dcp["items"].items():
         here = f"{where}: DCP item {fqn!r}"
-        item = manifest.items.get(d.get("item")) if isinstance(d, dict) else None
+        item = manifest.items.get(d["item"]) if isinstance(d, dict) and isinstance(d.get("item"), str) else None
         if not isinstance(item, ArrayItem):
             raise ManifestError(f"{here}: names no array item of the manifest")
         kind = d.get("kind")

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..engine import EngineConfig, ReadRequest, run_sync
-from ..errors import CheckpointNotFoundError, ManifestError
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import ArrayItem, Manifest, ShardRecord
 from ..reshard import Region, plan_region
 from ..staging import torch_to_numpy
@@ -88,17 +88,18 @@ class Reader(Located, StorageReader):
         try:
             manifest = run_sync(store.read_manifest(self.step_dir))
         except CheckpointNotFoundError:
-            self._close()
-            leftovers = run_sync(self._leftovers())
+            try:  # objects without a manifest: a save that never committed (say so: it is not 'absent')
+                leftovers = run_sync(store.backend.list_children(self.step_dir))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                leftovers = []
             if leftovers:
                 raise CheckpointNotFoundError(
                     f"checkpoint {where} is not committed (it has no manifest, but holds {leftovers[:3]}): "
                     "its save did not finish, or this URL is a parent of checkpoints, not one"
                 ) from None
             raise
-        except BaseException:
-            self._close()
-            raise
+        finally:
+            self._close()  # read_data reopens it: no connections held between DCP's steps
         metadata, names = metadata_from_manifest(manifest, where)
         metadata.storage_meta.load_id = self.load_id
         self._manifest = manifest
@@ -113,17 +114,6 @@ class Reader(Located, StorageReader):
             if hasattr(md, "properties"):
                 self._saved_dtype[fqn] = md.properties.dtype
         return metadata
-
-    async def _leftovers(self) -> list[str]:
-        """What lies at the checkpoint's URL without a manifest (to tell 'uncommitted' from 'absent')."""
-        store = self._open()
-        try:
-            return await store.backend.list_children(self.step_dir)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            return []
-        finally:
-            await store.close()
-            self._store = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._manifest is None:  # DCP always reads metadata first; a caller may hand it in instead
@@ -151,6 +141,10 @@ class Reader(Located, StorageReader):
                     requests += self._plan_tensor(ri, planner, manifest, finish)
             store = self._open()
             run_sync(store.engine.read(requests))
+        except IntegrityError as e:  # name the checkpoint too, not only the object key under it
+            raise IntegrityError(f"checkpoint {self.checkpoint_id}: {e}", key=e.key, item=e.item) from e
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"checkpoint {self.checkpoint_id} is missing an object its manifest names: {e}") from e
         finally:
             self._close()
         # Hand data to the planner on this thread, only once every read is in and verified.

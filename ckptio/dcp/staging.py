@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -100,6 +99,8 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
     def walk(x: Any) -> Any:
         if id(x) in memo:
             return memo[id(x)]
+        out: Any
+        lent: tuple[Any, bool] | None = None
         if isinstance(x, DTensor):
             local, lent = host_copy(x._local_tensor)
             # The same private constructor DCP's own staging uses: keeps the spec (mesh,
@@ -108,15 +109,17 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
         elif type(x) in (torch.Tensor, torch.nn.Parameter):
             out, lent = host_copy(x)
         elif isinstance(x, torch.Tensor):  # ShardedTensor and other subclasses: DCP's way, unpooled
-            out, lent = copy.deepcopy(x), None
-        elif isinstance(x, Mapping):
-            out, lent = type(x)((k, walk(v)) for k, v in x.items()), None
+            out = copy.deepcopy(x)
+        elif isinstance(x, dict):
+            out = copy.copy(x)  # keeps the dict's type (OrderedDict, defaultdict's factory)
+            for k, v in x.items():
+                out[k] = walk(v)
         elif type(x) in (list, tuple):
-            out, lent = type(x)(walk(v) for v in x), None
+            out = type(x)(walk(v) for v in x)
         elif x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
             return x
         else:
-            out, lent = copy.deepcopy(x), None
+            out = copy.deepcopy(x)
         if lent is not None:
             pool.lend(out, *lent)
         memo[id(x)] = out

@@ -129,8 +129,11 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:
-            store = self._open()
-            if run_sync(store.is_committed(self.step_dir)):
+            try:
+                committed = run_sync(self._open().is_committed(self.step_dir))
+            finally:
+                self._close()  # write_data may run in another process (async_save's process executor)
+            if committed:
                 raise FileExistsError(
                     f"checkpoint {self.checkpoint_id} is already committed; ckptio never overwrites one "
                     "(delete it first, e.g. with CheckpointManager or `ckptio gc`)"
@@ -221,5 +224,5 @@ def _raw_bytes(item: WriteItem, data: Any) -> memoryview:
     expected = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else tuple(t.shape)
     if tuple(t.shape) != expected:
         raise ValueError(f"{item.index.fqn!r}: the planner resolved a {tuple(t.shape)} tensor for a {expected} chunk")
-    arr = torch_to_numpy(t)
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    arr: np.ndarray = torch_to_numpy(t).reshape(-1).view(np.uint8)
+    return memoryview(arr)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
