@@ -125,3 +125,44 @@ class CkptioTorch(CkptioNumpy):
     max_world = 1
     sweep_max_tensors = 0
     description = "ckptio.CheckpointManager.save/restore (torch tensors)"
+
+
+def _dcp_cases() -> None:
+    """ckptio under DCP: the same DCP calls as the ``dcp`` anchors, with ckptio's Writer/Reader."""
+    from .anchors_torch import DCPAsyncSave, DCPSave
+
+    class _CkptioDCP:
+        requires = ("ckptio", "torch")
+
+        def _writer(self: Any, step: int) -> Any:
+            from ckptio.dcp import Writer
+
+            return Writer(self.step_path(step) or "")
+
+        def restore(self: Any, step: int) -> Mapping[str, Any]:
+            import torch
+
+            from ckptio.dcp import Reader
+
+            target = {k: torch.empty_like(v) for k, v in self.state.items()}
+            self._dcp.load(target, storage_reader=Reader(self.step_path(step) or ""))
+            return target
+
+    @register
+    class CkptioDCP(_CkptioDCP, DCPSave):  # type: ignore[misc]
+        name = "ckptio-dcp"
+        kind = "ckptio"
+        max_world = 1
+        sweep_max_tensors = 0
+        description = "dcp.save(storage_writer=ckptio.dcp.Writer); dcp.load(storage_reader=ckptio.dcp.Reader)"
+
+    @register
+    class CkptioDCPAsync(_CkptioDCP, DCPAsyncSave):  # type: ignore[misc]
+        name = "ckptio-dcp-async"
+        kind = "ckptio"
+        max_world = 1
+        sweep_max_tensors = 0
+        description = "dcp.async_save(storage_writer=ckptio.dcp.Writer) (its pooled stager); Reader"
+
+
+_dcp_cases()

@@ -36,7 +36,9 @@ if _have("tensorstore"):
     EXPECTED_ANCHORS += ["tensorstore-zarr3"]
 if _have("torch"):
     EXPECTED_ANCHORS += ["dcp", "dcp-async", "torch-save"]
-CKPTIO_CASES = ["ckptio"] + (["ckptio-jax"] if _have("jax") else []) + (["ckptio-torch"] if _have("torch") else [])
+CKPTIO_CASES = ["ckptio"] + (["ckptio-jax"] if _have("jax") else []) + (
+    ["ckptio-torch", "ckptio-dcp", "ckptio-dcp-async"] if _have("torch") else []
+)
 
 
 @pytest.fixture(scope="module")
