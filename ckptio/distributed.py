@@ -83,6 +83,7 @@ class JaxCoordinator:
         self._size = jax.process_count()
         self._prefix = prefix
         self._n = 0
+        self._mine: list[str] = []
         self._lock = threading.Lock()
 
     @property
@@ -98,7 +99,16 @@ class JaxCoordinator:
             self._n += 1
             key = f"{self._prefix}/gather/{self._n}"
         self._client.key_value_set(f"{key}/{self._rank}", json.dumps(obj))
-        return [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms)) for r in range(self._size)]
+        out = [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms)) for r in range(self._size)]
+        # The coordination service keeps keys forever. Our key of two gathers ago is safe to
+        # drop: every host set its key of the last gather, so it finished reading that one.
+        self._mine.append(f"{key}/{self._rank}")
+        if len(self._mine) > 2:
+            try:
+                self._client.key_value_delete(self._mine.pop(0))
+            except Exception:  # an older jax without deletes: keep the key, lose nothing
+                pass
+        return out
 
 
 _default: Coordinator | None = None

@@ -33,14 +33,15 @@ from typing import Any
 import jax
 from etils import epath
 
-from ckptio.backends import open_backend
 from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess
 from ckptio.engine import EngineConfig, run_sync
-from ckptio.errors import CheckpointNotFoundError
+from ckptio.errors import CheckpointNotFoundError, SaveFailedError
 from ckptio.layout import Naming
 from ckptio.manifest import Manifest
 from ckptio.save import start_save
 from ckptio.store import CheckpointStore
+
+from ._tree import META_KEY
 
 __all__ = [
     "POINTER_NAME",
@@ -48,11 +49,13 @@ __all__ = [
     "StorageConfig",
     "coordinator_for",
     "delete_external",
+    "final_name",
     "locate_for_restore",
     "locate_for_save",
+    "orbax_root_of",
+    "orbax_root_of_manifest",
     "read_manifest",
     "read_pointer",
-    "final_name",
     "step_of",
     "sweep_external",
     "url_of",
@@ -130,6 +133,19 @@ def final_name(name: str) -> str:
     return name if i < 0 else name[:i]
 
 
+def orbax_root_of(item_dir: Any) -> str:
+    """The Orbax root (the CheckpointManager's directory) above an item directory, absolute."""
+    root = url_of(epath.Path(url_of(item_dir)).parent.parent)
+    return root if "://" in root else os.path.abspath(root)
+
+
+def orbax_root_of_manifest(manifest: Manifest) -> str | None:
+    """The Orbax root a checkpoint was saved for (recorded in its manifest), if any."""
+    meta = manifest.metadata.get(META_KEY) if isinstance(manifest.metadata, dict) else None
+    root = meta.get("orbax_root") if isinstance(meta, dict) else None
+    return root if isinstance(root, str) else None
+
+
 def locate_for_save(item_dir: Any, config: StorageConfig) -> Location:
     if config.url is None:
         return Location(url_of(item_dir), None)
@@ -140,24 +156,29 @@ def locate_for_save(item_dir: Any, config: StorageConfig) -> Location:
 
 def read_pointer(item_dir: Any) -> dict[str, Any] | None:
     """The item directory's pointer to external storage, or None if its data is inside it."""
-    backend = open_backend(url_of(item_dir))
+    where = f"{url_of(item_dir)}/{POINTER_NAME}"
+    store = CheckpointStore(url_of(item_dir))
     try:
         try:
-            data = run_sync(backend.read(POINTER_NAME))
+            size = run_sync(store.backend.stat(POINTER_NAME)).size
         except FileNotFoundError:
             return None
+        if size > _MAX_POINTER_BYTES:  # checked before reading: never load a huge file
+            raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {size} bytes")
+        data = run_sync(store.engine.retrying(f"read {where}", lambda: store.backend.read(POINTER_NAME)))
     finally:
-        run_sync(backend.close())
-    where = f"{url_of(item_dir)}/{POINTER_NAME}"
+        run_sync(store.close())
     try:
-        if len(data) > _MAX_POINTER_BYTES:
-            raise ValueError("too large")
         doc = json.loads(data)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
         if doc.get("format") != _POINTER_FORMAT or doc.get("version") != 1:
             raise ValueError(f"unknown format {doc.get('format')!r} version {doc.get('version')!r}")
         for field in ("storage", "item"):
-            if not isinstance(doc.get(field), str):
-                raise ValueError(f"{field!r} is not a string")
+            if not isinstance(doc.get(field), str) or not doc[field]:
+                raise ValueError(f"{field!r} is not a non-empty string")
+        if "/" in doc["item"] or doc["item"] in (".", ".."):
+            raise ValueError(f"item {doc['item']!r} is not a directory name")  # it must not escape the root
         if not isinstance(doc.get("step"), int) or doc["step"] < 0:
             raise ValueError("'step' is not a non-negative int")
     except ValueError as e:
@@ -166,11 +187,19 @@ def read_pointer(item_dir: Any) -> dict[str, Any] | None:
 
 
 def _write_pointer(item_dir: Any, loc: Location) -> None:
-    doc = {"format": _POINTER_FORMAT, "version": 1, "storage": loc.storage, "item": loc.item, "step": loc.step}
+    doc = {
+        "format": _POINTER_FORMAT,
+        "version": 1,
+        "storage": loc.storage,
+        "item": loc.item,
+        "step": loc.step,
+    }
     store = CheckpointStore(url_of(item_dir))
     try:
         data = memoryview(json.dumps(doc).encode())
-        run_sync(store.engine.retrying(f"write {POINTER_NAME}", lambda: store.backend.write(POINTER_NAME, [data])))
+        run_sync(
+            store.engine.retrying(f"write {POINTER_NAME}", lambda: store.backend.write(POINTER_NAME, [data]))
+        )
         run_sync(store.backend.sync())
     finally:
         run_sync(store.close())
@@ -202,6 +231,40 @@ def coordinator_for(item_dir: Any, tag: str) -> Coordinator:
     return JaxCoordinator(prefix=f"ckptio/orbax/{op}/{digest}")
 
 
+def _prepare_external(item_dir: Any, loc: Location, store: CheckpointStore, coord: Coordinator) -> None:
+    """Coordinator: write the pointer, clear a stale checkpoint of the step; then every host goes on.
+
+    The pointer comes before the data: an external checkpoint is then always
+    referenced while its Orbax step directory exists (the sweep relies on it).
+    """
+    verdict: dict[str, Any] = {"ok": True}
+    failure: BaseException | None = None
+    if coord.rank == 0:
+        try:
+            stale = run_sync(store.is_committed(loc.step_dir))
+            if stale:
+                owner = orbax_root_of_manifest(run_sync(store.read_manifest(loc.step_dir)))
+                if owner != orbax_root_of(item_dir):  # checked before a pointer could name it
+                    raise FileExistsError(
+                        f"{store.where(loc.step_dir)} already holds step {loc.step} of the Orbax directory "
+                        f"{owner!r}: give each run (each Orbax directory) its own storage root"
+                    )
+            _write_pointer(item_dir, loc)
+            if stale:
+                # Left by a save whose Orbax step never finalised (a crash between the two commits).
+                log.warning("%s: replacing a stale checkpoint of step %s", loc.url, loc.step)
+                run_sync(store.delete(loc.step_dir))
+        except Exception as e:  # every host must still join the gather below, or the others hang
+            verdict, failure = {"ok": False, "error": f"{type(e).__name__}: {e}"}, e
+    if coord.size > 1:
+        # Also a barrier: no host looks for an existing checkpoint before the stale one is gone.
+        verdict = coord.all_gather(verdict)[0]
+    if not verdict["ok"]:
+        raise failure or SaveFailedError(
+            f"{loc.url}: preparing step {loc.step} failed on host 0: {verdict['error']}"
+        )
+
+
 def write_and_commit(
     item_dir: Any,
     tree: Any,
@@ -215,16 +278,7 @@ def write_and_commit(
     store = config.store(loc.url)
     try:
         if loc.storage is not None:
-            if coord.rank == 0:
-                # Point at the data before it exists: an external checkpoint is then always
-                # referenced while its Orbax step directory exists (the sweep relies on it).
-                _write_pointer(item_dir, loc)
-                if run_sync(store.is_committed(loc.step_dir)):
-                    # Left by a save whose Orbax step never finalised (crash, or a re-save of the step).
-                    log.warning("%s: replacing a stale checkpoint of step %s", loc.url, loc.step)
-                    run_sync(store.delete(loc.step_dir))
-            if coord.size > 1:
-                coord.all_gather(None)  # nobody checks for an existing checkpoint before the stale one is gone
+            _prepare_external(item_dir, loc, store, coord)
         handle = start_save(store, loc.step, tree, metadata=metadata, coordinator=coord, copy=False)
         handle.result()
     finally:
@@ -249,6 +303,14 @@ def delete_external(item_dir: Any, config: StorageConfig | None = None) -> bool:
     loc = locate_for_restore(item_dir, config or StorageConfig())
     store = (config or StorageConfig()).store(loc.url)
     try:
+        try:
+            owner = orbax_root_of_manifest(run_sync(store.read_manifest(loc.step_dir)))
+        except CheckpointNotFoundError:
+            owner = orbax_root_of(item_dir)  # uncommitted or half-deleted: finishing is safe
+        if owner != orbax_root_of(item_dir):
+            # Not this run's data (storage shared by mistake, or this Orbax directory was moved).
+            log.warning("%s: step %s belongs to %r; not deleting it", loc.url, loc.step, owner)
+            return False
         run_sync(store.delete(loc.step_dir))
     finally:
         run_sync(store.close())
@@ -256,18 +318,25 @@ def delete_external(item_dir: Any, config: StorageConfig | None = None) -> bool:
 
 
 def _referenced_steps(root: epath.Path, item: str) -> set[int]:
-    """Steps of ``item`` that some directory under the Orbax root (tmp ones included) points to."""
+    """Steps of ``item`` that some directory under the Orbax root (tmp ones included) points to.
+
+    Raises on any pointer it cannot read: the sweep must not delete data because of an IO error.
+    """
     steps = set()
     for step_dir in root.iterdir():
         try:
+            if not step_dir.is_dir():
+                continue
             # The step's item directory may still carry Orbax's tmp suffix (a save being finalised).
-            item_dirs = [d for d in step_dir.iterdir() if final_name(d.name) == item] if step_dir.is_dir() else []
-            for d in item_dirs:
-                ptr = read_pointer(d)
-                if ptr is not None:
-                    steps.add(ptr["step"])
-        except (CheckpointNotFoundError, NotADirectoryError, OSError):
-            continue
+            for d in step_dir.iterdir():
+                if final_name(d.name) == item and d.is_dir():
+                    ptr = read_pointer(d)
+                    if ptr is not None:
+                        steps.add(ptr["step"])
+        except CheckpointNotFoundError:
+            raise  # a malformed pointer: keep everything until someone looks
+        except FileNotFoundError:
+            continue  # Orbax deleted the step meanwhile (background deletion)
     return steps
 
 
@@ -280,17 +349,25 @@ def sweep_external(root: Any, item: str, config: StorageConfig) -> list[int]:
     """
     if config.url is None:
         return []
-    root = epath.Path(url_of(root))
-    referenced = _referenced_steps(root, item)
+    root_url = url_of(root) if "://" in url_of(root) else os.path.abspath(url_of(root))
+    referenced = _referenced_steps(epath.Path(root_url), item)
     store = config.store(_join(config.url, item))
+    doomed = []
     try:
-        doomed = [s for s in run_sync(store.committed_steps()) if s not in referenced]
-        for s in doomed:
+        for s in run_sync(store.committed_steps()):
+            if s in referenced:
+                continue
+            owner = orbax_root_of_manifest(run_sync(store.read_manifest(str(s))))
+            if owner != root_url:  # another run's checkpoint in a shared storage root: not ours to judge
+                log.debug("%s/%s: step %s belongs to %r, not %r", config.url, item, s, owner, root_url)
+                continue
             run_sync(store.delete(str(s)))
+            doomed.append(s)
         run_sync(store.sweep(config.sweep_grace_seconds))
     finally:
         run_sync(store.close())
     if doomed:
-        log.info("%s/%s: swept checkpoints of steps %s (their Orbax steps are gone)", config.url, item, doomed)
+        log.info(
+            "%s/%s: swept checkpoints of steps %s (their Orbax steps are gone)", config.url, item, doomed
+        )
     return doomed
-

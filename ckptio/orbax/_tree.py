@@ -33,6 +33,7 @@ __all__ = [
     "Leaf",
     "RestorePlan",
     "StagedTree",
+    "check_tree",
     "key_parts",
     "plan_restore",
     "stage_tree",
@@ -122,9 +123,42 @@ def _is_key_array(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _check_leaf(where: str, v: Any) -> None:
+    if isinstance(v, jax.Array) or v is None:
+        return
+    if isinstance(v, (np.ndarray, np.generic)):
+        if v.dtype.hasobject:
+            raise UnsupportedLeafError(
+                f"{where}: dtype {v.dtype} holds Python objects, which ckptio does not pickle"
+            )
+        return
+    try:
+        encode_value(v, where)
+    except TypeError:
+        raise UnsupportedLeafError(
+            f"{where}: cannot save a leaf of type {type(v).__module__}.{type(v).__qualname__}; "
+            "ckptio.orbax saves jax and numpy arrays, numpy scalars, int, float, bool, str, bytes "
+            "and None -- never pickle"
+        ) from None
+
+
+def check_tree(state: Any) -> None:
+    """Raise if ``state`` cannot be saved (a leaf type, clashing names), without touching its data.
+
+    Run when the Save args are built: a handler that fails inside Orbax's
+    ``async_save`` leaves Orbax's directory-creation signals pending, and the
+    manager then waits for them until its timeout.
+    """
+    leaves, _ = flatten(state)
+    for leaf in leaves:
+        _check_leaf(leaf.name or "<root>", leaf.value)
+
+
 def stage_tree(state: Any) -> StagedTree:
     """Stage every leaf of ``state`` on the calling thread (see the module docstring)."""
     leaves, _ = flatten(state)
+    for leaf in leaves:
+        _check_leaf(leaf.name or "<root>", leaf.value)
     kinds: dict[str, Any] = {}
     # Start every device->host copy first, so they overlap instead of running one by one.
     for leaf in leaves:
@@ -136,18 +170,17 @@ def stage_tree(state: Any) -> StagedTree:
                         s.data.copy_to_host_async()
                     except (AttributeError, RuntimeError):  # CPU arrays / deleted arrays: np.asarray says why
                         pass
-    staged = []
+    staged: list[Any] = []
     nbytes = 0
     for leaf in leaves:
         v = leaf.value
-        where = leaf.name or "<root>"
         if isinstance(v, jax.Array):
             kind: dict[str, Any] = {"kind": "jax"}
             if _is_key_array(v):
                 # Typed PRNG keys have no numpy dtype: save their raw data and the impl's name.
                 kind = {"kind": "key", "impl": str(jax.random.key_impl(v))}
                 v = jax.random.key_data(v)
-            pieces = []
+            pieces: list[Any] = []
             for s in v.addressable_shards:
                 if s.replica_id == 0:
                     host = np.asarray(s.data)
@@ -158,17 +191,7 @@ def stage_tree(state: Any) -> StagedTree:
         elif isinstance(v, np.ndarray):
             staged.append(np.array(v, copy=True, order="C"))  # mutable: the step may change it next
             nbytes += v.nbytes
-        elif isinstance(v, np.generic) or v is None:
-            staged.append(v)
-        else:
-            try:
-                encode_value(v, where)
-            except TypeError:
-                raise UnsupportedLeafError(
-                    f"{where}: cannot save a leaf of type {type(v).__module__}.{type(v).__qualname__}; "
-                    "ckptio.orbax saves jax and numpy arrays, numpy scalars, int, float, bool, str, bytes "
-                    "and None -- never pickle"
-                ) from None
+        else:  # numpy scalars and values: immutable
             staged.append(v)
     meta = {"version": 1, "leaves": kinds}
     return StagedTree(nest(leaves, staged) if leaves else {}, meta, nbytes)
@@ -189,7 +212,9 @@ class RestorePlan:
     finish: Callable[[Any], Any]
 
 
-def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> tuple[Any, Callable[[Any], Any]]:
+def _leaf_target(
+    name: str, abstract: Any, item: Any, kind: dict[str, Any]
+) -> tuple[Any, Callable[[Any], Any]]:
     """The ckptio target for one leaf and the post-processing of what comes back."""
     if kind.get("kind") == "key":
         impl = str(kind.get("impl", ""))
@@ -197,9 +222,9 @@ def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> t
             raise ValueError(f"item {name!r}: saved as a PRNG key but holds no array")
         sharding = getattr(abstract, "sharding", None)
         # The target may describe the keys (key dtype) or their data (uint32, from the TypeHandler).
-        if _is_target_leaf(abstract) and _is_key_array(abstract):
-            if tuple(abstract.shape) != item.shape[: len(abstract.shape)]:
-                raise ValueError(f"item {name!r}: target shape {abstract.shape} but saved keys {item.shape}")
+        key_target = _is_target_leaf(abstract) and _is_key_array(abstract)
+        if key_target and tuple(abstract.shape) != item.shape[: len(abstract.shape)]:
+            raise ValueError(f"item {name!r}: target shape {abstract.shape} but saved keys {item.shape}")
         tgt = jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding)
         return tgt, lambda data: jax.random.wrap_key_data(data, impl=impl)
     if isinstance(abstract, (jax.ShapeDtypeStruct, jax.Array)):
@@ -236,7 +261,9 @@ def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
             f"the abstract state asks for {missing[:5]} which the checkpoint does not hold "
             f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
         )
-    pairs = [_leaf_target(lf.name, lf.value, manifest.items[lf.name], kinds.get(lf.name, {})) for lf in leaves]
+    pairs = [
+        _leaf_target(lf.name, lf.value, manifest.items[lf.name], kinds.get(lf.name, {})) for lf in leaves
+    ]
 
     def finish(restored: Any) -> Any:
         flat = _flat_by_parts(restored, leaves)
@@ -257,7 +284,7 @@ def _flat_by_parts(tree: Any, leaves: Sequence[Leaf]) -> list[Any]:
 
 def _leaves_in_order(tree: Any, structure: Any) -> list[Any]:
     """Leaves of a restored ckptio tree in the order of ``structure`` (dict/list/tuple nodes)."""
-    (kind, body), = structure.items()
+    ((kind, body),) = structure.items()
     if kind == "leaf":
         return [tree]
     if kind == "dict":

@@ -33,12 +33,13 @@ from ._io import (
     final_name,
     locate_for_restore,
     locate_for_save,
+    orbax_root_of,
     read_manifest,
     sweep_external,
     url_of,
     write_and_commit,
 )
-from ._tree import META_KEY, plan_restore, stage_tree
+from ._tree import META_KEY, check_tree, plan_restore, stage_tree
 
 __all__ = ["CkptioCheckpointHandler", "Restore", "Save", "handler_registry"]
 
@@ -82,7 +83,8 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
     async def async_save(self, directory: epath.Path, args: Save) -> list[ocp.future.Future]:
         """Stage now; return the commit future that writes and commits."""
         staged = stage_tree(args.item)
-        metadata: dict[str, Any] = {META_KEY: staged.meta}
+        # The Orbax root owns the checkpoint: sweeps of a shared storage root leave others' alone.
+        metadata: dict[str, Any] = {META_KEY: {**staged.meta, "orbax_root": orbax_root_of(directory)}}
         if args.metadata:
             metadata["user"] = args.metadata
         # Created here, on the caller's thread, so every host derives the same gather keys.
@@ -179,6 +181,9 @@ class Save(ocp.args.CheckpointArgs):
 
     item: Any
     metadata: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_tree(self.item)  # fail here, before Orbax starts a save it cannot clean up
 
 
 @ocp.args.register_with_handler(CkptioCheckpointHandler, for_restore=True)

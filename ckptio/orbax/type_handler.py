@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint import type_handlers as types
 
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.layout import Naming
@@ -37,8 +38,6 @@ __all__ = ["TYPESTR", "CkptioArrayHandler", "register", "unregister"]
 TYPESTR = "ckptio.jax.Array"
 #: The ckptio store of an item, inside Orbax's item directory.
 SUBDIR = "ckptio"
-
-types = ocp.type_handlers
 
 
 def _sharding_metadata() -> Any:
@@ -201,16 +200,21 @@ class CkptioArrayHandler(types.TypeHandler):
                 out[i] = x.astype(want) if want is not None and not is_key and x.dtype != want else x
         return out
 
-    def _abstract(self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs) -> jax.ShapeDtypeStruct:
+    def _abstract(
+        self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs
+    ) -> jax.ShapeDtypeStruct:
         key = _item_name(info.name)
         item = manifest.items[key]
         assert isinstance(item, ArrayItem)
         shape = getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
-        if shape is not None and tuple(shape) != item.shape and manifest.metadata.get(META_KEY, {}).get(
-            "leaves", {}
-        ).get(key, {}).get("kind") != "key":
+        if (
+            shape is not None
+            and tuple(shape) != item.shape
+            and manifest.metadata.get(META_KEY, {}).get("leaves", {}).get(key, {}).get("kind") != "key"
+        ):
             raise ValueError(
-                f"{info.name}: restoring as shape {tuple(shape)} but saved {item.shape} (ckptio does not pad or truncate)"
+                f"{info.name}: restoring as shape {tuple(shape)} but saved {item.shape} "
+                "(ckptio does not pad or truncate)"
             )
         return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=self._sharding(manifest, key, info, arg))
 
@@ -230,8 +234,12 @@ class CkptioArrayHandler(types.TypeHandler):
             try:
                 return sm.from_serialized_string(serialized).to_jax_sharding()
             except Exception as e:  # e.g. saved on devices this process does not have
-                raise ValueError(f"{info.name}: the saved sharding does not fit here ({e}); pass a target") from e
-        raise ValueError(f"{info.name}: no sharding to restore onto; pass one (e.g. a ShapeDtypeStruct with sharding)")
+                raise ValueError(
+                    f"{info.name}: the saved sharding does not fit here ({e}); pass a target"
+                ) from e
+        raise ValueError(
+            f"{info.name}: no sharding to restore onto; pass one (e.g. a ShapeDtypeStruct with sharding)"
+        )
 
 
 def _item_name(name: str) -> str:
