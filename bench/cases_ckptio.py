@@ -166,3 +166,38 @@ def _dcp_cases() -> None:
 
 
 _dcp_cases()
+
+
+def _orbax_cases() -> None:
+    """ckptio under Orbax: the same ``ocp.CheckpointManager`` as the anchors, with ckptio's handler."""
+    from .anchors_jax import _OrbaxBase
+
+    @register
+    class CkptioOrbax(_OrbaxBase):
+        name = "ckptio-orbax"
+        kind = "ckptio"
+        requires = ("ckptio", "jax", "orbax.checkpoint")
+        max_world = 1
+        sweep_max_tensors = 0
+        description = "ocp.CheckpointManager + ckptio.orbax.Save/Restore, async"
+
+        def _manager(self, ocp: Any, options: Any) -> Any:
+            import ckptio.orbax  # noqa: F401  (registers Save/Restore with the handler)
+
+            return ocp.CheckpointManager(self.ctx.root, options=options)
+
+        def _save_args(self, ocp: Any) -> Any:
+            import ckptio.orbax
+
+            return ckptio.orbax.Save(self.state)
+
+        def _restore_args(self, ocp: Any, abstract: Mapping[str, Any]) -> Any:
+            import ckptio.orbax
+
+            return ckptio.orbax.Restore(abstract)
+
+        def info(self) -> dict[str, Any]:
+            return {"compressor": None}
+
+
+_orbax_cases()

@@ -44,6 +44,11 @@ GOALS: tuple[tuple[str, str, str, float, str], ...] = (
     ("ckptio-dcp", "restore_gibps", "dcp", 1.5, ">="),
     ("ckptio-dcp-async", "stall_s", "memcpy", 1.0, "<="),
     ("ckptio-dcp-async", "stall_s", "dcp-async", 1.0, "<="),
+    # issue 6: ckptio under Orbax
+    ("ckptio-orbax", "save_gibps", "orbax-default", 2.5, ">="),
+    ("ckptio-orbax", "save_gibps", "orbax-nocomp", 1.1, ">="),
+    ("ckptio-orbax", "restore_gibps", "orbax-default", 2.0, ">="),
+    ("ckptio-orbax", "stall_s", "orbax-default", 1.0, "<="),
 )
 
 _LABELS = {

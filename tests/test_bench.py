@@ -37,6 +37,8 @@ if _have("tensorstore"):
 if _have("torch"):
     EXPECTED_ANCHORS += ["dcp", "dcp-async", "torch-save"]
 CKPTIO_CASES = ["ckptio"] + (["ckptio-jax"] if _have("jax") else []) + (
+    ["ckptio-orbax"] if _have("orbax.checkpoint") else []
+) + (
     ["ckptio-torch", "ckptio-dcp", "ckptio-dcp-async"] if _have("torch") else []
 )
 
