@@ -30,7 +30,7 @@ from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tree import flatten, path_str
 
-__all__ = ["SaveHandle", "start_save"]
+__all__ = ["SaveHandle", "merge_records", "start_save"]
 
 log = logging.getLogger("ckptio.save")
 
@@ -111,7 +111,7 @@ def _host_record(
     return {"ok": True, "objects": [p.key for p in plans], "items": items}
 
 
-def _merge(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
+def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
     """The coordinator's manifest from every host's record (validated like any manifest read)."""
     objects: list[str] = []
     items: dict[str, Any] = {}
@@ -209,7 +209,7 @@ def start_save(
                     verdict = {"ok": False, "error": "; ".join(errors)}
                 else:
                     try:
-                        manifest = _merge(records, head, where)
+                        manifest = merge_records(records, head, where)
                         run_sync(store.commit(step_dir, manifest))
                         verdict = {"ok": True}
                     except BaseException as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from ckptio.backends import Backend
@@ -11,17 +13,28 @@ from .manifest import ArrayItem, Manifest
 from .reshard import Region, plan_region
 from .store import CheckpointStore
 
-__all__ = ["verify_checkpoint", "verify_requests"]
+__all__ = ["verify_batches", "verify_checkpoint"]
 
 
-def verify_requests(m: Manifest) -> list[ReadRequest]:
-    """Reads of every saved shard, whole, with their checksums (scratch buffers, one shard at a time)."""
-    requests: list[ReadRequest] = []
+def verify_batches(m: Manifest, batch_bytes: int = 256 << 20) -> Iterator[list[ReadRequest]]:
+    """Reads of every saved shard with their checksums, in batches of about ``batch_bytes``
+    (scratch buffers for one batch at a time, so verifying needs little memory)."""
+    batch: list[ReadRequest] = []
+    size = 0
     for name, it in m.items.items():
-        if isinstance(it, ArrayItem):
-            for s in it.shards:
-                requests += plan_region(name, it, Region(s.offsets, np.empty(s.shape, it.dtype)), m.objects, m.block_size)
-    return requests
+        if not isinstance(it, ArrayItem):
+            continue
+        for s in it.shards:
+            if not s.size:
+                continue
+            region = Region(s.offsets, np.empty(s.shape, it.dtype))
+            batch += plan_region(name, it, region, m.objects, m.block_size)
+            size += s.size * it.dtype.itemsize
+            if size >= batch_bytes:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
 
 
 async def verify_checkpoint(
@@ -29,10 +42,12 @@ async def verify_checkpoint(
 ) -> tuple[int, int]:
     """Read every byte of a committed checkpoint; IntegrityError names the first bad object and item.
 
-    Returns ``(objects, bytes)`` checked.
+    Returns ``(objects, bytes)`` checked. Memory stays at about one batch of shards.
     """
     store = target if isinstance(target, CheckpointStore) else CheckpointStore(target.url, backend=target)
     m = await store.read_manifest(step_dir)
-    requests = verify_requests(m)
-    await store.engine.read(requests, progress)
-    return len(m.objects), sum(r.rng.length for r in requests)
+    done = 0
+    for batch in verify_batches(m):
+        await store.engine.read(batch, progress)
+        done += sum(r.rng.length for r in batch)
+    return len(m.objects), done

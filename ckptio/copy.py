@@ -1,0 +1,214 @@
+"""Copy a committed checkpoint between two stores, object by object, committing last.
+
+Every object is read from the source with the manifest's block checksums
+checked (bytes that do not match are never written), written under the
+destination's naming (a hashed prefix on object stores, flat on POSIX), and
+only when every object is durable is the destination's manifest created
+(create-if-absent). A reader of the destination therefore never sees a
+partial checkpoint, whatever moment a copy dies at.
+
+A copy is resumable: an object already at the destination under its key
+with the right size is kept, not rewritten. That is safe because writes are
+atomic per object (backend contract) and keys carry the save's unique id, so
+such an object can only be a complete write of the same bytes by an earlier
+attempt.
+
+:func:`copy_checkpoint` is the whole copy in one process (``ckptio cp``).
+The tiered manager splits it: every host runs :func:`copy_objects` for the
+objects it holds, then one coordinator commits :func:`rekey`'s manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from ckptio.backends.base import ByteRange, join_key
+
+from .engine import ByteBudget, Progress, ReadRequest
+from .layout import HashedNaming
+from .manifest import ArrayItem, Manifest
+from .store import CheckpointStore
+
+__all__ = ["CopyStats", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey"]
+
+log = logging.getLogger("ckptio.copy")
+
+
+@dataclasses.dataclass
+class CopyStats:
+    """What one copy did: objects written, objects kept (already there), bytes written."""
+
+    written: int = 0
+    kept: int = 0
+    bytes: int = 0
+
+    def add(self, other: CopyStats) -> None:
+        self.written += other.written
+        self.kept += other.kept
+        self.bytes += other.bytes
+
+
+def object_extents(manifest: Manifest) -> list[list[tuple[int, int, list[int], str]]]:
+    """For each object, the extents stored in it as ``(offset, length, block crcs, item)``."""
+    out: list[list[tuple[int, int, list[int], str]]] = [[] for _ in manifest.objects]
+    for name, item in manifest.items.items():
+        if isinstance(item, ArrayItem):
+            for shard in item.shards:
+                for e in shard.extents:
+                    out[e.object].append((e.offset, e.length, e.crcs, name))
+    return out
+
+
+def object_writers(manifest: Manifest) -> list[int | None]:
+    """The host that wrote each object (from its shards), or None for an object no shard refers to.
+
+    Objects are packed per host, so one object never mixes hosts' shards.
+    """
+    out: list[int | None] = [None] * len(manifest.objects)
+    for item in manifest.items.values():
+        if isinstance(item, ArrayItem):
+            for shard in item.shards:
+                for e in shard.extents:
+                    out[e.object] = shard.host
+    return out
+
+
+def _logical_key(key: str, step_dir: str) -> str:
+    """``key`` without a leading hashed component (``h3f/100/x`` -> ``100/x``)."""
+    first, sep, rest = key.partition("/")
+    hashed = len(first) > 1 and first[0] == "h" and all(c in "0123456789abcdef" for c in first[1:])
+    if sep and hashed and (not step_dir or rest.startswith(step_dir + "/")):
+        return rest
+    return key
+
+
+def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir: str | None = None) -> Manifest:
+    """``manifest`` with its object keys renamed for ``dst``'s naming (same order, same checkpoint id;
+    the step of ``dst_step_dir`` when copied to another step).
+
+    Deterministic, so every host of a distributed copy computes the same keys
+    on its own. On a hashed destination the i-th object gets the i-th slot
+    after the step's seed: the spread is even by construction.
+    """
+    dst_dir = step_dir if dst_step_dir is None else dst_step_dir
+    hashed = isinstance(dst.naming, HashedNaming)
+    keys = []
+    for i, key in enumerate(manifest.objects):
+        logical = _logical_key(key, step_dir)
+        if step_dir != dst_dir and step_dir and logical.startswith(step_dir + "/"):
+            logical = join_key(dst_dir, logical[len(step_dir) + 1 :])
+        if hashed:
+            assert isinstance(dst.naming, HashedNaming)
+            logical = join_key(dst.naming.component(dst_dir, i, 1, 0), logical)
+        keys.append(logical)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"rekeying {dst.where(dst_dir)} maps two objects to one key")
+    # A copy to another step directory is that step's checkpoint (same id: still the same bytes).
+    step = int(dst_dir) if dst_dir != step_dir and dst_dir.isdigit() else manifest.step
+    return dataclasses.replace(manifest, objects=keys, step=step)
+
+
+async def copy_objects(
+    src: CheckpointStore,
+    dst: CheckpointStore,
+    manifest: Manifest,
+    dst_manifest: Manifest,
+    indices: Iterable[int] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> CopyStats:
+    """Copy objects ``indices`` (default: all) of ``manifest`` from ``src`` to ``dst_manifest``'s keys.
+
+    Each object's extents are checked against their block checksums as it is
+    read (a mismatch raises IntegrityError and nothing of that object is
+    written). An object no extent refers to is copied unchecked, whole.
+    Does not commit; ends with ``dst.backend.sync()`` so that a commit
+    after it covers durable objects.
+    """
+    extents = object_extents(manifest)
+    wanted = range(len(manifest.objects)) if indices is None else sorted(set(indices))
+    # Bytes held between read and write are bounded by both engines' budgets and slots.
+    slots = asyncio.Semaphore(max(1, min(src.engine.concurrency, dst.engine.concurrency)))
+    budget = ByteBudget(min(src.engine.config.byte_budget, dst.engine.config.byte_budget))
+    stats = CopyStats()
+
+    async def one(i: int) -> None:
+        key, dst_key = manifest.objects[i], dst_manifest.objects[i]
+        if extents[i]:
+            size = max(off + n for off, n, _c, _it in extents[i])
+        else:
+            size = (await src.engine.retrying(f"stat {key!r}", lambda: src.backend.stat(key))).size
+        async with slots:
+            try:  # resuming: keep a complete earlier write (atomic per object, unique key)
+                have = await dst.engine.retrying(f"stat {dst_key!r}", lambda: dst.backend.stat(dst_key))
+                if have.size == size:
+                    stats.kept += 1
+                    return
+            except FileNotFoundError:
+                pass
+            held = await budget.acquire(size)
+            try:
+                buf = bytearray(size)
+                req = ReadRequest(key, ByteRange(0, size), [memoryview(buf)],
+                                  [(off, n, crcs, item) for off, n, crcs, item in extents[i]],
+                                  block_size=manifest.block_size)
+                if size:
+                    await src.engine.read_one(req)
+                view = memoryview(buf)
+                await dst.engine.retrying(f"write {dst_key!r}", lambda: dst.backend.write(dst_key, [view]))
+            finally:
+                await budget.release(held)
+        stats.written += 1
+        stats.bytes += size
+        if progress:
+            progress("written", size)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in wanted]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    await dst.engine.retrying(f"sync {dst.url}", dst.backend.sync)
+    return stats
+
+
+async def copy_checkpoint(
+    src: CheckpointStore,
+    dst: CheckpointStore,
+    step_dir: str,
+    *,
+    dst_step_dir: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Manifest, CopyStats]:
+    """Copy the committed checkpoint ``step_dir`` of ``src`` to ``dst`` and commit it there last.
+
+    Returns the destination's manifest and what was copied. If ``dst``
+    already holds the same checkpoint (same checkpoint id) nothing is
+    copied; a different checkpoint there raises FileExistsError.
+    """
+    where_to = dst_step_dir if dst_step_dir is not None else step_dir
+    manifest = await src.read_manifest(step_dir)
+    if await dst.is_committed(where_to):
+        there = await dst.read_manifest(where_to)
+        if there.checkpoint_id == manifest.checkpoint_id:
+            return there, CopyStats()
+        raise FileExistsError(
+            f"{dst.where(where_to)} holds another checkpoint ({there.checkpoint_id}, not {manifest.checkpoint_id})"
+        )
+    out = rekey(manifest, step_dir, dst, where_to)
+    stats = await copy_objects(src, dst, manifest, out, progress=progress)
+    try:
+        await dst.commit(where_to, out)
+    except FileExistsError:  # a concurrent copy of the same checkpoint won the commit
+        there = await dst.read_manifest(where_to)
+        if there.checkpoint_id != manifest.checkpoint_id:
+            raise
+    log.info("copied %s -> %s: committed (%d objects written, %d kept)",
+             src.where(step_dir), dst.where(where_to), stats.written, stats.kept)
+    return out, stats
