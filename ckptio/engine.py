@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import random
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ckptio.backends.base import Backend, ByteRange, RetryableError
@@ -26,7 +26,7 @@ from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
 from .errors import IntegrityError
 from .layout import ObjectPlan
 
-__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "run_sync"]
+__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync"]
 
 log = logging.getLogger("ckptio.engine")
 T = TypeVar("T")
@@ -82,6 +82,18 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         coro.close()
         raise RuntimeError("run_sync called from the ckptio IO loop: await the coroutine instead")
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+async def gather_or_cancel(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Run all concurrently; on the first failure cancel the rest, wait for them, and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class ByteBudget:
@@ -202,14 +214,7 @@ class Engine:
         ``ready[i]``, when given, resolves once plan ``i``'s bytes are staged.
         """
         gates = ready if ready is not None else [None] * len(plans)
-        tasks = [asyncio.ensure_future(self.write_object(p, progress, g)) for p, g in zip(plans, gates)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel(self.write_object(p, progress, g) for p, g in zip(plans, gates))
 
     # -- reading ---------------------------------------------------------
 
@@ -269,14 +274,7 @@ class Engine:
 
     async def read(self, requests: Sequence[ReadRequest], progress: Progress | None = None) -> None:
         """Coalesce, then run every read concurrently; the first failure cancels the rest."""
-        tasks = [asyncio.ensure_future(self.read_one(r, progress)) for r in self.coalesce(requests)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel(self.read_one(r, progress) for r in self.coalesce(requests))
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False)
