@@ -31,8 +31,9 @@ __all__ = ["ParallelstoreBackend", "interception_library", "is_dfuse"]
 
 log = logging.getLogger("ckptio.backends.parallelstore")
 
+# dfuse's O_DIRECT semantics depend on its caching mode; large buffered IO is the documented path.
 PARALLELSTORE_DEFAULTS = LocalConfig(threads=16, object_size=256 << 20, dir_fsync=False, link_commit=False,
-                                     dir_fanout=16)
+                                     dir_fanout=16, direct=False)
 _INTERCEPTION = ("libpil4dfs", "libioil")
 
 

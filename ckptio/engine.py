@@ -199,8 +199,8 @@ class Engine:
                 await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
             finally:
                 await budget.release(held)
-        if progress:
-            progress("written", size)
+        if progress:  # payload bytes, not alignment padding
+            progress("written", sum(e.data.nbytes for e in plan.extents))
         return WrittenObject(plan.key, size, crcs)
 
     async def write_objects(

@@ -47,6 +47,9 @@ class PlannedExtent:
     data: memoryview
 
 
+_ZEROS = memoryview(bytes(1 << 16))  # padding source; alignments up to 64 KiB
+
+
 @dataclasses.dataclass(slots=True)
 class ObjectPlan:
     key: str
@@ -54,11 +57,19 @@ class ObjectPlan:
 
     @property
     def size(self) -> int:
-        return sum(e.data.nbytes for e in self.extents)
+        last = self.extents[-1]
+        return last.offset + last.data.nbytes
 
     @property
     def buffers(self) -> list[memoryview]:
-        return [e.data for e in self.extents]
+        """The object's bytes in order: each extent, after zero padding up to its offset."""
+        out, pos = [], 0
+        for e in self.extents:
+            if e.offset > pos:
+                out.append(_ZEROS[: e.offset - pos])
+            out.append(e.data)
+            pos = e.offset + e.data.nbytes
+        return out
 
 
 class Naming:
@@ -117,13 +128,19 @@ def pack(
     object_size: int,
     key_for: Callable[[int], str],
     split_align: int = 1 << 20,
+    align: int = 1,
 ) -> list[ObjectPlan]:
     """Pack pieces into objects of about ``object_size`` bytes, in order.
 
     A piece larger than ``object_size`` is cut at multiples of ``split_align``
     into objects of its own; smaller ones are appended to the current object
-    until it would pass the target. ``key_for(n)`` names object ``n``.
+    until it would pass the target. ``key_for(n)`` names object ``n``. With
+    ``align > 1`` (direct IO), every extent of at least ``align`` bytes starts
+    at an aligned offset (zero padding before it), so it can be written and
+    read without a bounce copy.
     """
+    if align > len(_ZEROS):
+        raise ValueError(f"alignment {align} exceeds {len(_ZEROS)}")
     step = max(split_align, object_size - object_size % split_align)
     plans: list[ObjectPlan] = []
     current: list[PlannedExtent] = []
@@ -147,6 +164,8 @@ def pack(
             continue
         if size and size + n > object_size:
             close()
+        if align > 1 and n >= align and size % align:
+            size += align - size % align  # small pieces stay packed tight; big ones start aligned
         current.append(PlannedExtent(p.item, p.shard, 0, size, p.data))
         size += n
     close()

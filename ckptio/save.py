@@ -172,6 +172,7 @@ def start_save(
     plans = pack(
         pieces,
         object_size=store.backend.capabilities.object_size,
+        align=store.backend.capabilities.alignment,
         key_for=lambda n: store.naming.object_key(step_dir, save_id, coord.rank, coord.size, n),
     )
     # Each object's write starts as soon as its own bytes are staged.

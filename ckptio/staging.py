@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 import sys
 import threading
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
 
-__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "empty_array", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -59,6 +60,26 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[in
     return tuple(offs), tuple(sizes)
 
 
+_ALIGNED_MIN = 1 << 16  # smaller buffers are not worth a mapping of their own
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 buffer, page-aligned when large (anonymous mmap): direct IO
+    then moves it without a bounce copy. Small buffers come from numpy's allocator."""
+    if nbytes < _ALIGNED_MIN:
+        return np.empty(nbytes, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def empty_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``, page-aligned when large (see :func:`aligned_empty`)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    if n < _ALIGNED_MIN:
+        return np.empty(shape, dtype)
+    return aligned_empty(n).view(dtype).reshape(shape)
+
+
 class StagingPool:
     """Host buffers reused across saves, so staging copies into already-touched memory.
 
@@ -75,7 +96,7 @@ class StagingPool:
             bufs = self._free.get(nbytes)
             if bufs:
                 return bufs.pop()
-        return np.empty(nbytes, np.uint8)
+        return aligned_empty(nbytes)
 
     def give_back(self, buffers: Sequence[np.ndarray]) -> None:
         with self._lock:
@@ -139,7 +160,7 @@ class StagingArea:
 
     def snapshot(self, arr: np.ndarray) -> np.ndarray:
         """A buffer of ``arr``'s shape and dtype that :meth:`fill` will copy ``arr`` into."""
-        buf = self.pool.take(arr.nbytes) if self.pool is not None else np.empty(arr.nbytes, np.uint8)
+        buf = self.pool.take(arr.nbytes) if self.pool is not None else aligned_empty(arr.nbytes)
         self.owned.append(buf)
         out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
         self._pending[id(out)] = (out, arr)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from backend_conformance import BackendConformance
 
@@ -120,11 +121,28 @@ class TestLocalBackendDirect(BackendConformance):
 
         monkeypatch.setattr(os, "open", spy)
 
+        import ckptio.backends.local as local_mod
+
+        bounces: list[int] = []
+        real_bounce = local_mod.aligned_buffer
+        monkeypatch.setattr(local_mod, "aligned_buffer", lambda n: bounces.append(n) or real_bounce(n))
+
         async def body(b: Backend) -> None:
             assert b.capabilities.alignment == 4096
-            data = os.urandom(3 * 4096 + 5)
+            # O_DIRECT is for bulk IO (>= 1 MiB); unaligned memory goes through a bounce buffer.
+            data = os.urandom(256 * 4096 + 5)
             await b.write("direct", [memoryview(data)[:7], memoryview(data)[7:]])
             assert await b.read("direct") == data
+            assert bounces, "unaligned memory must be gathered into an aligned bounce buffer"
+            # Page-aligned memory at aligned offsets goes to the device as it is: no bounce copy.
+            bounces.clear()
+            aligned = aligned_buffer(2 << 20)
+            aligned[:] = os.urandom(2 << 20)
+            await b.write("zero-copy", [aligned[: 1 << 20], aligned[1 << 20 :], memoryview(b"tail")])
+            assert not bounces
+            got = np.empty((2 << 20) + 4, np.uint8)  # read back into memory numpy allocated
+            await b.read_into("zero-copy", ByteRange(0, got.nbytes), [memoryview(got)])
+            assert got.tobytes() == bytes(aligned) + b"tail"
 
         self.run_with_backend(tmp_path, body)
         assert any(f & os.O_DIRECT for f in flags), "no file was opened with O_DIRECT"
@@ -146,8 +164,8 @@ def test_url_forms_and_capabilities(tmp_path: Path) -> None:
     by_url = open_backend(f"file://{tmp_path}")
     assert isinstance(plain, LocalBackend) and isinstance(by_url, LocalBackend)
     assert plain.root == by_url.root == str(tmp_path)
-    assert LocalBackend(str(tmp_path)).capabilities.alignment == 1
-    assert LocalBackend(str(tmp_path), direct=True).capabilities.alignment == 4096
+    assert LocalBackend(str(tmp_path), direct=False).capabilities.alignment == 1
+    assert LocalBackend(str(tmp_path)).capabilities.alignment == 4096  # O_DIRECT by default
     # fsync'd files still need sync() for their directory entries.
     assert not LocalBackend(str(tmp_path)).capabilities.durable_on_close
     with pytest.raises(ValueError):

@@ -121,3 +121,10 @@ def test_pack_coalesces_small_and_splits_big():
     assert sizes == [5000, 4 << 20, 4 << 20, 2 << 20, 5000]
     assert [e.shard_offset for p in plans[1:4] for e in p.extents] == [0, 4 << 20, 8 << 20]
     assert FlatNaming().object_key("7", "id", 2, 4, 3) == "7/id.h00002-00003"
+    # Direct IO: big extents start aligned (zero padding before them), small ones stay packed tight.
+    mixed = [Piece("a", 0, memoryview(bytes(100))), Piece("b", 0, memoryview(b"\x01" * 8192)),
+             Piece("c", 0, memoryview(bytes(10)))]
+    [plan] = pack(mixed, object_size=1 << 20, key_for=str, align=4096)
+    assert [e.offset for e in plan.extents] == [0, 4096, 4096 + 8192]
+    assert b"".join(bytes(b) for b in plan.buffers) == bytes(100) + bytes(3996) + b"\x01" * 8192 + bytes(10)
+    assert plan.size == 4096 + 8192 + 10
