@@ -1,0 +1,472 @@
+"""``TieredCheckpointManager``: every save to the fast tier, replicas to a partner, every K-th to the durable tier.
+
+Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
+``mem://run1``)::
+
+    <fast_url>/<step>/...           this host's objects + the job's manifest (committed by every host)
+    <peer_url>/<step>/...           a partner's latest snapshot: its objects, the manifest, a marker
+    <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
+
+A save is the core save (stage -> write -> gather -> commit by host 0) into
+each host's fast tier; then host 0's manifest is broadcast and committed by
+every other host into its own fast tier, the step is queued for the peer and
+durable replicators, and the fast tier's retention runs. ``result()`` on the
+handle returns when all of that is done -- the replication itself runs in
+the background.
+
+A restore is collective: every host reports what it holds, every host
+computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), peers
+send the objects a host lacks, and the core restore reads the rest from the
+host's own fast tier or the durable tier, checking every checksum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from ckptio.backends import Backend
+from ckptio.backends.base import join_key
+
+from ..copy import object_writers
+from ..distributed import Coordinator, SingleProcess, TorchCoordinator
+from ..engine import Engine, EngineConfig, Progress, ReadRequest, run_sync
+from ..errors import IntegrityError
+from ..manifest import MANIFEST_NAME, Manifest
+from ..restore import restore_checkpoint
+from ..save import SaveHandle, start_save
+from ..staging import StagingPool
+from ..states import SaveState
+from ..store import CheckpointStore
+from .group import LocalGroup, PeerGroup, TorchGroup, torch_world
+from .peer import RoutedBackend, fetch_from_peers, holdings, replicate_to_partner
+from .policy import DURABLE, LOCAL, PEER, TIERS, Holding, RestorePlan, TierPolicy, plan_restore
+from .replicator import Pins, ReplicationError, ReplicationWorker, durable_recovery, durable_round
+
+__all__ = ["RestoreReport", "TieredCheckpointManager"]
+
+log = logging.getLogger("ckptio.tiers")
+
+
+@dataclasses.dataclass
+class RestoreReport:
+    """What this host's last restore did."""
+
+    step: int
+    checkpoint_id: str | None
+    #: Per writer host: where its objects come from for this host (``local``, ``peer`` or ``durable``;
+    #: ``none`` where the tiers allowed have no copy this host can read).
+    sources: dict[int, str]
+    #: Bytes read per tier (peer bytes are those received over the network).
+    bytes_from: dict[str, int]
+    seconds: float
+    plan_seconds: float
+    fetch_seconds: float
+
+
+class TieredCheckpointManager:
+    """Checkpoints in a host-local fast tier, a partner's replica, and a durable tier.
+
+    Every host of the job constructs one at the same point (it creates
+    dedicated gloo groups when ``torch.distributed`` is initialized) and
+    calls :meth:`save` / :meth:`restore` at the same points, like the core
+    save. One save is in flight at a time.
+
+    Args:
+        fast_url: this host's fast tier (host RAM ``mem://...`` or a local SSD path).
+        durable_url: the durable tier (``gs://...`` or any URL); None for none.
+        policy: replication, queues and retention (:class:`TierPolicy`).
+        peer_url: where this host keeps partners' replicas (default ``<fast_url>/peer``).
+        fast_backend, durable_backend: override the backend the URL would pick (e.g. a wrapped one).
+        fast_options, durable_options: backend options for the URLs.
+        engine_config: the engines' knobs.
+    """
+
+    def __init__(
+        self,
+        fast_url: str | os.PathLike[str],
+        durable_url: str | os.PathLike[str] | None = None,
+        *,
+        policy: TierPolicy | None = None,
+        peer_url: str | os.PathLike[str] | None = None,
+        fast_backend: Backend | None = None,
+        durable_backend: Backend | None = None,
+        fast_options: dict[str, Any] | None = None,
+        durable_options: dict[str, Any] | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        self.policy = policy or TierPolicy()
+        # Group creation is collective: the same four, in the same order, on every host.
+        self.coordinator: Coordinator
+        if torch_world() is not None:
+            self.coordinator = TorchCoordinator()
+            self._control: PeerGroup = TorchGroup()
+            peer_group: PeerGroup = TorchGroup()
+            durable_group: PeerGroup = TorchGroup()
+        else:
+            _refuse_other_multihost()
+            self.coordinator = SingleProcess()
+            self._control = peer_group = durable_group = LocalGroup()
+        self.rank, self.size = self._control.rank, self._control.size
+        self.fast = CheckpointStore(fast_url, backend=fast_backend, engine_config=engine_config,
+                                    backend_options=fast_options)
+        self.replica = CheckpointStore(os.fspath(peer_url) if peer_url is not None else _sub_url(self.fast.url, "peer"),
+                                       engine_config=engine_config)
+        self.durable: CheckpointStore | None = None
+        if durable_url is not None or durable_backend is not None:
+            url = os.fspath(durable_url) if durable_url is not None else durable_backend.url  # type: ignore[union-attr]
+            self.durable = CheckpointStore(url, backend=durable_backend, engine_config=engine_config,
+                                           backend_options=durable_options)
+        self.pins = Pins()
+        self._retention_lock = threading.Lock()  # the save's thread and the replicators' threads run it
+        self._pool = StagingPool()
+        self._pending: SaveHandle | None = None
+        self._hook_error: BaseException | None = None
+        self.last_restore: RestoreReport | None = None
+        pol = self.policy
+        if pol.peer_replication and self.size > 1 and pol.partner_offset % self.size == 0:
+            raise ValueError(f"partner_offset {pol.partner_offset} makes every host its own partner "
+                             f"among {self.size} hosts")
+        self.peer_worker: ReplicationWorker | None = None
+        if pol.peer_replication and self.size > 1:
+            self.peer_worker = ReplicationWorker(
+                "peer", peer_group,
+                lambda s: replicate_to_partner(peer_group, self.fast, self.replica, s, pol.partner_offset),
+                queue_size=pol.queue_size, coalesce=True, pins=self.pins, after_round=self._fast_retention,
+            )
+        self.durable_worker: ReplicationWorker | None = None
+        if self.durable is not None and pol.replicate_every > 0:
+            durable = self.durable
+            self.durable_worker = ReplicationWorker(
+                "durable", durable_group,
+                lambda s: durable_round(durable_group, self.fast, durable, s, pol),
+                queue_size=pol.queue_size, coalesce=pol.coalesce, pins=self.pins,
+                prologue=lambda: durable_recovery(durable_group, self.fast, durable, pol),
+                after_round=self._fast_retention,
+            )
+
+    # -- queries (this host's view; no collectives) ------------------------
+
+    def tier_steps(self) -> dict[str, list[int]]:
+        """Committed steps per tier as this host sees them: its fast tier, its replicas, the durable tier."""
+        return {
+            "fast": run_sync(self.fast.committed_steps()),
+            "peer": run_sync(self.replica.committed_steps()),
+            "durable": run_sync(self.durable.committed_steps()) if self.durable is not None else [],
+        }
+
+    def holdings(self) -> list[Holding]:
+        """What this host could serve at a restore (own complete copies and partners' replicas)."""
+        return holdings(self.fast, self.replica, self.rank)
+
+    # -- save -------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+        force: bool = False,
+        progress: Progress | None = None,
+    ) -> SaveHandle | None:
+        """Save ``state`` as ``step`` to the fast tier (collective); returns once staged.
+
+        Waits for the previous save's hooks first. Returns None for a step off
+        ``save_interval_steps`` or one every host already holds (``force``:
+        raise FileExistsError for the latter). A stale copy of ``step`` on
+        some hosts only (left by a crash between commits) is deleted first.
+        """
+        self._wait_save()
+        if not force and step % self.policy.save_interval_steps != 0:
+            return None
+        try:
+            has: bool | str = run_sync(self.fast.is_committed(str(step)))
+        except Exception as e:  # still take part in the gather, so that every host fails alike
+            has = f"host {self.rank}: {type(e).__name__}: {e}"
+        everyone = self._control.all_gather(has)
+        errors = [h for h in everyone if isinstance(h, str)]
+        if errors:
+            raise OSError(f"save of step {step}: cannot read the fast tier: {'; '.join(errors)}")
+        if all(everyone):
+            if force:
+                raise FileExistsError(f"step {step} is already committed in every host's fast tier")
+            return None
+        if has:
+            log.warning("%s: step %d is committed here but not on every host; deleting the stale copy",
+                        self.fast.url, step)
+            run_sync(self.fast.delete(str(step)))
+        handle = start_save(
+            self.fast, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
+            progress=progress, on_done=self._after_save,
+        )
+        self._pending = handle
+        return handle
+
+    def _after_save(self, handle: SaveHandle) -> None:
+        """On every host, in the save's thread: spread the manifest, queue replication, retention."""
+        if handle.state != SaveState.COMMITTED or handle.step is None:
+            return  # the same verdict on every host: nobody runs a collective below
+        step, step_dir = handle.step, str(handle.step)
+        data: bytes | None = None
+        if self.rank == 0:
+            try:
+                data = run_sync(self.fast.backend.read(join_key(step_dir, MANIFEST_NAME)))
+            except BaseException as e:
+                log.error("%s: cannot read the manifest just committed: %r", self.fast.where(step_dir), e)
+        held = False
+        try:
+            data = self._control.broadcast_bytes(data, 0)
+            if self.rank != 0:
+                m = Manifest.from_json(data, self.fast.where(step_dir))
+                run_sync(self.fast.commit(step_dir, m))
+            held = True
+        except BaseException as e:  # this host then does not hold the step; restore plans around it
+            log.error("%s: the fast-tier commit on host %d failed: %r", self.fast.where(step_dir), self.rank, e)
+            self._hook_error = e
+        log.info("%s: committed in the fast tier on host %d (held: %s)", self.fast.where(step_dir), self.rank, held)
+        # Queue on every host alike, held or not: the workers' rounds are collective.
+        if self.peer_worker is not None:
+            self.peer_worker.submit(step)
+        if self.durable_worker is not None and self.policy.replicates(step):
+            self.durable_worker.submit(step)
+        try:
+            self._fast_retention()
+        except BaseException as e:
+            log.error("%s: fast-tier retention failed: %r", self.fast.url, e)
+            self._hook_error = e
+
+    def _fast_retention(self) -> None:
+        """Delete this host's fast-tier steps beyond its retention, except those a replicator still needs.
+
+        Runs after each save and after each replication round (which may have unpinned a step).
+        """
+        with self._retention_lock:
+            steps = run_sync(self.fast.committed_steps())
+            for s in self.policy.fast.doomed(steps, self.pins.snapshot()):
+                run_sync(self.fast.delete(str(s)))
+
+    def _wait_save(self) -> None:
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            handle.result()
+        if self._hook_error is not None:
+            err, self._hook_error = self._hook_error, None
+            raise err
+
+    def wait_until_finished(self) -> None:
+        """Wait for the save in flight and for both replicators to work off their queues.
+
+        Re-raises the save's failure, then a ReplicationError for any round that failed since the last call.
+        """
+        self._wait_save()
+        errors: list[BaseException] = []
+        for w in (self.peer_worker, self.durable_worker):
+            if w is not None:
+                w.wait()
+                errors += w.take_errors()
+        if errors:
+            raise ReplicationError("; ".join(f"{type(e).__name__}: {e}" for e in errors)) from errors[0]
+
+    # -- restore ------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        tiers: Collection[str] = TIERS,
+        progress: Progress | None = None,
+    ) -> Any:
+        """Restore the newest checkpoint complete in some tier (or ``step``), as ``target`` asks (collective).
+
+        Each host reads each writer's objects from the fastest place that has
+        them: itself, a peer (sent over the job's gloo group), the durable
+        tier. ``tiers`` limits the places (e.g. ``("durable",)``). Every byte
+        is checked against its checksum. :attr:`last_restore` says what came
+        from where.
+        """
+        self._wait_save()
+        if self.peer_worker is not None:  # a replica being replaced must not be read meanwhile
+            self.peer_worker.wait()
+        t0 = time.perf_counter()
+        # Nothing before a collective may raise on one host only (the others would wait forever):
+        # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
+        mine: list[Holding] = []
+        if set(tiers) & {LOCAL, PEER}:
+            try:
+                mine = holdings(self.fast, self.replica, self.rank)
+            except Exception as e:
+                log.error("%s: cannot read this host's fast tier, restoring without it: %r", self.fast.url, e)
+        rec: dict[str, Any] = {"holdings": [h.to_json() for h in mine], "durable": []}
+        if self.rank == 0 and self.durable is not None and DURABLE in tiers:
+            try:
+                rec["durable"] = run_sync(self.durable.committed_steps())
+            except Exception as e:
+                log.error("%s: cannot list the durable tier, restoring without it: %r", self.durable.url, e)
+        recs = self._control.all_gather(rec)
+        everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
+        plan = plan_restore(everything, recs[0]["durable"], self.size, step=step, tiers=tiers)
+        step_dir = str(plan.step)
+        own_held = any(h.own and (h.step, h.checkpoint_id) == (plan.step, plan.checkpoint_id) for h in mine)
+
+        def holding_store(writer: int) -> CheckpointStore:
+            """This host's store with ``writer``'s objects of the step: its own fast tier, or its replicas."""
+            return self.fast if writer == self.rank and own_held else self.replica
+
+        if plan.manifest_from is not None:
+            data = None
+            if self.rank == plan.manifest_from:
+                try:
+                    data = run_sync(holding_store(self.rank).backend.read(join_key(step_dir, MANIFEST_NAME)))
+                except Exception as e:  # broadcasting None makes every host fail alike
+                    log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
+            data = self._control.broadcast_bytes(data, plan.manifest_from)
+            manifest = Manifest.from_json(data, f"{self.fast.url}/{step_dir} (host {plan.manifest_from})")
+        else:
+            assert self.durable is not None
+            manifest = run_sync(self.durable.read_manifest(step_dir))
+        t_plan = time.perf_counter() - t0
+        routed = RoutedBackend(f"tiers://{self.fast.url}", {})
+        store = CheckpointStore(routed.url, backend=routed)
+        engine = _FetchingEngine(self, plan, manifest, routed, holding_store, store.engine.config)
+        store.engine.close()
+        store.engine = engine
+        try:
+            out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        finally:
+            store.engine.close()
+        writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
+        self.last_restore = RestoreReport(
+            step=plan.step, checkpoint_id=manifest.checkpoint_id,
+            sources={w: (plan.sources.get((self.rank, w), ("none", None))[0] if plan.manifest_from is not None
+                         else DURABLE) for w in writers},
+            bytes_from=dict(routed.bytes_from), seconds=time.perf_counter() - t0, plan_seconds=t_plan,
+            fetch_seconds=engine.fetch_seconds,
+        )
+        log.info("restored step %d on host %d in %.3fs: %s", plan.step, self.rank, self.last_restore.seconds,
+                 self.last_restore.bytes_from)
+        return out
+
+    # -- closing ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for everything queued (collective, like a save), stop the replicators, close the stores."""
+        try:
+            self.wait_until_finished()
+        finally:
+            for w in (self.peer_worker, self.durable_worker):
+                if w is not None:
+                    w.close()
+            self._pool.clear()
+            for s in (self.fast, self.replica, self.durable):
+                if s is not None:
+                    run_sync(s.close())
+
+    def __enter__(self) -> TieredCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _refuse_other_multihost() -> None:
+    """Peers talk over torch.distributed only: a multi-process JAX job without it would have every
+    host commit a manifest of its own shards alone, so it is refused rather than half-working."""
+    jax = sys.modules.get("jax")
+    try:
+        multi = jax is not None and jax.process_count() > 1
+    except RuntimeError:
+        multi = False
+    if multi:
+        raise NotImplementedError(
+            "TieredCheckpointManager needs torch.distributed (gloo) across hosts; this is a multi-process "
+            "JAX job without it")
+
+
+def _sub_url(url: str, name: str) -> str:
+    """``url`` + ``/name`` (URLs and paths alike)."""
+    return url.rstrip("/") + "/" + name
+
+
+class _FetchingEngine(Engine):
+    """The restore's engine: before the one read of the restore, fetch from peers what the plan says.
+
+    ``restore_checkpoint`` plans every read of the restore and hands them to
+    ``engine.read`` once; that is the point where this host knows which
+    objects it needs, so the (collective) exchange with the peers happens
+    there, then the reads run against the routed view.
+    """
+
+    def __init__(self, mgr: TieredCheckpointManager, plan: RestorePlan, manifest: Manifest,
+                 routed: RoutedBackend, holding_store: Callable[[int], CheckpointStore], config: EngineConfig) -> None:
+        super().__init__(routed, config)
+        self.mgr, self.plan, self.manifest, self.routed = mgr, plan, manifest, routed
+        self.holding_store = holding_store
+        self.fetch_seconds = 0.0
+        self._used = False
+
+    async def read(self, requests: list[ReadRequest], progress: Progress | None = None) -> None:  # type: ignore[override]
+        if self._used:  # a second read would not be matched by the other hosts' exchange
+            raise RuntimeError("a tiered restore reads once; restore_checkpoint read twice")
+        self._used = True
+        keys = {r.key for r in requests}
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(None, self._prepare, keys)
+        self.fetch_seconds = time.perf_counter() - t0
+        await super().read(requests, progress)
+
+    def _prepare(self, keys: set[str]) -> None:
+        """Route every needed key; fetch the peer-sourced ones (collective; off the IO loop)."""
+        mgr, plan, m, routed = self.mgr, self.plan, self.manifest, self.routed
+        if plan.manifest_from is None:  # durable only, on every host alike: no exchange
+            assert mgr.durable is not None
+            for k in keys:
+                routed.route(k, DURABLE, mgr.durable.backend, k)
+            return
+        from_peers: list[int] = []
+        error: str | None = None
+        try:
+            from_peers = self._route(keys)
+        except Exception as e:  # carried into the exchange's status round: every host fails alike
+            error = f"{type(e).__name__}: {e}"
+            from_peers = []
+        got = fetch_from_peers(mgr._control, plan, m, from_peers, self.holding_store, local_error=error)
+        routed.received.update({m.objects[i]: buf for i, buf in got.items()})
+
+    def _route(self, keys: set[str]) -> list[int]:
+        """Route local and durable keys; return the indices of the objects to fetch from peers."""
+        mgr, plan, m, routed = self.mgr, self.plan, self.manifest, self.routed
+        step_dir = str(plan.step)
+        index = {k: i for i, k in enumerate(m.objects)}
+        writers = object_writers(m)
+        from_peers: list[int] = []
+        durable_keys: list[str] = []
+        for k in keys:
+            w = writers[index[k]]
+            if w is None:
+                raise IntegrityError(f"{step_dir}: object {k!r} holds no shard but was asked for", key=k)
+            tier, _provider = plan.source(mgr.rank, w)
+            if tier == LOCAL:
+                routed.route(k, LOCAL, self.holding_store(w).backend, k)
+            elif tier == PEER:
+                from_peers.append(index[k])
+            else:
+                durable_keys.append(k)
+        if durable_keys:
+            assert mgr.durable is not None
+            there = run_sync(mgr.durable.read_manifest(step_dir))
+            if there.checkpoint_id != m.checkpoint_id or len(there.objects) != len(m.objects):
+                raise IntegrityError(
+                    f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
+                    f"the fast tiers {m.checkpoint_id}: they cannot be mixed", key=step_dir)
+            for k in durable_keys:
+                routed.route(k, DURABLE, mgr.durable.backend, there.objects[index[k]])
+        return from_peers

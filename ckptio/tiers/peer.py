@@ -1,0 +1,297 @@
+"""Peer replicas: each host's latest snapshot kept by a partner host, and reads from peers at restore.
+
+A host's fast tier holds the objects it wrote plus, for every committed
+step, the job's whole manifest (the coordinator's bytes, committed by every
+host). Its *replica store* holds what partners sent it: the same manifest,
+the partner's objects under the same keys, and a marker per partner
+(``ckptio.replica-of.hNNNNN``) created only after that partner's objects
+are in -- so a replica is never used half-received. The previous replica is
+deleted only after the new one is complete: there is always one to fall
+back on.
+
+Bytes travel over a dedicated gloo group (:mod:`ckptio.tiers.group`); the
+receiver checks each extent's block checksums before keeping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, join_key
+
+from ..checksum import verify_blocks
+from ..copy import object_extents, object_writers
+from ..engine import run_sync
+from ..manifest import Manifest
+from ..store import CheckpointStore
+from .group import CHUNK, Message, PeerGroup
+from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
+
+__all__ = [
+    "REPLICA_MARK",
+    "RoutedBackend",
+    "fetch_from_peers",
+    "holdings",
+    "object_sizes",
+    "read_chunks",
+    "replicate_to_partner",
+]
+
+log = logging.getLogger("ckptio.tiers.peer")
+
+#: Marker object in a replica step directory: the named partner's objects are all there.
+REPLICA_MARK = "ckptio.replica-of.h{:05d}"
+
+
+def object_sizes(manifest: Manifest) -> list[int]:
+    """Bytes of each object that extents use (what a peer must send; 0 for unreferenced objects)."""
+    return [max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(manifest)]
+
+
+def own_objects(manifest: Manifest, writer: int) -> list[int]:
+    """Indices of the objects ``writer`` wrote (ascending)."""
+    return [i for i, w in enumerate(object_writers(manifest)) if w == writer]
+
+
+async def _own_holdings(own: CheckpointStore, rank: int) -> list[Holding]:
+    out = []
+    for step in await own.committed_steps():
+        try:
+            m = await own.read_manifest(str(step))
+            keys = [m.objects[i] for i in own_objects(m, rank)]
+            await asyncio.gather(*(own.backend.stat(k) for k in keys))
+        except FileNotFoundError:  # deleted meanwhile, or objects lost: not held
+            continue
+        out.append(Holding(rank, step, m.checkpoint_id, rank, m.num_hosts, True))
+    return out
+
+
+async def _replica_holdings(replica: CheckpointStore, rank: int) -> list[Holding]:
+    out = []
+    for step in await replica.committed_steps():
+        try:
+            m = await replica.read_manifest(str(step))
+            infos = await replica.backend.list(f"{step}/")
+        except FileNotFoundError:
+            continue
+        prefix = REPLICA_MARK.split("{", 1)[0]
+        for info in infos:
+            name = info.key.rsplit("/", 1)[-1]
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                out.append(Holding(rank, step, m.checkpoint_id, int(name[len(prefix):]), m.num_hosts, False))
+    return out
+
+
+def holdings(own: CheckpointStore, replica: CheckpointStore | None, rank: int) -> list[Holding]:
+    """What this host holds in its fast tier: its own complete copies and its partners' replicas."""
+    out = run_sync(_own_holdings(own, rank))
+    if replica is not None:
+        out += run_sync(_replica_holdings(replica, rank))
+    return out
+
+
+def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """The first ``nbytes`` of object ``key``, read ``chunk`` bytes at a time as the caller asks
+    (unchecked: the receiver checks)."""
+    for lo in range(0, nbytes, chunk):
+        buf = bytearray(min(chunk, nbytes - lo))
+        rng = ByteRange(lo, lo + len(buf))
+        view = memoryview(buf)
+        run_sync(store.engine.retrying(
+            f"read {key!r}", lambda rng=rng, view=view: store.backend.read_into(key, rng, [view])))  # type: ignore[misc]
+        yield memoryview(buf)
+
+
+def _check(manifest: Manifest, i: int, buf: bytearray, extents: list[list[tuple[int, int, list[int], str]]]) -> None:
+    view = memoryview(buf)
+    for off, n, crcs, item in extents[i]:
+        verify_blocks(view[off : off + n], crcs, manifest.block_size, key=manifest.objects[i], item=item, start=off)
+
+
+def replicate_to_partner(
+    group: PeerGroup, own: CheckpointStore, replica: CheckpointStore, step: int, partner_offset: int
+) -> None:
+    """One round, on every host at once: send my objects of ``step`` to my partner, keep my source's.
+
+    Every host must call it for the same step (the replication worker agrees
+    on it first). Raises on the hosts whose part failed; the others go on.
+    """
+    rank, size = group.rank, group.size
+    step_dir = str(step)
+    m: Manifest | None = None
+    try:
+        m = run_sync(own.read_manifest(step_dir))
+    except Exception as e:  # absent or unreadable: this host takes part, and the round fails everywhere
+        log.error("peer replication of step %d: %r", step, e)
+    ids = group.all_gather(m.checkpoint_id if m is not None else None)
+    if m is None or len(set(ids)) != 1:
+        raise RuntimeError(f"peer replication of step {step}: not committed in every host's fast tier ({ids})")
+    sizes = object_sizes(m)
+    writers = object_writers(m)
+    extents = object_extents(m)
+    messages = [Message((i,), w, (w + partner_offset) % size, sizes[i], i)
+                for i, w in enumerate(writers) if w is not None and w < size]
+
+    def provide(msg: Message) -> Iterator[memoryview]:
+        return read_chunks(own, m.objects[msg.tag], msg.nbytes)
+
+    def deliver(msg: Message, buf: bytearray) -> None:
+        _check(m, msg.tag, buf, extents)  # never keep a corrupt replica
+        key = m.objects[msg.tag]
+        view = memoryview(buf)
+        run_sync(replica.engine.retrying(f"write {key!r}", lambda: replica.backend.write(key, [view])))
+
+    error: BaseException | None = None
+    try:
+        group.transfer(messages, provide, deliver)
+    except BaseException as e:
+        error = e
+    oks = group.all_gather(error is None)
+    source = (rank - partner_offset) % size
+    if not oks[source] or error is not None:
+        raise RuntimeError(f"peer replication of step {step}: host {source}'s snapshot did not arrive whole") from error
+    run_sync(_commit_replica(replica, step, m, source))
+
+
+async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
+    step_dir = str(step)
+    await replica.engine.retrying("sync", replica.backend.sync)
+    try:
+        await replica.commit(step_dir, m)
+    except FileExistsError:  # another partner's replica of the same checkpoint came first
+        if (await replica.read_manifest(step_dir)).checkpoint_id != m.checkpoint_id:
+            raise
+    mark = join_key(step_dir, REPLICA_MARK.format(source))
+    try:
+        await replica.engine.retrying(f"mark {mark!r}", lambda: replica.backend.create_if_absent(mark, b""))
+    except FileExistsError:
+        pass
+    # Only the latest snapshot is kept: older replicas go once the new one is complete.
+    for old in await replica.step_dirs():
+        if old < step:
+            infos = await replica.backend.list(f"{old}/")
+            marks = [i.key for i in infos if i.key.rsplit("/", 1)[-1].startswith("ckptio.replica-of.")]
+            for k in marks:  # markers first: from here on nobody counts on this replica
+                try:
+                    await replica.backend.delete(k)
+                except FileNotFoundError:
+                    pass
+            await replica.delete(str(old))
+    log.info("replica of host %d, step %d: committed", source, step)
+
+
+def fetch_from_peers(
+    group: PeerGroup,
+    plan: RestorePlan,
+    manifest: Manifest,
+    needed: Sequence[int],
+    store_for: Callable[[int], CheckpointStore],
+    local_error: str | None = None,
+) -> dict[int, bytearray]:
+    """Collective: every host asks for the objects its plan sources from peers; providers send them.
+
+    ``needed`` are this host's object indices whose source is ``PEER``;
+    ``store_for(writer)`` is this host's store holding ``writer``'s objects.
+    Returns the received objects by index. Raises on every host if any
+    host's transfer failed, or if any host brings a ``local_error`` from
+    preparing its part (a restore must not go on half-fed on some hosts).
+    """
+    sizes = object_sizes(manifest)
+    writers = object_writers(manifest)
+    asks = group.all_gather(sorted(set(needed)))
+    messages = []
+    for needer, idxs in enumerate(asks):
+        for i in idxs:
+            w = writers[i]
+            if w is None:
+                raise RuntimeError(f"host {needer} asked for object {i}, which no shard refers to")
+            tier, provider = plan.source(needer, w)
+            if tier != PEER or provider is None:
+                raise RuntimeError(f"host {needer} asked a peer for object {i}, which its plan reads from {tier}")
+            messages.append(Message((i, needer), provider, needer, sizes[i], i))
+    got: dict[int, bytearray] = {}
+
+    def provide(msg: Message) -> Iterator[memoryview]:
+        w = writers[msg.tag]
+        assert w is not None
+        return read_chunks(store_for(w), manifest.objects[msg.tag], msg.nbytes)
+
+    def deliver(msg: Message, buf: bytearray) -> None:
+        got[msg.tag] = buf
+
+    error = f"host {group.rank}: {local_error}" if local_error else None
+    try:
+        group.transfer(messages, provide, deliver)
+    except BaseException as e:
+        error = f"host {group.rank}: {type(e).__name__}: {e}"
+    errors = [e for e in group.all_gather(error) if e]
+    if errors:
+        raise RuntimeError(f"restore of step {plan.step}: fetching objects from peers failed: {'; '.join(errors)}")
+    return got
+
+
+class RoutedBackend(Backend):
+    """A read-only view that sends each key to where this host's plan says its bytes are.
+
+    Counts the bytes read from each tier (``bytes_from``), for the restore report.
+    """
+
+    schemes = ()
+
+    def __init__(self, url: str, received: dict[str, bytearray]) -> None:
+        self._url = url
+        self.received = received
+        self.routes: dict[str, tuple[str, Backend, str]] = {}
+        self.bytes_from: dict[str, int] = {LOCAL: 0, PEER: 0, DURABLE: 0}
+        self.capabilities = Capabilities(read_only=True, concurrency=16)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def route(self, key: str, tier: str, backend: Backend, key_there: str) -> None:
+        self.routes[key] = (tier, backend, key_there)
+
+    async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
+        if key in self.received:
+            data = memoryview(self.received[key])
+            if rng.end > len(data):
+                raise ValueError(f"{key}: range [{rng.start}, {rng.end}) past the {len(data)} bytes received")
+            pos = rng.start
+            for b in buffers:
+                n = b.nbytes
+                if n:
+                    b.cast("B")[:] = data[pos : pos + n]
+                pos += n
+            self.bytes_from[PEER] += rng.length
+            return
+        try:
+            tier, backend, there = self.routes[key]
+        except KeyError:
+            raise FileNotFoundError(f"{self._url}/{key}: not routed to any tier") from None
+        await backend.read_into(there, rng, buffers)
+        self.bytes_from[tier] += rng.length
+
+    async def stat(self, key: str) -> ObjectInfo:
+        if key in self.received:
+            return ObjectInfo(key, len(self.received[key]), 0.0)
+        if key not in self.routes:
+            raise FileNotFoundError(f"{self._url}/{key}: not routed to any tier")
+        _tier, backend, there = self.routes[key]
+        info = await backend.stat(there)
+        return ObjectInfo(key, info.size, info.mtime)
+
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        raise PermissionError(f"{self._url}: a restore view is read-only")
+
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        raise PermissionError(f"{self._url}: a restore view is read-only")
+
+    async def delete(self, key: str) -> None:
+        raise PermissionError(f"{self._url}: a restore view is read-only")
+
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return []
+

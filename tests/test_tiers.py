@@ -1,0 +1,242 @@
+"""ckptio.tiers in one process: the restore plan, retention, the copy primitive, the manager and its queues.
+
+The multi-process behaviour (peers over gloo, lost hosts, killed copies) is in test_tiers_mp.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from ckptio.backends import Backend, open_backend
+from ckptio.backends.memory import MemoryBackend
+from ckptio.backends.wrappers import CountingBackend, WrapperBackend
+
+import ckptio
+from ckptio.copy import copy_checkpoint, copy_objects, rekey
+from ckptio.engine import run_sync
+from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.layout import HashedNaming
+from ckptio.store import CheckpointStore
+from ckptio.tiers import (
+    DURABLE,
+    LOCAL,
+    PEER,
+    Holding,
+    Retention,
+    TieredCheckpointManager,
+    TierPolicy,
+    plan_restore,
+)
+
+
+def state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {
+        "w": rng.standard_normal((64, 33)).astype(np.float32),
+        "v": rng.integers(0, 1 << 30, size=(5000,), dtype=np.int64),
+        "step": step,
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(a[k].tobytes() == b[k].tobytes() for k in ("w", "v"))
+
+
+# -- the plan -------------------------------------------------------------------
+
+
+def own(rank: int, step: int, cid: str = "c", n: int = 4) -> Holding:
+    return Holding(rank, step, f"{cid}{step}", rank, n, True)
+
+
+def replica(rank: int, writer: int, step: int, cid: str = "c", n: int = 4) -> Holding:
+    return Holding(rank, step, f"{cid}{step}", writer, n, False)
+
+
+def ring(step: int, lost: Sequence[int] = (), n: int = 4) -> list[Holding]:
+    """Every live host holds its own copy and its predecessor's replica (partner = rank + 1)."""
+    out = []
+    for r in range(n):
+        if r in lost:
+            continue
+        out += [own(r, step, n=n), replica(r, (r - 1) % n, step, n=n)]
+    return out
+
+
+def test_plan_all_local_takes_the_newest():
+    plan = plan_restore(ring(4) + ring(5), [2, 4], 4)
+    assert plan.step == 5 and plan.checkpoint_id == "c5" and plan.manifest_from == 0
+    assert all(plan.source(r, r) == (LOCAL, r) for r in range(4))
+    assert plan.source(1, 0) == (LOCAL, 1)  # host 1 keeps host 0's replica: it reads that
+    assert plan.source(2, 0) == (PEER, 0)  # others get host 0's shards from host 0 itself
+
+
+def test_plan_lost_host_reads_its_partners_replica():
+    plan = plan_restore(ring(5, lost=[2]), [4], 4)
+    assert plan.step == 5
+    assert plan.source(2, 2) == (PEER, 3)  # host 3 keeps host 2's replica
+    assert plan.source(2, 1) == (PEER, 1)  # host 1's own copy before host 2's (lost) replica of it
+
+
+def test_plan_lost_host_and_partner_fall_back_to_the_durable_tier():
+    # Replicas exist of the latest snapshot only (step 5); hosts 0 and 1 kept step 4 themselves.
+    holdings = [own(0, 4), own(1, 4)] + ring(5, lost=[2, 3])
+    plan = plan_restore(holdings, [2, 4], 4)
+    assert plan.step == 4 and plan.in_durable
+    assert plan.source(2, 2) == (DURABLE, None) and plan.source(0, 0) == (LOCAL, 0)
+    assert plan.source(3, 3) == (DURABLE, None)
+    with pytest.raises(CheckpointNotFoundError, match="step 5"):
+        plan_restore(holdings, [2, 4], 4, step=5)
+
+
+def test_plan_skips_incomplete_and_mismatched_checkpoints():
+    # Step 6 is committed only on host 0 (a crash between commits); step 5 on all but under two ids.
+    holdings = ring(4) + [own(0, 6)] + ring(5)[:4] + [Holding(r, 5, "other", r, 4, True) for r in (2, 3)]
+    plan = plan_restore(holdings, [], 4)
+    assert plan.step == 4
+
+
+def test_plan_durable_only_and_tier_limits():
+    plan = plan_restore([], [2, 4], 4)
+    assert (plan.step, plan.manifest_from, plan.checkpoint_id) == (4, None, None)
+    plan = plan_restore(ring(5), [4], 4, tiers=(DURABLE,))
+    assert plan.step == 4 and plan.manifest_from is None
+    plan = plan_restore(ring(5), [4], 4, tiers=(PEER,))
+    assert plan.step == 5 and all(plan.source(r, r)[0] == PEER for r in range(4))
+    plan = plan_restore(ring(5), [4], 4, tiers=(LOCAL,))  # each host only what it holds itself
+    assert plan.step == 5 and plan.source(2, 2) == (LOCAL, 2) and plan.source(2, 1) == (LOCAL, 2)
+    with pytest.raises(CheckpointNotFoundError, match="host 2 cannot get host 0"):
+        plan.source(2, 0)
+    with pytest.raises(CheckpointNotFoundError):
+        plan_restore([], [], 4)
+    with pytest.raises(ValueError):
+        plan_restore([], [], 4, tiers=("tape",))
+
+
+def test_retention_keeps_newest_periodic_and_pinned():
+    r = Retention(max_to_keep=2, keep_period=10)
+    assert r.doomed([5, 10, 11, 12, 13], pinned={11}) == [5]
+    assert Retention().doomed([1, 2, 3]) == []
+    with pytest.raises(ValueError):
+        Retention(max_to_keep=0)
+
+
+# -- the copy primitive -----------------------------------------------------------------
+
+
+@pytest.fixture
+def src(tmp_path) -> CheckpointStore:
+    ckptio.save(str(tmp_path / "src"), state(7), step=7, backend_options={"object_size": 16 << 10}).result()
+    return CheckpointStore(str(tmp_path / "src"))
+
+
+def test_copy_to_a_hashed_store_verifies_and_commits_last(src, tmp_path):
+    url = f"mem://copy-{tmp_path.name}"
+    dst = CheckpointStore(url, naming=HashedNaming())
+    m, stats = run_sync(copy_checkpoint(src, dst, "7"))
+    assert stats.written == len(m.objects) >= 2 and stats.kept == 0
+    assert all(k.startswith("h") and "/7/" in k for k in m.objects)  # hashed prefix before the step
+    assert same(ckptio.restore(url, step=7, backend=dst.backend), state(7))
+    # The same checkpoint again: nothing to do. Another one under that step: refused.
+    assert run_sync(copy_checkpoint(src, dst, "7"))[1].written == 0
+    m9, _ = run_sync(copy_checkpoint(src, dst, "7", dst_step_dir="9"))  # to another step directory
+    assert m9.step == 9 and m9.checkpoint_id == m.checkpoint_id and same(
+        ckptio.restore(url, step=9, backend=dst.backend), state(7))
+    MemoryBackend.forget(url)
+
+
+def test_copy_resumes_keeping_whole_objects(src, tmp_path):
+    dst = CheckpointStore(str(tmp_path / "dst"))
+    m = run_sync(src.read_manifest("7"))
+    out = rekey(m, "7", dst)
+    run_sync(copy_objects(src, dst, m, out, [0]))  # an earlier try got one object across, then died
+    assert run_sync(dst.committed_steps()) == []
+    _, stats = run_sync(copy_checkpoint(src, dst, "7"))
+    assert stats.kept == 1 and stats.written == len(m.objects) - 1
+    assert same(ckptio.restore(str(tmp_path / "dst"), step=7), state(7))
+
+
+def test_copy_of_a_corrupt_object_writes_nothing_and_commits_nothing(src, tmp_path):
+    m = run_sync(src.read_manifest("7"))
+    path = tmp_path / "src" / m.objects[-1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    dst = CheckpointStore(str(tmp_path / "dst"))
+    with pytest.raises(IntegrityError):
+        run_sync(copy_checkpoint(src, dst, "7"))
+    assert run_sync(dst.committed_steps()) == []
+    assert not (tmp_path / "dst" / m.objects[-1]).exists()
+
+
+# -- the manager in one process ----------------------------------------------------------
+
+
+class GatedBackend(WrapperBackend):
+    """Writes wait until ``gate`` is set (a durable tier that has stalled)."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        await self.inner.write(key, buffers)
+
+
+def test_manager_tiers_retention_and_fallback(tmp_path):
+    durable = CountingBackend(open_backend(str(tmp_path / "durable")))
+    policy = TierPolicy(replicate_every=2, fast=Retention(2), durable=Retention(max_to_keep=1, keep_period=4))
+    with TieredCheckpointManager(str(tmp_path / "fast"), durable_backend=durable, policy=policy) as m:
+        for s in range(1, 7):
+            m.save(s, state(s))
+        assert m.save(6, state(6)) is None  # already held everywhere
+        with pytest.raises(FileExistsError):
+            m.save(6, state(6), force=True)
+        m.wait_until_finished()
+        assert m.tier_steps() == {"fast": [5, 6], "peer": [], "durable": [4, 6]}
+        durable.reset()
+        assert same(m.restore(), state(6)) and m.last_restore.sources == {0: LOCAL}
+        assert durable.calls("read_into") == 0
+        assert same(m.restore(tiers=(DURABLE,)), state(6)) and m.last_restore.bytes_from[DURABLE] > 0
+        assert same(m.restore(step=4), state(4)) and m.last_restore.sources == {0: DURABLE}
+    # The host's fast tier is gone: the newest durable checkpoint.
+    import shutil
+
+    shutil.rmtree(tmp_path / "fast")
+    with TieredCheckpointManager(str(tmp_path / "fast"), str(tmp_path / "durable"), policy=policy) as m:
+        assert same(m.restore(), state(6)) and m.last_restore.sources == {0: DURABLE}
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_replication_waits_only_when_the_queue_is_full(tmp_path, coalesce):
+    gated = GatedBackend(open_backend(str(tmp_path / "durable")))
+    policy = TierPolicy(replicate_every=1, queue_size=2, coalesce=coalesce, fast=Retention(1))
+    m = TieredCheckpointManager(f"mem://gate-{coalesce}-{tmp_path.name}", durable_backend=gated, policy=policy)
+    try:
+        t0 = time.perf_counter()
+        for s in (1, 2, 3):  # one copy in flight (stalled), two queued: saves go on
+            m.save(s, state(s)).result(timeout=30)
+        assert time.perf_counter() - t0 < 20
+        h = m.save(4, state(4))  # the queue is full: this save's hook waits for room
+        with pytest.raises(TimeoutError):
+            h.result(timeout=0.5)
+        assert run_sync(m.durable.committed_steps()) == []  # nothing half-copied is visible
+        assert m.tier_steps()["fast"] == [1, 2, 3, 4]  # queued steps are pinned in the fast tier
+        gated.gate.set()
+        h.result(timeout=30)
+        m.wait_until_finished()
+        expect = [1, 3, 4] if coalesce else [1, 2, 3, 4]
+        assert run_sync(m.durable.committed_steps()) == expect
+        assert m.durable_worker is not None and m.durable_worker.skipped == ([2] if coalesce else [])
+        assert same(m.restore(step=3, tiers=(DURABLE,)), state(3))
+    finally:
+        gated.gate.set()
+        m.close()
+        MemoryBackend.forget(f"mem://gate-{coalesce}-{tmp_path.name}")

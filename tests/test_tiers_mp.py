@@ -1,0 +1,171 @@
+"""Multi-tier checkpointing with real processes (torch.distributed, gloo): peer recovery, durable fallback,
+the in-memory emergency tier, and a durable copy killed midway.
+
+Each test launches tests/tiers_worker.py in several processes; every worker
+checks its restore bit-exact itself and prints one JSON line, which the
+tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+import ckptio
+from ckptio.engine import run_sync
+from ckptio.errors import CheckpointNotFoundError
+from ckptio.store import CheckpointStore
+from ckptio.verify import verify_checkpoint
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiers_worker import full_arrays
+
+WORKER = os.path.join(os.path.dirname(__file__), "tiers_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(world: int, ranks: Sequence[int], *args: str, port: int, env: dict[str, str] | None = None
+          ) -> list[subprocess.Popen[str]]:
+    procs = []
+    for rank in ranks:
+        e = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def collect(procs: Sequence[subprocess.Popen[str]], timeout: float = 150, ok_codes: Sequence[int] = (0,)
+            ) -> list[dict[str, Any]]:
+    """Wait for every process; fail with their output unless each exits with one of ``ok_codes``."""
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    failed = [(p.returncode, o) for p, o in zip(procs, outs) if p.returncode not in ok_codes]
+    assert not failed, "\n\n".join(f"exit {rc}:\n{o[-4000:]}" for rc, o in failed)
+    return [json.loads(line) for o in outs for line in o.splitlines() if line.startswith("{")]
+
+
+def run(world: int, *args: str, env: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
+    """Run the worker on ``world`` ranks; each rank's JSON report by rank."""
+    reports = collect(spawn(world, range(world), *args, port=_free_port(), env=env))
+    return {r["rank"]: r for r in reports}
+
+
+@pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+def durable(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, str]]:
+    """The durable tier: a local directory, or a bucket prefix on fake-gcs-server."""
+    if request.param == "local":
+        return str(tmp_path / "durable"), {}
+    server = request.getfixturevalue("fake_gcs")
+    from conftest import GCS_TEST_BUCKET
+
+    return f"gs://{GCS_TEST_BUCKET}/tiers{str(tmp_path).replace('/', '-')}", {"STORAGE_EMULATOR_HOST": server.url}
+
+
+def test_lost_host_restores_from_its_partner_then_from_the_durable_tier(tmp_path, durable):
+    durable_url, env = durable
+    root = str(tmp_path)
+    common = ["--durable", durable_url, "--every", "2", "--keep", "2"]
+    saved = run(4, "save", root, "--steps", "1,2,3,4,5", *common, env=env)
+    assert all(r["tiers"]["fast"] == [4, 5] and r["tiers"]["peer"] == [5] for r in saved.values()), saved
+    assert saved[0]["tiers"]["durable"] == [2, 4]
+
+    # Host 2's node is replaced: its SSD (its checkpoints and the replica it kept for host 1) is gone.
+    shutil.rmtree(tmp_path / "fast" / "r2")
+    got = run(4, "restore", root, "--expect-step", "5", *common, env=env)
+    assert got[2]["sources"]["2"] == "peer"  # its own shards came from host 3's replica
+    assert all(r["durable_reads"] == 0 for r in got.values()), got  # not one read of the durable tier
+    assert got[2]["bytes_from"]["peer"] > 0 and got[2]["bytes_from"]["local"] == 0
+
+    # Its partner (host 3, which kept host 2's replica) is lost too: step 5 is nowhere whole;
+    # step 4 is in the durable tier, and hosts 2 and 3 read their shards from there.
+    shutil.rmtree(tmp_path / "fast" / "r2", ignore_errors=True)
+    shutil.rmtree(tmp_path / "fast" / "r3")
+    got = run(4, "restore", root, "--expect-step", "4", *common, env=env)
+    assert got[2]["sources"]["2"] == "durable" and got[3]["sources"]["3"] == "durable"
+    assert got[2]["durable_reads"] > 0 and got[3]["durable_reads"] > 0
+    assert got[0]["durable_reads"] == 0 and got[1]["durable_reads"] == 0  # hosts that kept step 4 read it locally
+
+
+@pytest.mark.parametrize("victims", [[1], [1, 2]], ids=["host", "host+partner"])
+def test_in_memory_tier_recovers_a_lost_host_from_its_partner(tmp_path, victims):
+    """Host RAM as the fast tier: host 1 dies (and with it host 2, which kept host 1's replica); the
+    others keep their RAM and re-form the job with the replacements. Alone, host 1 gets its shards
+    from host 2's RAM in seconds; with host 2 gone too, the job falls back to the durable tier."""
+    root = str(tmp_path)
+    env = {"PORT2": str(_free_port())}
+    args = ["--steps", "1,2,3", "--every", "2", "--keep", "1", "--victims", ",".join(map(str, victims))]
+    procs = spawn(4, range(4), "emergency", root, *args, port=_free_port(), env=env)
+    for v in victims:
+        assert procs[v].wait(timeout=150) == -signal.SIGKILL, procs[v].communicate()[0][-3000:]
+    replacements = spawn(4, victims, "replacement", root, *args, port=int(env["PORT2"]), env=env)
+    survivors = [p for r, p in enumerate(procs) if r not in victims]
+    got = {r["rank"]: r for r in collect([*survivors, *replacements])}
+    assert sorted(got) == [0, 1, 2, 3] and not got[1]["survivor"]
+    if victims == [1]:
+        assert all(r["step"] == 3 and r["durable_reads"] == 0 for r in got.values()), got
+        assert got[1]["sources"]["1"] == "peer" and got[1]["bytes_from"]["local"] == 0
+        assert got[1]["seconds"] < 10, got[1]
+    else:  # step 3 is nowhere whole; step 2 is in the durable tier (RAM keeps only the newest step)
+        assert all(r["step"] == 2 and r["durable_reads"] > 0 for r in got.values()), got
+        assert all(r["sources"] == {str(w): "durable" for w in range(4)} for r in got.values()), got
+
+
+def test_durable_copy_killed_midway_is_never_visible_and_the_next_run_completes_it(tmp_path):
+    root = str(tmp_path)
+    durable = str(tmp_path / "durable")
+    store = CheckpointStore(durable)
+    args = ["--steps", "1,2", "--every", "2", "--arrays", "3", "--object-size", str(16 << 10)]
+    procs = spawn(2, range(2), "copykill", root, *args, "--stall-after", "1", port=_free_port())
+    markers = [tmp_path / f"stalled.r{r}" for r in range(2)]
+    deadline = time.monotonic() + 120
+    try:
+        while not all(m.exists() for m in markers):  # both hosts are mid-copy of step 2
+            assert time.monotonic() < deadline, "the durable copy never started"
+            assert all(p.poll() is None for p in procs), "a worker exited before being killed"
+            assert run_sync(store.committed_steps()) == []  # nothing partial is ever listed
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.communicate()
+    assert run_sync(store.committed_steps()) == []
+    with pytest.raises(CheckpointNotFoundError, match="not committed"):
+        ckptio.restore(durable, step=2)
+    copied_before = [k for k in os.listdir(tmp_path / "durable" / "2")]
+    assert copied_before, "some objects should have arrived before the kill"
+
+    got = run(2, "copyresume", root, *args)
+    assert got[0]["copied"] == [2] and got[0]["tiers"]["durable"] == [2]
+    objects, nbytes = run_sync(verify_checkpoint(store, "2"))
+    assert objects >= 6 and nbytes > 0
+    out = ckptio.restore(durable, step=2)
+    for name, want in full_arrays(2, 2, 3).items():
+        assert out[name].tobytes() == want.tobytes(), name
+    run_sync(store.close())
