@@ -24,7 +24,6 @@ from ckptio.backends.base import ByteRange
 
 from .engine import ReadRequest
 from .manifest import ArrayItem, Extent, ShardRecord, overlap
-from .staging import aligned_empty
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region"]
 
@@ -155,7 +154,7 @@ def _scattered(
     lo, hi = c0 * row_bytes, c1 * row_bytes
     pieces = _pieces(shard, lo, hi, bs)
     base = pieces[0][3]
-    scratch = aligned_empty(pieces[-1][4] - base)
+    scratch = np.empty(pieces[-1][4] - base, np.uint8)
     reqs = []
     for e, _a, _b, ra, rb in pieces:
         view = memoryview(scratch[ra - base : rb - base])

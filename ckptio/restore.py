@@ -23,7 +23,7 @@ from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError
 from .manifest import ArrayItem, Manifest, ValueItem
 from .reshard import Region, coverage_gaps, plan_region
-from .staging import Sharded, empty_array, index_to_box, torch_to_numpy
+from .staging import Sharded, index_to_box, torch_to_numpy
 from .store import CheckpointStore
 from .tree import flatten, path_str, unflatten
 
@@ -55,7 +55,7 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
     if target is None or (isinstance(target, np.ndarray) and not (target.flags.c_contiguous and target.flags.writeable)):
         if target is not None:
             _check(name, item, target.shape, target.dtype)
-        dest = empty_array(item.shape, item.dtype)
+        dest = np.empty(item.shape, item.dtype)
         return [Region((0,) * len(item.shape), dest)], (lambda: dest[()] if item.scalar else dest)
     if isinstance(target, np.ndarray):
         _check(name, item, target.shape, target.dtype)
@@ -66,7 +66,7 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
         for index, data in target.pieces:
             offs, sizes = index_to_box(index, target.shape)
             ok = isinstance(data, np.ndarray) and data.shape == sizes and data.dtype == item.dtype
-            dest = data if ok and data.flags.c_contiguous and data.flags.writeable else empty_array(sizes, item.dtype)
+            dest = data if ok and data.flags.c_contiguous and data.flags.writeable else np.empty(sizes, item.dtype)
             regions.append(Region(offs, dest))
             pieces.append((index, dest))
         return regions, lambda: Sharded(target.shape, target.dtype, pieces)
@@ -81,7 +81,7 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
             _check(name, item, view.shape, view.dtype)
             return [Region((0,) * view.ndim, view)], lambda: target
         _check(name, item, tuple(t.shape), torch_to_numpy(t.new_empty(0, device="cpu")).dtype)
-        dest = empty_array(item.shape, item.dtype)
+        dest = np.empty(item.shape, item.dtype)
         return [Region((0,) * dest.ndim, dest)], lambda: target.copy_(_numpy_to_torch(dest, torch))
     raise TypeError(f"item {name!r}: unsupported restore target of type {type(target).__name__}")
 
@@ -97,14 +97,14 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
     _check(name, item, target.shape, target.dtype)
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        dest = empty_array(item.shape, item.dtype)
+        dest = np.empty(item.shape, item.dtype)
         return [Region((0,) * dest.ndim, dest)], lambda: jax.numpy.asarray(dest)
     by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
     devices = []
     for device, index in sharding.addressable_devices_indices_map(tuple(item.shape)).items():
         box = index_to_box(index, item.shape)
         if box not in by_box:
-            by_box[box] = empty_array(box[1], item.dtype)
+            by_box[box] = np.empty(box[1], item.dtype)
         devices.append((device, box))
     regions = [Region(box[0], dest) for box, dest in by_box.items()]
 

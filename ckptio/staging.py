@@ -24,7 +24,7 @@ from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
 
-__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "empty_array", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -69,15 +69,6 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     if nbytes < _ALIGNED_MIN:
         return np.empty(nbytes, np.uint8)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-
-
-def empty_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``np.empty(shape, dtype)``, page-aligned when large (see :func:`aligned_empty`)."""
-    dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    if n < _ALIGNED_MIN:
-        return np.empty(shape, dtype)
-    return aligned_empty(n).view(dtype).reshape(shape)
 
 
 class StagingPool:

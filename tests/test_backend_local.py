@@ -105,7 +105,7 @@ class TestLocalBackendDirect(BackendConformance):
     """O_DIRECT for the aligned bulk of each write."""
 
     def make_backend(self, tmp_path: Path) -> Backend:
-        return LocalBackend(str(direct_root(tmp_path) / "root"), direct=True)
+        return LocalBackend(str(direct_root(tmp_path) / "root"), direct=True, direct_reads=True)
 
     @pytest.fixture(autouse=True)
     def _cleanup(self, direct_cleanup: None) -> None:
