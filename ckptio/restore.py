@@ -13,6 +13,7 @@ what each host reads:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError
 from .manifest import ArrayItem, Manifest, ValueItem
 from .reshard import Region, coverage_gaps, plan_region
-from .staging import Sharded, index_to_box, torch_to_numpy
+from .staging import Sharded, aligned_empty, index_to_box, torch_to_numpy
 from .store import CheckpointStore
 from .tree import flatten, path_str, unflatten
 
@@ -104,15 +105,31 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
     for device, index in sharding.addressable_devices_indices_map(tuple(item.shape)).items():
         box = index_to_box(index, item.shape)
         if box not in by_box:
-            by_box[box] = np.empty(box[1], item.dtype)
+            # Page-aligned, so that a CPU device can adopt the buffer without a copy (below).
+            by_box[box] = aligned_empty(math.prod(box[1]) * item.dtype.itemsize).view(item.dtype).reshape(box[1])
         devices.append((device, box))
     regions = [Region(box[0], dest) for box, dest in by_box.items()]
 
     def finish() -> Any:
-        arrays = [jax.device_put(by_box[box], device) for device, box in devices]
+        arrays, adopted = [], set()
+        for device, box in devices:
+            # One device adopts each buffer; replicas get copies, so donating one never touches another.
+            arrays.append(_device_put(jax, by_box[box], device, alias=box not in adopted))
+            adopted.add(box)
         return jax.make_array_from_single_device_arrays(tuple(item.shape), sharding, arrays)
 
     return regions, finish
+
+
+def _device_put(jax: Any, host: np.ndarray, device: Any, alias: bool) -> Any:
+    """Place a restored host buffer on ``device``. The buffer is ours alone, so a CPU device may
+    alias it (no second copy of the state); accelerators copy it as usual."""
+    if alias and device.platform == "cpu":
+        try:
+            return jax.device_put(host, device, may_alias=True)
+        except TypeError:  # a jax without may_alias
+            pass
+    return jax.device_put(host, device)
 
 
 def restore_checkpoint(
