@@ -38,7 +38,22 @@ class SingleProcess:
         return [obj]
 
 
-class TorchCoordinator:
+class _Ranked:
+    """``rank`` and ``size`` of a coordinator that learned them at construction."""
+
+    _rank: int
+    _size: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+
+class TorchCoordinator(_Ranked):
     """torch.distributed: a dedicated gloo group, so background collectives never
     interleave with the training step's collectives on the default group.
 
@@ -54,14 +69,6 @@ class TorchCoordinator:
         self._size = dist.get_world_size(self.group)
         self._lock = threading.Lock()
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self._size
         with self._lock:  # one collective at a time on the group, whatever thread calls
@@ -69,7 +76,7 @@ class TorchCoordinator:
         return [json.loads(o) for o in out]
 
 
-class JaxCoordinator:
+class JaxCoordinator(_Ranked):
     """jax.distributed: the coordination service's key-value store and barriers."""
 
     def __init__(self, prefix: str = "ckptio") -> None:
@@ -85,14 +92,6 @@ class JaxCoordinator:
         self._n = 0
         self._mine: list[str] = []
         self._lock = threading.Lock()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     def all_gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any]:
         with self._lock:
