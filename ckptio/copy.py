@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from ckptio.backends.base import ByteRange, join_key
 
-from .engine import ByteBudget, Progress, ReadRequest
+from .engine import ByteBudget, Progress, ReadRequest, gather_or_cancel
 from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
 from .store import CheckpointStore
@@ -166,14 +166,7 @@ async def copy_objects(
         if progress:
             progress("written", size)
 
-    tasks = [asyncio.ensure_future(one(i)) for i in wanted]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    await gather_or_cancel(one(i) for i in wanted)
     await dst.engine.retrying(f"sync {dst.url}", dst.backend.sync)
     return stats
 

@@ -25,7 +25,7 @@ from ckptio.backends.base import ByteRange
 from .engine import ReadRequest
 from .manifest import ArrayItem, Extent, ShardRecord, overlap
 
-__all__ = ["Region", "coverage_gaps", "overlap", "plan_region"]
+__all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid"]
 
 _SCRATCH_ROWS_BYTES = 32 << 20
 
@@ -36,6 +36,18 @@ class Region:
 
     offsets: tuple[int, ...]
     dest: np.ndarray  # shape is the region's shape
+
+
+def shard_grid(item: ArrayItem) -> tuple[int, ...]:
+    """The coarsest regular grid whose cells each lie inside one saved shard: per dimension, the
+    gcd of every shard boundary and the array's length (at least 1)."""
+    shape = []
+    for d, n in enumerate(item.shape):
+        g = n
+        for s in item.shards:
+            g = math.gcd(g, s.offsets[d], s.offsets[d] + s.shape[d])
+        shape.append(max(g, 1))
+    return tuple(shape)
 
 
 def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tuple[int, ...]) -> int:

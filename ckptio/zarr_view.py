@@ -40,7 +40,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 
 from .engine import run_sync
 from .manifest import ArrayItem, Manifest, ValueItem
-from .reshard import Region, plan_region
+from .reshard import Region, plan_region, shard_grid
 from .store import CheckpointStore
 
 __all__ = ["CheckpointZarrStore", "zarr_store"]
@@ -64,12 +64,7 @@ def _zarr_type(dtype: np.dtype) -> tuple[str, dict[str, Any]] | None:
 
 
 def _chunk_shape(item: ArrayItem) -> tuple[int, ...]:
-    shape = []
-    for d, n in enumerate(item.shape):
-        g = n
-        for s in item.shards:
-            g = math.gcd(g, s.offsets[d], s.offsets[d] + s.shape[d])
-        shape.append(max(g, 1))
+    shape = shard_grid(item)
     if math.prod(-(-n // c) for n, c in zip(item.shape, shape)) > _MAX_CHUNKS:
         return tuple(max(n, 1) for n in item.shape)
     return tuple(shape)

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..engine import Progress, run_sync, submit
 from ..manifest import ArrayItem, Manifest, ValueItem
-from ..reshard import Region, plan_region
+from ..reshard import Region, plan_region, shard_grid
 from ..store import CheckpointStore
 from ..stream import StreamWriter
 from ..tree import flatten, path_str, unflatten
@@ -218,12 +218,7 @@ def _copy_array(
 
 def _grid(item: ArrayItem, block_bytes: int) -> tuple[int, ...]:
     """The chunk shape: the common grid of the saved shards (their gcd), rows cut to ``block_bytes``."""
-    shape = []
-    for d, n in enumerate(item.shape):
-        g = n
-        for s in item.shards:
-            g = math.gcd(g, s.offsets[d], s.offsets[d] + s.shape[d])
-        shape.append(max(g, 1))
+    shape = list(shard_grid(item))
     if shape:
         row = math.prod(shape[1:]) * item.dtype.itemsize
         shape[0] = max(1, min(shape[0], block_bytes // max(row, 1)))
