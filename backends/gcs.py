@@ -37,12 +37,25 @@ retries; it stays a benchmark anchor, not the backend.
 
 Protocol
 --------
-* Objects up to ``resumable_threshold`` go up in one multipart request
-  (JSON metadata with the CRC32C, then the bytes); bigger ones in a resumable
-  upload of ``chunk_size`` chunks (a multiple of 256 KiB). The CRC32C is sent
-  in the metadata (and as ``x-goog-hash`` on the final chunk): real GCS
-  rejects a mismatch with 400, the emulator does not check. Verification on
-  read is the engine's job (manifest checksums), not done twice here.
+* Objects up to ``resumable_threshold`` go up in one request; bigger ones in
+  a resumable upload of ``chunk_size`` chunks (a multiple of 256 KiB).
+* Every upload is *confirmed*: the object resource GCS answers with carries
+  the CRC32C and size the server computed over the bytes it stored, and they
+  must equal ours, else the write raises RetryableError (bytes damaged on the
+  way; the engine uploads again, over the damaged object) -- so damage in
+  transit is caught while the save can still repair it, not at restore, on
+  every upload type and on servers that check nothing (the emulator). On top
+  of that the CRC32C is declared to the server where the JSON API documents
+  it (multipart metadata; resumable metadata and ``x-goog-hash`` on the last
+  chunk), so real GCS refuses such an upload before it replaces anything.
+* The one-request type is ``GCSConfig.upload`` = ``"media"`` (default): the
+  bytes are the whole body, the CRC32C rides in ``x-goog-hash`` and in the
+  confirmation. ``"multipart"`` sends JSON metadata with the CRC32C first.
+  Measured against fake-gcs-server (1 GiB as 8 or 16 objects at once, 2
+  rounds, GiB/s): media 0.28-0.31, multipart 0.17-0.22, a resumable upload
+  in one chunk 0.17-0.18 -- the emulator copies multipart and resumable
+  bodies several times. The commit marker is always multipart (below).
+  Verification on read is the engine's job (manifest checksums).
 * A failed resumable chunk is resumed here (the one retry inside a backend):
   the upload's status is queried and sending continues from the persisted
   offset. Not against the emulator: its status query *finalises* the object
@@ -136,8 +149,10 @@ class GCSConfig:
     object_size: int = 64 << 20
     #: Requests in flight that keep GCS busy (the engine's concurrency).
     concurrency: int = 32
-    #: Objects larger than this use a resumable upload, smaller ones one multipart request.
+    #: Objects larger than this use a resumable upload, smaller ones one request.
     resumable_threshold: int = 96 << 20
+    #: The one-request upload type: ``"media"`` (bytes only) or ``"multipart"`` (metadata + bytes).
+    upload: str = "media"
     #: Resumable chunk size, a multiple of 256 KiB.
     chunk_size: int = 32 << 20
     #: Resume a failed chunk via a status query; None: on for real GCS, off for an emulator.
@@ -153,10 +168,20 @@ class GCSConfig:
             raise ValueError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
         if self.list_page_size <= 0 or self.concurrency <= 0:
             raise ValueError("list_page_size and concurrency must be positive")
+        if self.upload not in ("media", "multipart"):
+            raise ValueError(f"upload must be 'media' or 'multipart', got {self.upload!r}")
 
 
 class _SessionGone(RetryableError):
     """A resumable upload session expired or was cancelled: retry with a new upload, not a chunk."""
+
+
+class _Damaged(RetryableError):
+    """The stored object's CRC32C or size is not what was sent: upload it again."""
+
+
+#: What an upload's reply must carry to confirm it (real GCS sends only the fields asked for).
+_CONFIRM_FIELDS = "generation,crc32c,size"
 
 
 def _resolve_endpoint(config: GCSConfig) -> tuple[str, bool]:
@@ -300,24 +325,58 @@ class GCSBackend(Backend):
         views = byte_views(buffers)
         size = sum(v.nbytes for v in views)
         crc = await crc32c_b64(views)
+        what = f"{self._url}: writing {key!r}"
         if size > self.config.resumable_threshold:
-            what = f"{self._url}: writing {key!r} (resumable)"
-            await self._resumable_upload(name, views, size, crc, what=what)
+            await self._resumable_upload(name, views, size, crc, what=f"{what} (resumable)")
+        elif self.config.upload == "media":
+            await self._media_upload(name, views, size, crc, what=what)
         else:
-            await self._multipart_upload(name, views, crc, what=f"{self._url}: writing {key!r}")
+            await self._multipart_upload(name, views, size, crc, what=what)
 
     async def create_if_absent(self, key: str, data: bytes) -> None:
         name = self._name(key)
         views = byte_views([data])
         crc = await crc32c_b64(views)
-        await self._multipart_upload(
-            name, views, crc, what=f"{self._url}: creating {key!r}", if_generation_match=0
-        )
+        what = f"{self._url}: creating {key!r}"
+        try:
+            await self._multipart_upload(name, views, len(data), crc, what=what, if_generation_match=0)
+        except _Damaged as e:
+            # Created, but not with our bytes (only a server that checks nothing lets that
+            # happen): uploading again would meet 412, and readers refuse the damaged marker
+            # anyway (it is sealed by its own checksum). Say so rather than retry.
+            raise OSError(f"{e}; the object now exists damaged: delete it before committing again") from e
+
+    def _confirm(self, size: int, crc: str, what: str) -> Callable[[aiohttp.ClientResponse], Awaitable[None]]:
+        """A response handler: the stored object's CRC32C and size must be what we sent."""
+
+        async def check(resp: aiohttp.ClientResponse) -> None:
+            body = await resp.read()
+            try:
+                doc = json.loads(body)
+                stored_crc, stored_size = doc["crc32c"], int(doc["size"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise OSError(f"{what}: the upload's reply names no crc32c/size: {body[:200]!r}") from e
+            if stored_crc != crc or stored_size != size:
+                raise _Damaged(
+                    f"{what}: GCS stored {stored_size} bytes with CRC32C {stored_crc}, "
+                    f"we sent {size} bytes with CRC32C {crc}: damaged in transit"
+                )
+
+        return check
+
+    async def _media_upload(self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str) -> None:
+        """One request whose body is the bytes; the CRC32C in ``x-goog-hash`` and checked in the reply."""
+        body = BuffersPayload(views, content_type="application/octet-stream")
+        url = self._upload_url(uploadType="media", name=name, fields=_CONFIRM_FIELDS)
+        headers = {"x-goog-hash": f"crc32c={crc}"}
+        confirm = self._confirm(size, crc, what)
+        await self._call("POST", url, what, confirm, data=body, headers=headers, ramp=self._write_ramp)
 
     async def _multipart_upload(
         self,
         name: str,
         views: Sequence[memoryview],
+        size: int,
         crc: str,
         *,
         what: str,
@@ -333,11 +392,12 @@ class GCSBackend(Backend):
         )
         tail = f"\r\n--{boundary}--\r\n".encode()
         body = BuffersPayload([head, *views, tail], content_type=f"multipart/related; boundary={boundary}")
-        query: dict[str, Any] = {"uploadType": "multipart", "fields": "generation"}
+        query: dict[str, Any] = {"uploadType": "multipart", "fields": _CONFIRM_FIELDS}
         if if_generation_match is not None:
             query["ifGenerationMatch"] = if_generation_match
         url = self._upload_url(**query)
-        await self._call("POST", url, what, self._drain, data=body, ramp=self._write_ramp)
+        confirm = self._confirm(size, crc, what)
+        await self._call("POST", url, what, confirm, data=body, ramp=self._write_ramp)
 
     async def _resumable_upload(
         self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str
@@ -365,26 +425,31 @@ class GCSBackend(Backend):
             ramp=self._write_ramp,
         )
         upload = URL(session_url, encoded=True)
+        # Whichever reply finishes the upload (last chunk, or a status query after a lost
+        # reply) carries the object resource; it is confirmed like a one-request upload.
+        persisted = functools.partial(self._persisted, size=size, confirm=self._confirm(size, crc, what))
         offset = 0
         while offset < size:
             end = min(offset + self.config.chunk_size, size)
             try:
                 final_crc = crc if end == size else None
-                offset = await self._put_chunk(upload, views, offset, end, size, final_crc, what)
-            except _SessionGone:
+                offset = await self._put_chunk(upload, views, offset, end, size, final_crc, what, persisted)
+            except (_SessionGone, _Damaged):
                 raise  # only a new upload helps: the engine's retry starts one
             except RetryableError:
                 if not self._resume:
                     raise
-                offset = await self._recover_offset(upload, size, what)
+                offset = await self._recover_offset(upload, size, what, persisted)
 
-    async def _recover_offset(self, upload: URL, size: int, what: str) -> int:
+    async def _recover_offset(
+        self, upload: URL, size: int, what: str, persisted: Callable[[aiohttp.ClientResponse], Awaitable[int]]
+    ) -> int:
         """After a failed chunk, ask the session how much it holds (a few tries, with backoff)."""
         for attempt in range(1, 5):
             await asyncio.sleep(min(0.1 * 2**attempt, 2.0) * (0.5 + random.random()))
             try:
-                return await self._query_offset(upload, size, what)
-            except _SessionGone:
+                return await self._query_offset(upload, size, what, persisted)
+            except (_SessionGone, _Damaged):
                 raise
             except RetryableError:
                 if attempt == 4:
@@ -400,6 +465,7 @@ class GCSBackend(Backend):
         size: int,
         crc: str | None,
         what: str,
+        persisted: Callable[[aiohttp.ClientResponse], Awaitable[int]],
     ) -> int:
         """Send bytes ``[start, end)``; return the offset GCS has persisted up to."""
         total = str(size) if end == size else "*"  # "*": more chunks follow
@@ -407,28 +473,32 @@ class GCSBackend(Backend):
         if crc is not None:
             headers["x-goog-hash"] = f"crc32c={crc}"
         body = BuffersPayload(slice_views(views, start, end), content_type="application/octet-stream")
-        persisted = functools.partial(self._persisted, size=size)
         return await self._call(
             "PUT", upload, what, persisted, ok=(200, 201, 308), headers=headers, data=body, session=True
         )
 
-    async def _query_offset(self, upload: URL, size: int, what: str) -> int:
+    async def _query_offset(
+        self, upload: URL, size: int, what: str, persisted: Callable[[aiohttp.ClientResponse], Awaitable[int]]
+    ) -> int:
         """Ask a resumable session how many bytes it holds (real GCS only: the emulator finalises)."""
         return await self._call(
             "PUT",
             upload,
             f"{what} status",
-            functools.partial(self._persisted, size=size),
+            persisted,
             ok=(200, 201, 308),
             headers={"Content-Range": f"bytes */{size}"},
             session=True,
         )
 
     @staticmethod
-    async def _persisted(resp: aiohttp.ClientResponse, size: int) -> int:
+    async def _persisted(
+        resp: aiohttp.ClientResponse, size: int, confirm: Callable[[aiohttp.ClientResponse], Awaitable[None]]
+    ) -> int:
+        if resp.status in (200, 201):  # finished: the body is the object resource
+            await confirm(resp)
+            return size
         await resp.read()
-        if resp.status in (200, 201):
-            return size  # finished
         rng = resp.headers.get("Range")  # "bytes=0-N": N+1 bytes persisted; absent: none
         if not rng:
             return 0

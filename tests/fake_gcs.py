@@ -27,6 +27,8 @@ from ckptio.bench.fakegcs import FakeGCS, binary_path, free_port
 __all__ = ["AppServer", "FakeGCS", "FaultProxy", "binary_path", "free_port"]
 
 FAULT_KINDS = ("429", "503", "reset", "slow")
+#: Kinds a proxy can inject but does not by default: "corrupt" flips a byte of a request body.
+EXTRA_FAULT_KINDS = ("corrupt",)
 _S = TypeVar("_S", bound="AppServer")
 
 
@@ -128,7 +130,11 @@ class FaultProxy(AppServer):
     * ``"reset"``: forwarded, then the connection is aborted -- halfway through a
       response body when there is one (a truncated download), else before the
       status line (the client cannot know whether the request took effect);
-    * ``"slow"``: forwarded after ``slow_s`` seconds.
+    * ``"slow"``: forwarded after ``slow_s`` seconds;
+    * ``"corrupt"`` (not by default): one byte in the middle of the request body
+      is flipped before forwarding -- damage in transit that no status reports.
+      Bodies under 4 KiB pass unharmed (there the byte would hit the framing,
+      which the server refuses by itself).
 
     ``Location`` headers pointing at the upstream are rewritten to the proxy, so
     resumable-upload chunks pass through it too. ``injected`` counts faults by
@@ -150,9 +156,9 @@ class FaultProxy(AppServer):
         self.upstream = upstream.rstrip("/")
         self.rate = rate
         self.kinds = tuple(kinds)
-        unknown = set(self.kinds) - set(FAULT_KINDS)
-        if unknown or not self.kinds:
-            raise ValueError(f"fault kinds must be a non-empty subset of {FAULT_KINDS}, got {self.kinds}")
+        known = FAULT_KINDS + EXTRA_FAULT_KINDS
+        if set(self.kinds) - set(known) or not self.kinds:
+            raise ValueError(f"fault kinds must be a non-empty subset of {known}, got {self.kinds}")
         self.slow_s = slow_s
         self.injected: Counter[str] = Counter()
         self.requests = 0
@@ -188,6 +194,10 @@ class FaultProxy(AppServer):
             return web.Response(status=int(kind), headers={"Retry-After": "0"}, text=f"injected {kind}")
         if kind == "slow":
             await asyncio.sleep(self.slow_s)
+        if kind == "corrupt" and len(body) >= 4096:
+            damaged = bytearray(body)
+            damaged[len(body) // 2] ^= 0x01
+            body = bytes(damaged)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "transfer-encoding")}
         target = URL(self.upstream + request.raw_path, encoded=True)  # as sent: keep %2F in names
         async with self._client.request(

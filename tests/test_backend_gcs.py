@@ -71,6 +71,15 @@ class TestGCSBackendResumable(TestGCSBackend):
         )
 
 
+class TestGCSBackendMultipart(TestGCSBackend):
+    """The suite again with one-request uploads as multipart (metadata + bytes) instead of media."""
+
+    state_machine_examples = 10
+
+    def make_backend(self, tmp_path: Path) -> GCSBackend:
+        return GCSBackend(gcs_url(tmp_path), endpoint=self.server.url, upload="multipart")
+
+
 # -- configuration, endpoints, credentials ----------------------------------------------
 
 
@@ -367,6 +376,62 @@ def test_crc32c_is_sent_in_gcs_form(fake_gcs: FakeGCS, tmp_path: Path) -> None:
     run(body)
 
 
+class _UploadRecorder(FaultProxy):
+    """A proxy that notes each upload request's ``uploadType`` and ``x-goog-hash``."""
+
+    def __init__(self, upstream: str, **kwargs: Any) -> None:
+        super().__init__(upstream, **kwargs)
+        self.uploads: list[tuple[str, str | None]] = []
+
+    async def handle(self, request: Any) -> Any:
+        if request.path.startswith("/upload/"):
+            kind = "chunk" if "upload_id" in request.query else request.query.get("uploadType", "")
+            self.uploads.append((kind, request.headers.get("x-goog-hash")))
+        return await super().handle(request)
+
+
+@pytest.mark.parametrize("mode", ["media", "multipart", "resumable"])
+def test_damage_in_transit_is_caught_when_uploading(fake_gcs: FakeGCS, tmp_path: Path, mode: str) -> None:
+    """A byte flipped on the way, which the emulator does not check: the CRC32C in the upload's
+    reply gives it away, as a RetryableError naming the key; a retry replaces the damaged object."""
+    data = payload(600_000, 5)
+    opts: dict[str, Any] = {
+        "media": {},
+        "multipart": {"upload": "multipart"},
+        "resumable": {"resumable_threshold": 256 << 10, "chunk_size": 256 << 10},
+    }[mode]
+    with _UploadRecorder(fake_gcs.url, rate=1.0, kinds=("corrupt",)) as proxy:
+        b = GCSBackend(gcs_url(tmp_path), endpoint=proxy.url, **opts)
+
+        async def body() -> None:
+            try:
+                with pytest.raises(RetryableError, match="damaged in transit") as e:
+                    await b.write("obj", [memoryview(data)[:1000], memoryview(data)[1000:]])
+                assert "'obj'" in str(e.value)
+                proxy.rate = 0.0
+                await b.write("obj", [memoryview(data)])  # what the engine's retry does
+                assert await b.read("obj") == data
+                # A commit marker that arrives damaged cannot be replaced by a retry (412): an error.
+                proxy.rate = 1.0
+                with pytest.raises(OSError, match="exists damaged") as c:
+                    await b.create_if_absent("marker", data[:10_000])
+                assert not isinstance(c.value, RetryableError)
+            finally:
+                await b.close()
+
+        run(body)
+    assert proxy.injected["corrupt"] >= 2
+    # The CRC32C is declared to the server too, where the JSON API takes it: x-goog-hash on a media
+    # upload and on a resumable upload's last chunk (multipart and resumable also carry it in metadata).
+    crc = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    first_kind = {"media": "media", "multipart": "multipart", "resumable": "chunk"}[mode]
+    sent = [h for kind, h in proxy.uploads if kind == first_kind]
+    if mode == "multipart":
+        assert sent and all(h is None for h in sent)
+    else:
+        assert f"crc32c={crc}" in sent
+
+
 def test_one_backend_on_several_loops(fake_gcs: FakeGCS, tmp_path: Path) -> None:
     """A session per loop: sequential asyncio.run calls, and two loop threads at once."""
     b = GCSBackend(gcs_url(tmp_path), endpoint=fake_gcs.url)
@@ -501,7 +566,8 @@ class _StrictResumable(AppServer):
             return web.Response(status=fault, text="injected")
         self.data += body
         if total != "*" and len(self.data) == int(total):
-            self.done = {"name": self.meta["name"], "size": total}
+            crc = base64.b64encode(crc32c.crc32c(self.data).to_bytes(4, "big")).decode()
+            self.done = {"name": self.meta["name"], "size": total, "crc32c": crc}
             return web.json_response(self.done)
         return self._persisted()
 
