@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+from ckptio.backends import open_backend  # noqa: E402
 from ckptio.backends.memory import MemoryBackend  # noqa: E402
 from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -349,8 +350,16 @@ def retention_local(root: str) -> None:
 
 
 def mem_usage(url: str) -> tuple[int, int, list[str]]:
-    """(object bytes, manifests, keys) held by a memory 'bucket'."""
-    infos = run_sync(MemoryBackend(url).list(""))
+    """(object bytes, manifests, keys) held by a memory 'bucket' (or any storage URL)."""
+    backend = MemoryBackend(url) if url.startswith("mem://") else open_backend(url)
+
+    async def listing() -> list[Any]:
+        try:
+            return await backend.list("")
+        finally:
+            await backend.close()
+
+    infos = run_sync(listing())
     manifests = [i.key for i in infos if i.key.endswith(MANIFEST_NAME)]
     data = sum(i.size for i in infos if not i.key.endswith(MANIFEST_NAME))
     return data, len(manifests), [i.key for i in infos]
@@ -419,6 +428,33 @@ def retention_hashed_mem(root: str) -> None:
     data, manifests, keys = mem_usage(f"{storage}/state")
     assert (data, manifests) == (3 * one, 3), keys  # steps 8, 9 and the other run's 88
     assert "88/" + MANIFEST_NAME in keys and "77/" + MANIFEST_NAME not in keys, keys
+
+@scenario
+def retention_gcs(root: str) -> None:
+    """max_to_keep=2 with the data on gs:// (fake-gcs-server; hashed names are the default there)."""
+    from ckptio.bench.fakegcs import FakeGCS
+
+    one = array_nbytes(small_state(0))
+    with FakeGCS() as server:
+        server.create_bucket("orbax-retention")
+        os.environ["STORAGE_EMULATOR_HOST"] = server.url
+        try:
+            storage = "gs://orbax-retention/run"
+            opts = ocp.CheckpointManagerOptions(max_to_keep=2)
+            with ckptio.orbax.CheckpointManager(os.path.join(root, "gcs"), opts, storage=storage) as mngr:
+                for i in range(10):
+                    mngr.save(i, args=ocp.args.Composite(state=ckptio.orbax.Save(small_state(i))))
+                    mngr.wait_until_finished()
+                    data, manifests, keys = mem_usage(f"{storage}/state")
+                    assert (data, manifests) == (min(i + 1, 2) * one, min(i + 1, 2)), (i, data, manifests, keys)
+                    assert all(k.startswith("h") for k in keys if not k.endswith(MANIFEST_NAME)), keys
+                assert mngr.all_steps() == [8, 9], mngr.all_steps()
+                got = mngr.restore(9, args=ocp.args.Composite(state=ckptio.orbax.Restore(small_state(0))))
+                assert_tree_bits_equal(got.state, small_state(9), "restore from gs://")
+                mngr.delete(8)
+            assert mem_usage(f"{storage}/state")[:2] == (one, 1)
+        finally:
+            del os.environ["STORAGE_EMULATOR_HOST"]
 
 
 @scenario

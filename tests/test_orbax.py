@@ -30,6 +30,7 @@ SCENARIOS = [
     "type_handler",
     "retention_local",
     "retention_hashed_mem",
+    "retention_gcs",
     "edge_cases",
 ]
 
@@ -91,6 +92,12 @@ def test_type_handler_routes_standard_and_pytree_save_through_ckptio(results):
 def test_retention_local_keeps_exactly_the_kept_steps_bytes(results):
     """10 saves: max_to_keep=2 -> 2 checkpoints' bytes; keep_period=4 -> 4; background delete too."""
     _check(results, "retention_local")
+
+
+def test_retention_on_gcs_keeps_exactly_two_checkpoints_objects(results):
+    """The same on gs:// (fake-gcs-server): 10 saves, max_to_keep=2 -> the bucket holds exactly the
+    two kept steps' objects; restore of the last is bit-exact; delete() removes a step's objects."""
+    _check(results, "retention_gcs")
 
 
 def test_retention_hashed_external_storage_leaks_nothing(results):
