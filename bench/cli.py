@@ -58,6 +58,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--skip", type=_csv, default=[], help="comma-separated case names/globs to leave out")
     g.add_argument("--list", action="store_true", help="list the cases and whether they can run here")
     g.add_argument("--no-verify", dest="verify", action="store_false", help="do not check restored bytes")
+    g.add_argument("--train", action="store_true",
+                   help="keep a GIL-bound training-step loop running in the saving process while each "
+                        "asynchronous save finishes, and report how much slower its steps get")
     g.add_argument("--timeout", type=float, default=None, help="seconds per case (default: from the size)")
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", action="store_true", help="also sweep tensor counts and process counts")
@@ -126,9 +129,9 @@ class _Runner:
     """Runs one case as a job on the target, with progress, and returns its summarised result."""
 
     def __init__(self, target: Target, cache_drop: str, rounds: int, verify: bool,
-                 timeout: float | None, progress: _Progress) -> None:
+                 timeout: float | None, progress: _Progress, train: bool = False) -> None:
         self.target, self.cache_drop, self.rounds = target, cache_drop, rounds
-        self.verify, self.timeout, self.progress = verify, timeout, progress
+        self.verify, self.timeout, self.progress, self.train = verify, timeout, progress, train
 
     def __call__(self, cls: type[Case], spec: StateSpec, world_size: int = 1, rounds: int | None = None) -> dict[str, Any]:
         rounds = rounds or self.rounds
@@ -136,7 +139,7 @@ class _Runner:
         timeout = self.timeout or (300 + 120 * gib * rounds) * (1 + spec.count / 20_000)
         root = self.target.case_root(cls.name)
         job = Job(case=cls.name, root=root, state=spec, rounds=rounds, cache_drop=self.cache_drop,
-                  verify=self.verify, world_size=world_size)
+                  verify=self.verify, world_size=world_size, train=self.train)
         label = cls.name + (f" ×{world_size}p" if world_size > 1 else "") + (
             f" n={spec.count}" if spec.count != 32 else "")
         self.progress.add(rounds)
@@ -194,12 +197,12 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                       file=sys.stderr)
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
-            "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify,
+            "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify, "train": args.train,
                        "target": target.describe(), "cases": [c.name for c in sel.run]},
             "env": environment(base),
             "cache_drop": {"method": method, "reason": reason},
         }
-        run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress)
+        run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train)
         progress.reserve(len(sel.run) * args.rounds)
         doc["cases"] = [run(cls, spec) for cls in sel.run]
         doc["cases"] += [{"case": n, "status": "skipped", "reason": why} for n, why in sel.skipped.items()]

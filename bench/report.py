@@ -60,6 +60,7 @@ _LABELS = {
     "stall_s": "stall s",
     "save_rss_mib": "save +RSS MiB",
     "restore_rss_mib": "restore +RSS MiB",
+    "train_slowdown": "train step ×",
 }
 
 
@@ -73,6 +74,8 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
     if sample.get("restore_s"):
         out["restore_s"] = sample["restore_s"]
         out["restore_gibps"] = nbytes / GIB / sample["restore_s"]
+    if sample.get("train_busy_s") and sample.get("train_idle_s"):
+        out["train_slowdown"] = sample["train_busy_s"] / sample["train_idle_s"]
     for key, fig in (("save_rss_bytes", "save_rss_mib"), ("restore_rss_bytes", "restore_rss_mib"),
                      ("save_held_bytes", "save_held_mib")):
         if sample.get(key) is not None:
@@ -188,7 +191,9 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                 out: TextIO | None = None) -> None:
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
-    headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), "held MiB", "save ×raw", "restore ×raw"]
+    extra = [f for f in ("train_slowdown",) if any(f in r.get("summary", {}) for r in results)]
+    headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
+               "held MiB", "save ×raw", "restore ×raw"]
     rows = []
     for r in results:
         if r.get("status") != "ok":
@@ -199,8 +204,8 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
         for fig in ("save_gibps", "restore_gibps"):
             x, y = _median(r, fig), _median(raw, fig)
             ratios.append(fmt_ratio(x / y) if x is not None and y else "—")
-        rows.append([r["case"], *(fmt_cell(s.get(f)) for f, _, _ in FIGURES), fmt_cell(s.get("save_held_mib")),
-                     *ratios])
+        rows.append([r["case"], *(fmt_cell(s.get(f)) for f, _, _ in FIGURES), *(fmt_cell(s.get(f)) for f in extra),
+                     fmt_cell(s.get("save_held_mib")), *ratios])
     for name, why in skipped.items():
         rows.append([name, f"skipped: {why}", *[""] * (len(headers) - 2)])
     notes = [
@@ -208,6 +213,9 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
         "+RSS: peak RSS increase over the RSS before the call (restore includes the restored state itself);",
         "held: RSS after the save is durable over the RSS before the first save (buffers kept between saves).",
     ]
+    if extra:
+        notes.append("train step ×: a GIL-bound host step's time while the save finishes in the background ÷ idle "
+                     "(1 = unaffected; synchronous saves: none, the stall is the cost)")
     print_table(header, headers, rows, notes, out)
 
 

@@ -99,6 +99,8 @@ class Job:
     cache_drop: str = "fadvise"  # "drop_caches" | "fadvise" | "none"
     verify: bool = True
     world_size: int = 1
+    #: Run training steps while each asynchronous save finishes (see bench/train.py).
+    train: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import state as state_mod
+from . import train
 from .cases import Case, CaseContext, get_case
 from .spec import Job
 from .system import PeakRSS, current_rss, drop_cache, resident_fraction
@@ -110,13 +111,18 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
     os.sync()  # the previous round's writeback must not be billed to this save
     gc.collect()
     group.barrier()
+    if job.train:
+        sample["train_idle_s"] = train.idle_step_s()
     emit({"event": "phase", "round": r, "phase": "save"})
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         pending = case.save(r)
         t1 = time.perf_counter()
         if pending is not None:
-            pending.result()
+            if job.train:  # the training thread keeps stepping while the save finishes
+                sample.update(train.during(pending.result))
+            else:
+                pending.result()
         t2 = time.perf_counter()
     now = current_rss()
     # "held": what the process keeps after the save, over its RSS before the first one

@@ -125,6 +125,35 @@ def test_a_failing_case_is_an_error_row_not_a_crash(tmp_path: Path) -> None:
     target.close()
 
 
+@pytest.mark.parametrize("case, background", [("ckptio", True), ("raw-disk", False)])
+def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, case: str, background: bool) -> None:
+    """--train: idle step time every round; step times during the save only where it runs in the background."""
+    from ckptio.bench import report
+
+    target = LocalTarget(str(tmp_path))
+    job = Job(case=case, root=target.case_root(case), state=StateSpec(8 << 20, 4), rounds=2, train=True,
+              cache_drop="none")
+    result = run_job(job, target, timeout_s=120)
+    target.close()
+    assert result["status"] == "ok", result.get("error")
+    for sample in result["samples"]:
+        assert sample["train_idle_s"] > 0
+        assert (sample.get("train_steps", 0) >= 1) == background, sample
+        assert (sample.get("train_busy_s", 0) > 0) == background, sample
+    assert ("train_slowdown" in report.summarize(result)) == background
+
+
+def test_train_during_reraises_the_save_failure() -> None:
+    from ckptio.bench import train
+
+    def failing_wait() -> None:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        train.during(failing_wait)
+    assert train.during(lambda: None)["train_steps"] >= 1
+
+
 def test_parse_size_and_duration() -> None:
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("4M") == 4 << 20
