@@ -22,6 +22,7 @@ import aiohttp
 import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
+from ._copy import copy_bytes
 from .base import ByteRange, RetryableError
 
 __all__ = [
@@ -153,7 +154,7 @@ async def fill_from_response(
         while data:
             dst = views[vi]
             n = min(dst.nbytes - vpos, len(data))
-            dst[vpos : vpos + n] = data[:n]
+            copy_bytes(dst[vpos : vpos + n], data[:n])  # network chunks can be MiBs
             data = data[n:]
             got += n
             vpos += n

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from ._copy import copy_bytes
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key, check_prefix
 
@@ -185,7 +186,7 @@ class LocalBackend(Backend):
                     if bounce is None:
                         bounce = aligned_buffer(min(_DIRECT_CHUNK, direct_end))
                     take = min(v.nbytes, len(bounce) - filled, direct_end - pos - filled)
-                    bounce[filled : filled + take] = v[:take]
+                    copy_bytes(bounce[filled : filled + take], v[:take])
                     filled, v = filled + take, v[take:]
                     if filled == len(bounce) or pos + filled == direct_end:
                         pwritev_all(dfd, [bounce[:filled]], pos)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
+from ckptio.backends._copy import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, join_key
 
 from ..checksum import verify_blocks
@@ -259,12 +260,7 @@ class RoutedBackend(Backend):
             data = memoryview(self.received[key])
             if rng.end > len(data):
                 raise ValueError(f"{key}: range [{rng.start}, {rng.end}) past the {len(data)} bytes received")
-            pos = rng.start
-            for b in buffers:
-                n = b.nbytes
-                if n:
-                    b.cast("B")[:] = data[pos : pos + n]
-                pos += n
+            scatter_bytes(data[rng.start : rng.end], buffers)
             self.bytes_from[PEER] += rng.length
             return
         try:
