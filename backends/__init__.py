@@ -20,8 +20,8 @@ __all__ = [
     "ObjectInfo",
     "RetryableError",
     "check_key",
-    "join_key",
     "detect_scheme",
+    "join_key",
     "open_backend",
     "split_url",
 ]
@@ -35,6 +35,8 @@ _BUILTIN: dict[str, str] = {
     "gs": "ckptio.backends.gcs:GCSBackend",
     "hdml": "ckptio.backends.hyperdisk_ml:HyperdiskMLBackend",
     "pstore": "ckptio.backends.parallelstore:ParallelstoreBackend",
+    # Every fsspec protocol: "fsspec+s3", "fsspec+gs", ... resolve here (see backend_class).
+    "fsspec": "ckptio.backends.fsspec_backend:FsspecBackend",
 }
 
 
@@ -58,7 +60,10 @@ def backend_class(scheme: str) -> type[Backend]:
             return ep.load()
     if scheme in _BUILTIN:
         return _load(_BUILTIN[scheme])
+    if scheme.startswith("fsspec+"):  # one backend serves every fsspec protocol
+        return backend_class("fsspec")
     known = sorted({*_BUILTIN, *(ep.name for ep in entry_points(group="ckptio.backends"))} - {""})
+    known = [f"{k}+<protocol>" if k == "fsspec" else k for k in known]
     raise ValueError(f"no ckptio backend for URL scheme {scheme!r}; known schemes: {', '.join(known)}")
 
 

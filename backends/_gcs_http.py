@@ -14,7 +14,7 @@ import email.utils
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,12 +23,12 @@ import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
 from ._copy import copy_bytes
+from ._perloop import PerLoop
 from .base import ByteRange, RetryableError
 
 __all__ = [
     "BuffersPayload",
     "RateRamp",
-    "SessionPool",
     "TokenSource",
     "byte_views",
     "crc32c_b64",
@@ -36,6 +36,7 @@ __all__ = [
     "parse_retry_after",
     "parse_rfc3339",
     "raise_for_status",
+    "session_pool",
     "slice_views",
     "translating",
 ]
@@ -385,72 +386,13 @@ class RateRamp:
 # -- sessions ---------------------------------------------------------------------------
 
 
-_Closer = AsyncGenerator[None, None]
+def session_pool(factory: Callable[[], aiohttp.ClientSession]) -> PerLoop[aiohttp.ClientSession]:
+    """One aiohttp session per event loop (see :class:`PerLoop`); a closed session is replaced."""
 
+    async def close(session: aiohttp.ClientSession) -> None:
+        await session.close()
 
-class SessionPool:
-    """One aiohttp session per event loop, made lazily on the loop that needs it.
-
-    aiohttp sessions and connectors are bound to the loop they were created
-    on, and the backend is driven from several: the engine's loop thread, a
-    fresh loop per Orbax commit future, the test's own loop. Each session is
-    tied to an async generator parked on its loop, so a loop that ends
-    properly (``asyncio.run``, or ``loop.shutdown_asyncgens()`` before
-    ``close()``) closes its session and sockets even if nobody calls
-    :meth:`close_current`.
-    """
-
-    def __init__(self, factory: Callable[[], aiohttp.ClientSession]) -> None:
-        self._factory = factory
-        self._lock = threading.Lock()
-        self._sessions: dict[asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, _Closer]] = {}
-
-    @staticmethod
-    async def _closer(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
-        try:
-            yield
-        finally:  # runs at the loop's shutdown_asyncgens(), or when we aclose() it
-            await session.close()
-
-    async def get(self) -> aiohttp.ClientSession:
-        """The running loop's session (created on first use)."""
-        loop = asyncio.get_running_loop()
-        entry = self._sessions.get(loop)
-        if entry is not None and not entry[0].closed:
-            return entry[0]
-        with self._lock:
-            stale = [self._sessions.pop(lp)[0] for lp in [lp for lp in self._sessions if lp.is_closed()]]
-            session = self._factory()
-            closer = self._closer(session)
-            self._sessions[loop] = (session, closer)
-        await closer.__anext__()  # parks it on this loop: the loop now finalises it at shutdown
-        for s in stale:
-            await _forget(s)
-        return session
-
-    async def close_current(self) -> None:
-        """Close the running loop's session only (before closing a short-lived loop by hand)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            entry = self._sessions.pop(loop, None)
-        if entry is not None:
-            await entry[1].aclose()
-
-    async def close_all(self) -> None:
-        """Close every session: ours directly, other running loops' through their loop."""
-        current = asyncio.get_running_loop()
-        with self._lock:
-            sessions, self._sessions = self._sessions, {}
-        for loop, (session, closer) in sessions.items():
-            if loop is current:
-                await closer.aclose()
-            elif loop.is_closed():
-                await _forget(session)
-            elif loop.is_running():
-                fut = asyncio.run_coroutine_threadsafe(closer.aclose(), loop)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
-            # A stopped but unclosed loop cannot run the close; its shutdown_asyncgens() will.
+    return PerLoop(lambda _loop: factory(), close, live=lambda s: not s.closed, forget=_forget)
 
 
 async def _forget(session: aiohttp.ClientSession) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "Capabilities",
     "ObjectInfo",
     "RetryableError",
+    "check_fill",
     "check_key",
     "check_prefix",
     "join_key",
@@ -151,6 +152,13 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_fill(rng: ByteRange, buffers: Sequence[memoryview]) -> None:
+    """ValueError unless ``buffers`` hold exactly ``rng.length`` bytes (read_into's precondition)."""
+    have = sum(b.nbytes for b in buffers)  # nbytes, not len(): destinations are often float arrays
+    if have != rng.length:
+        raise ValueError(f"buffers hold {have} bytes, range [{rng.start}, {rng.end}) needs {rng.length}")
+
+
 def join_key(*parts: str) -> str:
     """Join key components with ``/``, dropping empty ones."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
@@ -213,6 +221,16 @@ class Backend(abc.ABC):
         names = {info.key[len(base):].split("/", 1)[0] for info in await self.list(base)}
         return sorted(names)
 
+    async def check_empty_read(self, key: str, rng: ByteRange, what: str) -> None:
+        """A zero-length read sends no request, but the object and the offset must still exist.
+
+        For backends whose protocol has no empty read (HTTP ranges): FileNotFoundError
+        for a missing object, ValueError for an offset past its end.
+        """
+        info = await self.stat(key)
+        if rng.end > info.size:
+            raise ValueError(f"{what}: runs past the end ({info.size} bytes)")
+
     async def read(self, key: str) -> bytes:
         """Read a whole (small) object."""
         info = await self.stat(key)
@@ -228,7 +246,14 @@ class Backend(abc.ABC):
         """
 
     async def close(self) -> None:
-        """Release connections, threads and files."""
+        """Release connections, threads and files. The backend stays usable (it reopens lazily)."""
+
+    async def close_loop(self) -> None:
+        """Release only what the running event loop holds (before closing a short-lived loop).
+
+        Backends whose connections are bound to a loop (HTTP sessions) override
+        this; the backend stays usable from other loops and from this one.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

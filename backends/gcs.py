@@ -104,17 +104,26 @@ from yarl import URL
 from ._gcs_http import (
     BuffersPayload,
     RateRamp,
-    SessionPool,
     TokenSource,
     byte_views,
     crc32c_b64,
     fill_from_response,
     parse_rfc3339,
     raise_for_status,
+    session_pool,
     slice_views,
     translating,
 )
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key, check_prefix
+from .base import (
+    Backend,
+    ByteRange,
+    Capabilities,
+    ObjectInfo,
+    RetryableError,
+    check_fill,
+    check_key,
+    check_prefix,
+)
 
 __all__ = ["GCSBackend", "GCSConfig", "RampConfig"]
 
@@ -222,7 +231,7 @@ class GCSBackend(Backend):
             r = cfg.ramp
             self._write_ramp = RateRamp(r.initial_writes_per_s, r.doubling_s, r.max_per_s)
             self._read_ramp = RateRamp(r.initial_reads_per_s, r.doubling_s, r.max_per_s)
-        self._sessions = SessionPool(self._new_session)
+        self._sessions = session_pool(self._new_session)
         self._b = quote(bucket, safe="")
         self.capabilities = Capabilities(
             atomic_write=True,
@@ -509,15 +518,10 @@ class GCSBackend(Backend):
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         name = self._name(key)
         views = byte_views(buffers)  # no empty views: they would stall the fill loop
-        have = sum(v.nbytes for v in views)
-        if have != rng.length:
-            raise ValueError(f"buffers hold {have} bytes, range [{rng.start}, {rng.end}) needs {rng.length}")
+        check_fill(rng, views)
         what = f"{self._url}: reading {key!r} [{rng.start}, {rng.end})"
-        if rng.length == 0:  # no HTTP form; still say whether the object and the offset exist
-            info = await self.stat(key)
-            if rng.end > info.size:
-                raise ValueError(f"{what}: runs past the end ({info.size} bytes)")
-            return
+        if rng.length == 0:  # an HTTP range cannot be empty
+            return await self.check_empty_read(key, rng, what)
 
         async def fill(resp: aiohttp.ClientResponse) -> None:
             await fill_from_response(resp, rng, views, what)

@@ -18,15 +18,15 @@ import os
 import stat as stat_mod
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ._copy import copy_bytes
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key, check_prefix
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
-__all__ = ["LocalBackend", "LocalConfig", "TMP_MARK"]
+__all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 
 T = TypeVar("T")
 
@@ -80,7 +80,8 @@ class LocalBackend(Backend):
             raise ValueError(f"local backend URL {url!r} names no directory")
         self.root = os.path.abspath(path)
         self._url = url
-        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="ckptio-posix")
+        self._pool: ThreadPoolExecutor | None = None  # made on first use, again after close()
+        self._pool_lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
         self._dirty_lock = threading.Lock()
         self._direct_ok = True
@@ -105,7 +106,13 @@ class LocalBackend(Backend):
         return os.path.join(self.root, check_key(key))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        pool = self._pool
+        if pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="ckptio-posix")
+                pool = self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     # -- writing ---------------------------------------------------------
 
@@ -269,8 +276,7 @@ class LocalBackend(Backend):
     # -- reading ---------------------------------------------------------
 
     def _read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        if sum(b.nbytes for b in buffers) != rng.length:
-            raise ValueError(f"buffers hold {sum(b.nbytes for b in buffers)} bytes, range {rng.length}")
+        check_fill(rng, buffers)
         with translate_os_errors(f"{self._url}: reading {key!r}"):
             fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -393,7 +399,10 @@ class LocalBackend(Backend):
         return await self._run(self._list_children, prefix)
 
     async def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # calls in flight finish; the next call makes a new pool
 
 
 def _lock_path(path: str) -> str:

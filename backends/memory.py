@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ._copy import gather_bytes, scatter_bytes
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_key, check_prefix
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
 __all__ = ["MemoryBackend"]
 
@@ -76,9 +76,7 @@ class MemoryBackend(Backend):
         data, _ = self._get(key)
         if rng.end > len(data):
             raise ValueError(f"{self._url}/{key}: range [{rng.start}, {rng.end}) past end {len(data)}")
-        # nbytes, not len(): len() counts items, and destinations are often float arrays.
-        if sum(b.nbytes for b in buffers) != rng.length:
-            raise ValueError(f"buffers hold {sum(b.nbytes for b in buffers)} bytes, range {rng.length}")
+        check_fill(rng, buffers)
         await _maybe_in_thread(rng.length, scatter_bytes, memoryview(data)[rng.start : rng.end], buffers)
 
     async def create_if_absent(self, key: str, data: bytes) -> None:

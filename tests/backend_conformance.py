@@ -42,6 +42,7 @@ import asyncio
 import inspect
 import itertools
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -51,10 +52,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from backend_model import machine_for, split_views
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 
 __all__ = ["BackendConformance", "backend_test", "split_views"]
 
@@ -452,7 +452,7 @@ class BackendConformance:
     @backend_test
     async def test_list_by_prefix(self, b: Backend) -> None:
         await self._seed_tree(b)
-        expect = lambda p: sorted((k, n) for k, n in self._TREE.items() if k.startswith(p))  # noqa: E731
+        expect = lambda p: sorted((k, n) for k, n in self._TREE.items() if k.startswith(p))
         for prefix in ["", "a", "a/", "a/b", "a/b/", "a/b/c", "a/b/e/f/", "ab", "b", "3f/", "3f/ckpt/step_", "z", "a/x/"]:
             listed = await b.list(prefix)
             assert [(i.key, i.size) for i in listed] == expect(prefix), prefix
@@ -634,6 +634,48 @@ class BackendConformance:
         await b.sync()
         for key in ("s/a/1", "s/a/2", "top"):
             await self.assert_object(b, key, key.encode())
+
+    # -- event loops ---------------------------------------------------------
+
+    def test_one_backend_on_several_event_loops(self, tmp_path: Path) -> None:
+        """One instance driven from successive ``asyncio.run`` loops and two loop threads at
+        once (the engine's loop, Orbax's per-commit loops), closed, and used again after."""
+        b = asyncio.run(self.open_backend(tmp_path))
+        self.require_writable(b)
+
+        async def first() -> None:
+            await b.write("a", [memoryview(b"one")])
+
+        asyncio.run(first())  # that loop ends here: whatever it bound must not break the next one
+        assert asyncio.run(b.read("a")) == b"one"
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            async def body() -> None:
+                for j in range(4):
+                    await b.write(f"t{i}/{j}", [memoryview(bytes([i, j]))])
+                    assert await b.read(f"t{i}/{j}") == bytes([i, j])
+                await b.close_loop()
+
+            try:
+                asyncio.run(body())
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+
+        async def last() -> None:
+            assert len(await b.list("t")) == 8
+            await b.close()
+            assert await b.read("a") == b"one"  # usable after close
+            await self.close_backend(b)
+
+        asyncio.run(last())
 
     # -- the model check ---------------------------------------------------
 

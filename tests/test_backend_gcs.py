@@ -432,38 +432,6 @@ def test_damage_in_transit_is_caught_when_uploading(fake_gcs: FakeGCS, tmp_path:
         assert f"crc32c={crc}" in sent
 
 
-def test_one_backend_on_several_loops(fake_gcs: FakeGCS, tmp_path: Path) -> None:
-    """A session per loop: sequential asyncio.run calls, and two loop threads at once."""
-    b = GCSBackend(gcs_url(tmp_path), endpoint=fake_gcs.url)
-    run(lambda: b.write("a", [memoryview(b"one")]))
-    # asyncio.run's shutdown closed that loop's session although nobody called close().
-    assert [s.closed for s, _ in b._sessions._sessions.values()] == [True]
-    assert run(lambda: b.read("a")) == b"one"  # the first loop is closed by now
-
-    def worker(i: int) -> None:
-        async def body() -> None:
-            for j in range(5):
-                await b.write(f"t{i}/{j}", [memoryview(bytes([i, j]))])
-                assert await b.read(f"t{i}/{j}") == bytes([i, j])
-            await b.close_loop()
-
-        asyncio.run(body())
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-
-    async def final() -> None:
-        assert len(await b.list("t")) == 10
-        await b.close()
-        assert await b.read("a") == b"one"  # usable after close: a new session is made
-        await b.close()
-
-    run(final)
-
-
 # -- faults ---------------------------------------------------------------------------------
 
 
