@@ -62,7 +62,7 @@ def _load(url: str, step: int | None) -> tuple[CheckpointStore, str, Manifest]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    _store, step_dir, m = _load(args.url, args.step)
+    _store, _step_dir, m = _load(args.url, args.step)
     items = {}
     per_host: dict[int, int] = {}
     for name, it in m.items.items():

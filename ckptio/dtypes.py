@@ -74,7 +74,8 @@ def decode_dtype(spec: Any, where: str = "manifest") -> np.dtype:
             return np.dtype(spec)
         raise ValueError(f"{where}: dtype {spec!r} is not on ckptio's allow-list")
     if isinstance(spec, dict) and isinstance(spec.get("struct"), list) and len(spec["struct"]) <= _MAX_FIELDS:
-        names, formats, shapes = [], [], []
+        names: list[str] = []
+        formats: list[Any] = []
         for field in spec["struct"]:
             if not (isinstance(field, list) and len(field) == 3 and isinstance(field[0], str)
                     and isinstance(field[2], list) and all(isinstance(d, int) and 0 <= d < 2**31 for d in field[2])):
