@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import logging
 import os
 import stat as stat_mod
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,8 @@ from typing import Any, TypeVar
 from ._copy import copy_bytes
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 
@@ -64,6 +68,9 @@ class LocalConfig:
     #: Commit with link(2) (atomic no-replace). File systems without hard links use an
     #: O_EXCL lock file plus rename instead.
     link_commit: bool = True
+    #: Lock-and-rename commits only: a lock this old with no object beside it is a crashed
+    #: committer's, and the next committer takes it over (a commit holds it for milliseconds).
+    lock_stale_s: float = 600.0
     #: Split a checkpoint's objects over this many sub-directories (0: flat).
     dir_fanout: int = 0
 
@@ -242,17 +249,50 @@ class LocalBackend(Backend):
             if self.config.fsync and self.config.dir_fsync:
                 _fsync_dir(os.path.dirname(path))
 
-    @staticmethod
-    def _rename_exclusive(tmp: str, path: str) -> None:
+    def _rename_exclusive(self, tmp: str, path: str) -> None:
         """No-replace rename without hard links: whoever creates the lock file (O_EXCL) renames.
 
-        The lock stays, so a later creator fails too even after the object is gone.
+        The lock stays after the rename, so a later creator fails too; delete() removes it
+        with the object. A lock without an object that is older than ``lock_stale_s`` was
+        left by a committer that died between its lock and its rename: it is taken over,
+        else that key could never be committed again. (What this cannot exclude: a
+        committer stalled for longer than ``lock_stale_s`` inside that window.)
         """
-        fd = os.open(_lock_path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        lock = _lock_path(path)
+        try:
+            fd = os.open(lock, _EXCL_CREATE, 0o644)
+        except FileExistsError:
+            if os.path.exists(path) or not self._take_over_stale_lock(lock):
+                raise
+            fd = os.open(lock, _EXCL_CREATE, 0o644)  # FileExistsError: another taker was first
         os.close(fd)
         if os.path.exists(path):
             raise FileExistsError(errno.EEXIST, "exists", path)
         os.rename(tmp, path)
+
+    def _take_over_stale_lock(self, lock: str) -> bool:
+        """Move a dead committer's lock aside; False if it is recent (someone may be committing)."""
+        try:
+            if _age_s(lock) < self.config.lock_stale_s:
+                return False
+        except FileNotFoundError:
+            return True  # gone meanwhile: O_EXCL decides who commits
+        aside = f"{lock}.stale-{uuid.uuid4().hex}"
+        try:
+            os.rename(lock, aside)  # atomic: of several takers, one moves it
+        except FileNotFoundError:
+            return True
+        try:
+            # Another taker may have moved the stale lock and made a fresh one between our
+            # stat and our rename: then we moved a live lock, and we must not commit.
+            live = _age_s(aside) < self.config.lock_stale_s
+        finally:
+            _unlink_quietly(aside)
+        if live:
+            raise FileExistsError(errno.EEXIST, "another committer holds the commit lock", lock)
+        log.warning("%s: took over a commit lock older than %.0f s (its committer died)",
+                    lock, self.config.lock_stale_s)
+        return True
 
     async def create_if_absent(self, key: str, data: bytes) -> None:
         self._refuse_if_read_only(check_key(key))
@@ -403,6 +443,13 @@ class LocalBackend(Backend):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)  # calls in flight finish; the next call makes a new pool
+
+
+_EXCL_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+def _age_s(path: str) -> float:
+    return time.time() - os.stat(path).st_mtime
 
 
 def _lock_path(path: str) -> str:

@@ -11,7 +11,9 @@ Why these defaults:
 * fsync policy: files are fsync'd (dfuse may cache writes on the client),
   but directories are not -- dfuse forwards metadata operations to DAOS
   synchronously, so a directory fsync only costs a round trip.
-* No hard links in DFS: the commit is an O_EXCL lock file plus rename.
+* No hard links in DFS (and dfuse refuses ``RENAME_NOREPLACE``): the commit is
+  an O_EXCL lock file plus rename. A lock left without its object by a
+  committer that died in between is taken over after ``lock_stale_s``.
 * The kernel FUSE path costs a context switch per request; the DAOS
   interception libraries (``libioil`` for read/write, ``libpil4dfs`` for
   metadata too) bypass it when preloaded. :meth:`ParallelstoreBackend.diagnostics`

@@ -30,6 +30,82 @@ class TestParallelstore(BackendConformance):
         return ParallelstoreBackend(str(tmp_path / "root"))
 
 
+# -- the lock-and-rename commit (no hard links on DFS) --------------------------------------------
+
+
+def _lock_of(root: Path, key: str) -> Path:
+    from ckptio.backends.local import _lock_path
+
+    return Path(_lock_path(str(root / key)))
+
+
+def _leave_lock(root: Path, key: str, age_s: float) -> Path:
+    """What a committer killed between its lock and its rename leaves: a lock, no object."""
+    lock = _lock_of(root, key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.utime(lock, (os.stat(lock).st_atime, os.stat(lock).st_mtime - age_s))
+    return lock
+
+
+def test_a_dead_committers_lock_is_taken_over_once_stale(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "root"
+    b = ParallelstoreBackend(str(root), lock_stale_s=60.0)
+    _leave_lock(root, "7/ckptio.manifest.json", age_s=5.0)
+    # A recent lock may be a committer at work: refused, and the key stays free.
+    with pytest.raises(FileExistsError):
+        asyncio.run(b.create_if_absent("7/ckptio.manifest.json", b"mine"))
+    _leave_lock(root, "7/ckptio.manifest.json", age_s=120.0)
+    with caplog.at_level("WARNING", logger="ckptio.backends.local"):
+        asyncio.run(b.create_if_absent("7/ckptio.manifest.json", b"mine"))
+    assert asyncio.run(b.read("7/ckptio.manifest.json")) == b"mine"
+    assert "took over a commit lock" in caplog.text
+    # Taken over means owned: the fresh lock guards the object like any other commit's.
+    with pytest.raises(FileExistsError):
+        asyncio.run(b.create_if_absent("7/ckptio.manifest.json", b"again"))
+    assert asyncio.run(b.list("7/")) == [asyncio.run(b.stat("7/ckptio.manifest.json"))]  # no leftovers listed
+    assert not list(root.glob("7/*stale*"))
+
+
+def test_a_stale_lock_beside_its_object_blocks_like_any_commit(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    b = ParallelstoreBackend(str(root), lock_stale_s=60.0)
+    asyncio.run(b.create_if_absent("k", b"first"))
+    os.utime(_lock_of(root, "k"), (0, 0))  # ancient, but the object is there: committed
+    with pytest.raises(FileExistsError):
+        asyncio.run(b.create_if_absent("k", b"second"))
+    assert asyncio.run(b.read("k")) == b"first"
+
+
+def test_racing_takers_of_a_stale_lock_have_one_winner(tmp_path: Path) -> None:
+    import threading
+
+    root = tmp_path / "root"
+    for round_ in range(5):
+        key = f"r{round_}/ckptio.manifest.json"
+        _leave_lock(root, key, age_s=3600.0)
+        barrier, outcomes = threading.Barrier(8), [None] * 8
+
+        def taker(i: int, key: str = key, barrier: threading.Barrier = barrier, out: list = outcomes) -> None:
+            b = ParallelstoreBackend(str(root), lock_stale_s=60.0)
+            barrier.wait()
+            try:
+                asyncio.run(b.create_if_absent(key, f"taker {i}".encode()))
+                out[i] = "won"
+            except FileExistsError:
+                out[i] = "lost"
+
+        threads = [threading.Thread(target=taker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert outcomes.count("won") == 1 and outcomes.count("lost") == 7, outcomes
+        winner = outcomes.index("won")
+        b = ParallelstoreBackend(str(root))
+        assert asyncio.run(b.read(key)) == f"taker {winner}".encode()
+
+
 def _mountinfo(tmp_path: Path, mount_point: Path, fstype: str, source: str, opts: str) -> str:
     path = tmp_path / "mountinfo"
     path.write_text(
