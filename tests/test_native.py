@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
+import hypothesis
+import hypothesis.strategies as st
 import ml_dtypes
 import numpy as np
 import pytest
@@ -284,7 +287,8 @@ def test_torch_tensors_round_trip(tmp_path):
 def test_jax_arrays_round_trip_and_reshard(tmp_path):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = np.array(jax.devices())
     x = jnp.arange(8 * 16, dtype=jnp.bfloat16).reshape(8, 16)
@@ -297,3 +301,56 @@ def test_jax_arrays_round_trip_and_reshard(tmp_path):
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(devices[0]))}
     y = ckptio.restore(tmp_path, target=target)["x"]
     assert isinstance(y, jax.Array) and _bits_equal(np.asarray(y), np.asarray(x))
+
+
+# -- the tiling check at scale ---------------------------------------------------------------------
+
+
+def _brute_overlaps(boxes):
+    from ckptio.manifest import overlap
+
+    return any(overlap(*boxes[i], *boxes[j]) is not None for i in range(len(boxes)) for j in range(i))
+
+
+@st.composite
+def _box_sets(draw):
+    """Small sets of boxes in 1-3 dimensions on a coarse lattice (so grids, bands and clashes all occur)."""
+    ndim = draw(st.integers(1, 3))
+    box = st.tuples(
+        st.tuples(*[st.integers(0, 6).map(lambda v: v // 2 * 2) for _ in range(ndim)]),
+        st.tuples(*[st.sampled_from([1, 2, 2, 4]) for _ in range(ndim)]),
+    )
+    return draw(st.lists(box, max_size=14))
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(boxes=_box_sets())
+def test_first_overlap_agrees_with_the_pairwise_check(boxes):
+    from ckptio.manifest import first_overlap, overlap
+
+    found = first_overlap(boxes)
+    assert (found is not None) == _brute_overlaps(boxes)
+    if found is not None:
+        assert overlap(*found[0], *found[1]) is not None
+
+
+@pytest.mark.parametrize("layout", ["grid", "irregular"])
+def test_tiling_check_of_8192_shards_finds_the_one_overlap(layout):
+    """A parameter sharded over 1024 hosts x 8 devices: valid, then with one shard moved onto another."""
+    from ckptio.manifest import ShardRecord, _check_tiling
+
+    if layout == "grid":  # 128 x 64 blocks of 4 x 8
+        shards = [ShardRecord((r * 4, c * 8), (4, 8), 0, []) for r in range(128) for c in range(64)]
+    else:  # every row band split at its own column boundaries: no common grid
+        shards = []
+        for r in range(128):
+            cut = 1 + r % 7
+            cols = [0, cut] + [cut + 8 * k for k in range(1, 63)] + [512]
+            shards += [ShardRecord((r * 4, a), (4, b - a), 0, []) for a, b in itertools.pairwise(cols)]
+    shape = (512, 512)
+    _check_tiling(shards, shape, "x")
+    bad = list(shards)
+    a, b = bad[5000], bad[5001]
+    bad[5001] = ShardRecord(a.offsets, b.shape, 0, [])  # same volume, now overlapping its neighbour
+    with pytest.raises(ckptio.ManifestError, match="overlap"):
+        _check_tiling(bad, shape, "x")
