@@ -101,6 +101,8 @@ class ArrayItem:
     shards: list[ShardRecord]
     scalar: bool = False  # saved from a numpy scalar: restored as one
     origin: str = "numpy"  # numpy | jax | torch | sharded: a hint for adapters
+    #: Built on first use by :func:`ckptio.reshard.shards_meeting` (not part of the record).
+    index: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -33,6 +33,7 @@ from conftest import GCS_TEST_BUCKET  # noqa: E402
 from interop_run import check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 
 import ckptio  # noqa: E402
+from ckptio.engine import run_sync  # noqa: E402
 
 
 class Saved:
@@ -112,6 +113,13 @@ def test_zarr_reads_adapter_checkpoints_slice_by_slice_bit_exact(
         pytest.skip("fake-gcs-server binary not found")
     url, step = saved.where[(source, place)]
     counting = CountingBackend(saved.backend(url))
+    try:
+        _check_zarr_reads(counting, url, step, source)
+    finally:
+        run_sync(counting.close())  # its HTTP session lives on the engine's loop
+
+
+def _check_zarr_reads(counting: CountingBackend, url: str, step: int | None, source: str) -> None:
     g = zarr.open_group(store=ckptio.zarr_store(url, step, backend=counting), mode="r")
     for name, want in _expected(source).items():
         z = g[name]

@@ -354,3 +354,27 @@ def test_tiling_check_of_8192_shards_finds_the_one_overlap(layout):
     bad[5001] = ShardRecord(a.offsets, b.shape, 0, [])  # same volume, now overlapping its neighbour
     with pytest.raises(ckptio.ManifestError, match="overlap"):
         _check_tiling(bad, shape, "x")
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    rows=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    cols=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    query=st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(1, 12), st.integers(1, 12)),
+)
+def test_shard_index_finds_exactly_the_overlapping_shards(rows, cols, query):
+    """The per-array index that planning uses returns what a scan of every shard would."""
+    from ckptio.manifest import ArrayItem, ShardRecord, overlap
+    from ckptio.reshard import shards_meeting
+
+    r_off = [0, *itertools.accumulate(rows)]
+    c_off = [0, *itertools.accumulate(cols)]
+    shards = [
+        ShardRecord((r_off[i], c_off[j]), (rows[i], cols[j]), 0, [])
+        for i in range(len(rows))
+        for j in range(len(cols))
+    ]
+    item = ArrayItem(np.dtype(np.float32), (r_off[-1], c_off[-1]), shards)
+    off, shape = query[:2], query[2:]
+    want = {(s.offsets, s.shape) for s in shards if overlap(s.offsets, s.shape, off, shape) is not None}
+    assert {(s.offsets, s.shape) for s in shards_meeting(item, off, shape)} == want
