@@ -239,6 +239,17 @@ class Backend(abc.ABC):
             await self.read_into(key, ByteRange(0, info.size), [memoryview(buf)])
         return bytes(buf)
 
+    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        """Remove what interrupted writes left outside the key space; return their names.
+
+        Listings never show a write's temporary file (so no orphan sweep by key can
+        see it), and a writer killed mid-write leaves one behind, up to an object's
+        size. Only those older than ``older_than_s`` go: younger ones may belong to
+        a write in progress. Object stores have none (an upload appears whole or
+        not at all): the default does nothing.
+        """
+        return []
+
     async def sync(self) -> None:
         """Make every completed :meth:`write` durable (directory entries included).
 

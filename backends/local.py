@@ -387,6 +387,38 @@ class LocalBackend(Backend):
             d = os.path.dirname(d)
             self._mark_dirty(d)
 
+    def _sweep_temporaries(self, older_than_s: float, dry_run: bool) -> list[str]:
+        now = time.time()
+        lock_prefix = f"{TMP_MARK}lock."
+        out: list[str] = []
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if TMP_MARK not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    age = now - os.lstat(path).st_mtime
+                except FileNotFoundError:
+                    continue
+                if name.startswith(lock_prefix) and ".stale-" not in name:
+                    # A commit lock guards its object for good; without one it is a dead
+                    # committer's only once a takeover would also treat it as stale.
+                    guarded = os.path.exists(os.path.join(dirpath, name[len(lock_prefix) :]))
+                    if guarded or age < max(older_than_s, self.config.lock_stale_s):
+                        continue
+                elif age < older_than_s:
+                    continue
+                out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
+                if not dry_run:
+                    _unlink_quietly(path)
+                    self._mark_dirty(dirpath)
+        return sorted(out)
+
+    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        if self.capabilities.read_only:
+            return []  # a read-only attachment sweeps nothing; the writer's phase does
+        return await self._run(self._sweep_temporaries, older_than_s, dry_run)
+
     async def delete(self, key: str) -> None:
         self._refuse_if_read_only(check_key(key))
         await self._run(self._delete, key)

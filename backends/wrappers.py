@@ -96,8 +96,14 @@ class WrapperBackend(Backend):
     async def sync(self) -> None:
         await self.inner.sync()
 
+    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
+
     async def close(self) -> None:
         await self.inner.close()
+
+    async def close_loop(self) -> None:
+        await self.inner.close_loop()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
@@ -460,6 +466,9 @@ class ReadOnlyBackend(WrapperBackend):
 
     async def create_if_absent(self, key: str, data: bytes) -> None:
         raise self._refuse("create", key)
+
+    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        return []  # removes nothing through a read-only view
 
     async def delete(self, key: str) -> None:
         raise self._refuse("delete", key)

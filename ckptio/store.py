@@ -189,10 +189,16 @@ class CheckpointStore:
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
         """Delete objects that no committed manifest names and that are older than the grace period.
 
-        Also finishes interrupted deletions (tombstoned checkpoints). Returns the keys deleted
-        (or that would be, with ``dry_run``).
+        Also finishes interrupted deletions (tombstoned checkpoints) and removes the temporary
+        files of writes that were killed (:meth:`Backend.sweep_temporaries`). Returns the keys
+        and temporary names deleted (or that would be, with ``dry_run``).
         """
         now = time.time()
+        # First: a directory holding only a dead write's temporary can then go with its objects.
+        temporaries = await self.engine.retrying(
+            f"sweep temporaries of {self.url}",
+            lambda: self.backend.sweep_temporaries(grace_seconds, dry_run=dry_run),
+        )
         keep: set[str] = set()
         for step in await self.committed_steps():
             m = await self.read_manifest(str(step))
@@ -213,7 +219,7 @@ class CheckpointStore:
         ]
         if not dry_run:
             await self._delete_keys(doomed)
-        return doomed
+        return doomed + temporaries
 
     async def close(self) -> None:
         self.engine.close()

@@ -84,7 +84,14 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5) 
 
     swept = ckptio.CheckpointManager(root).sweep_orphans(grace_seconds=0)
     check(root)
-    return {"trials": trials, "newest": seen[-1], "swept": len(swept)}
+    # Nothing a killed save wrote outlives the sweep: no temporary files of interrupted writes,
+    # and no file that the committed checkpoints do not account for.
+    from ckptio.backends.local import TMP_MARK
+
+    left = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TMP_MARK in f]
+    assert not left, left
+    return {"trials": trials, "newest": seen[-1], "swept": len(swept),
+            "temporaries": sum(TMP_MARK in k for k in swept)}
 
 
 def main() -> int:

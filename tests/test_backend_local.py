@@ -264,6 +264,14 @@ def test_killed_writer_leaves_no_partial_object(tmp_path: Path, op: str) -> None
         await b.write("ckpt/obj", [memoryview(b"new")])
         await b.create_if_absent("ckpt/manifest", b"{}")
         assert await b.read("ckpt/obj") == b"new"
+        # ... and the sweep removes them, once no write in progress can own them.
+        assert await b.sweep_temporaries(3600) == []
+        leftovers = await b.sweep_temporaries(0, dry_run=True)
+        assert leftovers and all(name.startswith("ckpt/.ckptio-tmp-") for name in leftovers), leftovers
+        assert tmp_files(tmp_path)
+        assert await b.sweep_temporaries(0) == leftovers
+        assert not tmp_files(tmp_path)
+        assert [i.key for i in await b.list()] == ["ckpt/manifest", "ckpt/obj", "ckpt/other"]
 
     run(main())
 

@@ -77,6 +77,19 @@ def test_a_stale_lock_beside_its_object_blocks_like_any_commit(tmp_path: Path) -
     assert asyncio.run(b.read("k")) == b"first"
 
 
+def test_sweep_removes_dead_committers_locks_only(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    b = ParallelstoreBackend(str(root), lock_stale_s=60.0)
+    asyncio.run(b.create_if_absent("1/m", b"committed"))
+    os.utime(_lock_of(root, "1/m"), (0, 0))  # old, but guarding its object
+    _leave_lock(root, "2/m", age_s=5.0)  # recent: maybe a commit in progress
+    dead = _leave_lock(root, "3/m", age_s=120.0)
+    assert asyncio.run(b.sweep_temporaries(0)) == [str(dead.relative_to(root))]
+    assert _lock_of(root, "1/m").exists() and _lock_of(root, "2/m").exists() and not dead.exists()
+    with pytest.raises(FileExistsError):  # the committed key stays guarded
+        asyncio.run(b.create_if_absent("1/m", b"again"))
+
+
 def test_racing_takers_of_a_stale_lock_have_one_winner(tmp_path: Path) -> None:
     import threading
 
