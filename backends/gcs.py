@@ -7,11 +7,13 @@ build machine: 8 concurrent 64 MiB objects, client and server sharing the
 cores, every client in the same run, 3 rounds, median (min-max), MiB/s:
 
     client (aiohttp 3.14, gcsfs 2026.10.1)              upload            download
-    this backend: multipart POST, GET into buffers     269 (159-270)     909 (715-967)
+    this backend (then multipart), GET into buffers    269 (159-270)     909 (715-967)
     gcsfs pipe/cat, defaults (resumable above 50 MiB)  124 (119-144)     375 (347-388)
     gcsfs pipe(chunksize=128 MiB): one request each    181 (180-191)     397 (372-431)
 
-A second run while other jobs loaded the machine gave 83 / 703 for this
+(Since then, one-request uploads are media uploads, faster again against
+the emulator: see Protocol.) A second run while other jobs loaded the
+machine gave 83 / 703 for this
 backend against 50 / 186 for gcsfs (54 / 145 with one request per object).
 gcsfs's download includes copying the ``bytes`` it returns into the
 destination buffers, as a restore must (without that copy: 650-850 MiB/s).
@@ -373,7 +375,9 @@ class GCSBackend(Backend):
 
         return check
 
-    async def _media_upload(self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str) -> None:
+    async def _media_upload(
+        self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str
+    ) -> None:
         """One request whose body is the bytes; the CRC32C in ``x-goog-hash`` and checked in the reply."""
         body = BuffersPayload(views, content_type="application/octet-stream")
         url = self._upload_url(uploadType="media", name=name, fields=_CONFIRM_FIELDS)
