@@ -635,6 +635,21 @@ class BackendConformance:
         for key in ("s/a/1", "s/a/2", "top"):
             await self.assert_object(b, key, key.encode())
 
+    @backend_test
+    async def test_sweep_of_temporaries_spares_every_object(self, b: Backend) -> None:
+        """After complete writes and a commit there is nothing temporary: the sweep, even with no
+        grace at all, removes nothing and every object stays whole."""
+        keys = ["t/a", "t/b/c", "top"]
+        for key in keys:
+            await self.put(b, key, key.encode() * 100)
+        if not self.seeder(b).capabilities.read_only:
+            await self.seeder(b).create_if_absent("t/commit", b"c")
+            keys.append("t/commit")
+        assert await b.sweep_temporaries(0.0) == []
+        assert await b.sweep_temporaries(0.0, dry_run=True) == []
+        assert sorted(i.key for i in await b.list()) == sorted(keys)
+        await self.assert_object(b, "t/b/c", b"t/b/c" * 100)
+
     # -- event loops ---------------------------------------------------------
 
     def test_one_backend_on_several_event_loops(self, tmp_path: Path) -> None:
