@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,20 +34,14 @@ from .cases import Case, Pending, register
 
 __all__ = ["RawAiohttp", "RawAiohttpMultipart", "gcs_endpoint"]
 
-GCS_ENDPOINT = "https://storage.googleapis.com"
 _SLICE = 1 << 20  # bytes per socket write: bounds the transport's copy and lets drain() pace us
 
 
 def gcs_endpoint() -> tuple[str, bool]:
-    """``(endpoint, is an emulator)`` from ``STORAGE_EMULATOR_HOST`` (as the ckptio backend resolves it)."""
-    from urllib.parse import urlsplit
+    """``(endpoint, is an emulator)`` from ``STORAGE_EMULATOR_HOST``, exactly as the ckptio backend resolves it."""
+    from ckptio.backends._gcs_config import GCSConfig, resolve_endpoint  # no aiohttp import
 
-    endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or GCS_ENDPOINT
-    if "://" not in endpoint:
-        endpoint = "http://" + endpoint
-    endpoint = endpoint.rstrip("/")
-    host = urlsplit(endpoint).hostname or ""
-    return endpoint, not (host == "googleapis.com" or host.endswith(".googleapis.com"))
+    return resolve_endpoint(GCSConfig())
 
 
 def _bytes_view(arr: np.ndarray) -> memoryview:

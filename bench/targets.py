@@ -120,13 +120,10 @@ class GCSTarget(Target):
         self._server: Any = None
         self._servers_rss: dict[str, int | None] = {}
         if endpoint:
-            if "://" not in endpoint:
-                endpoint = "http://" + endpoint
-            self.endpoint: str | None = endpoint.rstrip("/")
-            from .anchors_gcs import GCS_ENDPOINT
+            from ckptio.backends._gcs_config import GCS_ENDPOINT, GCSConfig, resolve_endpoint
 
-            host = self.endpoint.split("://", 1)[1].split("/", 1)[0].split(":", 1)[0]
-            self.emulated = not (host == "googleapis.com" or host.endswith(".googleapis.com"))
+            resolved, self.emulated = resolve_endpoint(GCSConfig(endpoint=endpoint))
+            self.endpoint: str | None = resolved
             self.server = "given endpoint" + (" (emulator)" if self.emulated else " (GCS)")
             self._default_gcs = self.endpoint == GCS_ENDPOINT
             if self.emulated:
