@@ -1,4 +1,8 @@
-"""Byte copies between buffers that do not hold the GIL while they run.
+"""Flat byte views of caller buffers, and copies between them that do not hold the GIL.
+
+Every backend and the engine see caller buffers of any format and shape
+(float arrays, bfloat16 views, ...) and work on their bytes: :func:`flat_bytes`
+and :func:`byte_views` are the one place that casts them.
 
 A memoryview slice assignment (``dst[:] = src``) is a memcpy with the GIL
 held: copying one 64 MiB object stops every other Python thread of the
@@ -15,14 +19,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["GIL_FREE_MIN", "copy_bytes", "gather_bytes", "scatter_bytes"]
+__all__ = ["GIL_FREE_MIN", "byte_views", "copy_bytes", "flat_bytes", "gather_bytes", "scatter_bytes"]
 
 #: Copies of at least this many bytes release the GIL; below it the numpy call costs more than it frees.
 GIL_FREE_MIN = 64 << 10
 
 
-def _flat(view: memoryview) -> memoryview:
+def flat_bytes(view: memoryview) -> memoryview:
+    """``view`` as a 1-D unsigned-byte view (no copy; C-contiguous input)."""
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def byte_views(buffers: Sequence[memoryview | bytes | bytearray]) -> list[memoryview]:
+    """Flat byte views of ``buffers``, empty ones dropped (a zero in a shape cannot be cast)."""
+    views = (b if isinstance(b, memoryview) else memoryview(b) for b in buffers)
+    return [flat_bytes(v) for v in views if v.nbytes]
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -33,7 +44,7 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     if not n:
         return  # cast() refuses views with a zero in their shape
     if n < GIL_FREE_MIN:
-        _flat(dst)[:] = _flat(src)
+        flat_bytes(dst)[:] = flat_bytes(src)
     else:
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
@@ -50,7 +61,7 @@ def gather_bytes(buffers: Sequence[memoryview]) -> bytearray:
 
 def scatter_bytes(src: memoryview, buffers: Sequence[memoryview]) -> None:
     """Fill ``buffers`` in order from ``src`` (whose size is the buffers' total)."""
-    src = _flat(src)
+    src = flat_bytes(src)
     if src.nbytes != sum(b.nbytes for b in buffers):
         raise ValueError(f"{src.nbytes} bytes cannot fill buffers of {sum(b.nbytes for b in buffers)}")
     pos = 0

@@ -30,7 +30,6 @@ __all__ = [
     "BuffersPayload",
     "RateRamp",
     "TokenSource",
-    "byte_views",
     "crc32c_b64",
     "fill_from_response",
     "parse_retry_after",
@@ -52,19 +51,6 @@ _ERROR_BODY = 4096
 
 
 # -- buffers ------------------------------------------------------------------
-
-
-def byte_views(buffers: Sequence[memoryview | bytes | bytearray]) -> list[memoryview]:
-    """Flat unsigned-byte views of ``buffers`` (any format or shape; C-contiguous); empty ones dropped."""
-    out = []
-    for b in buffers:
-        v = b if isinstance(b, memoryview) else memoryview(b)
-        if not v.nbytes:
-            continue  # nothing to send or fill, and a zero in the shape cannot be cast
-        if v.format != "B" or v.ndim != 1:
-            v = v.cast("B")
-        out.append(v)
-    return out
 
 
 def slice_views(views: Sequence[memoryview], start: int, end: int) -> list[memoryview]:

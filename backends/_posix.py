@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from ._copy import byte_views
 from .base import RetryableError
 
 __all__ = ["address", "aligned_buffer", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors"]
@@ -46,10 +47,6 @@ def translate_os_errors(what: str) -> Iterator[None]:
         raise OSError(e.errno, f"{what}: {e.strerror}") from e
 
 
-def _as_bytes_views(buffers: Sequence[memoryview]) -> list[memoryview]:
-    return [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers if b.nbytes]
-
-
 def iov_batches(views: list[memoryview]) -> Iterator[list[memoryview]]:
     """Split views into batches that one vectored system call accepts."""
     batch: list[memoryview] = []
@@ -73,7 +70,7 @@ def iov_batches(views: list[memoryview]) -> Iterator[list[memoryview]]:
 def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
     """Write every buffer at ``offset`` onward, looping over short writes. Returns bytes written."""
     total = 0
-    for batch in iov_batches(_as_bytes_views(buffers)):
+    for batch in iov_batches(byte_views(buffers)):
         while batch:
             n = os.pwritev(fd, batch, offset + total)
             total += n
@@ -89,7 +86,7 @@ def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
 def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
     """Fill every buffer from ``offset`` onward; raises EOFError on a short file."""
     total = 0
-    for batch in iov_batches(_as_bytes_views(buffers)):
+    for batch in iov_batches(byte_views(buffers)):
         while batch:
             n = os.preadv(fd, batch, offset + total)
             if n == 0:

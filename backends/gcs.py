@@ -102,12 +102,12 @@ from urllib.parse import quote, urlencode
 import aiohttp
 from yarl import URL
 
+from ._copy import byte_views
 from ._gcs_config import GCSConfig, RampConfig, resolve_endpoint
 from ._gcs_http import (
     BuffersPayload,
     RateRamp,
     TokenSource,
-    byte_views,
     crc32c_b64,
     fill_from_response,
     parse_rfc3339,

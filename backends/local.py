@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ._copy import copy_bytes
+from ._copy import byte_views, copy_bytes, flat_bytes
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
@@ -180,7 +180,7 @@ class LocalBackend(Backend):
         """
         align = self.config.alignment
         # Empty views are dropped first: cast() refuses views with a zero in their shape.
-        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers if b.nbytes]
+        views = byte_views(buffers)
         total = sum(v.nbytes for v in views)
         direct_end = total - total % align
         dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -348,7 +348,7 @@ class LocalBackend(Backend):
         try:
             off = rng.start
             for b in buffers:
-                v = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+                v = flat_bytes(b)
                 n = v.nbytes - v.nbytes % align if off % align == 0 and address(v) % align == 0 else 0
                 if n:
                     preadv_all(dfd, [v[:n]], off)

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
+from ._copy import byte_views
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
 
 __all__ = [
@@ -107,11 +108,6 @@ class WrapperBackend(Backend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
-
-
-def _byte_views(buffers: Sequence[memoryview]) -> list[memoryview]:
-    """Flat unsigned-byte views of ``buffers`` (empty ones dropped)."""
-    return [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers if b.nbytes]
 
 
 class FaultInjectingBackend(WrapperBackend):
@@ -204,7 +200,7 @@ class FaultInjectingBackend(WrapperBackend):
         if kind == "error" and not after:
             raise self._error("write", key)
         if kind in ("corrupt", "truncate"):
-            buffers = [memoryview(_damage(b"".join(_byte_views(buffers)), kind, rng))]
+            buffers = [memoryview(_damage(b"".join(byte_views(buffers)), kind, rng))]
         await self.inner.write(key, buffers)
         if kind == "error":
             raise self._error("write", key)
@@ -229,14 +225,14 @@ class FaultInjectingBackend(WrapperBackend):
             await self.inner.read_into(key, rng, [memoryview(scratch)])
             keep = detail.randrange(rng.length)
             pos = 0
-            for view in _byte_views(buffers):
+            for view in byte_views(buffers):
                 n = max(0, min(view.nbytes, keep - pos))
                 view[:n] = scratch[pos : pos + n]
                 pos += view.nbytes
             return
         await self.inner.read_into(key, rng, buffers)
         if kind == "corrupt" and rng.length:
-            _flip_one_byte(_byte_views(buffers), detail.randrange(rng.length))
+            _flip_one_byte(byte_views(buffers), detail.randrange(rng.length))
         if kind == "error":
             raise self._error("read_into", key)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
+from ckptio.backends._copy import flat_bytes
+
 from .errors import IntegrityError
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "block_crcs", "crc32c", "verify_blocks"]
@@ -22,7 +24,7 @@ def crc32c(data: memoryview | bytes, value: int = 0) -> int:
 
 def block_crcs(view: memoryview, block_size: int) -> list[int]:
     """crc32c of each consecutive ``block_size`` block of ``view`` (the last may be shorter)."""
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    view = flat_bytes(view)
     return [_crc32c.crc32c(view[i : i + block_size]) for i in range(0, view.nbytes, block_size)]
 
 

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
+from ckptio.backends._copy import flat_bytes
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
@@ -284,7 +285,7 @@ class _Concat:
     """Byte-offset slicing over a list of buffers (copies only when a slice straddles two)."""
 
     def __init__(self, buffers: Sequence[memoryview]) -> None:
-        self.buffers = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        self.buffers = [flat_bytes(b) for b in buffers]
         self.starts = []
         pos = 0
         for b in self.buffers:

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from ckptio.backends._copy import flat_bytes
 from ckptio.distributed import TorchCoordinator
 
 __all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "torch_world"]
@@ -214,7 +215,7 @@ class TorchGroup(TorchCoordinator):
         sent = 0
         try:
             for part in provide(m):
-                flat = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+                flat = flat_bytes(part)
                 for lo in range(0, flat.nbytes, CHUNK):
                     piece = flat[lo : lo + CHUNK]
                     if sent + piece.nbytes > m.nbytes or (piece.nbytes != CHUNK and sent + piece.nbytes != m.nbytes):
