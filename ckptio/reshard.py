@@ -24,7 +24,7 @@ import numpy as np
 from ckptio.backends.base import ByteRange
 
 from .engine import ReadRequest
-from .manifest import ArrayItem, Extent, ShardRecord, overlap
+from .manifest import ArrayItem, Box, Extent, ShardRecord, overlap
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid", "shards_meeting"]
 
@@ -78,20 +78,24 @@ class _ShardIndex:
         return self.shards[lo:hi]
 
 
-def shards_meeting(item: ArrayItem, off: tuple[int, ...], shape: tuple[int, ...]) -> list[ShardRecord]:
-    """The saved shards of ``item`` that overlap the box ``(off, shape)``, in index order."""
+def shards_meeting(
+    item: ArrayItem, off: tuple[int, ...], shape: tuple[int, ...]
+) -> list[tuple[ShardRecord, Box]]:
+    """The saved shards of ``item`` that overlap the box ``(off, shape)``, each with that overlap
+    (``(offsets, shape)`` in array coordinates), in index order."""
     if item.index is None:
         item.index = _ShardIndex(item.shards)  # a benign race: two threads build equal indexes
-    return [s for s in item.index.candidates(off, shape) if overlap(s.offsets, s.shape, off, shape) is not None]
+    out = []
+    for s in item.index.candidates(off, shape):
+        o = overlap(s.offsets, s.shape, off, shape)
+        if o is not None:
+            out.append((s, o))
+    return out
 
 
 def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tuple[int, ...]) -> int:
     """Elements of the region that no saved shard covers (shards never overlap each other)."""
-    covered = 0
-    for s in shards_meeting(item, region_off, region_shape):
-        o = overlap(s.offsets, s.shape, region_off, region_shape)
-        if o is not None:
-            covered += math.prod(o[1])
+    covered = sum(math.prod(o_shape) for _, (_, o_shape) in shards_meeting(item, region_off, region_shape))
     return math.prod(region_shape) - covered
 
 
@@ -132,11 +136,9 @@ def plan_region(
     itemsize = item.dtype.itemsize
     dest_bytes = region.dest.reshape(-1).view(np.uint8) if region.dest.size else None
     reqs: list[ReadRequest] = []
-    for shard in shards_meeting(item, region.offsets, shape):
-        o = overlap(shard.offsets, shard.shape, region.offsets, shape)
-        if o is None or dest_bytes is None:
-            continue
-        o_off, o_shape = o
+    if dest_bytes is None:
+        return reqs
+    for shard, (o_off, o_shape) in shards_meeting(item, region.offsets, shape):
         ndim = len(shape)
         row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
         r0 = o_off[0] - shard.offsets[0] if ndim else 0

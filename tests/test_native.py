@@ -377,4 +377,5 @@ def test_shard_index_finds_exactly_the_overlapping_shards(rows, cols, query):
     item = ArrayItem(np.dtype(np.float32), (r_off[-1], c_off[-1]), shards)
     off, shape = query[:2], query[2:]
     want = {(s.offsets, s.shape) for s in shards if overlap(s.offsets, s.shape, off, shape) is not None}
-    assert {(s.offsets, s.shape) for s in shards_meeting(item, off, shape)} == want
+    assert {(s.offsets, s.shape) for s, _ in shards_meeting(item, off, shape)} == want
+    assert all(o == overlap(s.offsets, s.shape, off, shape) for s, o in shards_meeting(item, off, shape))
