@@ -389,7 +389,6 @@ class LocalBackend(Backend):
 
     def _sweep_temporaries(self, older_than_s: float, dry_run: bool) -> list[str]:
         now = time.time()
-        lock_prefix = f"{TMP_MARK}lock."
         out: list[str] = []
         for dirpath, _dirnames, filenames in os.walk(self.root):
             for name in filenames:
@@ -400,18 +399,17 @@ class LocalBackend(Backend):
                     age = now - os.lstat(path).st_mtime
                 except FileNotFoundError:
                     continue
-                if name.startswith(lock_prefix) and ".stale-" not in name:
+                if name.startswith(_LOCK_PREFIX) and ".stale-" not in name:
                     # A commit lock guards its object for good; without one it is a dead
                     # committer's only once a takeover would also treat it as stale.
-                    guarded = os.path.exists(os.path.join(dirpath, name[len(lock_prefix) :]))
+                    guarded = os.path.exists(os.path.join(dirpath, name[len(_LOCK_PREFIX) :]))
                     if guarded or age < max(older_than_s, self.config.lock_stale_s):
                         continue
                 elif age < older_than_s:
                     continue
                 out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
                 if not dry_run:
-                    _unlink_quietly(path)
-                    self._mark_dirty(dirpath)
+                    _unlink_quietly(path)  # nothing to make durable: a lost unlink is redone next time
         return sorted(out)
 
     async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
@@ -484,9 +482,12 @@ def _age_s(path: str) -> float:
     return time.time() - os.stat(path).st_mtime
 
 
+_LOCK_PREFIX = f"{TMP_MARK}lock."
+
+
 def _lock_path(path: str) -> str:
     """The lock file of a lock-and-rename commit; a temp-marked name, so listings skip it."""
-    return os.path.join(os.path.dirname(path), f"{TMP_MARK}lock.{os.path.basename(path)}")
+    return os.path.join(os.path.dirname(path), _LOCK_PREFIX + os.path.basename(path))
 
 
 def _fsync_dir(directory: str) -> None:
