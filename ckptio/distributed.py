@@ -1,9 +1,14 @@
 """Coordination across hosts, borrowed from the framework that is already running.
 
-A save needs only an all-gather of small JSON-able records (each host's
-written objects) and the coordinator's verdict; ckptio takes both from
-``torch.distributed`` or ``jax.distributed`` and never runs a cluster runtime
-of its own. A single process needs none.
+A save needs only a gather of small JSON-able records (each host's written
+objects) to the coordinator (rank 0) and a broadcast of its small verdict;
+ckptio takes both from ``torch.distributed`` or ``jax.distributed`` and
+never runs a cluster runtime of its own. A single process needs none.
+
+Traffic is O(H) for the job: the coordinator receives H records, and a
+non-coordinator receives only the verdict, whatever the number of hosts H.
+:meth:`Coordinator.all_gather` (every record to every host, O(H²)) stays
+for the callers that truly need everyone's data on every host.
 """
 
 from __future__ import annotations
@@ -13,11 +18,32 @@ import sys
 import threading
 from typing import Any, Protocol
 
-__all__ = ["Coordinator", "JaxCoordinator", "SingleProcess", "TorchCoordinator", "default_coordinator"]
+__all__ = [
+    "AllGatherCoordinator",
+    "Coordinator",
+    "CountingCoordinator",
+    "JaxCoordinator",
+    "SingleProcess",
+    "TorchCoordinator",
+    "broadcast_from_root",
+    "default_coordinator",
+    "gather_to_root",
+    "join_errors",
+]
+
+#: Broadcasts travel in pieces of at most this many bytes (gloo never sees a 2 GiB buffer).
+_BROADCAST_CHUNK = 16 << 20
+#: gloo point-to-point tag of the gather's messages: apart from any other sends on the group.
+_GATHER_TAG = 0x636B
 
 
-class Coordinator(Protocol):
-    """What a save needs from the cluster. ``rank`` 0 is the coordinator that commits."""
+class AllGatherCoordinator(Protocol):
+    """The least a coordinator offers: ``rank``, ``size`` and an all-gather.
+
+    Coordinators written before :class:`Coordinator` grew ``gather`` and
+    ``broadcast`` implement only this; :func:`gather_to_root` and
+    :func:`broadcast_from_root` still accept them.
+    """
 
     @property
     def rank(self) -> int: ...
@@ -30,12 +56,69 @@ class Coordinator(Protocol):
         ...
 
 
+class Coordinator(AllGatherCoordinator, Protocol):
+    """What a save needs from the cluster. ``rank`` 0 is the coordinator that commits.
+
+    Every host calls the collectives in the same order (each is collective);
+    one call at a time per coordinator, from any thread.
+    """
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every host's JSON-able ``obj`` in rank order on rank 0 (JSON round-tripped); None elsewhere.
+
+        A non-coordinator receives nothing through it.
+        """
+        ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's JSON-able ``obj`` on every host (``obj`` is ignored elsewhere).
+
+        A non-coordinator receives rank 0's ``obj`` and a constant overhead: keep it small.
+        """
+        ...
+
+
+def gather_to_root(coord: AllGatherCoordinator, obj: Any) -> list[Any] | None:
+    """``coord.gather(obj)``; for a coordinator without ``gather``, its all-gather (on rank 0 only)."""
+    gather = getattr(coord, "gather", None)
+    if gather is not None:
+        return gather(obj)  # type: ignore[no-any-return]
+    everyone = coord.all_gather(obj)
+    return everyone if coord.rank == 0 else None
+
+
+def broadcast_from_root(coord: AllGatherCoordinator, obj: Any) -> Any:
+    """``coord.broadcast(obj)``; ``obj`` itself for one host; an all-gather's first for a coordinator
+    without ``broadcast``."""
+    if coord.size == 1:
+        return obj
+    broadcast = getattr(coord, "broadcast", None)
+    if broadcast is not None:
+        return broadcast(obj)
+    return coord.all_gather(obj)[0]
+
+
+def join_errors(errors: list[str], most: int = 8) -> str:
+    """Hosts' error messages as one, bounded: a verdict is broadcast to every host, so it must
+    not grow with the number of hosts that failed."""
+    out = "; ".join(errors[:most])
+    return out + (f"; ... and {len(errors) - most} more hosts" if len(errors) > most else "")
+
+
 class SingleProcess:
+    """One host: every collective is an identity."""
+
     rank = 0
     size = 1
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
 
 
 class _Ranked:
@@ -57,16 +140,24 @@ class TorchCoordinator(_Ranked):
     """torch.distributed: a dedicated gloo group, so background collectives never
     interleave with the training step's collectives on the default group.
 
+    ``gather`` is point-to-point to rank 0 (each host sends its length, then its
+    bytes), not ``gather_object``: that one all-gathers every host's length
+    first (8·H bytes to every host) and pads every record to the longest.
+
     Construct it on every rank at the same point (creating a group is collective).
     """
 
     def __init__(self, group: Any = None) -> None:
+        import torch
         import torch.distributed as dist
 
+        self._torch = torch
         self._dist = dist
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
+        # Point-to-point and broadcast name peers by global rank (a given group need not span the job).
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
         self._lock = threading.Lock()
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -75,38 +166,185 @@ class TorchCoordinator(_Ranked):
             self._dist.all_gather_object(out, json.dumps(obj), group=self.group)
         return [json.loads(o) for o in out]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        torch, dist = self._torch, self._dist
+        data = json.dumps(obj).encode()
+        root = self._global[0]
+        with self._lock:
+            if self._rank != 0:
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), root, group=self.group, tag=_GATHER_TAG)
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), root, group=self.group,
+                          tag=_GATHER_TAG)
+                return None
+            peers = range(1, self._size)
+            lengths = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
+            self._wait([dist.irecv(lengths[r], self._global[r], group=self.group, tag=_GATHER_TAG) for r in peers])
+            bufs = {r: bytearray(int(lengths[r].item())) for r in peers}
+            self._wait([
+                dist.irecv(torch.frombuffer(bufs[r], dtype=torch.uint8), self._global[r], group=self.group,
+                           tag=_GATHER_TAG)
+                for r in peers
+            ])
+        return [json.loads(data)] + [json.loads(bufs[r]) for r in peers]
+
+    def broadcast(self, obj: Any) -> Any:
+        return json.loads(self.broadcast_bytes(json.dumps(obj).encode() if self._rank == 0 else None, 0))
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """Host ``src``'s ``data`` on every host; ValueError on every host if ``src`` has None."""
+        torch = self._torch
+        with self._lock:
+            n = torch.tensor([len(data) if (self._rank == src and data is not None) else -1], dtype=torch.int64)
+            self._dist.broadcast(n, src=self._global[src], group=self.group)
+            size = int(n.item())
+            if size < 0:
+                raise ValueError(f"broadcast_bytes: host {src} has no data")
+            buf = bytearray(data) if self._rank == src and data is not None else bytearray(size)
+            for lo in range(0, size, _BROADCAST_CHUNK):
+                t = torch.frombuffer(buf, dtype=torch.uint8, count=min(_BROADCAST_CHUNK, size - lo), offset=lo)
+                self._dist.broadcast(t, src=self._global[src], group=self.group)
+        return bytes(buf)
+
+    @staticmethod
+    def _wait(works: list[Any]) -> None:
+        for w in works:
+            w.wait()
+
 
 class JaxCoordinator(_Ranked):
-    """jax.distributed: the coordination service's key-value store and barriers."""
+    """jax.distributed: the coordination service's key-value store.
 
-    def __init__(self, prefix: str = "ckptio") -> None:
-        import jax
-        from jax._src import distributed
+    Each collective is one numbered operation; its keys live under
+    ``<prefix>/op/<n>/``. A gather: every other host sets its key, only
+    process 0 reads them (then deletes the directory). A broadcast: process 0
+    sets one verdict key, every other host waits on that one key. The
+    service keeps keys until deleted; process 0 deletes an operation's
+    directory once every host is known to be past it (it has then read
+    every host's key of a later operation), so non-coordinators never delete.
+    """
 
-        self._client = distributed.global_state.client
-        if self._client is None:
-            raise RuntimeError("jax.distributed is not initialized")
-        self._rank = jax.process_index()
-        self._size = jax.process_count()
+    def __init__(
+        self, prefix: str = "ckptio", *, client: Any = None, rank: int | None = None, size: int | None = None
+    ) -> None:
+        """``client``: a coordination-service client (the API of jax's ``DistributedRuntimeClient``),
+        with this process's ``rank`` and the job's ``size``; by default jax.distributed's own."""
+        if client is None:
+            import jax
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+            if client is None:
+                raise RuntimeError("jax.distributed is not initialized")
+            rank, size = jax.process_index(), jax.process_count()
+        elif rank is None or size is None:
+            raise ValueError("JaxCoordinator: a client needs this process's rank and the job's size")
+        self._client = client
+        self._rank, self._size = rank, size
         self._prefix = prefix
         self._n = 0
-        self._mine: list[str] = []
+        self._stale: list[int] = []  # process 0: operations whose keys some host may still read
         self._lock = threading.Lock()
 
-    def all_gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any]:
+    def _next(self) -> int:
         with self._lock:
             self._n += 1
-            key = f"{self._prefix}/gather/{self._n}"
+            return self._n
+
+    def _dir(self, n: int) -> str:
+        return f"{self._prefix}/op/{n}"
+
+    def all_gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any]:
+        n = self._next()
+        key = self._dir(n)
         self._client.key_value_set(f"{key}/{self._rank}", json.dumps(obj))
         out = [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms)) for r in range(self._size)]
-        # The coordination service keeps keys forever. Our key of two gathers ago is safe to
-        # drop: every host set its key of the last gather, so it finished reading that one.
-        self._mine.append(f"{key}/{self._rank}")
-        if len(self._mine) > 2:
-            try:
-                self._client.key_value_delete(self._mine.pop(0))
-            except Exception:  # an older jax without deletes: keep the key, lose nothing
-                pass
+        if self._rank == 0:
+            self._stale.append(n)  # others may still be reading this one
+            self._all_started(n)
+        return out
+
+    def gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any] | None:
+        n = self._next()
+        key = self._dir(n)
+        if self._rank != 0:
+            self._client.key_value_set(f"{key}/{self._rank}", json.dumps(obj))
+            return None
+        out = [json.loads(json.dumps(obj))]
+        out += [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms))
+                for r in range(1, self._size)]
+        self._delete(n)  # nobody else reads a gather's keys
+        self._all_started(n)
+        return out
+
+    def broadcast(self, obj: Any, timeout_ms: int = 3_600_000) -> Any:
+        n = self._next()
+        key = f"{self._dir(n)}/verdict"
+        if self._rank != 0:
+            return json.loads(self._client.blocking_key_value_get(key, timeout_ms))
+        data = json.dumps(obj)
+        if self._size > 1:
+            self._client.key_value_set(key, data)
+            self._stale.append(n)
+        return json.loads(data)
+
+    def _all_started(self, n: int) -> None:
+        """Process 0, having read every host's key of operation ``n``: every host is past the earlier ones."""
+        keep = [m for m in self._stale if m >= n]
+        for m in self._stale:
+            if m < n:
+                self._delete(m)
+        self._stale = keep
+
+    def _delete(self, n: int) -> None:
+        try:
+            self._client.key_value_delete(self._dir(n))  # the directory and every key under it
+        except Exception:  # an older jax without deletes: keep the keys, lose nothing
+            pass
+
+
+class CountingCoordinator:
+    """Wraps a coordinator and counts the payload bytes this host receives through it.
+
+    What a collective hands back that came from other hosts, as JSON:
+    other hosts' records from ``all_gather`` (and from ``gather`` on rank 0),
+    rank 0's object from ``broadcast`` on other hosts. The framework's own
+    framing is not counted (a constant per call; count the sockets for it).
+    """
+
+    def __init__(self, inner: AllGatherCoordinator) -> None:
+        self.inner = inner
+        self.received = 0
+        self.calls: dict[str, int] = {"all_gather": 0, "gather": 0, "broadcast": 0}
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def _others(self, everyone: list[Any]) -> int:
+        return sum(len(json.dumps(o)) for r, o in enumerate(everyone) if r != self.rank)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        self.calls["all_gather"] += 1
+        out = self.inner.all_gather(obj)
+        self.received += self._others(out)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        self.calls["gather"] += 1
+        out = gather_to_root(self.inner, obj)
+        if out is not None:
+            self.received += self._others(out)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        self.calls["broadcast"] += 1
+        out = broadcast_from_root(self.inner, obj)
+        if self.rank != 0:
+            self.received += len(json.dumps(out))
         return out
 
 

@@ -57,7 +57,15 @@ class PeerGroup(Protocol):
     def size(self) -> int: ...
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every host's JSON-able ``obj``, in rank order."""
+        """Every host's JSON-able ``obj``, in rank order (every host receives O(H) records)."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every host's JSON-able ``obj`` in rank order on host 0; None elsewhere (which receive nothing)."""
+        ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Host 0's small JSON-able ``obj`` on every host."""
         ...
 
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
@@ -87,6 +95,12 @@ class LocalGroup:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [json.loads(json.dumps(obj))]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return self.all_gather(obj)
+
+    def broadcast(self, obj: Any) -> Any:
+        return json.loads(json.dumps(obj))
 
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         if data is None:
@@ -118,8 +132,8 @@ def torch_world() -> tuple[int, int] | None:
 
 
 class TorchGroup(TorchCoordinator):
-    """A dedicated gloo group over every process of the job: the coordinator's all-gather,
-    plus the byte transfers peer replication needs.
+    """A dedicated gloo group over every process of the job: the coordinator's collectives
+    (gather, broadcast, all-gather, byte broadcast), plus the byte transfers peer replication needs.
 
     Construct on every host at the same point (creating a group is a collective).
     """
@@ -127,30 +141,12 @@ class TorchGroup(TorchCoordinator):
     def __init__(self, timeout_s: float | None = None) -> None:
         import datetime
 
-        import torch
         import torch.distributed as dist
 
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         super().__init__(dist.new_group(**kwargs))
-        self._torch = torch
-        # The group spans the whole job in rank order, so group ranks are global ranks.
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        torch = self._torch
-        with self._lock:
-            n = torch.tensor([len(data) if (self._rank == src and data is not None) else -1], dtype=torch.int64)
-            self._dist.broadcast(n, src=self._global[src], group=self.group)
-            size = int(n.item())
-            if size < 0:
-                raise ValueError(f"broadcast_bytes: host {src} has no data")
-            buf = bytearray(data) if self._rank == src and data is not None else bytearray(size)
-            for lo in range(0, size, CHUNK):
-                t = torch.frombuffer(buf, dtype=torch.uint8, count=min(CHUNK, size - lo), offset=lo)
-                self._dist.broadcast(t, src=self._global[src], group=self.group)
-        return bytes(buf)
 
     def transfer(
         self,

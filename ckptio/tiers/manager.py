@@ -36,7 +36,7 @@ from ckptio.backends import Backend
 from ckptio.backends.base import join_key
 
 from ..copy import object_writers
-from ..distributed import Coordinator, SingleProcess, TorchCoordinator
+from ..distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
 from ..engine import Engine, EngineConfig, Progress, ReadRequest, run_sync
 from ..errors import IntegrityError
 from ..manifest import MANIFEST_NAME, Manifest
@@ -191,11 +191,16 @@ class TieredCheckpointManager:
             has: bool | str = run_sync(self.fast.is_committed(str(step)))
         except Exception as e:  # still take part in the gather, so that every host fails alike
             has = f"host {self.rank}: {type(e).__name__}: {e}"
-        everyone = self._control.all_gather(has)
-        errors = [h for h in everyone if isinstance(h, str)]
-        if errors:
-            raise OSError(f"save of step {step}: cannot read the fast tier: {'; '.join(errors)}")
-        if all(everyone):
+        # Host 0 alone sees every host's answer; the others receive only its verdict.
+        everyone = self._control.gather(has)
+        verdict: dict[str, Any] = {"error": None, "all": False}
+        if everyone is not None:
+            errors = [h for h in everyone if isinstance(h, str)]
+            verdict = {"error": join_errors(errors) if errors else None, "all": all(everyone)}
+        verdict = self._control.broadcast(verdict)
+        if verdict["error"]:
+            raise OSError(f"save of step {step}: cannot read the fast tier: {verdict['error']}")
+        if verdict["all"]:
             if force:
                 raise FileExistsError(f"step {step} is already committed in every host's fast tier")
             return None
@@ -311,6 +316,8 @@ class TieredCheckpointManager:
                 rec["durable"] = run_sync(self.durable.committed_steps())
             except Exception as e:
                 log.error("%s: cannot list the durable tier, restoring without it: %r", self.durable.url, e)
+        # A true all-gather: every host computes the same plan from every host's holdings, and the
+        # plan (who sends which writer's objects to whom) spans every pair of hosts. A restore's, not a save's.
         recs = self._control.all_gather(rec)
         everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
         plan = plan_restore(everything, recs[0]["durable"], self.size, step=step, tiers=tiers)

@@ -24,6 +24,7 @@ from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, j
 
 from ..checksum import verify_blocks
 from ..copy import object_extents, object_writers
+from ..distributed import join_errors
 from ..engine import run_sync
 from ..manifest import Manifest
 from ..store import CheckpointStore
@@ -33,6 +34,7 @@ from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
 __all__ = [
     "REPLICA_MARK",
     "RoutedBackend",
+    "checkpoint_disagreement",
     "fetch_from_peers",
     "holdings",
     "object_sizes",
@@ -49,6 +51,16 @@ REPLICA_MARK = "ckptio.replica-of.h{:05d}"
 def object_sizes(manifest: Manifest) -> list[int]:
     """Bytes of each object that extents use (what a peer must send; 0 for unreferenced objects)."""
     return [max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(manifest)]
+
+
+def checkpoint_disagreement(ids: Sequence[str | None], most: int = 8) -> str | None:
+    """None if every host's checkpoint id of a step is the same (and not None), else why not, bounded
+    (it is broadcast to every host, so it must not grow with the number of hosts)."""
+    if ids and ids[0] is not None and all(i == ids[0] for i in ids):
+        return None
+    others = [r for r, i in enumerate(ids) if i is None or i != ids[0]]
+    shown = ", ".join(map(str, others[:most])) + (f", ... ({len(others)} hosts)" if len(others) > most else "")
+    return f"not committed in every host's fast tier (host 0: {ids[0] if ids else None!r}; other or none: {shown})"
 
 
 def own_objects(manifest: Manifest, writer: int) -> list[int]:
@@ -126,9 +138,11 @@ def replicate_to_partner(
         m = run_sync(own.read_manifest(step_dir))
     except Exception as e:  # absent or unreadable: this host takes part, and the round fails everywhere
         log.error("peer replication of step %d: %r", step, e)
-    ids = group.all_gather(m.checkpoint_id if m is not None else None)
-    if m is None or len(set(ids)) != 1:
-        raise RuntimeError(f"peer replication of step {step}: not committed in every host's fast tier ({ids})")
+    # Host 0 alone checks that every host holds the same checkpoint; the others receive its verdict.
+    ids = group.gather(m.checkpoint_id if m is not None else None)
+    disagreement = group.broadcast(checkpoint_disagreement(ids) if ids is not None else None)
+    if disagreement is not None or m is None:
+        raise RuntimeError(f"peer replication of step {step}: {disagreement}")
     sizes = object_sizes(m)
     writers = object_writers(m)
     extents = object_extents(m)
@@ -149,9 +163,12 @@ def replicate_to_partner(
         group.transfer(messages, provide, deliver)
     except BaseException as e:
         error = e
-    oks = group.all_gather(error is None)
+    # Each host needs only its source's outcome: host 0 gathers them and broadcasts the hosts that
+    # failed (none, normally), so no host receives every host's status.
+    oks = group.gather(error is None)
+    failed = group.broadcast([r for r, ok in enumerate(oks) if not ok] if oks is not None else None)
     source = (rank - partner_offset) % size
-    if not oks[source] or error is not None:
+    if source in failed or error is not None:
         raise RuntimeError(f"peer replication of step {step}: host {source}'s snapshot did not arrive whole") from error
     run_sync(_commit_replica(replica, step, m, source))
 
@@ -201,6 +218,9 @@ def fetch_from_peers(
     """
     sizes = object_sizes(manifest)
     writers = object_writers(manifest)
+    # A true all-gather: each provider must learn which of its objects every other host asks it
+    # for (what it sends, and in which global order). It is a restore's, not a save's, and the
+    # plan it checks against already spans every host.
     asks = group.all_gather(sorted(set(needed)))
     messages = []
     for needer, idxs in enumerate(asks):
@@ -227,9 +247,11 @@ def fetch_from_peers(
         group.transfer(messages, provide, deliver)
     except BaseException as e:
         error = f"host {group.rank}: {type(e).__name__}: {e}"
-    errors = [e for e in group.all_gather(error) if e]
-    if errors:
-        raise RuntimeError(f"restore of step {plan.step}: fetching objects from peers failed: {'; '.join(errors)}")
+    # Every host must fail alike, but only host 0 needs every host's error to say so.
+    errors = group.gather(error)
+    verdict = group.broadcast(join_errors([e for e in errors if e]) if errors is not None else None)
+    if verdict:
+        raise RuntimeError(f"restore of step {plan.step}: fetching objects from peers failed: {verdict}")
     return got
 
 

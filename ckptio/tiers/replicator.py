@@ -3,7 +3,7 @@
 A :class:`ReplicationWorker` owns one thread and one dedicated group. Saves
 hand it committed steps (:meth:`ReplicationWorker.submit` waits only while
 its queue is full); the thread agrees with the other hosts on the next step
-(an all-gather of each host's proposal), runs one *round* for it, and moves
+(host 0 gathers each host's proposal and broadcasts the step), runs one *round* for it, and moves
 on. Because every host runs the same rounds in the same order, a round may
 itself use collectives.
 
@@ -29,12 +29,13 @@ import threading
 from collections.abc import Callable
 
 from ..copy import copy_objects, object_writers, rekey
+from ..distributed import join_errors
 from ..engine import run_sync
 from ..errors import CkptioError
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from .group import PeerGroup
-from .peer import holdings
+from .peer import checkpoint_disagreement, holdings
 from .policy import TierPolicy
 
 __all__ = ["Pins", "ReplicationError", "ReplicationWorker", "durable_recovery", "durable_round"]
@@ -188,9 +189,11 @@ class ReplicationWorker:
                 proposal = self._pending[-1] if self.coalesce else self._pending[0]
                 self._busy = True
             # Hosts may be a save apart; the smallest proposal is one every host has queued
-            # (or, for a host whose save hook failed, one it runs and fails alike).
+            # (or, for a host whose save hook failed, one it runs and fails alike). Host 0
+            # alone picks it: a gather and a broadcast, so no host receives every proposal.
             try:
-                step = min(self.group.all_gather(proposal))
+                proposals = self.group.gather(proposal)
+                step = int(self.group.broadcast(min(proposals) if proposals is not None else None))
             except BaseException as e:  # the group is gone (job tearing down): stop quietly
                 log.error("%s replicator stopped: %s", self.name, e)
                 with self._cond:
@@ -255,26 +258,18 @@ def durable_round(
     rank = group.rank
     # Nothing before a collective may raise on one host only: the others would wait forever.
     m = _manifest_or_none(own, step_dir)
-    rec: dict[str, object] = {"id": m.checkpoint_id if m is not None else None, "durable": None, "error": None}
-    if rank == 0:
-        try:
-            rec["durable"] = run_sync(durable.read_manifest(step_dir)).checkpoint_id
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            rec["error"] = f"reading {durable.where(step_dir)}: {type(e).__name__}: {e}"
-    recs = group.all_gather(rec)
-    ids = [r["id"] for r in recs]
-    there = recs[0]["durable"]
-    if recs[0]["error"]:
-        raise ReplicationError(f"durable copy of step {step}: {recs[0]['error']}")
-    if m is None or None in ids or len(set(ids)) != 1:
-        raise ReplicationError(f"durable copy of step {step}: not committed in every host's fast tier ({ids})")
-    if there == m.checkpoint_id:
+    recs = group.gather(m.checkpoint_id if m is not None else None)
+    # Host 0 alone decides whether to copy ("copy"), there is nothing to do ("done"), or the round fails.
+    plan: dict[str, object] = {"do": "copy", "error": None}
+    if recs is not None:
+        plan = _durable_plan(durable, step_dir, recs)
+    plan = group.broadcast(plan)
+    if plan["do"] == "done":
         log.info("durable copy of step %d: already committed there", step)
         return
-    if there is not None:
-        raise ReplicationError(f"durable copy of step {step}: {durable.where(step_dir)} holds another checkpoint")
+    if plan["do"] != "copy":
+        raise ReplicationError(f"durable copy of step {step}: {plan['error']}")
+    assert m is not None  # host 0 saw the same committed checkpoint on every host
     out = rekey(m, step_dir, durable)  # deterministic: the same keys (or the same error) on every host
     error: str | None = None
     try:
@@ -284,20 +279,41 @@ def durable_round(
                  step, rank, stats.written, stats.kept)
     except BaseException as e:
         error = f"host {rank}: {type(e).__name__}: {e}"
-    errors = [e for e in group.all_gather(error) if e]
-    verdict: dict[str, object] = {"ok": not errors, "error": "; ".join(errors)}
-    if rank == 0 and not errors:
-        try:
-            run_sync(durable.commit(step_dir, out))
-            log.info("durable copy of step %d: committed", step)
-            _durable_retention(durable, policy)
-        except FileExistsError:
-            pass  # the same checkpoint, committed by an earlier try that lost its reply
-        except BaseException as e:
-            verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
-    verdict = group.all_gather(verdict)[0]
+    errors = group.gather(error)
+    verdict: dict[str, object] = {"ok": False, "error": ""}
+    if errors is not None:
+        failed = [e for e in errors if e]
+        verdict = {"ok": not failed, "error": join_errors(failed)}
+        if not failed:
+            try:
+                run_sync(durable.commit(step_dir, out))
+                log.info("durable copy of step %d: committed", step)
+                _durable_retention(durable, policy)
+            except FileExistsError:
+                pass  # the same checkpoint, committed by an earlier try that lost its reply
+            except BaseException as e:
+                verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
+    verdict = group.broadcast(verdict)
     if not verdict["ok"]:
         raise ReplicationError(f"durable copy of step {step} failed: {verdict['error']}")
+
+
+def _durable_plan(durable: CheckpointStore, step_dir: str, ids: list[str | None]) -> dict[str, object]:
+    """Host 0, with every host's checkpoint id of the step: copy it, nothing to do, or fail (and why)."""
+    disagreement = checkpoint_disagreement(ids)
+    if disagreement is not None:
+        return {"do": "fail", "error": disagreement}
+    try:
+        there: str | None = run_sync(durable.read_manifest(step_dir)).checkpoint_id
+    except FileNotFoundError:
+        there = None
+    except Exception as e:
+        return {"do": "fail", "error": f"reading {durable.where(step_dir)}: {type(e).__name__}: {e}"}
+    if there == ids[0]:
+        return {"do": "done", "error": None}
+    if there is not None:
+        return {"do": "fail", "error": f"{durable.where(step_dir)} holds another checkpoint"}
+    return {"do": "copy", "error": None}
 
 
 def _manifest_or_none(store: CheckpointStore, step_dir: str) -> Manifest | None:
@@ -334,15 +350,22 @@ def durable_recovery(
             rec["durable"] = run_sync(durable.committed_steps())
     except Exception as e:
         rec["error"] = f"host {group.rank}: {type(e).__name__}: {e}"
-    recs = group.all_gather(rec)
-    errors = [r["error"] for r in recs if r["error"]]
-    if errors:
-        raise ReplicationError(f"durable replicator: cannot tell what an earlier run left: {'; '.join(errors)}")
-    common = set.intersection(*({tuple(x) for x in r["steps"]} for r in recs))  # type: ignore[union-attr]
-    newest = max(recs[0]["durable"], default=-1)  # type: ignore[type-var]
-    todo = sorted(s for s, _cid in common if s > newest)
-    if policy.coalesce:
-        todo = todo[-1:]
+    recs = group.gather(rec)
+    # Host 0 alone works out the steps; the others receive only that list (bounded by retention).
+    verdict: dict[str, object] = {"todo": [], "error": None}
+    if recs is not None:
+        errors = [str(r["error"]) for r in recs if r["error"]]
+        if errors:
+            verdict["error"] = join_errors(errors)
+        else:
+            common = set.intersection(*({tuple(x) for x in r["steps"]} for r in recs))  # type: ignore[union-attr]
+            newest = max(recs[0]["durable"], default=-1)  # type: ignore[type-var]
+            todo = sorted(s for s, _cid in common if s > newest)
+            verdict["todo"] = todo[-1:] if policy.coalesce else todo
+    verdict = group.broadcast(verdict)
+    if verdict["error"]:
+        raise ReplicationError(f"durable replicator: cannot tell what an earlier run left: {verdict['error']}")
+    todo = [int(s) for s in verdict["todo"]]  # type: ignore[attr-defined]
     if todo:
         log.info("durable replicator: completing the copy of steps %s left by an earlier run", todo)
     return todo
