@@ -109,8 +109,28 @@ class LocalBackend(Backend):
         return self._url
 
     def path(self, key: str) -> str:
-        """The file path of ``key`` (validated: it cannot escape the root)."""
-        return os.path.join(self.root, check_key(key))
+        """The file path of ``key`` (validated: it cannot escape the root, not even through a link)."""
+        path = os.path.join(self.root, check_key(key))
+        self._refuse_links(key)
+        return path
+
+    def _refuse_links(self, key: str) -> None:
+        """PermissionError if any component of ``key`` below the root is a symbolic link.
+
+        A linked step directory (``ROOT/5 -> /elsewhere/5``) would let a
+        retention or gc delete, and a restore read, files outside the root.
+        """
+        cur = self.root
+        for part in key.split("/"):
+            cur = os.path.join(cur, part)
+            try:
+                if stat_mod.S_ISLNK(os.lstat(cur).st_mode):
+                    raise PermissionError(
+                        f"{self._url}: {key!r} passes through the symbolic link {cur!r}; ckptio never "
+                        "follows links below a checkpoint root"
+                    )
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing further exists to be a link (a write creates real directories)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         pool = self._pool
@@ -437,6 +457,8 @@ class LocalBackend(Backend):
         # Walk only the deepest directory that the prefix pins down.
         start = os.path.join(self.root, os.path.dirname(prefix)) if "/" in prefix else self.root
         out: list[ObjectInfo] = []
+        if os.path.islink(start) or (start != self.root and self._has_link(start)):
+            return []  # never list through a link (os.walk below does not descend into links either)
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.root)
@@ -446,10 +468,11 @@ class LocalBackend(Backend):
                 if TMP_MARK in name or not key.startswith(prefix):
                     continue
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    st = os.lstat(os.path.join(dirpath, name))
                 except FileNotFoundError:
                     continue  # deleted while listing
-                out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                if stat_mod.S_ISREG(st.st_mode):  # links are not objects
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
         out.sort(key=lambda i: i.key)
         return out
 
@@ -460,10 +483,19 @@ class LocalBackend(Backend):
         if prefix:  # the whole prefix names a directory here, so all of it must be a valid key
             check_prefix(prefix.rstrip("/") + "/")
         directory = os.path.join(self.root, prefix.strip("/")) if prefix.strip("/") else self.root
+        if directory != self.root and self._has_link(directory):
+            return []
         try:
-            return sorted(e.name for e in os.scandir(directory) if TMP_MARK not in e.name)
+            return sorted(e.name for e in os.scandir(directory) if TMP_MARK not in e.name and not e.is_symlink())
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def _has_link(self, path: str) -> bool:
+        try:
+            self._refuse_links(os.path.relpath(path, self.root).replace(os.sep, "/"))
+        except PermissionError:
+            return True
+        return False
 
     async def list_children(self, prefix: str = "") -> list[str]:
         return await self._run(self._list_children, prefix)

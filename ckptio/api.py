@@ -10,7 +10,7 @@ from ckptio.backends import Backend
 from .distributed import Coordinator, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
-from .restore import restore_checkpoint
+from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore
@@ -77,8 +77,6 @@ def restore(
     """
     store = CheckpointStore(url, backend=backend, engine_config=engine_config, backend_options=backend_options)
     try:
-        step_dir = run_sync(store.resolve(step))
-        manifest = run_sync(store.read_manifest(step_dir))
-        return restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        return restore_step(store, step, target, progress=progress)
     finally:
         run_sync(store.close())

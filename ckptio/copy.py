@@ -28,8 +28,10 @@ from collections.abc import Iterable
 from ckptio.backends.base import ByteRange, join_key
 
 from .engine import ByteBudget, Progress, ReadRequest, gather_or_cancel
+from .intents import async_lease, new_id
 from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
+from .names import parse_object
 from .store import CheckpointStore
 
 __all__ = ["CopyStats", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey"]
@@ -195,13 +197,17 @@ async def copy_checkpoint(
             f"{dst.where(where_to)} holds another checkpoint ({there.checkpoint_id}, not {manifest.checkpoint_id})"
         )
     out = rekey(manifest, step_dir, dst, where_to)
-    stats = await copy_objects(src, dst, manifest, out, progress=progress)
-    try:
-        await dst.commit(where_to, out)
-    except FileExistsError:  # a concurrent copy of the same checkpoint won the commit
-        there = await dst.read_manifest(where_to)
-        if there.checkpoint_id != manifest.checkpoint_id:
-            raise
+    # The copy keeps the source's object names: its intent covers their save ids, so a gc of the
+    # destination spares them (a resumed copy's earlier objects included) until the commit.
+    writers = {n.save_id for k in out.objects if (n := parse_object(k)) is not None}
+    async with async_lease(dst, where_to, new_id(), covers=writers):
+        stats = await copy_objects(src, dst, manifest, out, progress=progress)
+        try:
+            await dst.commit(where_to, out)
+        except FileExistsError:  # a concurrent copy of the same checkpoint won the commit
+            there = await dst.read_manifest(where_to)
+            if there.checkpoint_id != manifest.checkpoint_id:
+                raise
     log.info("copied %s -> %s: committed (%d objects written, %d kept)",
              src.where(step_dir), dst.where(where_to), stats.written, stats.kept)
     return out, stats

@@ -17,7 +17,7 @@ from ckptio.backends import Backend
 from .distributed import Coordinator, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
-from .restore import restore_checkpoint
+from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore
@@ -75,7 +75,8 @@ class CheckpointManager:
         return run_sync(self.store.committed_steps())
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
+        """The newest committed step whose manifest is intact (a damaged newer one is logged and skipped)."""
+        steps = run_sync(self.store.intact_steps(newest=1))
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
@@ -100,7 +101,14 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         if not force and not self.should_save(step):
+            log.info("%s: step %d not saved (off the save interval, or not newer than the latest step %s)",
+                     self.url, step, self.latest_step())
             return None
+        if force and self.max_to_keep is not None and step in self._doomed(
+            sorted({*run_sync(self.store.intact_steps(newest=self.max_to_keep)), step})
+        ):
+            log.warning("%s: forced save of step %d: retention (max_to_keep=%d) deletes it right after its "
+                        "commit, since %d newer steps exist", self.url, step, self.max_to_keep, self.max_to_keep)
         handle = start_save(
             self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
             progress=progress, on_done=self._after_save,
@@ -112,7 +120,9 @@ class CheckpointManager:
         if handle.state.value != "committed" or self.coordinator.rank != 0:
             return
         try:
-            for step in self._doomed(run_sync(self.store.committed_steps())):
+            # Only intact steps count as kept, and only intact steps are deleted: a damaged
+            # step never makes retention delete a good one, and is left for inspection.
+            for step in self._doomed(run_sync(self.store.intact_steps())):
                 run_sync(self.store.delete(str(step)))
         except BaseException as e:  # surfaced by wait_until_finished; the checkpoint itself is fine
             log.error("%s: retention failed: %r", self.url, e)
@@ -138,17 +148,15 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None) -> Any:
         """Restore ``step`` (default: the newest committed) as ``target`` asks (see ``ckptio.restore``)."""
-        step_dir = run_sync(self.store.resolve(step))
-        manifest = run_sync(self.store.read_manifest(step_dir))
-        return restore_checkpoint(self.store, manifest, step_dir, target, progress=progress)
+        return restore_step(self.store, step, target, progress=progress)
 
     def delete(self, step: int) -> None:
         """Delete one committed checkpoint (coordinator only)."""
         run_sync(self.store.delete(str(step)))
 
     def sweep_orphans(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
-        """Delete objects no committed manifest names, older than ``grace_seconds`` (crashed saves)."""
-        return run_sync(self.store.sweep(grace_seconds, dry_run=dry_run))
+        """Delete what crashed saves left (see :meth:`CheckpointStore.sweep`); returns the keys deleted."""
+        return run_sync(self.store.sweep(grace_seconds, dry_run=dry_run)).deleted
 
     def close(self) -> None:
         self.wait_until_finished()

@@ -67,6 +67,7 @@ _MAX_NDIM = 64
 _MAX_DIM = 1 << 62
 _MAX_COUNT = 50_000_000
 _U32 = 1 << 32
+_MAX_INT_DIGITS = 4000
 
 
 @dataclasses.dataclass(slots=True)
@@ -123,7 +124,14 @@ def encode_value(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"kind": "value", "type": "bool", "value": value}
     if isinstance(value, int):
-        return {"kind": "value", "type": "int", "value": str(value)}
+        try:
+            digits = str(value)
+        except ValueError:  # past Python's int-to-str limit
+            digits = "x" * _MAX_INT_DIGITS
+        if len(digits) >= _MAX_INT_DIGITS:  # a reader refuses it: refuse it before anything is written
+            raise ValueError(f"{where}: int of {value.bit_length()} bits is too large to store "
+                             f"(at most {_MAX_INT_DIGITS - 1} characters)")
+        return {"kind": "value", "type": "int", "value": digits}
     if isinstance(value, float):
         return {"kind": "value", "type": "float", "value": value.hex()}
     if isinstance(value, str):
@@ -140,7 +148,7 @@ def decode_value(d: dict[str, Any], where: str) -> Any:
             return None
         if kind == "bool" and isinstance(v, bool):
             return v
-        if kind == "int" and isinstance(v, str) and len(v) < 4000:
+        if kind == "int" and isinstance(v, str) and len(v) < _MAX_INT_DIGITS:
             return int(v)
         if kind == "float" and isinstance(v, str):
             return float.fromhex(v)
@@ -198,10 +206,14 @@ class Manifest:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from e
+        except RecursionError:
+            raise ManifestError(f"{where}: manifest is nested too deeply to be a ckptio manifest") from None
         try:
             return cls.from_doc(doc, where)
         except ManifestError:
             raise
+        except RecursionError:
+            raise ManifestError(f"{where}: manifest tree is nested too deeply") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"{where}: malformed manifest: {type(e).__name__}: {e}") from e
 

@@ -13,6 +13,7 @@ what each host reads:
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -21,14 +22,16 @@ from typing import Any
 import numpy as np
 
 from .engine import Progress, ReadRequest, run_sync
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, IntegrityError
 from .manifest import ArrayItem, Manifest, ValueItem
 from .reshard import Region, coverage_gaps, plan_region
 from .staging import Sharded, aligned_empty, index_to_box, torch_to_numpy
 from .store import CheckpointStore
 from .tree import flatten, path_str, unflatten
 
-__all__ = ["restore_checkpoint"]
+__all__ = ["restore_checkpoint", "restore_step"]
+
+log = logging.getLogger("ckptio.restore")
 
 Finish = Callable[[], Any]
 
@@ -154,6 +157,8 @@ def restore_checkpoint(
                 f"{where}: the target asks for {missing[:5]} which the checkpoint does not hold "
                 f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
             )
+    # Objects exist and are as long as the manifest says before anything is allocated from it.
+    run_sync(store.check_objects(manifest, where))
     requests: list[ReadRequest] = []
     finishers: dict[str, Finish] = {}
     for name, tgt in wanted.items():
@@ -170,3 +175,35 @@ def restore_checkpoint(
     run_sync(store.engine.read(requests, progress))
     results = {name: finish() for name, finish in finishers.items()}
     return unflatten(structure, results.__getitem__)
+
+
+def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *,
+                 progress: Progress | None = None) -> Any:
+    """Restore ``step`` (None: the newest intact committed step) of ``store``.
+
+    A restore that loses a race with a deletion says so
+    (CheckpointNotFoundError "step N was deleted while being restored"); with
+    ``step=None`` it then restores the next newest instead.
+    """
+    tried: list[int] = []
+    while True:
+        step_dir, manifest = run_sync(store.resolve_manifest(step, skip=tried))
+        try:
+            return restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        except (FileNotFoundError, IntegrityError) as e:
+            if not step_dir:
+                raise
+            if run_sync(_still_there(store, step_dir, manifest.checkpoint_id)):
+                raise  # the checkpoint is there: a missing or damaged object is damage, not a race
+            gone = CheckpointNotFoundError(f"{store.where(step_dir)}: step {step_dir} was deleted while being restored")
+            if step is not None:
+                raise gone from e
+            log.warning("%s; restoring the next newest step", gone)
+            tried.append(int(step_dir))
+
+
+async def _still_there(store: CheckpointStore, step_dir: str, checkpoint_id: str) -> bool:
+    try:
+        return (await store.read_manifest(step_dir)).checkpoint_id == checkpoint_id
+    except (FileNotFoundError, ValueError, IntegrityError):
+        return False

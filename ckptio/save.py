@@ -22,6 +22,7 @@ import numpy as np
 from .distributed import Coordinator, SingleProcess
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
+from .intents import Lease
 from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .manifest import Manifest, item_to_json
@@ -171,11 +172,19 @@ def start_save(
     coord = coordinator or SingleProcess()
     step_dir = step_dir_of(step)
     where = store.where(step_dir)
-    if run_sync(store.is_committed(step_dir)):
-        raise FileExistsError(f"checkpoint {where} is already committed")
     t0 = time.perf_counter()
     area = StagingArea(pool) if copy else None
-    structure, staged = _plan_staging(state, coord.rank, area)
+    try:
+        # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
+        structure, staged = _plan_staging(state, coord.rank, area)
+        if coord.rank == 0:
+            run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
+        elif run_sync(store.is_committed(step_dir)):
+            raise FileExistsError(f"checkpoint {where} is already committed")
+    except BaseException:
+        if area is not None:
+            area.release()
+        raise
     pieces, arrays = _pieces(staged)
     save_id = uuid.uuid4().hex[:12]
     plans = pack(
@@ -228,10 +237,12 @@ def start_save(
             verdict = coord.all_gather(verdict)[0] if coord.size > 1 else verdict
             if not verdict["ok"]:
                 raise failure or SaveFailedError(f"{where}: save failed: {verdict['error']}")
+            lease.close(retire=True)
             handle.state = SaveState.COMMITTED
             log.info("%s: committed", where)
             outcome: tuple[Manifest | None, BaseException | None] = (manifest if coord.rank == 0 else None, None)
         except BaseException as e:
+            lease.close(retire=False)  # goes stale: marks this attempt's objects as a dead save's
             handle.state = SaveState.FAILED
             outcome = (None, e)
         # Hooks (retention, closing the store) run before the handle resolves, so that
@@ -246,6 +257,14 @@ def start_save(
         else:
             handle._future.set_result(outcome[0])
 
+    # Announced before the first object: deleters spare a live save's objects, whatever their age.
+    lease = Lease(store, step_dir, save_id, coord.rank)
+    try:
+        lease.start()
+    except BaseException:
+        if area is not None:
+            area.release()
+        raise
     threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
     try:
         for plan, fut in zip(plans, ready):

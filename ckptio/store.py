@@ -2,16 +2,28 @@
 
 A checkpoint of step ``s`` lives in the step directory ``<root>/<s>`` (the
 root itself when saved without a step); it exists once
-``<step dir>/ckptio.manifest.json`` does. Deletion first writes a tombstone
-(``ckptio.deleting``), so no reader picks a checkpoint whose objects are
-going away, then deletes the objects the manifest lists, the manifest, and
-the tombstone last. The orphan sweep deletes what no committed manifest
-names (crashed saves), once older than a grace period.
+``<step dir>/ckptio.manifest.json`` does, and it is *intact* once that
+manifest validates and is bound to its place (it names step ``s``, and every
+object it lists lies in step ``s``'s layout).
+
+A save announces itself before its first object with an *intent*
+(``<step dir>/ckptio.intent.<save id>``, see :mod:`ckptio.intents`) and
+keeps it fresh while in flight; whatever deletes (gc, retention, a re-save's
+cleanup) spares every object of a live intent, whatever its age, and
+deletes only keys that :mod:`ckptio.names` proves are ckptio's.
+
+Deletion first writes a tombstone (``ckptio.deleting``, holding the id of
+the checkpoint it deletes) so no reader picks a checkpoint whose objects are
+going away, then deletes the objects the manifest lists and those of dead
+attempts at the same step, the manifest, and the tombstone last. A save of a
+step with a leftover tombstone finishes that deletion first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -19,25 +31,66 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptio.backends import Backend, open_backend
-from ckptio.backends.base import join_key
+from ckptio.backends.base import ObjectInfo, join_key
 
 from .engine import Engine, EngineConfig
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
-from .manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest, unseal
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, unseal
+from .names import INTENT_PREFIX, intent_key, is_hashed_component, parse_intent, parse_object, step_of_key
 
-__all__ = ["CheckpointStore", "step_dir_of"]
+__all__ = ["CheckpointStore", "StepStatus", "SweepReport", "step_dir_of", "MAX_STEP"]
 
 log = logging.getLogger("ckptio.store")
+
+#: The largest step a manifest may record (see ckptio.manifest).
+MAX_STEP = 1 << 62
+#: How long a save's intent stays live without a heartbeat (see ckptio.intents).
+DEFAULT_LEASE_S = 120.0
 
 
 def step_dir_of(step: int | None) -> str:
     """The step directory name (relative to the root); ``""`` for a step-less checkpoint."""
     if step is None:
         return ""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an int in [0, 2**62], got {step!r}")
     return str(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatus:
+    """One step directory as ``ckptio ls`` shows it.
+
+    ``state``: ``committed`` (intact), ``damaged`` (a manifest that does not
+    validate or is not bound to this step), ``deleting`` (tombstoned),
+    ``in-flight`` (a live save's intent, no manifest) or ``incomplete``
+    (neither: a crashed save's leftovers, for the sweep).
+    """
+
+    step: int | None
+    state: str
+    problem: str = ""
+    manifest: Manifest | None = None
+
+
+@dataclasses.dataclass
+class SweepReport:
+    """What one sweep deleted (or would, with ``dry_run``)."""
+
+    objects: list[str] = dataclasses.field(default_factory=list)
+    temporaries: list[str] = dataclasses.field(default_factory=list)
+    intents: list[str] = dataclasses.field(default_factory=list)
+    finished_deletions: list[int | None] = dataclasses.field(default_factory=list)
+    #: Objects spared because a live save announced them (whatever their age).
+    spared_in_flight: int = 0
+    #: Step directories whose objects were spared because their manifest is damaged.
+    damaged: list[str] = dataclasses.field(default_factory=list)
+    bytes: int = 0
+
+    @property
+    def deleted(self) -> list[str]:
+        return self.objects + self.temporaries + self.intents
 
 
 class CheckpointStore:
@@ -52,10 +105,16 @@ class CheckpointStore:
         naming: Naming | None = None,
         backend_options: dict[str, Any] | None = None,
     ) -> None:
-        self.url = os.fspath(url).rstrip("/") or "/"
+        raw = os.fspath(url)
+        if not raw.strip():
+            raise ValueError("the checkpoint URL is empty (give a path or a URL such as gs://bucket/run)")
+        self.url = raw.rstrip("/") or "/"
         self.backend = backend if backend is not None else open_backend(self.url, **(backend_options or {}))
         self.engine = Engine(self.backend, engine_config)
         self.naming = naming or _default_naming(self.backend)
+        self._manifests: dict[tuple[str, int, float], Manifest] = {}
+        #: How long this store's saves' intents stay live without a heartbeat.
+        self.lease_s = float(os.environ.get("CKPTIO_LEASE_S", DEFAULT_LEASE_S))
 
     def where(self, step_dir: str) -> str:
         """A human-readable URL of a step directory, for error messages."""
@@ -64,6 +123,7 @@ class CheckpointStore:
     # -- finding checkpoints ---------------------------------------------
 
     async def is_committed(self, step_dir: str) -> bool:
+        """A manifest is present and no deletion is under way (the manifest is not validated)."""
         manifest, tombstone = await asyncio.gather(
             self._exists(join_key(step_dir, MANIFEST_NAME)), self._exists(join_key(step_dir, TOMBSTONE_NAME))
         )
@@ -72,34 +132,85 @@ class CheckpointStore:
     async def step_dirs(self) -> list[int]:
         """Every step that has a directory (committed or not), ascending."""
         names = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list_children(""))
-        return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n)
+        return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and int(n) <= MAX_STEP)
 
     async def committed_steps(self) -> list[int]:
-        """Steps with a committed checkpoint (manifest present, no tombstone), ascending."""
+        """Steps with a manifest and no tombstone, ascending (not validated: see :meth:`intact_steps`)."""
         steps = await self.step_dirs()
         flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
         return [s for s, ok in zip(steps, flags) if ok]
 
+    async def status(self, step_dir: str) -> StepStatus:
+        """What ``step_dir`` holds (see :class:`StepStatus`); never raises for a bad manifest."""
+        step = int(step_dir) if step_dir else None
+        if await self._exists(join_key(step_dir, TOMBSTONE_NAME)):
+            return StepStatus(step, "deleting")
+        try:
+            return StepStatus(step, "committed", manifest=await self.read_manifest(step_dir))
+        except (ManifestError, IntegrityError) as e:
+            return StepStatus(step, "damaged", problem=str(e))
+        except CheckpointNotFoundError:
+            pass
+        live = await self.live_saves(step_dir)
+        return StepStatus(step, "in-flight" if live else "incomplete")
+
+    async def intact_steps(self, newest: int | None = None) -> list[int]:
+        """Committed steps whose manifest validates, ascending; damaged ones are logged and left out.
+
+        With ``newest``, stop once that many intact steps (from the newest down) are found.
+        """
+        out: list[int] = []
+        for step in reversed(await self.committed_steps()):
+            try:
+                await self.read_manifest(str(step))
+            except (ManifestError, IntegrityError) as e:
+                log.warning("%s: step %d is damaged and skipped: %s", self.url, step, e)
+                continue
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile
+            out.append(step)
+            if newest is not None and len(out) >= newest:
+                break
+        return sorted(out)
+
     async def read_manifest(self, step_dir: str) -> Manifest:
-        """The validated manifest of a committed checkpoint; CheckpointNotFoundError otherwise."""
+        """The validated manifest of a committed checkpoint.
+
+        CheckpointNotFoundError if there is none (or it is being deleted);
+        ManifestError / IntegrityError naming the step if it is damaged, too
+        large, or not bound to ``step_dir`` (copied or moved from elsewhere).
+        """
         where = self.where(step_dir)
         key = join_key(step_dir, MANIFEST_NAME)
         try:
-            data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
-            try:
-                unseal(data, f"{where}/{MANIFEST_NAME}")
-            except (IntegrityError, ManifestError):  # corrupted in flight? one more read tells
+            info = await self.engine.retrying(f"stat manifest of {where}", lambda: self.backend.stat(key))
+            cached = self._manifests.get((step_dir, info.size, info.mtime))
+            if cached is None:
+                if info.size > MAX_MANIFEST_BYTES:  # refuse before reading a byte of it
+                    raise ManifestError(f"{where}/{MANIFEST_NAME}: manifest of {info.size} bytes exceeds "
+                                        f"{MAX_MANIFEST_BYTES}")
                 data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
+                try:
+                    unseal(data, f"{where}/{MANIFEST_NAME}")
+                except (IntegrityError, ManifestError):  # corrupted in flight? one more read tells
+                    data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
         except FileNotFoundError:
             if step_dir and int(step_dir) in await self.step_dirs():
                 raise CheckpointNotFoundError(
-                    f"checkpoint {where} is not committed (it has no manifest): its save did not finish; "
-                    "its objects will be collected by the orphan sweep"
+                    f"checkpoint {where} is not committed (it has no manifest): its save did not finish "
+                    "or is still in flight"
                 ) from None
             raise CheckpointNotFoundError(f"no checkpoint at {where}") from None
         if await self._exists(join_key(step_dir, TOMBSTONE_NAME)):
             raise CheckpointNotFoundError(f"checkpoint {where} is being deleted")
-        return Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
+        if cached is not None:
+            return cached
+        manifest = Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
+        check_binding(manifest, step_dir, f"{where}/{MANIFEST_NAME}")
+        if len(self._manifests) > 64:
+            self._manifests.clear()
+        self._manifests[(step_dir, info.size, info.mtime)] = manifest
+        return manifest
 
     async def _exists(self, key: str) -> bool:
         try:
@@ -109,30 +220,143 @@ class CheckpointStore:
             return False
 
     async def resolve(self, step: int | None) -> str:
-        """The step directory to restore: ``step``'s, or the newest committed one.
+        """The step directory to restore: ``step``'s, or the newest intact committed one.
 
         With no step, a checkpoint saved directly at the root wins; else the
-        newest committed step. CheckpointNotFoundError names the URL.
+        newest committed step whose manifest validates (a damaged newer one is
+        logged by name and skipped). CheckpointNotFoundError names the URL.
         """
+        return (await self.resolve_manifest(step))[0]
+
+    async def resolve_manifest(self, step: int | None, skip: Iterable[int] = ()) -> tuple[str, Manifest]:
+        """:meth:`resolve` and the manifest it found; ``skip`` leaves steps out of "latest"."""
         if step is not None:
-            return step_dir_of(step)
+            step_dir = step_dir_of(step)
+            return step_dir, await self.read_manifest(step_dir)
         if await self.is_committed(""):
-            return ""
-        steps = await self.committed_steps()
-        if not steps:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
-        return str(steps[-1])
+            return "", await self.read_manifest("")
+        skipped = set(skip)
+        for s in reversed(await self.committed_steps()):
+            if s in skipped:
+                continue
+            try:
+                return str(s), await self.read_manifest(str(s))
+            except (ManifestError, IntegrityError) as e:
+                log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
+            except CheckpointNotFoundError as e:
+                log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
+        raise CheckpointNotFoundError(f"no intact committed checkpoint under {self.url}")
+
+    # -- objects ---------------------------------------------------------
+
+    async def object_sizes(self, keys: Iterable[str]) -> dict[str, int]:
+        """Sizes of ``keys`` that exist (absent ones are left out).
+
+        One listing per directory the keys live in (a step directory, or each
+        hashed prefix of it), not one request per object.
+        """
+        wanted = set(keys)
+        by_dir: dict[str, list[str]] = {}
+        for k in wanted:
+            by_dir.setdefault(k.rpartition("/")[0], []).append(k)
+        sizes: dict[str, int] = {}
+
+        async def one(directory: str, ks: list[str]) -> None:
+            if not directory or len(ks) < 4:  # the root lists everything under it: stat instead
+                for k in ks:
+                    try:
+                        sizes[k] = (await self.engine.retrying(f"stat {k!r}", lambda k=k: self.backend.stat(k))).size
+                    except FileNotFoundError:
+                        pass
+                return
+            listed = await self.engine.retrying(f"list {directory!r}", lambda: self.backend.list(directory + "/"))
+            sizes.update((i.key, i.size) for i in listed if i.key in wanted)
+
+        await _bounded(self.engine.concurrency * 2, (one(d, ks) for d, ks in by_dir.items()))
+        return sizes
+
+    async def check_objects(self, manifest: Manifest, where: str) -> None:
+        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
+        need = manifest_object_sizes(manifest)
+        have = await self.object_sizes(manifest.objects)
+        for key, size in need.items():
+            if key not in have:
+                raise FileNotFoundError(f"{where}: object {key!r} is missing (deleted by someone, or never written)")
+            if have[key] < size:
+                raise IntegrityError(f"{where}: object {key!r} holds {have[key]} bytes, its extents need {size}",
+                                     key=key)
+
+    # -- intents ---------------------------------------------------------
+
+    async def announce(
+        self, step_dir: str, save_id: str, host: int = 0, lease_s: float = DEFAULT_LEASE_S,
+        covers: Iterable[str] = (),
+    ) -> None:
+        """Write (or refresh) a save's intent: from now on its objects are spared by every deleter.
+
+        ``covers``: further save ids whose objects this writer produces or keeps (a copy keeps
+        the source's object names; a DCP save's ranks share one id).
+        """
+        doc = {"save_id": save_id, "step": int(step_dir) if step_dir else None, "host": host,
+               "lease_s": lease_s, "heartbeat": time.time(), "covers": sorted(set(covers))}
+        data = memoryview(json.dumps(doc).encode())
+        key = intent_key(step_dir, save_id)
+        await self.engine.retrying(f"announce {self.where(step_dir)}", lambda: self.backend.write(key, [data]))
+
+    async def retire(self, step_dir: str, save_id: str) -> None:
+        """Remove a save's intent (after its commit, or its failure)."""
+        await self._delete_keys([intent_key(step_dir, save_id)])
+
+    async def live_saves(self, step_dir: str, listing: list[ObjectInfo] | None = None) -> set[str]:
+        """Save ids with a live intent in ``step_dir`` (heartbeat younger than its lease)."""
+        if listing is None:
+            prefix = join_key(step_dir, INTENT_PREFIX)
+            listing = await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix))
+        live: set[str] = set()
+        for info in listing:
+            name = parse_intent(info.key)
+            if name is not None and name.step_dir == step_dir:
+                live |= await self._intent_covers(info, name.save_id)
+        return live
+
+    async def _intent_covers(self, info: ObjectInfo, save_id: str) -> set[str]:
+        """The save ids a live intent protects (none once its heartbeat is older than its lease).
+
+        An intent retired while we look protects its ids this round (its save just committed);
+        an unreadable one protects at least its own id.
+        """
+        try:
+            doc = json.loads(await self.engine.retrying(f"read {info.key!r}", lambda: self.backend.read(info.key)))
+            lease = float(doc.get("lease_s", DEFAULT_LEASE_S))
+            covers = {save_id, *(c for c in doc.get("covers", []) if isinstance(c, str))}
+        except FileNotFoundError:
+            return {save_id}
+        except (ValueError, TypeError, AttributeError):
+            lease, covers = DEFAULT_LEASE_S, {save_id}
+        return covers if time.time() - info.mtime < lease else set()
 
     # -- commit ----------------------------------------------------------
 
     async def commit(self, step_dir: str, manifest: Manifest) -> None:
-        """Write the manifest once, atomically; FileExistsError if the checkpoint exists."""
-        data = manifest.to_json()
+        """Write the manifest once, atomically, after checking it.
+
+        Refuses (ManifestError) a manifest not bound to ``step_dir``, and
+        (FileNotFoundError / IntegrityError) one naming an object that is not
+        there with its recorded size: a gc, an ``rm -rf`` or a lost write
+        must fail the save, never commit a checkpoint that cannot restore.
+        FileExistsError if the checkpoint exists.
+        """
+        where = self.where(step_dir)
+        check_binding(manifest, step_dir, where)
+        await self.check_objects(manifest, f"commit of {where}")
+        tomb = join_key(step_dir, TOMBSTONE_NAME)
         key = join_key(step_dir, MANIFEST_NAME)
+        if await self._exists(tomb) and not await self._exists(key):
+            # A deletion died after removing its manifest (its objects went before it): finish it.
+            await self._delete_keys([tomb])
+        data = manifest.to_json()
         try:
-            await self.engine.retrying(
-                f"commit {self.where(step_dir)}", lambda: self.backend.create_if_absent(key, data)
-            )
+            await self.engine.retrying(f"commit {where}", lambda: self.backend.create_if_absent(key, data))
         except FileExistsError:
             # A retried create may meet its own first attempt, which won but lost its reply:
             # the manifest is unique to this save (id, time), so equal bytes mean we won.
@@ -141,89 +365,214 @@ class CheckpointStore:
                     return
             except FileNotFoundError:
                 pass
-            raise FileExistsError(f"checkpoint {self.where(step_dir)} is already committed") from None
+            raise FileExistsError(f"checkpoint {where} is already committed") from None
+
+    async def prepare_save(self, step_dir: str) -> None:
+        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""
+        where = self.where(step_dir)
+        if await self._exists(join_key(step_dir, TOMBSTONE_NAME)):
+            log.warning("%s: an earlier deletion of this step was interrupted; finishing it before saving", where)
+            await self.delete(step_dir)
+        elif await self._exists(join_key(step_dir, MANIFEST_NAME)):
+            raise FileExistsError(f"checkpoint {where} is already committed")
 
     # -- deletion --------------------------------------------------------
 
     async def delete(self, step_dir: str) -> None:
-        """Delete a checkpoint: tombstone, objects, manifest, tombstone (crash-safe order)."""
+        """Delete a checkpoint: tombstone, objects, dead attempts, manifest, tombstone (crash-safe order).
+
+        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.names`
+        proves are ckptio's, never an object of a live save, and never
+        anything a manifest lists outside the step (a copied step directory).
+        """
         where = self.where(step_dir)
+        key = join_key(step_dir, MANIFEST_NAME)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
+        manifest: Manifest | None = None
         try:
-            await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, b""))
-        except FileExistsError:
-            pass  # an earlier deletion was interrupted: finish it
-        try:
-            key = join_key(step_dir, MANIFEST_NAME)
             data = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key))
             manifest = Manifest.from_json(data, where)
-            keys = list(manifest.objects)
         except FileNotFoundError:
-            keys = []
-        except (ManifestError, IntegrityError) as e:
-            log.warning("deleting %s: its manifest is unreadable (%s); leaving its objects to the sweep", where, e)
-            keys = []
-        await self._delete_keys(keys)
-        await self._delete_keys([join_key(step_dir, MANIFEST_NAME)])
-        if step_dir and not self.backend.capabilities.hashed_names:
-            # Flat layout: whatever else is in the step directory belongs to it (crashed retries).
-            await self._delete_keys(
-                [i.key for i in await self.engine.retrying("list", lambda: self.backend.list(step_dir + "/"))
-                 if i.key != tomb]
-            )
+            pass
+        except (ManifestError, IntegrityError, RecursionError) as e:
+            log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
+        marker = (manifest.checkpoint_id if manifest is not None else "").encode()
+        try:
+            await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, marker))
+        except FileExistsError:
+            pass  # an earlier deletion was interrupted: finish it
+        listing = await self._step_listing(step_dir, everywhere=manifest is None or await self._other_attempts(
+            step_dir, manifest))
+        live = await self.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
+        keys = {k for k in (manifest.objects if manifest is not None else []) if step_of_key(k) == step_dir}
+        foreign = len(manifest.objects) - len(keys) if manifest is not None else 0
+        if foreign:
+            log.warning("deleting %s: its manifest names %d objects outside the step; left alone", where, foreign)
+        for info in listing:
+            name = parse_object(info.key)
+            if name is not None and name.step_dir == step_dir and name.save_id not in live:
+                keys.add(info.key)
+        await self._delete_keys(sorted(keys))
+        dead_intents = [i.key for i in listing
+                        if (n := parse_intent(i.key)) is not None and n.save_id not in live]
+        await self._delete_keys(dead_intents)
+        await self._delete_keys([key])
         await self._delete_keys([tomb])
+        self._manifests = {k: v for k, v in self._manifests.items() if k[0] != step_dir}
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
 
+    async def _other_attempts(self, step_dir: str, manifest: Manifest) -> bool:
+        """True if intents of saves other than ``manifest``'s writers remain in ``step_dir``."""
+        prefix = join_key(step_dir, INTENT_PREFIX)
+        listed = await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix))
+        writers = {n.save_id for k in manifest.objects if (n := parse_object(k)) is not None}
+        return any((n := parse_intent(i.key)) is not None and n.save_id not in writers for i in listed)
+
+    async def _step_listing(self, step_dir: str, *, everywhere: bool) -> list[ObjectInfo]:
+        """Everything under ``step_dir``; with ``everywhere``, under each hashed prefix's ``<h>/<step>/`` too."""
+        if not step_dir:
+            return []  # a root checkpoint shares its directory with everything else: delete by manifest only
+        own = await self.engine.retrying(f"list {step_dir!r}", lambda: self.backend.list(step_dir + "/"))
+        if not (everywhere and self.backend.capabilities.hashed_names):
+            return own
+        prefixes = [c for c in await self.engine.retrying(f"list {self.url}", lambda: self.backend.list_children(""))
+                    if is_hashed_component(c)]
+        out = list(own)
+
+        async def one(p: str) -> None:
+            prefix = f"{p}/{step_dir}/"
+            out.extend(await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix)))
+
+        await _bounded(self.engine.concurrency * 2, (one(p) for p in prefixes))
+        return out
+
     async def _delete_keys(self, keys: Iterable[str]) -> None:
-        sem = asyncio.Semaphore(self.engine.concurrency * 2)
-
         async def one(key: str) -> None:
-            async with sem:
-                try:
-                    await self.engine.retrying(f"delete {key!r}", lambda: self.backend.delete(key))
-                except FileNotFoundError:
-                    pass
+            try:
+                await self.engine.retrying(f"delete {key!r}", lambda: self.backend.delete(key))
+            except FileNotFoundError:
+                pass
 
-        await asyncio.gather(*(one(k) for k in keys))
+        await _bounded(self.engine.concurrency * 2, (one(k) for k in keys))
 
-    async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> list[str]:
-        """Delete objects that no committed manifest names and that are older than the grace period.
+    async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
+        """Delete what crashed saves left: ckptio's objects that no intact manifest names.
 
-        Also finishes interrupted deletions (tombstoned checkpoints) and removes the temporary
-        files of writes that were killed (:meth:`Backend.sweep_temporaries`). Returns the keys
-        and temporary names deleted (or that would be, with ``dry_run``).
+        An object goes only if its key is one ckptio writes (:mod:`ckptio.names`),
+        it is older than ``grace_seconds``, no live save announced it (whatever
+        its age), and its step's manifest is not damaged (a damaged step's
+        objects are kept for inspection). Also finishes interrupted deletions,
+        removes dead saves' intents, and the temporary files of killed writes
+        (:meth:`Backend.sweep_temporaries`). Never raises for one bad step.
         """
+        report = SweepReport()
         now = time.time()
-        # First: a directory holding only a dead write's temporary can then go with its objects.
-        temporaries = await self.engine.retrying(
+        report.temporaries = await self.engine.retrying(
             f"sweep temporaries of {self.url}",
             lambda: self.backend.sweep_temporaries(grace_seconds, dry_run=dry_run),
         )
+        listing = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
         keep: set[str] = set()
-        for step in await self.committed_steps():
-            m = await self.read_manifest(str(step))
-            keep.update(m.objects)
-            keep.add(join_key(str(step), MANIFEST_NAME))
-        if await self.is_committed(""):
-            m = await self.read_manifest("")
-            keep.update(m.objects)
-            keep.add(MANIFEST_NAME)
-        tombstoned = [s for s in await self.step_dirs() if await self._exists(join_key(str(s), TOMBSTONE_NAME))]
+        protected: set[str] = set()  # step dirs whose objects nobody may sweep now
+        by_step: dict[str, list[ObjectInfo]] = {}
+        for info in listing:
+            name = parse_object(info.key) or parse_intent(info.key)
+            if name is not None:
+                by_step.setdefault(name.step_dir, []).append(info)
+        markers = {i.key for i in listing if i.key.rpartition("/")[2] in (MANIFEST_NAME, TOMBSTONE_NAME)}
+        for step_dir in sorted(by_step, key=lambda s: (len(s), s)):
+            if join_key(step_dir, TOMBSTONE_NAME) in markers:
+                if not dry_run:
+                    await self.delete(step_dir)
+                report.finished_deletions.append(int(step_dir) if step_dir else None)
+                protected.add(step_dir)
+                continue
+            if join_key(step_dir, MANIFEST_NAME) in markers:
+                try:
+                    keep.update((await self.read_manifest(step_dir)).objects)
+                except CheckpointNotFoundError:
+                    protected.add(step_dir)  # changing under us: leave it to the next sweep
+                except (ManifestError, IntegrityError) as e:
+                    log.warning("gc %s: step %r is damaged, its objects are kept: %s", self.url, step_dir, e)
+                    report.damaged.append(step_dir)
+                    protected.add(step_dir)
+        live: dict[str, set[str]] = {}
+        for step_dir, infos in by_step.items():
+            live[step_dir] = await self.live_saves(step_dir, [i for i in infos if parse_intent(i.key)])
+        doomed: dict[str, list[ObjectInfo]] = {}
+        for step_dir, infos in by_step.items():
+            if step_dir in protected:
+                continue
+            for info in infos:
+                name = parse_object(info.key)
+                if name is None or info.key in keep:
+                    continue
+                if name.save_id in live[step_dir]:
+                    report.spared_in_flight += 1
+                elif now - info.mtime >= grace_seconds:
+                    doomed.setdefault(step_dir, []).append(info)
+        for step_dir, infos in doomed.items():
+            # A save may have committed since the listing: its manifest now keeps its objects.
+            if join_key(step_dir, MANIFEST_NAME) not in markers and await self._exists(join_key(step_dir, MANIFEST_NAME)):
+                continue
+            again = await self.live_saves(step_dir)
+            gone = [i for i in infos if parse_object(i.key).save_id not in again]  # type: ignore[union-attr]
+            report.objects += [i.key for i in gone]
+            report.bytes += sum(i.size for i in gone)
+        intents = [i for infos in by_step.values() for i in infos if (n := parse_intent(i.key)) is not None
+                   and n.step_dir not in protected and n.save_id not in live[n.step_dir]
+                   and now - i.mtime >= grace_seconds]
+        report.intents = [i.key for i in intents]
         if not dry_run:
-            for s in tombstoned:
-                await self.delete(str(s))
-        doomed = [
-            info.key
-            for info in await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
-            if info.key not in keep and now - info.mtime >= grace_seconds and not _foreign(info.key)
-        ]
-        if not dry_run:
-            await self._delete_keys(doomed)
-        return doomed + temporaries
+            await self._delete_keys(report.objects)
+            await self._delete_keys(report.intents)
+        report.objects.sort()
+        return report
 
     async def close(self) -> None:
         self.engine.close()
         await self.backend.close()
+
+
+def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
+    """ManifestError unless ``manifest`` belongs in ``step_dir``: the step it records, and objects in that step.
+
+    A manifest copied or moved into another step directory would otherwise
+    restore the other step's data under this step's name (and a deletion of
+    the copy would delete the original's objects).
+    """
+    if step_dir:
+        if manifest.step != int(step_dir):
+            raise ManifestError(f"{where}: the manifest is for step {manifest.step}, not {step_dir} "
+                                "(copied or moved from elsewhere?)")
+    for key in manifest.objects:
+        if step_of_key(key) != step_dir:
+            raise ManifestError(f"{where}: object {key!r} lies outside this checkpoint's step "
+                                "(copied or moved from elsewhere?)")
+
+
+def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
+    """The least size of each object of ``manifest``: the end of its last extent (0 if it holds none)."""
+    from .manifest import ArrayItem
+
+    need = dict.fromkeys(manifest.objects, 0)
+    for item in manifest.items.values():
+        if isinstance(item, ArrayItem):
+            for shard in item.shards:
+                for e in shard.extents:
+                    key = manifest.objects[e.object]
+                    need[key] = max(need[key], e.offset + e.length)
+    return need
+
+
+async def _bounded(limit: int, coros: Iterable[Any]) -> None:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Any) -> None:
+        async with sem:
+            await c
+
+    await asyncio.gather(*(one(c) for c in coros))
 
 
 def _default_naming(backend: Backend) -> Naming:
@@ -233,11 +582,3 @@ def _default_naming(backend: Backend) -> Naming:
     if caps.dir_fanout > 0:
         return FanoutNaming(caps.dir_fanout)
     return FlatNaming()
-
-
-def _foreign(key: str) -> bool:
-    """Keys that another tool owns under the same root (Orbax metadata, DCP files): never swept."""
-    first = key.split("/", 1)[0]
-    if first.isdigit() or (first.startswith("h") and all(c in "0123456789abcdef" for c in first[1:])):
-        return False
-    return True

@@ -40,6 +40,7 @@ from .layout import ObjectPlan, Piece, pack
 from .manifest import Manifest, ValueItem, item_to_json
 from .save import merge_records
 from .states import SaveState
+from .intents import Lease
 from .store import CheckpointStore, step_dir_of
 
 __all__ = ["StreamWriter"]
@@ -77,8 +78,8 @@ class StreamWriter:
         self.batch_bytes = max(1, batch_bytes)
         self.inflight_bytes = max(self.batch_bytes, inflight_bytes)
         self.progress = progress
-        if run_sync(store.is_committed(self.step_dir)):
-            raise FileExistsError(f"checkpoint {self.where} is already committed")
+        run_sync(store.prepare_save(self.step_dir))
+        self._lease = Lease(store, self.step_dir, self.save_id).start()  # before the first object
         self.objects: list[str] = []
         self._items: dict[str, dict[str, Any]] = {}  # manifest JSON of each item, extents filled as written
         self._pending: list[Piece] = []
@@ -230,7 +231,9 @@ class StreamWriter:
             run_sync(self.store.commit(self.step_dir, manifest))
         except BaseException:
             self.state = SaveState.FAILED
+            self._lease.close(retire=False)
             raise
+        self._lease.close(retire=True)
         self.state = SaveState.COMMITTED
         log.info(
             "%s: committed (%d objects, %d bytes, streamed)",

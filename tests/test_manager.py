@@ -64,13 +64,13 @@ def test_orphan_sweep_respects_grace_and_committed(tmp_path):
         mngr.save(1, {"w": np.ones(10)})
         mngr.wait_until_finished()
     (tmp_path / "2").mkdir()
-    (tmp_path / "2" / "dead.h00000-00000").write_bytes(b"x")
-    (tmp_path / "1" / "dead.h00001-00000").write_bytes(b"y")
+    (tmp_path / "2" / "0123456789ab.h00000-00000").write_bytes(b"x")
+    (tmp_path / "1" / "0123456789ab.h00001-00000").write_bytes(b"y")
     (tmp_path / "notes.txt").write_text("user file, not ours")
     mngr = ckptio.CheckpointManager(tmp_path)
     assert mngr.sweep_orphans(grace_seconds=3600) == []
     doomed = mngr.sweep_orphans(grace_seconds=0)
-    assert sorted(doomed) == ["1/dead.h00001-00000", "2/dead.h00000-00000"]
+    assert sorted(doomed) == ["1/0123456789ab.h00001-00000", "2/0123456789ab.h00000-00000"]
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "1" / MANIFEST_NAME).exists()
     assert (mngr.restore(1)["w"] == 1).all()
 
@@ -80,6 +80,8 @@ def test_failed_save_keeps_previous_checkpoints(tmp_path):
 
     class Broken(MemoryBackend):
         async def write(self, key, buffers):
+            if "ckptio.intent." in key:  # the save announces itself, then fails on its data
+                return await super().write(key, buffers)
             raise PermissionError(f"{key}: denied")
 
     url = f"mem://broken-{tmp_path.name}"

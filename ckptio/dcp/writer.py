@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..engine import EngineConfig, run_sync
+from ..intents import Lease, new_id
 from ..layout import Naming, Piece, pack
 from ..manifest import Manifest
 from ..staging import torch_to_numpy
+from ..store import CheckpointStore
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc
 from ._location import Located
 from .staging import HostBuffers, stage_state_dict
@@ -93,10 +95,12 @@ class Writer(Located, StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
+        self._lease: Lease | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["buffers"] = None  # the pool stays in the process that stages
+        state["_lease"] = None  # a live intent's heartbeat stays with the process that plans
         return state
 
     # -- AsyncStager -------------------------------------------------------
@@ -130,7 +134,10 @@ class Writer(Located, StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:
             try:
-                committed = run_sync(self._open().is_committed(self.step_dir))
+                run_sync(self._open().prepare_save(self.step_dir))  # finishes an interrupted deletion
+                committed = False
+            except FileExistsError:
+                committed = True
             finally:
                 self._close()  # write_data may run in another process (async_save's process executor)
             if committed:
@@ -143,6 +150,10 @@ class Writer(Located, StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # One id for the whole save: in every object's name and in the manifest.
         save_id = self._save_id = uuid.uuid4().hex[:12]
+        # Announced before any rank writes an object; kept fresh until finish() commits.
+        self._lease = Lease(CheckpointStore(self.url, engine_config=self.engine_config,
+                                            backend_options=self.backend_options),
+                            self.step_dir, new_id(), covers=[save_id]).start()
         return [dataclasses.replace(p, storage_data=_PlanInfo(save_id, i, len(plans))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -199,12 +210,23 @@ class Writer(Located, StorageWriter, AsyncStager):
             )
             manifest = Manifest.from_doc(doc, where)  # validates: every tensor's chunks tile it once
             run_sync(store.commit(self.step_dir, manifest))
+        except BaseException:
+            self._end_lease(retire=False)
+            raise
         finally:
             self._close()
+        self._end_lease(retire=True)
         # The Metadata dcp.save returns says where each item went, like FileSystemWriter's.
         metadata.version = DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rr in results for r in rr}
         log.info("%s: committed", where)
+
+
+    def _end_lease(self, *, retire: bool) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close(retire=retire)
+            run_sync(lease.store.close())
 
 
 def _raw_bytes(item: WriteItem, data: Any) -> memoryview:

@@ -1,0 +1,118 @@
+"""A save's intent, announced before its first object and kept fresh while it is in flight.
+
+Whatever deletes (gc, retention, a re-save's cleanup) spares every object of
+a save whose intent is live -- heartbeat younger than its lease -- whatever
+the objects' age; so a slow save is never mistaken for a crashed one. A save
+that dies stops beating: its intent goes stale after the lease and its
+objects become orphans that gc (and the deletion of that step) remove.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from typing import Any
+
+from .engine import run_sync
+from .store import CheckpointStore
+
+__all__ = ["Lease", "async_lease", "new_id"]
+
+log = logging.getLogger("ckptio.intents")
+
+
+def new_id() -> str:
+    """A fresh save id (the 12 hex digits every object and intent name carries)."""
+    return uuid.uuid4().hex[:12]
+
+
+class Lease:
+    """One save's intent: :meth:`start` announces it, a daemon thread refreshes it, :meth:`close` ends it."""
+
+    def __init__(
+        self, store: CheckpointStore, step_dir: str, save_id: str, host: int = 0, covers: Iterable[str] = ()
+    ) -> None:
+        self.store = store
+        self.step_dir = step_dir
+        self.save_id = save_id
+        self.host = host
+        self.covers = sorted(set(covers))
+        self.lease_s = store.lease_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Lease:
+        """Announce the save (raises if the storage refuses: nothing has been written yet)."""
+        run_sync(self._announce())
+        self._thread = threading.Thread(target=self._beat, name=f"ckptio-lease-{self.save_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _announce(self) -> Coroutine[Any, Any, None]:
+        return self.store.announce(self.step_dir, self.save_id, self.host, self.lease_s, self.covers)
+
+    def _beat(self) -> None:
+        # Four beats per lease: a beat or two may fail (throttling) before anyone may judge us dead.
+        while not self._stop.wait(self.lease_s / 4):
+            try:
+                run_sync(self._announce())
+            except Exception as e:  # noqa: BLE001 -- a missed beat is logged; the next one may work
+                log.warning("%s: heartbeat of save %s failed: %r", self.store.where(self.step_dir), self.save_id, e)
+
+    def close(self, *, retire: bool) -> None:
+        """Stop beating; with ``retire`` remove the intent (after a commit, the manifest protects the objects).
+
+        A failed save keeps its intent, which goes stale: it tells deleters
+        of that step that a dead attempt left objects behind.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if retire:
+            try:
+                run_sync(self.store.retire(self.step_dir, self.save_id))
+            except Exception as e:  # noqa: BLE001 -- a leftover intent is collected by gc
+                log.warning("%s: could not remove intent of save %s: %r", self.store.where(self.step_dir),
+                            self.save_id, e)
+
+    def __enter__(self) -> Lease:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.close(retire=exc_type is None)
+
+
+@contextlib.asynccontextmanager
+async def async_lease(
+    store: CheckpointStore, step_dir: str, save_id: str, host: int = 0, covers: Iterable[str] = ()
+) -> AsyncIterator[None]:
+    """:class:`Lease` for code running on the IO loop: announce, beat from a task, retire on success."""
+    lease_s = store.lease_s
+    ids = sorted(set(covers))
+    await store.announce(step_dir, save_id, host, lease_s, ids)
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(lease_s / 4)
+            try:
+                await store.announce(step_dir, save_id, host, lease_s, ids)
+            except Exception as e:  # noqa: BLE001 -- the next beat may work
+                log.warning("%s: heartbeat of %s failed: %r", store.where(step_dir), save_id, e)
+
+    task = asyncio.ensure_future(beat())
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if ok:
+            try:
+                await store.retire(step_dir, save_id)
+            except Exception as e:  # noqa: BLE001 -- a leftover intent is collected by gc
+                log.warning("%s: could not remove intent %s: %r", store.where(step_dir), save_id, e)

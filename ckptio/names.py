@@ -1,0 +1,90 @@
+"""The names ckptio writes under a root, and the proof that a key is ckptio's.
+
+Deleting is the most dangerous thing ckptio does, so everything that deletes
+(retention, gc, the orphan sweep, tiers) deletes only keys that parse here:
+
+* objects: ``[h<hex>/][<step>/][d<NNN>/]<save id>.h<host>-<n>`` -- exactly the
+  shapes :mod:`ckptio.layout` produces (hashed, flat, fan-out), no deeper;
+* a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
+  first object and rewritten as a heartbeat while the save is in flight;
+* the manifest (``ckptio.manifest.json``) and the tombstone (``ckptio.deleting``).
+
+Anything else under a root (another tool's files, a user's notes, an Orbax
+step, a nested root's deeper keys) never parses, so it is never deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ckptio.backends.base import join_key
+
+__all__ = [
+    "INTENT_PREFIX",
+    "ObjectName",
+    "intent_key",
+    "is_hashed_component",
+    "parse_intent",
+    "parse_object",
+    "step_of_key",
+]
+
+#: Save ids are the first 12 hex digits of a uuid4 (see ckptio.save).
+_SID = r"[0-9a-f]{12}"
+_STEP = r"0|[1-9][0-9]{0,18}"
+_HASH = r"h[0-9a-f]{1,4}"
+_OBJECT = re.compile(
+    rf"(?:(?P<hash>{_HASH})/)?(?:(?P<step>{_STEP})/)?(?:d[0-9]{{3}}/)?(?P<sid>{_SID})\.h[0-9]{{5}}-[0-9]{{5}}"
+)
+INTENT_PREFIX = "ckptio.intent."
+_INTENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.intent\.(?P<sid>{_SID})")
+_HASH_RE = re.compile(_HASH)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectName:
+    """What a data object's key says: the step directory (``""``: the root) and the save that wrote it."""
+
+    step_dir: str
+    save_id: str
+
+
+def parse_object(key: str) -> ObjectName | None:
+    """The step directory and save id of a ckptio data object's key; None for any other key."""
+    m = _OBJECT.fullmatch(key)
+    if m is None:
+        return None
+    return ObjectName(m["step"] or "", m["sid"])
+
+
+def parse_intent(key: str) -> ObjectName | None:
+    """The step directory and save id of an intent's key; None for any other key."""
+    m = _INTENT.fullmatch(key)
+    return None if m is None else ObjectName(m["step"] or "", m["sid"])
+
+
+def intent_key(step_dir: str, save_id: str) -> str:
+    """Where a save announces itself: beside the manifest it will commit."""
+    return join_key(step_dir, INTENT_PREFIX + save_id)
+
+
+def is_hashed_component(name: str) -> bool:
+    """True for a hashed first component (``h3f``) of an object-store layout."""
+    return _HASH_RE.fullmatch(name) is not None
+
+
+def step_of_key(key: str) -> str | None:
+    """The step directory a manifest's object key lies in (``""``: the root), whatever its file name.
+
+    Looser than :func:`parse_object` on purpose: it binds older keys to their
+    step too. None for a key that is not under one step directory.
+    """
+    parts = key.split("/")
+    if len(parts) > 1 and is_hashed_component(parts[0]):
+        parts = parts[1:]
+    if len(parts) > 1 and parts[0].isdigit() and str(int(parts[0])) == parts[0]:
+        return parts[0]
+    if parts[0].isdigit():
+        return None  # a bare number as a file name: not a layout ckptio writes
+    return ""
