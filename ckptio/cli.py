@@ -14,13 +14,14 @@ directory into ckptio, or a ckptio checkpoint out to one (see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from .engine import run_sync
 from .errors import IntegrityError
-from .manifest import ArrayItem, Manifest
+from .manifest import MANIFEST_NAME, ArrayItem, Manifest
 from .store import CheckpointStore
 from .verify import verify_checkpoint
 
@@ -31,23 +32,28 @@ def _ls(args: argparse.Namespace) -> int:
     store = CheckpointStore(args.url)
     rows = []
     steps: list[int | None] = list(run_sync(store.step_dirs()))
-    if run_sync(store.is_committed("")):
+    if run_sync(store._exists(MANIFEST_NAME)):
         steps.insert(0, None)  # a checkpoint saved at the URL itself (step None)
     for step in steps:
-        step_dir = "" if step is None else str(step)
-        committed = run_sync(store.is_committed(step_dir))
-        row: dict[str, Any] = {"step": step, "committed": committed}
-        if committed:
-            m = run_sync(store.read_manifest(step_dir))
+        st = run_sync(store.status("" if step is None else str(step)))  # a bad step never stops the listing
+        row: dict[str, Any] = {"step": step, "state": st.state, "committed": st.state == "committed"}
+        if st.manifest is not None:
+            m = st.manifest
             row.update(items=len(m.items), objects=len(m.objects), bytes=_nbytes(m), hosts=m.num_hosts)
+        if st.problem:
+            row["problem"] = st.problem
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
+        labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
+                  "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)"}
         for r in rows:
-            state = "committed" if r["committed"] else "UNCOMMITTED (will be swept)"
-            extra = f"{r['items']} items, {r['objects']} objects, {r['bytes'] / 2**20:.1f} MiB" if r["committed"] else ""
-            print(f"{'(root)' if r['step'] is None else r['step']:>10}  {state:<28} {extra}")
+            if r["committed"]:
+                extra = f"{r['items']} items, {r['objects']} objects, {r['bytes'] / 2**20:.1f} MiB"
+            else:
+                extra = r.get("problem", "")
+            print(f"{'(root)' if r['step'] is None else r['step']:>10}  {labels[r['state']]:<28} {extra}")
     return 0
 
 
@@ -163,7 +169,6 @@ def _cp(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     """Stream a DCP / Orbax checkpoint directory into ckptio, or a ckptio checkpoint out to one."""
-    import dataclasses
 
     from tqdm import tqdm
 
@@ -187,11 +192,26 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     store = CheckpointStore(args.url)
-    doomed = run_sync(store.sweep(args.grace, dry_run=args.dry_run))
+    try:
+        report = run_sync(store.sweep(args.grace, dry_run=args.dry_run))
+    finally:
+        run_sync(store.close())
+    if args.json:
+        print(json.dumps({"ok": True, "dry_run": args.dry_run, **dataclasses.asdict(report)}))
+        return 0
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{verb} {len(doomed)} orphan objects")
-    for k in doomed[:50]:
+    print(f"{verb} {len(report.objects)} orphan objects ({report.bytes / 2**20:.1f} MiB), "
+          f"{len(report.temporaries)} temporaries, {len(report.intents)} dead saves' intents")
+    for k in report.deleted[:50]:
         print(f"  {k}")
+    if len(report.deleted) > 50:
+        print(f"  ... and {len(report.deleted) - 50} more (--json lists all)")
+    if report.finished_deletions:
+        print(f"finished interrupted deletions of steps {report.finished_deletions}")
+    if report.spared_in_flight:
+        print(f"spared {report.spared_in_flight} objects of saves in flight")
+    for step_dir in report.damaged:
+        print(f"kept the objects of damaged step {step_dir or '(root)'} (see `ckptio ls`)")
     return 0
 
 
@@ -218,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("gc", help="delete orphan objects of crashed saves")
     sp.add_argument("url")
     sp.add_argument("--grace", type=float, default=3600.0, help="only objects older than this many seconds")
-    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    sp.add_argument("--json", action="store_true", help="the report as one JSON object")
     sp.set_defaults(fn=_gc)
     sp = sub.add_parser("cp", help="copy a checkpoint between backends (verified, committed last)")
     sp.add_argument("src")

@@ -271,7 +271,8 @@ def start_save(
             if area is not None:
                 for e in plan.extents:
                     area.fill(arrays[(e.item, e.shard)])
-            fut.set_result(None)
+            if not fut.done():  # a failed write cancels the objects still waiting for their bytes
+                fut.set_result(None)
         if area is not None:
             area.fill_all()  # zero-byte pieces belong to no object
     except BaseException as e:

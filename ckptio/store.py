@@ -433,7 +433,7 @@ class CheckpointStore:
         if not step_dir:
             return []  # a root checkpoint shares its directory with everything else: delete by manifest only
         own = await self.engine.retrying(f"list {step_dir!r}", lambda: self.backend.list(step_dir + "/"))
-        if not (everywhere and self.backend.capabilities.hashed_names):
+        if not everywhere:
             return own
         prefixes = [c for c in await self.engine.retrying(f"list {self.url}", lambda: self.backend.list_children(""))
                     if is_hashed_component(c)]
