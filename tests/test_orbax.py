@@ -33,6 +33,13 @@ SCENARIOS = [
     "retention_gcs",
     "edge_cases",
 ]
+DTYPE_SCENARIOS = [
+    "numpy_int64_x64_off",
+    "jax_int64_save_restore",
+    "type_handler_int64",
+    "property_save_restore",
+    "property_type_handler",
+]
 
 
 def _env() -> dict[str, str]:
@@ -40,12 +47,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run every scenario once in one 8-device process (jax and Orbax import once)."""
-    work = tmp_path_factory.mktemp("orbax")
+def _run_scenarios(script: str, names: list[str], work: Path) -> dict[str, Any]:
+    """Run ``names`` of ``script`` in one 8-device process (jax and Orbax import once); their verdicts."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "orbax_scenarios.py"), str(work), *SCENARIOS],
+        [sys.executable, str(HERE / script), str(work), *names],
         check=False,
         env=_env(),
         capture_output=True,
@@ -60,6 +65,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = json.loads(path.read_text())
     out["__log__"] = proc.stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_scenarios("orbax_scenarios.py", SCENARIOS, tmp_path_factory.mktemp("orbax"))
+
+
+@pytest.fixture(scope="module")
+def dtype_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_scenarios(
+        "orbax_dtype_scenarios.py", DTYPE_SCENARIOS, tmp_path_factory.mktemp("orbax_dtypes")
+    )
 
 
 def _check(results: dict[str, Any], name: str) -> None:
@@ -110,6 +127,38 @@ def test_edge_cases(results):
     """Bare-array and empty-container states, bad leaves refused before Orbax starts, missing items,
     a stale external checkpoint replaced on re-save, a malformed pointer refused."""
     _check(results, "edge_cases")
+
+
+def test_numpy_int64_leaves_restore_as_numpy_int64_with_x64_off(dtype_results):
+    """Issue 20 #1: numpy int64/uint64/float64 leaves beyond 32 bits, Restore(ShapeDtypeStruct(sharding=None))
+    -> np.ndarray in the saved dtype (was: a jax int32 array, values wrapped); onto devices -> ValueError
+    naming the item; values 32 bits hold -> narrowed exactly; explicit casts checked."""
+    _check(dtype_results, "numpy_int64_x64_off")
+
+
+def test_jax_int64_leaves_x64_on_and_off(dtype_results):
+    """jax 64-bit leaves saved with x64 on: exact with x64 on (also a caller-thread enable_x64 context);
+    with x64 off a jax target raises naming the item, a numpy target restores exactly."""
+    _check(dtype_results, "jax_int64_save_restore")
+
+
+def test_type_handler_int64_x64_on_and_off(dtype_results):
+    """register(): the same through StandardSave/PyTreeSave, numpy targets of ckptio-written leaves, and
+    enable_x64 contexts reaching the restore thread."""
+    _check(dtype_results, "type_handler_int64")
+
+
+def test_property_any_dtype_restores_as_saved_under_every_target_form(dtype_results):
+    """Hypothesis: every dtype (bool, ints, uints, float16/bf16/32/64, complex, float8, int4), numpy and jax
+    leaves, scalar and zero-size shapes, x64 on and off, targets None / ShapeDtypeStruct with and without
+    sharding / np.ndarray / jax.Array: same dtype and bits, or jax's narrower dtype with every value
+    intact, or a ValueError naming the item."""
+    _check(dtype_results, "property_save_restore")
+
+
+def test_property_type_handler_any_dtype(dtype_results):
+    """The same property for register() (StandardSave / StandardRestore target forms)."""
+    _check(dtype_results, "property_type_handler")
 
 
 def _free_port() -> int:

@@ -25,8 +25,10 @@ import numpy as np
 
 from ckptio.errors import UnsupportedLeafError
 from ckptio.manifest import ArrayItem, Manifest, encode_value
-from ckptio.staging import Sharded
+from ckptio.staging import Sharded, index_to_box
 from ckptio.tree import path_str, tree_leaf_paths, unflatten
+
+from ._cast import cast_checked, jax_dtype
 
 __all__ = [
     "META_KEY",
@@ -34,7 +36,9 @@ __all__ = [
     "RestorePlan",
     "StagedTree",
     "check_tree",
+    "jax_target",
     "key_parts",
+    "numpy_target",
     "plan_restore",
     "stage_tree",
 ]
@@ -43,6 +47,10 @@ __all__ = [
 META_KEY = "ckptio.orbax"
 
 Parts = tuple[str, ...]
+#: Turns what ckptio restored for a leaf into the leaf the caller gets.
+Finish = Callable[[Any], Any]
+#: A slice of an array as (offsets, sizes).
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def key_parts(path: Sequence[Any]) -> Parts:
@@ -212,14 +220,76 @@ class RestorePlan:
     finish: Callable[[Any], Any]
 
 
-def _leaf_target(
-    name: str, abstract: Any, item: Any, kind: dict[str, Any]
-) -> tuple[Any, Callable[[Any], Any]]:
-    """The ckptio target for one leaf and the post-processing of what comes back."""
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _check_shape(name: str, item: ArrayItem, shape: Sequence[int]) -> None:
+    if tuple(shape) != item.shape:
+        raise ValueError(
+            f"item {name!r}: target shape {tuple(shape)} but the checkpoint holds {item.shape} "
+            "(ckptio.orbax.Restore does not pad or truncate)"
+        )
+
+
+def numpy_target(name: str, item: ArrayItem, shape: Sequence[int], dtype: Any) -> tuple[Any, Finish]:
+    """A numpy leaf of ``dtype`` (cast on the host, checked, when it is not the saved dtype)."""
+    _check_shape(name, item, shape)
+    if np.dtype(dtype) == item.dtype:
+        # A fresh buffer: the abstract tree is a description, not storage to overwrite.
+        return np.empty(item.shape, item.dtype), _identity
+
+    def finish(host: Any) -> Any:
+        out = cast_checked(name, host, dtype, asked=True)
+        return out[()] if isinstance(host, np.generic) else out  # a saved numpy scalar stays one
+
+    return None, finish
+
+
+def jax_target(
+    name: str, item: ArrayItem, shape: Sequence[int], dtype: Any, sharding: Any
+) -> tuple[Any, Finish]:
+    """A jax leaf asked for as ``dtype`` on ``sharding`` (None: the default device).
+
+    When jax cannot hold the saved dtype as asked (``dtype`` differs, or
+    jax_enable_x64 is off for a 64-bit item), the addressable slices are read
+    to host buffers in the saved dtype, cast there with a check of every
+    value (:func:`cast_checked`), and only then put on the devices.
+    """
+    _check_shape(name, item, shape)
+    final = jax_dtype(dtype)
+    if final == item.dtype:
+        return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding), _identity
+    asked = np.dtype(dtype) != item.dtype  # else jax forces the change, and it must lose nothing
+    if sharding is None:
+        return None, lambda host: jax.numpy.asarray(cast_checked(name, host, final, asked=asked))
+    per_device = []
+    indices: dict[Box, Any] = {}
+    for device, index in sharding.addressable_devices_indices_map(item.shape).items():
+        box = index_to_box(index, item.shape)
+        indices.setdefault(box, index)  # replicas: read once
+        per_device.append((device, box))
+    target = Sharded(item.shape, item.dtype, [(index, None) for index in indices.values()])
+
+    def finish(got: Sharded) -> Any:
+        host = {index_to_box(i, item.shape): cast_checked(name, p, final, asked=asked) for i, p in got.pieces}
+        arrays = [jax.device_put(host[box], device) for device, box in per_device]
+        return jax.make_array_from_single_device_arrays(item.shape, sharding, arrays)
+
+    return target, finish
+
+
+def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> tuple[Any, Finish]:
+    """The ckptio target for one leaf and the post-processing of what comes back.
+
+    A restore never changes a dtype the caller did not ask to change: numpy
+    leaves asked for without a sharding come back as numpy (as Orbax returns
+    them), and casts to jax go through :func:`jax_target`'s checks.
+    """
+    if not isinstance(item, ArrayItem):
+        return None, _identity  # a value: as saved
     if kind.get("kind") == "key":
         impl = str(kind.get("impl", ""))
-        if not isinstance(item, ArrayItem):
-            raise ValueError(f"item {name!r}: saved as a PRNG key but holds no array")
         sharding = getattr(abstract, "sharding", None)
         # The target may describe the keys (key dtype) or their data (uint32, from the TypeHandler).
         key_target = _is_target_leaf(abstract) and _is_key_array(abstract)
@@ -227,15 +297,18 @@ def _leaf_target(
             raise ValueError(f"item {name!r}: target shape {abstract.shape} but saved keys {item.shape}")
         tgt = jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding)
         return tgt, lambda data: jax.random.wrap_key_data(data, impl=impl)
-    if isinstance(abstract, (jax.ShapeDtypeStruct, jax.Array)):
-        return abstract, lambda x: x
     if isinstance(abstract, np.ndarray):
-        # A fresh buffer: the abstract tree is a description, not storage to overwrite.
-        return np.empty(abstract.shape, abstract.dtype), lambda x: x
-    if abstract is None and kind.get("kind") == "jax" and isinstance(item, ArrayItem):
+        return numpy_target(name, item, abstract.shape, abstract.dtype)
+    if isinstance(abstract, (jax.ShapeDtypeStruct, jax.Array)):
+        sharding = getattr(abstract, "sharding", None)
+        if sharding is None and kind.get("kind") != "jax":
+            # A numpy leaf and no sharding: numpy, as Orbax returns it (jax could narrow 64-bit types).
+            return numpy_target(name, item, abstract.shape, abstract.dtype)
+        return jax_target(name, item, abstract.shape, abstract.dtype, sharding)
+    if abstract is None and kind.get("kind") == "jax":
         # No target: a jax leaf comes back as a jax array on the default device.
-        return jax.ShapeDtypeStruct(item.shape, item.dtype), lambda x: x
-    return None, lambda x: x  # numpy arrays and values: as saved
+        return jax_target(name, item, item.shape, item.dtype, None)
+    return None, _identity  # numpy arrays and values: as saved
 
 
 def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:

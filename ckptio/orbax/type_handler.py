@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers as types
 
@@ -29,10 +30,11 @@ from ckptio.manifest import ArrayItem, Manifest
 from ckptio.restore import restore_checkpoint
 from ckptio.store import CheckpointStore
 
+from ._cast import cast_staged, x64_context, x64_enabled
 from ._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
 from ._tree import META_KEY, plan_restore, stage_tree
 
-__all__ = ["TYPESTR", "CkptioArrayHandler", "register", "unregister"]
+__all__ = ["TYPESTR", "CkptioArrayHandler", "CkptioNumpyHandler", "register", "unregister"]
 
 #: Recorded in Orbax's tree metadata for leaves this handler wrote.
 TYPESTR = "ckptio.jax.Array"
@@ -85,15 +87,21 @@ class CkptioArrayHandler(types.TypeHandler):
         leaves = {}
         shardings: dict[str, str] = {}
         sm = _sharding_metadata()
+        casts: dict[str, Any] = {}
         for value, info, arg in zip(values, infos, args):
-            if arg is not None and arg.dtype is not None and value.dtype != arg.dtype:
-                value = value.astype(arg.dtype)  # SaveArgs.dtype: Orbax casts before saving, so do we
+            is_key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)  # keys cast as nothing
+            if arg is not None and arg.dtype is not None and value.dtype != arg.dtype and not is_key:
+                casts[info.name] = arg.dtype  # SaveArgs.dtype: Orbax casts before saving, so do we
             leaves[info.name] = value
             if sm is not None:
                 meta = sm.from_jax_sharding(value.sharding)
                 if meta is not None:  # lets a restore without a target use the saved sharding
                     shardings[info.name] = meta.to_serialized_string()
         staged = stage_tree(leaves)
+        for name, dtype in casts.items():
+            # On the staged host copies: a jitted astype would run on the devices (and fails
+            # on arrays committed to different devices).
+            staged.tree[name] = cast_staged(_item_name(name), staged.tree[name], dtype)
         parent = infos[0].parent_dir
         step = _group_step(list(leaves))
         loc = Location(f"{url_of(parent)}/{SUBDIR}", step)
@@ -169,8 +177,14 @@ class CkptioArrayHandler(types.TypeHandler):
                 return await self.fallback.deserialize(infos, args)
             raise FileNotFoundError(f"{url_of(parent)}: no ckptio arrays")
         store, by_name = found
+        x64 = x64_enabled()  # the caller's, read on its thread: a jax.enable_x64 context does not reach ours
+
+        def restore() -> list[jax.Array]:
+            with x64_context(x64):
+                return self._restore(store, by_name, infos, args)
+
         try:
-            return await asyncio.to_thread(self._restore, store, by_name, infos, args)
+            return await asyncio.to_thread(restore)
         finally:
             run_sync(store.close())
 
@@ -180,7 +194,9 @@ class CkptioArrayHandler(types.TypeHandler):
         by_name: dict[str, tuple[int, Manifest]],
         infos: Sequence[types.ParamInfo],
         args: Sequence[types.RestoreArgs],
-    ) -> list[jax.Array]:
+        as_numpy: bool = False,
+    ) -> list[Any]:
+        """Restore ``infos`` from ckptio's checkpoints, as jax arrays (or numpy arrays: ``as_numpy``)."""
         groups: dict[int, list[int]] = {}
         for i, info in enumerate(infos):
             key = _item_name(info.name)
@@ -190,19 +206,16 @@ class CkptioArrayHandler(types.TypeHandler):
         out: list[Any] = [None] * len(infos)
         for step, idx in groups.items():
             manifest = by_name[_item_name(infos[idx[0]].name)][1]
-            abstract = {infos[i].name: self._abstract(manifest, infos[i], args[i]) for i in idx}
+            abstract = {infos[i].name: self._abstract(manifest, infos[i], args[i], as_numpy) for i in idx}
             plan = plan_restore(manifest, abstract)
             restored = plan.finish(restore_checkpoint(store, manifest, str(step), plan.target))
             for i in idx:
-                x = restored[infos[i].name]
-                want = getattr(args[i], "dtype", None)
-                is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # keys have no astype
-                out[i] = x.astype(want) if want is not None and not is_key and x.dtype != want else x
+                out[i] = restored[infos[i].name]  # RestoreArgs.dtype: cast by the plan, on the host
         return out
 
     def _abstract(
-        self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs
-    ) -> jax.ShapeDtypeStruct:
+        self, manifest: Manifest, info: types.ParamInfo, arg: types.RestoreArgs, as_numpy: bool = False
+    ) -> Any:
         key = _item_name(info.name)
         item = manifest.items[key]
         assert isinstance(item, ArrayItem)
@@ -216,7 +229,10 @@ class CkptioArrayHandler(types.TypeHandler):
                 f"{info.name}: restoring as shape {tuple(shape)} but saved {item.shape} "
                 "(ckptio does not pad or truncate)"
             )
-        return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=self._sharding(manifest, key, info, arg))
+        dtype = getattr(arg, "dtype", None) or item.dtype  # RestoreArgs.dtype asks for a cast
+        if as_numpy:  # only describes the wanted array (zero strides): plan_restore reads into a fresh one
+            return np.broadcast_to(np.zeros((), dtype), item.shape)
+        return jax.ShapeDtypeStruct(item.shape, dtype, sharding=self._sharding(manifest, key, info, arg))
 
     def _sharding(self, manifest: Manifest, key: str, info: types.ParamInfo, arg: types.RestoreArgs) -> Any:
         mesh, axes = getattr(arg, "mesh", None), getattr(arg, "mesh_axes", None)
@@ -242,6 +258,73 @@ class CkptioArrayHandler(types.TypeHandler):
         )
 
 
+class CkptioNumpyHandler(types.TypeHandler):
+    """Orbax's ``np.ndarray`` handler, which also restores ckptio's arrays as numpy.
+
+    A leaf that :class:`CkptioArrayHandler` wrote, asked for as numpy (an
+    ``np.ndarray`` target, ``RestoreArgs(restore_type=np.ndarray)``), is read
+    by ckptio: Orbax's handler would look for TensorStore data that is not
+    there. Everything else -- saving numpy leaves, their metadata, restoring
+    them -- is Orbax's handler's (``wrapped``), unchanged.
+    """
+
+    def __init__(self, wrapped: types.TypeHandler, arrays: CkptioArrayHandler) -> None:
+        self.wrapped = wrapped
+        self._arrays = arrays
+
+    def typestr(self) -> str:
+        return self.wrapped.typestr()
+
+    async def metadata(self, infos: Sequence[types.ParamInfo]) -> Sequence[Any]:
+        return await self.wrapped.metadata(infos)
+
+    async def serialize(
+        self,
+        values: Sequence[Any],
+        infos: Sequence[types.ParamInfo],
+        args: Sequence[types.SaveArgs] | None = None,
+    ) -> Sequence[ocp.future.Future]:
+        return await self.wrapped.serialize(values, infos, args)
+
+    async def deserialize(
+        self, infos: Sequence[types.ParamInfo], args: Sequence[types.RestoreArgs] | None = None
+    ) -> Sequence[Any]:
+        args = args or [types.RestoreArgs()] * len(infos)
+        parent = await self._arrays._await_paths(infos)
+        found = await asyncio.to_thread(self._arrays._manifests, parent)
+        if found is None:
+            return await self.wrapped.deserialize(infos, args)
+        store, by_name = found
+        try:
+            ours = [i for i, info in enumerate(infos) if _item_name(info.name) in by_name]
+            theirs = [i for i in range(len(infos)) if i not in set(ours)]
+            out: list[Any] = [None] * len(infos)
+            if theirs:
+                got = await self.wrapped.deserialize([infos[i] for i in theirs], [args[i] for i in theirs])
+                for i, x in zip(theirs, got):
+                    out[i] = x
+            if ours:
+                got = await asyncio.to_thread(
+                    self._arrays._restore,
+                    store,
+                    by_name,
+                    [infos[i] for i in ours],
+                    [args[i] for i in ours],
+                    True,
+                )
+                for i, x in zip(ours, got):
+                    out[i] = x
+            return out
+        finally:
+            run_sync(store.close())
+
+    def __getattr__(self, name: str) -> Any:
+        # Optional TypeHandler hooks of the wrapped handler (memory_size, finalize...).
+        if name.startswith("__") or name == "wrapped":
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+
 def _item_name(name: str) -> str:
     """The ckptio item of an Orbax leaf name (a dict key at the root of the staged tree)."""
     from ckptio.tree import path_str
@@ -258,6 +341,10 @@ def register(handler: CkptioArrayHandler | None = None) -> CkptioArrayHandler:
     elif h.fallback is None:
         h.fallback = prev.fallback
     types.register_type_handler(jax.Array, h, override=True)
+    prev_np = types.get_type_handler(np.ndarray)
+    if isinstance(prev_np, CkptioNumpyHandler):
+        prev_np = prev_np.wrapped
+    types.register_type_handler(np.ndarray, CkptioNumpyHandler(prev_np, h), override=True)
     return h
 
 
@@ -266,3 +353,6 @@ def unregister() -> None:
     cur = types.get_type_handler(jax.Array)
     if isinstance(cur, CkptioArrayHandler) and cur.fallback is not None:
         types.register_type_handler(jax.Array, cur.fallback, override=True)
+    cur_np = types.get_type_handler(np.ndarray)
+    if isinstance(cur_np, CkptioNumpyHandler):
+        types.register_type_handler(np.ndarray, cur_np.wrapped, override=True)

@@ -1,0 +1,112 @@
+"""Dtype changes on restore (and on save with ``SaveArgs.dtype``): on the host, checked, never silent.
+
+A dtype changes in two ways:
+
+* **the caller asks for it** (a target of another dtype, ``RestoreArgs.dtype``,
+  ``SaveArgs.dtype``): integer and bool targets must hold every value exactly;
+  floating targets must keep every finite value finite (rounding is what a
+  float cast means, overflow to inf/nan is not);
+* **jax forces it**: with ``jax_enable_x64`` off a jax array cannot be 64-bit,
+  so an int64 / uint64 / float64 / complex128 item restored as a jax array
+  would become 32-bit. That is done only when every value survives exactly;
+  otherwise the restore raises, naming the item (jax itself would wrap
+  ``2**40`` to ``0`` without a word, and so does stock Orbax).
+
+Casts run on host buffers with numpy, before the device transfer: no jitted
+``astype`` (which fails on arrays committed to other devices, and would
+first put the unconverted data on the devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckptio.staging import Sharded
+
+__all__ = ["cast_checked", "cast_staged", "jax_dtype", "x64_context", "x64_enabled"]
+
+
+def jax_dtype(dtype: Any) -> np.dtype:
+    """The dtype a jax array asked to be ``dtype`` has now (``jax_enable_x64`` decides 64-bit types)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
+def _inexact(dtype: np.dtype) -> bool:
+    # jax's issubdtype knows ml_dtypes (bfloat16, float8: numpy sees them as opaque 'V' types).
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def _mismatch(src: np.ndarray, out: np.ndarray, exact: bool) -> np.ndarray:
+    """Mask of the values of ``src`` that ``out`` (its cast) does not hold."""
+    if exact or not _inexact(out.dtype):
+        with np.errstate(invalid="ignore", over="ignore"):
+            back = out.astype(src.dtype)
+        differs = np.asarray(back != src)
+        if _inexact(src.dtype):
+            differs &= ~(np.isnan(back) & np.isnan(src))  # a NaN that stays NaN survived
+        return differs
+    bad = np.isfinite(src) & ~np.isfinite(out)  # overflow to inf (or to nan, for float8 types)
+    if np.iscomplexobj(src) and not np.iscomplexobj(out):
+        bad |= np.imag(src) != 0  # the imaginary part would be dropped
+    return bad
+
+
+def cast_checked(
+    name: str, values: np.ndarray, dtype: Any, *, asked: bool, saving: bool = False
+) -> np.ndarray:
+    """``values`` as ``dtype``, or ValueError naming item ``name`` if ``dtype`` cannot hold them.
+
+    ``asked``: the caller asked for ``dtype`` (a float target may round);
+    False when jax forces the change (every value must survive exactly).
+    ``saving``: the values come from the state being saved, not from a checkpoint.
+    """
+    values = np.asarray(values)
+    dtype = np.dtype(dtype)
+    if values.dtype == dtype:
+        return values
+    with np.errstate(invalid="ignore", over="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # checked below
+        out = values.astype(dtype)
+    bad = _mismatch(values, out, exact=not asked)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        first = values[where].item()
+        if asked:
+            why = f"the requested dtype {dtype} cannot hold them"
+            fix = "ask for a dtype that holds them"
+        else:
+            why = f"as a jax array it would be {dtype}: jax_enable_x64 is off, and {dtype} cannot hold them"
+            fix = "enable jax_enable_x64, or restore it as numpy (an np.ndarray target)"
+        raise ValueError(
+            f"item {name!r}: the {'state' if saving else 'checkpoint'} holds {values.dtype} values such as {first!r} "
+            f"(at index {list(where)}), but {why}; {fix}"
+        )
+    return out
+
+
+def cast_staged(name: str, staged: Any, dtype: Any) -> Any:
+    """A staged leaf (:class:`ckptio.staging.Sharded` of host pieces, or an array) cast to ``dtype``."""
+    if isinstance(staged, Sharded):
+        pieces = [
+            (index, cast_checked(name, p, dtype, asked=True, saving=True)) for index, p in staged.pieces
+        ]
+        return Sharded(staged.shape, np.dtype(dtype), pieces)
+    return cast_checked(name, staged, dtype, asked=True, saving=True)
+
+
+def x64_enabled() -> bool:
+    """Whether jax arrays may be 64-bit on this thread (``jax.enable_x64`` contexts are thread-local)."""
+    return jax_dtype(np.int64) == np.int64
+
+
+def x64_context(on: bool) -> contextlib.AbstractContextManager[Any]:
+    """Carry a caller's x64 setting to a worker thread, which would otherwise see the global one."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:  # an older jax: the experimental name
+        enable = jax.experimental.enable_x64
+    return enable(on)
