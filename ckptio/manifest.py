@@ -23,6 +23,7 @@ allow-list); nothing is ever unpickled.
 from __future__ import annotations
 
 import base64
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -451,7 +452,39 @@ def _overlap_in(boxes: list[Box], dims: list[int]) -> tuple[Box, Box] | None:
                 if len(group) > 1 and (found := _overlap_in(group, rest)) is not None:
                     return found
             return None
+    if len(dims) == 2:  # any 2-D tiling (pinwheels included) in O(n log n)
+        return _sweep_2d(boxes, dims[0], dims[1])
     return _sweep(boxes, max(dims, key=lambda d: len({(b[0][d], b[1][d]) for b in boxes})))
+
+
+def _sweep_2d(boxes: list[Box], k: int, j: int) -> tuple[Box, Box] | None:
+    """Boxes that coincide outside dimensions ``k`` and ``j``: sweep along ``k`` keeping the active
+    intervals along ``j`` sorted and disjoint, so each insertion is checked against its two neighbours."""
+    events: list[tuple[int, int, int]] = []  # (position along k, 0 = leaves / 1 = enters, box number)
+    for i, b in enumerate(boxes):
+        events.append((b[0][k], 1, i))
+        events.append((b[0][k] + b[1][k], 0, i))
+    events.sort()
+    starts: list[int] = []  # sorted starts along j of the active boxes
+    owner: dict[int, int] = {}  # start -> box number
+    for _pos, enters, i in events:
+        lo = boxes[i][0][j]
+        if not enters:
+            if owner.get(lo) == i:
+                del starts[bisect.bisect_left(starts, lo)]
+                del owner[lo]
+            continue
+        hi = lo + boxes[i][1][j]
+        at = bisect.bisect_left(starts, lo)
+        if at < len(starts) and starts[at] < hi:
+            return boxes[owner[starts[at]]], boxes[i]
+        if at > 0:
+            prev = owner[starts[at - 1]]
+            if boxes[prev][0][j] + boxes[prev][1][j] > lo:
+                return boxes[prev], boxes[i]
+        starts.insert(at, lo)
+        owner[lo] = i
+    return None
 
 
 def _sweep(boxes: list[Box], k: int) -> tuple[Box, Box] | None:

@@ -1,8 +1,14 @@
-"""Crash campaign: kill -9 a saving process at random moments, then check what survives.
+"""Crash campaign: kill -9 savers, deleters, gc and cp at random moments, then check what survives.
 
-After each kill, every checkpoint a reader lists must restore bit-exact (no
-uncommitted or half-deleted one is ever listed or restored), and the saver
-restarted in the same directory must carry on.
+Each trial runs, at once, a saver (CheckpointManager with retention: it is
+also the deleter), a gc looping at ``grace 0`` over the same root, and a
+``ckptio cp`` of the newest step to a second root; then kills a random
+non-empty subset of them with SIGKILL (the others are stopped too).
+After each kill, every checkpoint a reader lists (in both roots) must
+restore bit-exact, the newest committed step never goes back, and no
+``keep_period`` step once committed is ever lost. At the end a final gc
+must leave exactly the kept checkpoints' bytes: no orphan, intent,
+tombstone or temporary file.
 
     python tests/crash_campaign.py --trials 100 [--root DIR] [--seed N]
 """
@@ -20,6 +26,8 @@ import time
 
 import numpy as np
 
+LEASE_S = "2"  # short leases, so that the final gc may judge every killed save dead quickly
+
 CHILD = r"""
 import sys, numpy as np, ckptio
 sys.path.insert(0, {here!r})
@@ -28,8 +36,35 @@ mngr = ckptio.CheckpointManager({root!r}, max_to_keep=2, keep_period=7)
 step = (mngr.latest_step() or 0) + 1
 print("ready", flush=True)
 while True:
-    mngr.save(step, state_for(step))
+    try:
+        mngr.save(step, state_for(step))
+    except Exception as e:  # a save refused by its commit check (e.g. a stalled heartbeat) is not data loss
+        print("save failed:", repr(e), file=sys.stderr, flush=True)
+        mngr._pending = None
     step += 1
+"""
+
+GC_CHILD = r"""
+import ckptio
+from ckptio.engine import run_sync
+from ckptio.store import CheckpointStore
+print("ready", flush=True)
+while True:
+    store = CheckpointStore({root!r})
+    run_sync(store.sweep(0))
+    run_sync(store.close())
+"""
+
+CP_CHILD = r"""
+import ckptio.cli, sys
+print("ready", flush=True)
+while True:
+    try:
+        ckptio.cli.main(["cp", {root!r}, {dst!r}])
+    except SystemExit:
+        pass
+    except Exception as e:  # no committed step yet, or a step deleted under the copy: try again
+        print("cp:", repr(e), file=sys.stderr, flush=True)
 """
 
 
@@ -44,10 +79,12 @@ def state_for(step: int) -> dict:
     }
 
 
-def check(root: str) -> tuple[int, int | None]:
-    """Every listed checkpoint restores bit-exact; returns (how many, newest)."""
+def check(root: str) -> tuple[int, int | None, list[int]]:
+    """Every listed checkpoint restores bit-exact; returns (how many, newest, the steps)."""
     import ckptio
 
+    if not os.path.isdir(root):
+        return 0, None, []
     mngr = ckptio.CheckpointManager(root)
     steps = mngr.all_steps()
     for step in steps:
@@ -57,32 +94,81 @@ def check(root: str) -> tuple[int, int | None]:
         assert got["big"].tobytes() == want["big"].tobytes(), step
         for k, v in want["params"].items():
             assert got["params"][k].tobytes() == v.tobytes(), (step, k)
-    return len(steps), (steps[-1] if steps else None)
+    mngr.close()
+    return len(steps), (steps[-1] if steps else None), steps
+
+
+def _start(code: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CKPTIO_LEASE_S": LEASE_S}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != b"ready":
+        child.kill()
+        raise AssertionError(f"child did not start: {child.stderr.read().decode()[-2000:] if child.stderr else ''}")
+    return child
+
+
+def account(root: str) -> dict[str, int]:
+    """Bytes on disk under ``root`` against the bytes its kept checkpoints account for."""
+    import ckptio
+    from ckptio.manifest import MANIFEST_NAME
+
+    mngr = ckptio.CheckpointManager(root)
+    owned: set[str] = set()
+    for step in mngr.all_steps():
+        m = run_sync_manifest(mngr, step)
+        owned.update(os.path.join(root, k) for k in m.objects)
+        owned.add(os.path.join(root, str(step), MANIFEST_NAME))
+    mngr.close()
+    on_disk = {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+    stray = sorted(on_disk - owned)
+    assert not stray, f"files no kept checkpoint accounts for: {stray[:10]}"
+    assert owned <= on_disk, sorted(owned - on_disk)[:10]
+    return {"files": len(on_disk), "bytes_on_disk": sum(os.path.getsize(p) for p in on_disk),
+            "bytes_of_kept_steps": sum(os.path.getsize(p) for p in owned)}
+
+
+def run_sync_manifest(mngr: object, step: int) -> object:
+    from ckptio.engine import run_sync
+
+    return run_sync(mngr.store.read_manifest(str(step)))  # type: ignore[attr-defined]
 
 
 def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5) -> dict:
     rnd = random.Random(seed)
     here = os.path.dirname(os.path.abspath(__file__))
-    code = CHILD.format(here=here, root=root)
+    dst = root.rstrip("/") + "-copy"
+    codes = {"saver": CHILD.format(here=here, root=root), "gc": GC_CHILD.format(root=root),
+             "cp": CP_CHILD.format(root=root, dst=dst)}
     newest_seen: list[int | None] = []
+    periodic: set[int] = set()
+    kills = {name: 0 for name in codes}
     for _ in range(trials):
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        if line.strip() != b"ready":
-            child.kill()
-            raise AssertionError(f"saver did not start: {child.stderr.read().decode()[-2000:] if child.stderr else ''}")
+        children = {name: _start(code) for name, code in codes.items()}
         time.sleep(rnd.uniform(0.0, max_delay))
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
-        _count, newest = check(root)
+        doomed = rnd.sample(sorted(children), rnd.randint(1, len(children)))
+        for name in doomed:  # the kills land at once, in a random order
+            os.kill(children[name].pid, signal.SIGKILL)
+            kills[name] += 1
+        for child in children.values():  # the survivors are stopped too (then killed: no clean exit path)
+            child.kill()
+            child.wait()
+        _count, newest, steps = check(root)
+        check(dst)
         newest_seen.append(newest)
+        lost = periodic - set(steps)
+        assert not lost, f"committed keep_period steps lost: {sorted(lost)}"
+        periodic |= {s for s in steps if s % 7 == 0}
     # Progress was made, and committed steps only ever move forward.
     seen = [s for s in newest_seen if s is not None]
     assert seen and seen == sorted(seen), newest_seen
     import ckptio
 
+    time.sleep(float(LEASE_S) + 0.5)  # every killed save's lease has run out
+    os.environ["CKPTIO_LEASE_S"] = LEASE_S
     swept = ckptio.CheckpointManager(root).sweep_orphans(grace_seconds=0)
+    if os.path.isdir(dst):
+        ckptio.CheckpointManager(dst).sweep_orphans(grace_seconds=0)
     check(root)
     # Nothing a killed save wrote outlives the sweep: no temporary files of interrupted writes,
     # and no file that the committed checkpoints do not account for.
@@ -90,8 +176,11 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5) 
 
     left = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if TMP_MARK in f]
     assert not left, left
-    return {"trials": trials, "newest": seen[-1], "swept": len(swept),
-            "temporaries": sum(TMP_MARK in k for k in swept)}
+    bytes_ = account(root)
+    if os.path.isdir(dst):
+        account(dst)
+    return {"trials": trials, "newest": seen[-1], "swept": len(swept), "kills": kills,
+            "temporaries": sum(TMP_MARK in k for k in swept), **bytes_}
 
 
 def main() -> int:
