@@ -254,6 +254,79 @@ def type_handler_int64(root: str) -> None:
         ckptio.orbax.unregister()
 
 
+def _multi_mesh_tree() -> dict[str, jax.Array]:
+    """Leaves committed to different device sets and meshes (as Orbax's own test trees are)."""
+    devices = np.asarray(jax.devices())
+    mesh_1d = jax.sharding.Mesh(devices, ("x",))
+    mesh_2d = jax.sharding.Mesh(devices.reshape(2, 4), ("x", "y"))
+    mesh_4 = jax.sharding.Mesh(devices[4:], ("x",))
+    return {
+        "a": jax.device_put(np.arange(8), NamedSharding(mesh_1d, P(None))),
+        "b": jax.device_put(np.arange(16) * 40, NamedSharding(mesh_1d, P("x"))),  # past int8
+        "c": {
+            "a": jax.device_put(np.arange(8).reshape(2, 4) * 3, NamedSharding(mesh_2d, P("x", "y"))),
+            "e": jax.device_put(np.arange(16).reshape(4, 4) * 4, NamedSharding(mesh_4, P("x"))),
+        },
+    }
+
+
+@scenario
+def type_handler_cast(root: str) -> None:
+    """register() + SaveArgs.dtype / RestoreArgs.dtype (Orbax's test_cast), also inside a jax.set_mesh
+    context of another mesh, where a jitted astype on the restored arrays fails."""
+    tree = _multi_mesh_tree()
+    ckptio.orbax.register()
+    try:
+        for n, context in enumerate((contextlib.nullcontext(), jax.set_mesh(jax.make_mesh((8,), ("z",))))):
+            path = epath.Path(root) / str(n)
+            with context:
+                with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+                    save_args = jax.tree.map(lambda _: ocp.SaveArgs(dtype=np.dtype(np.float32)), tree)
+                    ckptr.save(path, args=ocp.args.StandardSave(tree, save_args=save_args))
+                    meta = ckptr.metadata(path).item_metadata
+                    assert all(m.dtype == np.float32 for m in jax.tree.leaves(meta.tree)), meta
+                    target = jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, ml_dtypes.bfloat16, sharding=x.sharding), tree
+                    )
+                    out = ckptr.restore(path, args=ocp.args.StandardRestore(target))
+                for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+                    assert got.dtype == ml_dtypes.bfloat16 and got.sharding == want.sharding, (n, got)
+                    rounded = np.asarray(want).astype(np.float32).astype(ml_dtypes.bfloat16)  # asked: may round
+                    assert np.array_equal(np.asarray(got), rounded), n
+                # PyTreeRestore with RestoreArgs.dtype, onto each leaf's own mesh.
+                restore_args = jax.tree.map(
+                    lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=np.uint32), tree
+                )
+                with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+                    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+                for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+                    assert got.dtype == np.uint32 and np.array_equal(np.asarray(got), np.asarray(want)), n
+        # A cast that cannot hold the values is refused, naming the item: on restore ...
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+            args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=np.int8), tree)
+            raises_naming(
+                "b",
+                partial(
+                    ckptr.restore, epath.Path(root) / "0", args=ocp.args.PyTreeRestore(restore_args=args)
+                ),
+                "int8 restore",
+            )
+        # ... and on save.
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+            save_args = jax.tree.map(lambda _: ocp.SaveArgs(dtype=np.dtype(np.int8)), tree)
+            raises_naming(
+                "b",
+                partial(
+                    ckptr.save,
+                    epath.Path(root) / "int8",
+                    args=ocp.args.StandardSave(tree, save_args=save_args),
+                ),
+                "int8 save",
+            )
+    finally:
+        ckptio.orbax.unregister()
+
+
 # -- the property: any saved dtype restores to the same dtype and values ---------
 
 DTYPES = [

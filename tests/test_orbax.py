@@ -37,6 +37,7 @@ DTYPE_SCENARIOS = [
     "numpy_int64_x64_off",
     "jax_int64_save_restore",
     "type_handler_int64",
+    "type_handler_cast",
     "property_save_restore",
     "property_type_handler",
 ]
@@ -146,6 +147,13 @@ def test_type_handler_int64_x64_on_and_off(dtype_results):
     """register(): the same through StandardSave/PyTreeSave, numpy targets of ckptio-written leaves, and
     enable_x64 contexts reaching the restore thread."""
     _check(dtype_results, "type_handler_int64")
+
+
+def test_type_handler_cast_save_and_restore_args_dtype(dtype_results):
+    """Issue 20 #2: register() + SaveArgs.dtype / RestoreArgs.dtype on leaves of different meshes, also
+    inside a jax.set_mesh context (a jitted astype failed there: the cast now runs on host buffers);
+    a cast that cannot hold the values raises naming the item, on save and on restore."""
+    _check(dtype_results, "type_handler_cast")
 
 
 def test_property_any_dtype_restores_as_saved_under_every_target_form(dtype_results):
