@@ -165,7 +165,8 @@ def test_property_any_dtype_restores_as_saved_under_every_target_form(dtype_resu
 
 
 def test_property_type_handler_any_dtype(dtype_results):
-    """The same property for register() (StandardSave / StandardRestore target forms)."""
+    """The same property for register() (StandardSave / StandardRestore target forms), zero-size
+    arrays included: ckptio keeps accepting them where stock Orbax refuses (README, Orbax section)."""
     _check(dtype_results, "property_type_handler")
 
 
