@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .distributed import Coordinator, SingleProcess
+from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
 from .intents import Lease
@@ -219,10 +219,12 @@ def start_save(
             if area is not None:
                 area.release()
         try:
-            records = coord.all_gather(record)
+            # O(H) traffic: records go to rank 0 only; every host receives just the small verdict.
+            records = gather_to_root(coord, record)
             verdict: dict[str, Any] = {"ok": False}
             manifest: Manifest | None = None
             if coord.rank == 0:
+                assert records is not None
                 errors = [r["error"] for r in records if not r["ok"]]
                 if errors:
                     verdict = {"ok": False, "error": "; ".join(errors)}
@@ -234,7 +236,7 @@ def start_save(
                     except BaseException as e:
                         verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
                         failure = failure or e
-            verdict = coord.all_gather(verdict)[0] if coord.size > 1 else verdict
+            verdict = broadcast_from_root(coord, verdict)
             if not verdict["ok"]:
                 raise failure or SaveFailedError(f"{where}: save failed: {verdict['error']}")
             lease.close(retire=True)
