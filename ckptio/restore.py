@@ -102,7 +102,8 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         dest = np.empty(item.shape, item.dtype)
-        return [Region((0,) * dest.ndim, dest)], lambda: jax.numpy.asarray(dest)
+        check = _check_jax_keeps(name, dest, jax)
+        return [Region((0,) * dest.ndim, dest)], lambda: (check(), jax.numpy.asarray(dest))[1]
     by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
     devices = []
     for device, index in sharding.addressable_devices_indices_map(tuple(item.shape)).items():
@@ -113,7 +114,11 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
         devices.append((device, box))
     regions = [Region(box[0], dest) for box, dest in by_box.items()]
 
+    checks = [_check_jax_keeps(name, dest, jax) for dest in by_box.values()]
+
     def finish() -> Any:
+        for check in checks:
+            check()
         arrays, adopted = [], set()
         for device, box in devices:
             # One device adopts each buffer; replicas get copies, so donating one never touches another.
@@ -122,6 +127,28 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
         return jax.make_array_from_single_device_arrays(tuple(item.shape), sharding, arrays)
 
     return regions, finish
+
+
+def _check_jax_keeps(name: str, host: np.ndarray, jax: Any) -> Callable[[], None]:
+    """A check, run once ``host`` is filled, that jax keeps its values (64-bit types narrow with x64 off)."""
+    narrow = np.dtype(jax.dtypes.canonicalize_dtype(host.dtype))
+    if narrow == host.dtype:
+        return lambda: None
+
+    def check() -> None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            back = host.astype(narrow).astype(host.dtype)
+        bad = back != host
+        if host.dtype.kind in "fc":
+            bad &= ~(np.isnan(back) & np.isnan(host))
+        if bad.any():
+            raise ValueError(
+                f"item {name!r}: the checkpoint holds {host.dtype} values such as {host[bad].flat[0]!r} that "
+                f"a jax array would silently change ({narrow}: jax_enable_x64 is off); enable jax_enable_x64, "
+                "or restore it as numpy (an np.ndarray target)"
+            )
+
+    return check
 
 
 def _device_put(jax: Any, host: np.ndarray, device: Any, alias: bool) -> Any:

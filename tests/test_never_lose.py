@@ -482,3 +482,16 @@ def test_pinwheel_tilings_validate_without_pairwise_work() -> None:
     boxes = [b for x in range(0, 240, 3) for y in range(0, 240, 3) for b in pinwheel(x, y)]
     assert len(boxes) == 32000 and first_overlap(boxes) is None
     assert first_overlap([*boxes, ((4, 4), (2, 2))]) is not None
+
+
+def test_core_restore_never_narrows_64_bit_values_silently_into_jax(tmp_path: Path) -> None:
+    """The core twin of issue 20's finding 1: jax without x64 cannot hold int64 values past 2**31."""
+    jax = pytest.importorskip("jax")
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on in this process")
+    ckptio.save(tmp_path, {"big": np.array([1, 2**40 + 1], np.int64), "small": np.arange(3)}, step=1).result()
+    target = {"big": jax.ShapeDtypeStruct((2,), np.int64), "small": jax.ShapeDtypeStruct((3,), np.int64)}
+    with pytest.raises(ValueError, match="'big'.*jax_enable_x64"):
+        ckptio.restore(tmp_path, step=1, target=target)
+    got = ckptio.restore(tmp_path, step=1, target={"small": target["small"]})
+    assert np.asarray(got["small"]).tolist() == [0, 1, 2]  # values jax can hold come back intact
