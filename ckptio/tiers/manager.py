@@ -119,6 +119,7 @@ class TieredCheckpointManager:
                                     backend_options=fast_options)
         self.replica = CheckpointStore(os.fspath(peer_url) if peer_url is not None else _sub_url(self.fast.url, "peer"),
                                        engine_config=engine_config)
+        self.fast.host_local = self.replica.host_local = True  # each host holds its own part only
         self.durable: CheckpointStore | None = None
         if durable_url is not None or durable_backend is not None:
             url = os.fspath(durable_url) if durable_url is not None else durable_backend.url  # type: ignore[union-attr]
@@ -343,6 +344,7 @@ class TieredCheckpointManager:
         t_plan = time.perf_counter() - t0
         routed = RoutedBackend(f"tiers://{self.fast.url}", {})
         store = CheckpointStore(routed.url, backend=routed)
+        store.host_local = True  # routed reads reach only the objects this host's plan fetched
         engine = _FetchingEngine(self, plan, manifest, routed, holding_store, store.engine.config)
         store.engine.close()
         store.engine = engine
