@@ -72,12 +72,13 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if retire:
-            try:
+        try:
+            if retire:
                 run_sync(self.store.retire(self.step_dir, self.save_id))
-            except Exception as e:  # noqa: BLE001 -- a leftover intent is collected by gc
-                log.warning("%s: could not remove intent of save %s: %r", self.store.where(self.step_dir),
-                            self.save_id, e)
+            else:  # a zero lease: dead at once, so nobody waits a lease for it
+                run_sync(self.store.announce(self.step_dir, self.save_id, self.host, 0.0, self.covers))
+        except Exception as e:  # noqa: BLE001 -- a leftover intent goes stale and is collected by gc
+            log.warning("%s: could not end intent of save %s: %r", self.store.where(self.step_dir), self.save_id, e)
 
     def __enter__(self) -> Lease:
         return self.start()
@@ -111,8 +112,10 @@ async def async_lease(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        if ok:
-            try:
+        try:
+            if ok:
                 await store.retire(step_dir, save_id)
-            except Exception as e:  # noqa: BLE001 -- a leftover intent is collected by gc
-                log.warning("%s: could not remove intent %s: %r", store.where(step_dir), save_id, e)
+            else:  # dead at once (see Lease.close)
+                await store.announce(step_dir, save_id, host, 0.0, ids)
+        except Exception as e:  # noqa: BLE001 -- a leftover intent goes stale and is collected by gc
+            log.warning("%s: could not end intent %s: %r", store.where(step_dir), save_id, e)

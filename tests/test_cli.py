@@ -60,15 +60,16 @@ def test_ls_json_lists_committed_and_uncommitted_steps(tmp_path: Path) -> None:
     assert rc == 0
     nbytes = W.nbytes + 16 * 2
     assert rows == [
-        {"step": 1, "committed": True, "items": 4, "objects": 1, "bytes": nbytes, "hosts": 1},
-        {"step": 2, "committed": True, "items": 4, "objects": 1, "bytes": nbytes, "hosts": 1},
-        {"step": 3, "committed": False},
+        {"step": 1, "state": "committed", "committed": True, "items": 4, "objects": 1, "bytes": nbytes, "hosts": 1},
+        {"step": 2, "state": "committed", "committed": True, "items": 4, "objects": 1, "bytes": nbytes, "hosts": 1},
+        {"step": 3, "state": "incomplete", "committed": False},
     ]
     rc, text = run("ls", root)
     assert "UNCOMMITTED" in text and text.lower().count("committed") == 3
     save(str(tmp_path / "solo"), None)  # saved at the URL itself
     rc, rows = run("ls", str(tmp_path / "solo"), "--json")
-    assert rows == [{"step": None, "committed": True, "items": 4, "objects": 1, "bytes": nbytes, "hosts": 1}]
+    assert rows == [{"step": None, "state": "committed", "committed": True, "items": 4, "objects": 1,
+                     "bytes": nbytes, "hosts": 1}]
 
 
 def test_inspect_json_describes_items_shards_hosts_and_checksums(tmp_path: Path) -> None:
@@ -158,4 +159,4 @@ def test_cp_refuses_corrupt_source_and_commits_nothing(tmp_path: Path) -> None:
     assert rc == 1 and doc["type"] == "IntegrityError" and doc["object"] == key and doc["item"] == "params/w"
     assert not (dst / "2" / MANIFEST_NAME).exists()
     rc, doc = run("ls", str(dst), "--json")
-    assert doc in ([], [{"step": 2, "committed": False}])
+    assert doc in ([], [{"step": 2, "state": "incomplete", "committed": False}])
