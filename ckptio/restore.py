@@ -9,6 +9,14 @@ what each host reads:
 * ``jax.ShapeDtypeStruct`` / ``jax.Array`` with a sharding: a jax.Array
   holding only this host's addressable slices
 * a ``torch.Tensor``: filled in place (bfloat16/float8 included)
+
+A target of another dtype than the saved one asks for a cast, as Orbax's
+restore does (float32 -> bfloat16 for eval, say): it runs on the host with
+:func:`ckptio.cast.cast_checked`, which refuses, naming the item, a cast that
+would change a value beyond a float's rounding (an int8 target for a value
+of 300, an overflow to inf). A target of another shape is refused: nothing
+is ever reshaped. A typed PRNG key target gets its saved key data back as a
+typed key.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from .cast import cast_checked, is_numeric
 from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError, IntegrityError
 from .manifest import ArrayItem, Manifest, ValueItem
 from .reshard import Region, coverage_gaps, plan_region
 from .staging import Sharded, aligned_empty, index_to_box, torch_to_numpy
 from .store import CheckpointStore
-from .tree import flatten, path_str, unflatten
+from .tree import flatten, is_prng_key, path_str, prng_impl_name, unflatten, wrap_prng_key
 
 __all__ = ["restore_checkpoint", "restore_step"]
 
@@ -46,34 +55,49 @@ def _is_target_leaf(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _check(name: str, item: ArrayItem, shape: tuple[int, ...], dtype: Any) -> None:
-    if tuple(shape) != item.shape or np.dtype(dtype) != item.dtype:
+def _check(name: str, item: ArrayItem, shape: tuple[int, ...], dtype: Any) -> np.dtype:
+    """The dtype a target of ``shape`` and ``dtype`` asks for; ValueError if the shape differs.
+
+    A target of another dtype is a request to cast (as Orbax's restore does; checked by
+    :func:`ckptio.cast.cast_checked` once the bytes are in); a shape is never changed.
+    """
+    if tuple(shape) != item.shape:
         raise ValueError(
             f"item {name!r}: target is {np.dtype(dtype)}{list(shape)} but the checkpoint holds "
-            f"{item.dtype}{list(item.shape)} (ckptio does not cast or reshape)"
+            f"{item.dtype}{list(item.shape)} (ckptio never reshapes; restore it whole and reshape it yourself)"
         )
+    want = np.dtype(dtype)
+    if want != item.dtype and not (is_numeric(item.dtype) and is_numeric(want)):
+        raise ValueError(f"item {name!r}: the checkpoint holds {item.dtype}, which cannot be cast to {want}")
+    return want
+
+
+def _cast(name: str, host: np.ndarray, want: np.dtype) -> np.ndarray:
+    return cast_checked(name, host, want, asked=True)
 
 
 def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Finish]:
-    """Destination regions for one array item, and how to build the leaf once they are filled."""
+    """Destination regions for one array item, and how to build the leaf once they are filled.
+
+    Bytes land in buffers of the saved dtype; a target of another dtype gets a checked cast
+    of them (see :func:`_check`).
+    """
     if target is None or (isinstance(target, np.ndarray) and not (target.flags.c_contiguous and target.flags.writeable)):
-        if target is not None:
-            _check(name, item, target.shape, target.dtype)
+        want = item.dtype if target is None else _check(name, item, target.shape, target.dtype)
         dest = np.empty(item.shape, item.dtype)
-        return [Region((0,) * len(item.shape), dest)], (lambda: dest[()] if item.scalar else dest)
+
+        def whole() -> Any:
+            out = _cast(name, dest, want)
+            return out[()] if item.scalar else out
+
+        return [Region((0,) * len(item.shape), dest)], whole
     if isinstance(target, np.ndarray):
-        _check(name, item, target.shape, target.dtype)
-        return [Region((0,) * target.ndim, target)], lambda: target
+        if _check(name, item, target.shape, target.dtype) == item.dtype:
+            return [Region((0,) * target.ndim, target)], lambda: target
+        dest = np.empty(item.shape, item.dtype)
+        return [Region((0,) * target.ndim, dest)], lambda: (np.copyto(target, _cast(name, dest, target.dtype)), target)[1]
     if isinstance(target, Sharded):
-        _check(name, item, target.shape, target.dtype)
-        regions, pieces = [], []
-        for index, data in target.pieces:
-            offs, sizes = index_to_box(index, target.shape)
-            ok = isinstance(data, np.ndarray) and data.shape == sizes and data.dtype == item.dtype
-            dest = data if ok and data.flags.c_contiguous and data.flags.writeable else np.empty(sizes, item.dtype)
-            regions.append(Region(offs, dest))
-            pieces.append((index, dest))
-        return regions, lambda: Sharded(target.shape, target.dtype, pieces)
+        return _sharded_regions(name, item, target)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return _jax_regions(name, item, target, jax)
@@ -81,13 +105,38 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
     if torch is not None and isinstance(target, torch.Tensor):
         t = target.detach()
         view = torch_to_numpy(t) if t.device.type == "cpu" and t.is_contiguous() else None
-        if view is not None:
-            _check(name, item, view.shape, view.dtype)
+        if view is not None and _check(name, item, view.shape, view.dtype) == item.dtype:
             return [Region((0,) * view.ndim, view)], lambda: target
-        _check(name, item, tuple(t.shape), torch_to_numpy(t.new_empty(0, device="cpu")).dtype)
+        want = _check(name, item, tuple(t.shape), torch_to_numpy(t.new_empty(0, device="cpu")).dtype)
         dest = np.empty(item.shape, item.dtype)
-        return [Region((0,) * dest.ndim, dest)], lambda: target.copy_(_numpy_to_torch(dest, torch))
+        return [Region((0,) * dest.ndim, dest)], lambda: target.copy_(_numpy_to_torch(_cast(name, dest, want), torch))
     raise TypeError(f"item {name!r}: unsupported restore target of type {type(target).__name__}")
+
+
+def _sharded_regions(name: str, item: ArrayItem, target: Sharded) -> tuple[list[Region], Finish]:
+    """A :class:`Sharded` target: its pieces, filled in place where they are buffers of the saved dtype."""
+    want = _check(name, item, target.shape, target.dtype)
+    regions, pieces = [], []
+    for index, data in target.pieces:
+        offs, sizes = index_to_box(index, target.shape)
+        ok = isinstance(data, np.ndarray) and data.shape == sizes and data.dtype == item.dtype
+        dest = data if ok and data.flags.c_contiguous and data.flags.writeable else np.empty(sizes, item.dtype)
+        regions.append(Region(offs, dest))
+        pieces.append((index, dest))
+    if want == item.dtype:
+        return regions, lambda: Sharded(target.shape, target.dtype, pieces)
+
+    def finish() -> Sharded:
+        out = []
+        for (index, dest), (_i, data) in zip(pieces, target.pieces):
+            cast = _cast(name, dest, want)
+            if isinstance(data, np.ndarray) and data.shape == cast.shape and data.dtype == want and data.flags.writeable:
+                np.copyto(data, cast)  # the caller's buffer of the asked dtype is filled, as without a cast
+                cast = data
+            out.append((index, cast))
+        return Sharded(target.shape, want, out)
+
+    return regions, finish
 
 
 def _numpy_to_torch(arr: np.ndarray, torch: Any) -> Any:
@@ -98,12 +147,19 @@ def _numpy_to_torch(arr: np.ndarray, torch: Any) -> Any:
 
 
 def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[list[Region], Finish]:
-    _check(name, item, target.shape, target.dtype)
+    if is_prng_key(target):
+        return _prng_key_regions(name, item, target, jax)
+    want = _check(name, item, target.shape, target.dtype)
+    # With jax_enable_x64 off a jax array cannot be 64-bit: narrowing is forced, so it must be exact.
+    final = np.dtype(jax.dtypes.canonicalize_dtype(want))
+
+    def host(buf: np.ndarray) -> np.ndarray:
+        return cast_checked(name, _cast(name, buf, want), final, asked=False)
+
     sharding = getattr(target, "sharding", None)
     if sharding is None:
         dest = np.empty(item.shape, item.dtype)
-        check = _check_jax_keeps(name, dest, jax)
-        return [Region((0,) * dest.ndim, dest)], lambda: (check(), jax.numpy.asarray(dest))[1]
+        return [Region((0,) * dest.ndim, dest)], lambda: jax.numpy.asarray(host(dest))
     by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
     devices = []
     for device, index in sharding.addressable_devices_indices_map(tuple(item.shape)).items():
@@ -114,41 +170,33 @@ def _jax_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[lis
         devices.append((device, box))
     regions = [Region(box[0], dest) for box, dest in by_box.items()]
 
-    checks = [_check_jax_keeps(name, dest, jax) for dest in by_box.values()]
-
     def finish() -> Any:
-        for check in checks:
-            check()
+        hosts = {box: host(buf) for box, buf in by_box.items()}  # every cast checked before any transfer
         arrays, adopted = [], set()
         for device, box in devices:
             # One device adopts each buffer; replicas get copies, so donating one never touches another.
-            arrays.append(_device_put(jax, by_box[box], device, alias=box not in adopted))
+            arrays.append(_device_put(jax, hosts[box], device, alias=box not in adopted))
             adopted.add(box)
         return jax.make_array_from_single_device_arrays(tuple(item.shape), sharding, arrays)
 
     return regions, finish
 
 
-def _check_jax_keeps(name: str, host: np.ndarray, jax: Any) -> Callable[[], None]:
-    """A check, run once ``host`` is filled, that jax keeps its values (64-bit types narrow with x64 off)."""
-    narrow = np.dtype(jax.dtypes.canonicalize_dtype(host.dtype))
-    if narrow == host.dtype:
-        return lambda: None
-
-    def check() -> None:
-        with np.errstate(invalid="ignore", over="ignore"):
-            back = host.astype(narrow).astype(host.dtype)
-        bad = back != host
-        if host.dtype.kind in "fc":
-            bad &= ~(np.isnan(back) & np.isnan(host))
-        if bad.any():
-            raise ValueError(
-                f"item {name!r}: the checkpoint holds {host.dtype} values such as {host[bad].flat[0]!r} that "
-                f"a jax array would silently change ({narrow}: jax_enable_x64 is off); enable jax_enable_x64, "
-                "or restore it as numpy (an np.ndarray target)"
-            )
-
-    return check
+def _prng_key_regions(name: str, item: ArrayItem, target: Any, jax: Any) -> tuple[list[Region], Finish]:
+    """A typed PRNG key target: read its key data (saved as uint32 under the key's path), wrap it."""
+    impl = prng_impl_name(target)
+    shape = tuple(target.shape)
+    if item.shape[: len(shape)] != shape or item.dtype != np.uint32:
+        raise ValueError(
+            f"item {name!r}: the target is a {impl} PRNG key array of shape {list(shape)}, but the checkpoint "
+            f"holds {item.dtype}{list(item.shape)}, not its key data"
+        )
+    if isinstance(target, jax.Array):
+        data_target: Any = jax.random.key_data(target)  # carries the key array's sharding
+    else:  # a NamedSharding's spec leaves the trailing key dimensions replicated
+        data_target = jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=getattr(target, "sharding", None))
+    regions, finish = _jax_regions(name, item, data_target, jax)
+    return regions, lambda: wrap_prng_key(finish(), impl)
 
 
 def _device_put(jax: Any, host: np.ndarray, device: Any, alias: bool) -> Any:

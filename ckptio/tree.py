@@ -1,20 +1,60 @@
-"""Pytrees of dicts, lists and tuples: flatten to ``(path, leaf)`` pairs and back.
+"""Pytrees: flatten to ``(path, leaf)`` pairs and back.
 
 A path is a tuple of dict keys (str) and sequence indices (int); its string
 form (the item name in the manifest) joins them with ``/``, escaping ``%``
 and ``/`` inside keys. The structure itself is saved as JSON (no pickle).
+
+What is a node (everything else is a leaf):
+
+* dicts (str keys), lists and tuples: kept as they are;
+* NamedTuples (optax states such as ``ScaleByAdamState``): their fields;
+* any node registered with ``jax.tree_util`` (flax ``struct.dataclass``,
+  ``FrozenDict``, nnx ``State`` / ``Variable``, your own), when jax is
+  imported: the children jax gives it, named by jax's keys (attribute names,
+  dict keys, indices);
+* typed PRNG keys (``jax.random.key(...)``): saved as their key data (a
+  uint32 array under the key's own path) plus the name of their impl.
+
+The saved structure is plain: a NamedTuple or a registered node is recorded
+as a dict of its named children (attribute or field names, dict keys), or a
+list when its children are positional. So a restore **without a target**
+gives back dicts and lists in their place (and typed PRNG keys as typed keys);
+a restore **with a target** rebuilds the target's own types (the target's
+node carries its type and its static fields).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 __all__ = ["flatten", "path_str", "tree_leaf_paths", "unflatten"]
 
 Path = tuple[str | int, ...]
 
 _MAX_DEPTH = 256
+
+# A typed PRNG key's node: ``{"prng_key:<impl>": [<its key data's leaf>]}``. The impl rides in the
+# kind and the body is a one-element list, so a reader that walks unknown kinds as sequences
+# (older ckptio's item-name validation, the DCP converter) still finds the data leaf.
+_KEY_KIND = "prng_key:"
+
+# Leaves that are never pytree nodes: answered without asking jax.
+_PLAIN_LEAVES = (np.ndarray, np.generic, str, bytes, int, float, complex, type(None))
+
+
+class _Node(dict):  # type: ignore[type-arg]
+    """A structure node of a live tree (a restore target): serialises as its plain JSON form,
+    and rebuilds the target's own type from its children (in order)."""
+
+    __slots__ = ("rebuild",)
+
+    def __init__(self, plain: dict[str, Any], rebuild: Callable[[list[Any]], Any]) -> None:
+        super().__init__(plain)
+        self.rebuild = rebuild
 
 
 def _escape(key: str) -> str:
@@ -26,11 +66,84 @@ def path_str(path: Path) -> str:
     return "/".join(_escape(p) if isinstance(p, str) else str(p) for p in path)
 
 
+def _where(path: Path) -> str:
+    return repr(path_str(path) or "<root>")
+
+
+def _jax() -> Any:
+    # Frameworks are never imported here: a jax node can only exist once jax is imported.
+    return sys.modules.get("jax")
+
+
+def is_prng_key(x: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``), or an abstract one (ShapeDtypeStruct)."""
+    jax = _jax()
+    dtype = getattr(x, "dtype", None)
+    if jax is None or dtype is None or isinstance(x, np.ndarray):
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+def prng_impl_name(x: Any) -> str:
+    """The impl name (``"threefry2x32"``, ``"rbg"``, ...) of a typed key array or its abstract value."""
+    jax = _jax()
+    if isinstance(x, jax.Array):
+        impl = jax.random.key_impl(x)
+        return impl if isinstance(impl, str) else str(getattr(impl, "name", impl))
+    return str(x.dtype._impl.name)  # an abstract key (ShapeDtypeStruct): only its dtype knows
+
+
+def wrap_prng_key(data: Any, impl: str) -> Any:
+    """Key data (uint32, trailing key dimensions) back into a typed key of ``impl``."""
+    import jax  # only a checkpoint that holds a typed key gets here: it was saved by jax
+
+    return jax.random.wrap_key_data(jax.numpy.asarray(data), impl=impl)
+
+
+def _node_children(node: Any, path: Path) -> tuple[list[str | int], list[Any], Callable[[list[Any]], Any]] | None:
+    """``(keys, children, rebuild)`` of a NamedTuple or a jax-registered node; None for a leaf."""
+    if isinstance(node, tuple) and isinstance(getattr(type(node), "_fields", None), tuple):
+        cls = type(node)
+        return list(cls._fields), list(node), lambda children: cls(*children)
+    jax = _jax()
+    if jax is None or isinstance(node, jax.Array):
+        return None
+    # One level only: everything below the node is a "leaf" here, and walked by flatten.
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None  # jax sees a leaf
+    keys: list[str | int] = []
+    for key_path, _child in pairs:
+        (key,) = key_path
+        keys.append(_key_component(key, path))
+    return keys, [c for _k, c in pairs], treedef.unflatten
+
+
+def _key_component(key: Any, path: Path) -> str | int:
+    """A jax key entry as a path component: attribute and dict names as str, indices as int."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            value = getattr(key, attr)
+            break
+    else:
+        value = str(key)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (str, int, np.integer)):
+        raise TypeError(
+            f"the pytree node at {_where(path)} has a child keyed {value!r} ({type(value).__name__}); "
+            "ckptio names children by str keys and int indices"
+        )
+    return value if isinstance(value, str) else int(value)
+
+
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[Path, Any]], Any]:
     """Flatten ``tree`` into ``(path, leaf)`` pairs and a JSON-able structure.
 
-    Dicts need str keys; any object that is not a dict, list or tuple (or that
-    ``is_leaf`` claims) is a leaf. Raises TypeError naming the path of a bad key.
+    Nodes are dicts (str keys), lists, tuples, NamedTuples and jax-registered
+    pytree nodes (see the module docstring); ``is_leaf`` may claim any node
+    as a leaf. Raises TypeError naming the path of a bad key.
     """
     leaves: list[tuple[Path, Any]] = []
 
@@ -50,25 +163,53 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
             return {"dict": {k: walk(v, (*path, k)) for k, v in node.items()}}
         if type(node) in (list, tuple):
             return {type(node).__name__: [walk(v, (*path, i)) for i, v in enumerate(node)]}
-        leaves.append((path, node))
-        return {"leaf": path_str(path)}
+        if isinstance(node, _PLAIN_LEAVES):
+            leaves.append((path, node))
+            return {"leaf": path_str(path)}
+        if is_prng_key(node):
+            impl = prng_impl_name(node)
+            leaves.append((path, _jax().random.key_data(node)))
+            return {_KEY_KIND + impl: [{"leaf": path_str(path)}]}
+        found = _node_children(node, path)
+        if found is None:
+            leaves.append((path, node))
+            return {"leaf": path_str(path)}
+        keys, children, rebuild = found
+        if keys and all(isinstance(k, int) for k in keys):
+            body: Any = {"list": [walk(c, (*path, k)) for k, c in zip(keys, children)]}
+        else:
+            named = {str(k): (k, c) for k, c in zip(keys, children)}
+            if len(named) != len(keys):
+                raise TypeError(f"the pytree node at {_where(path)} has children with clashing names {keys!r}")
+            body = {"dict": {name: walk(c, (*path, k)) for name, (k, c) in named.items()}}
+        return _Node(body, rebuild)
 
     structure = walk(tree, ())
     return leaves, structure
 
 
 def unflatten(structure: Any, leaf_for: Callable[[str], Any]) -> Any:
-    """Rebuild the tree of ``structure``, asking ``leaf_for(path_str)`` for each leaf."""
+    """Rebuild the tree of ``structure``, asking ``leaf_for(path_str)`` for each leaf.
+
+    A structure from a live tree (a restore target) rebuilds its own types; a
+    saved one gives dicts and lists for NamedTuples and registered nodes.
+    """
     if not isinstance(structure, dict) or len(structure) != 1:
         raise ValueError(f"malformed tree node {str(structure)[:80]!r}")
     (kind, body), = structure.items()
     if kind == "leaf" and isinstance(body, str):
         return leaf_for(body)
+    rebuild = getattr(structure, "rebuild", None)
     if kind == "dict" and isinstance(body, dict):
-        return {k: unflatten(v, leaf_for) for k, v in body.items()}
+        out = {k: unflatten(v, leaf_for) for k, v in body.items()}
+        return out if rebuild is None else rebuild(list(out.values()))
     if kind in ("list", "tuple") and isinstance(body, list):
         seq = [unflatten(v, leaf_for) for v in body]
+        if rebuild is not None:
+            return rebuild(seq)
         return seq if kind == "list" else tuple(seq)
+    if kind.startswith(_KEY_KIND) and isinstance(body, list) and len(body) == 1:
+        return wrap_prng_key(unflatten(body[0], leaf_for), kind[len(_KEY_KIND):])
     raise ValueError(f"malformed tree node of kind {kind!r}")
 
 
@@ -83,4 +224,3 @@ def tree_leaf_paths(structure: Any) -> Iterator[str]:
     else:
         for v in body:
             yield from tree_leaf_paths(v)
-
