@@ -17,7 +17,7 @@ everything else is an immutable value.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from ckptio.staging import Sharded, index_to_box
 from ckptio.tree import path_str, tree_leaf_paths, unflatten
 
 from ._cast import cast_checked, jax_dtype
+from ._resize import Box, box_slices, covered, needs_resize, padded
 
 __all__ = [
     "META_KEY",
@@ -49,8 +50,6 @@ META_KEY = "ckptio.orbax"
 Parts = tuple[str, ...]
 #: Turns what ckptio restored for a leaf into the leaf the caller gets.
 Finish = Callable[[Any], Any]
-#: A slice of an array as (offsets, sizes).
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def key_parts(path: Sequence[Any]) -> Parts:
@@ -224,68 +223,105 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _check_shape(name: str, item: ArrayItem, shape: Sequence[int]) -> None:
-    if tuple(shape) != item.shape:
-        raise ValueError(
-            f"item {name!r}: target shape {tuple(shape)} but the checkpoint holds {item.shape} "
-            "(ckptio.orbax.Restore does not pad or truncate)"
-        )
-
-
-def numpy_target(name: str, item: ArrayItem, shape: Sequence[int], dtype: Any) -> tuple[Any, Finish]:
-    """A numpy leaf of ``dtype`` (cast on the host, checked, when it is not the saved dtype)."""
-    _check_shape(name, item, shape)
-    if np.dtype(dtype) == item.dtype:
+def numpy_target(
+    name: str, item: ArrayItem, shape: Sequence[int], dtype: Any, strict: bool = True
+) -> tuple[Any, Finish]:
+    """A numpy leaf of ``dtype`` and ``shape`` (cast on the host, checked, when not the saved dtype;
+    padded or truncated, when not the saved shape and ``strict`` is False)."""
+    resize = needs_resize(name, item, shape, strict)
+    if np.dtype(dtype) == item.dtype and not resize:
         # A fresh buffer: the abstract tree is a description, not storage to overwrite.
         return np.empty(item.shape, item.dtype), _identity
+    target, fill = _host_resized(item, shape) if resize else (None, _identity)
 
     def finish(host: Any) -> Any:
-        out = cast_checked(name, host, dtype, asked=True)
+        out = cast_checked(name, fill(host), dtype, asked=True)
         return out[()] if isinstance(host, np.generic) else out  # a saved numpy scalar stays one
-
-    return None, finish
-
-
-def jax_target(
-    name: str, item: ArrayItem, shape: Sequence[int], dtype: Any, sharding: Any
-) -> tuple[Any, Finish]:
-    """A jax leaf asked for as ``dtype`` on ``sharding`` (None: the default device).
-
-    When jax cannot hold the saved dtype as asked (``dtype`` differs, or
-    jax_enable_x64 is off for a 64-bit item), the addressable slices are read
-    to host buffers in the saved dtype, cast there with a check of every
-    value (:func:`cast_checked`), and only then put on the devices.
-    """
-    _check_shape(name, item, shape)
-    final = jax_dtype(dtype)
-    if final == item.dtype:
-        return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding), _identity
-    asked = np.dtype(dtype) != item.dtype  # else jax forces the change, and it must lose nothing
-    if sharding is None:
-        return None, lambda host: jax.numpy.asarray(cast_checked(name, host, final, asked=asked))
-    per_device = []
-    indices: dict[Box, Any] = {}
-    for device, index in sharding.addressable_devices_indices_map(item.shape).items():
-        box = index_to_box(index, item.shape)
-        indices.setdefault(box, index)  # replicas: read once
-        per_device.append((device, box))
-    target = Sharded(item.shape, item.dtype, [(index, None) for index in indices.values()])
-
-    def finish(got: Sharded) -> Any:
-        host = {index_to_box(i, item.shape): cast_checked(name, p, final, asked=asked) for i, p in got.pieces}
-        arrays = [jax.device_put(host[box], device) for device, box in per_device]
-        return jax.make_array_from_single_device_arrays(item.shape, sharding, arrays)
 
     return target, finish
 
 
-def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> tuple[Any, Finish]:
+def _host_resized(item: ArrayItem, shape: Sequence[int]) -> tuple[Any, Finish]:
+    """Read the part of the saved array that a whole array of ``shape`` covers; pad it to ``shape``."""
+    box = covered(((0,) * len(item.shape), tuple(shape)), item.shape)
+    if box is None:  # nothing in common (a zero-size dimension): all padding, nothing read
+        return Sharded(item.shape, item.dtype, []), lambda _: padded(shape, item.dtype, None)
+    target = Sharded(item.shape, item.dtype, [(box_slices(box), None)])
+    return target, lambda got: padded(shape, item.dtype, got.pieces[0][1])
+
+
+def jax_target(
+    name: str, item: ArrayItem, shape: Sequence[int], dtype: Any, sharding: Any, strict: bool = True
+) -> tuple[Any, Finish]:
+    """A jax leaf asked for as ``dtype`` and ``shape`` on ``sharding`` (None: the default device).
+
+    When jax cannot hold the saved dtype as asked (``dtype`` differs, or
+    jax_enable_x64 is off for a 64-bit item), the addressable slices are read
+    to host buffers in the saved dtype, cast there with a check of every
+    value (:func:`cast_checked`), and only then put on the devices. A
+    ``shape`` other than the saved one (``strict=False`` only) reads the part
+    of each slice the saved array covers, zero-padded (:mod:`._resize`).
+    """
+    resize = needs_resize(name, item, shape, strict)
+    shape = tuple(int(d) for d in shape)
+    final = jax_dtype(dtype)
+    if final == item.dtype and not resize:
+        return jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding), _identity
+    asked = np.dtype(dtype) != item.dtype  # else jax forces the change, and it must lose nothing
+    if sharding is None:
+        target, fill = _host_resized(item, shape) if resize else (None, _identity)
+        return target, lambda host: jax.numpy.asarray(cast_checked(name, fill(host), final, asked=asked))
+    per_device = []
+    reads: dict[Box, Any] = {}  # saved-array boxes to read, one per distinct target slice (replicas: once)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        box = index_to_box(index, shape)
+        part = covered(box, item.shape)
+        if part is not None:
+            reads.setdefault(part, box_slices(part))
+        per_device.append((device, box, part))
+    target = Sharded(item.shape, item.dtype, [(index, None) for index in reads.values()])
+
+    def finish(got: Sharded) -> Any:
+        host = {index_to_box(i, item.shape): p for i, p in got.pieces}
+        cast: dict[Box, np.ndarray] = {}
+        arrays = []
+        for device, box, part in per_device:
+            if box not in cast:
+                values = host[part] if part is not None else None
+                if part is None or part != box:  # the far end lies beyond the saved array: zeros there
+                    values = padded(box[1], item.dtype, values)
+                cast[box] = cast_checked(name, values, final, asked=asked)
+            arrays.append(jax.device_put(cast[box], device))
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    return target, finish
+
+
+def _from_metadata(abstract: Any) -> Any:
+    """An Orbax ``ArrayMetadata`` leaf (from ``metadata()``, as Orbax accepts it for a target) as the
+    ``jax.ShapeDtypeStruct`` it describes; anything else unchanged."""
+    try:
+        from orbax.checkpoint._src.metadata import value as value_metadata
+    except ImportError:  # pragma: no cover - a later Orbax moved it; such targets then restore as saved
+        return abstract
+    if not isinstance(abstract, value_metadata.ArrayMetadata) or abstract.dtype is None:
+        return abstract
+    sharding = abstract.sharding.to_jax_sharding() if abstract.sharding is not None else None
+    return jax.ShapeDtypeStruct(tuple(abstract.shape), abstract.dtype, sharding=sharding)
+
+
+def _leaf_target(
+    name: str, abstract: Any, item: Any, kind: dict[str, Any], strict: bool = True
+) -> tuple[Any, Finish]:
     """The ckptio target for one leaf and the post-processing of what comes back.
 
     A restore never changes a dtype the caller did not ask to change: numpy
     leaves asked for without a sharding come back as numpy (as Orbax returns
-    them), and casts to jax go through :func:`jax_target`'s checks.
+    them), and casts to jax go through :func:`jax_target`'s checks. A shape
+    other than the saved one raises unless ``strict`` is False (then: padded
+    or truncated, as Orbax does).
     """
+    abstract = _from_metadata(abstract)
     if not isinstance(item, ArrayItem):
         return None, _identity  # a value: as saved
     if kind.get("kind") == "key":
@@ -298,21 +334,30 @@ def _leaf_target(name: str, abstract: Any, item: Any, kind: dict[str, Any]) -> t
         tgt = jax.ShapeDtypeStruct(item.shape, item.dtype, sharding=sharding)
         return tgt, lambda data: jax.random.wrap_key_data(data, impl=impl)
     if isinstance(abstract, np.ndarray):
-        return numpy_target(name, item, abstract.shape, abstract.dtype)
+        return numpy_target(name, item, abstract.shape, abstract.dtype, strict)
     if isinstance(abstract, (jax.ShapeDtypeStruct, jax.Array)):
         sharding = getattr(abstract, "sharding", None)
         if sharding is None and kind.get("kind") != "jax":
             # A numpy leaf and no sharding: numpy, as Orbax returns it (jax could narrow 64-bit types).
-            return numpy_target(name, item, abstract.shape, abstract.dtype)
-        return jax_target(name, item, abstract.shape, abstract.dtype, sharding)
+            return numpy_target(name, item, abstract.shape, abstract.dtype, strict)
+        return jax_target(name, item, abstract.shape, abstract.dtype, sharding, strict)
     if abstract is None and kind.get("kind") == "jax":
         # No target: a jax leaf comes back as a jax array on the default device.
         return jax_target(name, item, item.shape, item.dtype, None)
     return None, _identity  # numpy arrays and values: as saved
 
 
-def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
-    """The ckptio target tree for ``abstract`` (any pytree, or None for "everything as saved")."""
+def plan_restore(manifest: Manifest, abstract: Any, strict: bool | Mapping[str, bool] = True) -> RestorePlan:
+    """The ckptio target tree for ``abstract`` (any pytree, or None for "everything as saved").
+
+    ``strict``: False lets array leaves whose target shape differs from the
+    saved one (same rank) be padded with zeros or truncated, as Orbax's
+    ``strict=False``; a mapping gives it per item name (default True).
+    """
+    if isinstance(strict, bool):
+        strict_of: Callable[[str], bool] = lambda _name, s=strict: s  # noqa: E731
+    else:
+        strict_of = lambda name, m=strict: bool(m.get(name, True))  # noqa: E731
     meta = manifest.metadata.get(META_KEY, {}) if isinstance(manifest.metadata, dict) else {}
     kinds = meta.get("leaves", {}) if isinstance(meta, dict) else {}
     if abstract is None:
@@ -335,7 +380,8 @@ def plan_restore(manifest: Manifest, abstract: Any) -> RestorePlan:
             f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
         )
     pairs = [
-        _leaf_target(lf.name, lf.value, manifest.items[lf.name], kinds.get(lf.name, {})) for lf in leaves
+        _leaf_target(lf.name, lf.value, manifest.items[lf.name], kinds.get(lf.name, {}), strict_of(lf.name))
+        for lf in leaves
     ]
 
     def finish(restored: Any) -> Any:

@@ -23,7 +23,6 @@ from etils import epath
 
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.layout import Naming
-from ckptio.manifest import ArrayItem
 from ckptio.restore import restore_checkpoint
 from ckptio.tree import unflatten
 
@@ -39,6 +38,7 @@ from ._io import (
     url_of,
     write_and_commit,
 )
+from ._metadata import leaf_metadata, tree_metadata_of
 from ._tree import META_KEY, check_tree, plan_restore, stage_tree
 
 __all__ = ["CkptioCheckpointHandler", "Restore", "Save", "handler_registry"]
@@ -139,27 +139,30 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         loc = locate_for_restore(directory, self._config)
         store, manifest = read_manifest(loc, self._config)
         try:
-            plan = plan_restore(manifest, args.item if args is not None else None)
+            item, strict = (args.item, args.strict) if args is not None else (None, True)
+            plan = plan_restore(manifest, item, strict)
             restored = restore_checkpoint(store, manifest, loc.step_dir, plan.target)
             return plan.finish(restored)
         finally:
             run_sync(store.close())
 
     def metadata(self, directory: epath.Path) -> Any:
-        """The saved tree with ``jax.ShapeDtypeStruct`` for arrays (no sharding) and values as saved."""
-        import jax
+        """What Orbax's ``StandardCheckpointHandler.metadata`` returns: a ``TreeMetadata``.
 
+        ``.tree`` holds an ``ArrayMetadata`` per array (shape, dtype, storage
+        metadata with the saved shards' ``write_shape``; no sharding: the
+        ``Save`` handler records no topology), ``ScalarMetadata`` /
+        ``StringMetadata`` for Python numbers and strings, and other values
+        (bytes, None) as saved; ``.custom_metadata`` is ``Save(metadata=...)``.
+        It indexes like the tree (``meta["params"]["w"].shape``) and can be
+        passed back as a ``Restore`` target.
+        """
         loc = locate_for_restore(directory, self._config)
         store, manifest = read_manifest(loc, self._config)
         run_sync(store.close())
-
-        def leaf(name: str) -> Any:
-            item = manifest.items[name]
-            if isinstance(item, ArrayItem):
-                return jax.ShapeDtypeStruct(item.shape, item.dtype)
-            return item.value
-
-        return unflatten(manifest.tree, leaf)
+        user = manifest.metadata.get("user") if isinstance(manifest.metadata, dict) else None
+        tree = unflatten(manifest.tree, lambda name: leaf_metadata(name, manifest.items[name], directory))
+        return tree_metadata_of(tree, user)
 
 
 def _run_sync(coro: Any) -> Any:
@@ -189,9 +192,22 @@ class Save(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(CkptioCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class Restore(ocp.args.CheckpointArgs):
-    """Restore onto ``item``'s structure and shardings (``jax.ShapeDtypeStruct`` leaves); None: as saved."""
+    """Restore onto ``item``'s structure and shardings (``jax.ShapeDtypeStruct`` leaves); None: as saved.
+
+    ``item`` may also be what :meth:`CkptioCheckpointHandler.metadata` returned
+    (a ``TreeMetadata``, or its ``.tree``), as Orbax's ``StandardRestore``
+    takes it. ``strict`` (as Orbax's): False lets an array whose target shape
+    differs from the saved one, in size only, be padded with zeros or
+    truncated at the end of each dimension; True (the default) raises.
+    """
 
     item: Any = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        tree = getattr(self.item, "tree", None)
+        if tree is not None and hasattr(self.item, "custom_metadata"):  # an Orbax TreeMetadata
+            self.item = tree
 
 
 def handler_registry(

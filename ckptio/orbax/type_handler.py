@@ -31,6 +31,7 @@ from ckptio.restore import restore_checkpoint
 from ckptio.store import CheckpointStore
 
 from ._cast import cast_staged, x64_context, x64_enabled
+from ._metadata import leaf_metadata
 from ._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
 from ._tree import META_KEY, plan_restore, stage_tree
 
@@ -158,11 +159,8 @@ class CkptioArrayHandler(types.TypeHandler):
             assert isinstance(item, ArrayItem)
             serialized = m.metadata.get(META_KEY, {}).get("shardings", {}).get(key)
             sharding = sm.from_serialized_string(serialized) if sm is not None and serialized else None
-            out.append(
-                ocp.metadata.ArrayMetadata(
-                    name=info.name, directory=parent, shape=item.shape, sharding=sharding, dtype=item.dtype
-                )
-            )
+            # With storage metadata (write_shape), as Orbax's ArrayHandler reports it.
+            out.append(leaf_metadata(info.name, item, parent, sharding))
         return out
 
     async def deserialize(
@@ -207,7 +205,9 @@ class CkptioArrayHandler(types.TypeHandler):
         for step, idx in groups.items():
             manifest = by_name[_item_name(infos[idx[0]].name)][1]
             abstract = {infos[i].name: self._abstract(manifest, infos[i], args[i], as_numpy) for i in idx}
-            plan = plan_restore(manifest, abstract)
+            # ArrayRestoreArgs.strict: False lets global_shape pad or truncate, as Orbax's deserialize.
+            strict = {_item_name(infos[i].name): bool(getattr(args[i], "strict", True)) for i in idx}
+            plan = plan_restore(manifest, abstract, strict)
             restored = plan.finish(restore_checkpoint(store, manifest, str(step), plan.target))
             for i in idx:
                 out[i] = restored[infos[i].name]  # RestoreArgs.dtype: cast by the plan, on the host
@@ -220,19 +220,13 @@ class CkptioArrayHandler(types.TypeHandler):
         item = manifest.items[key]
         assert isinstance(item, ArrayItem)
         shape = getattr(arg, "global_shape", None) or getattr(arg, "shape", None)
-        if (
-            shape is not None
-            and tuple(shape) != item.shape
-            and manifest.metadata.get(META_KEY, {}).get("leaves", {}).get(key, {}).get("kind") != "key"
-        ):
-            raise ValueError(
-                f"{info.name}: restoring as shape {tuple(shape)} but saved {item.shape} "
-                "(ckptio does not pad or truncate)"
-            )
+        if shape is None or manifest.metadata.get(META_KEY, {}).get("leaves", {}).get(key, {}).get("kind") == "key":
+            shape = item.shape  # keys: the target describes the keys, the item holds their data
+        # A shape other than the saved one: plan_restore pads/truncates under strict=False, else raises.
         dtype = getattr(arg, "dtype", None) or item.dtype  # RestoreArgs.dtype asks for a cast
         if as_numpy:  # only describes the wanted array (zero strides): plan_restore reads into a fresh one
-            return np.broadcast_to(np.zeros((), dtype), item.shape)
-        return jax.ShapeDtypeStruct(item.shape, dtype, sharding=self._sharding(manifest, key, info, arg))
+            return np.broadcast_to(np.zeros((), dtype), tuple(shape))
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self._sharding(manifest, key, info, arg))
 
     def _sharding(self, manifest: Manifest, key: str, info: types.ParamInfo, arg: types.RestoreArgs) -> Any:
         mesh, axes = getattr(arg, "mesh", None), getattr(arg, "mesh_axes", None)

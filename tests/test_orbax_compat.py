@@ -1,0 +1,50 @@
+"""Issue 20, items 3-5: Orbax's shape changes, metadata API and topology check, in both adapter modes.
+
+The scenarios (tests/orbax_compat_scenarios.py) need 8 CPU devices, so they
+run in one subprocess, as tests/test_orbax.py's do; this module reads their
+verdicts and never imports jax itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_orbax import _check, _run_scenarios  # noqa: F401  (skips the module without jax/orbax)
+
+SCENARIOS = ["reshape_save_restore", "reshape_type_handler", "metadata_api", "topology_mismatch"]
+
+
+@pytest.fixture(scope="module")
+def compat_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work: Path = tmp_path_factory.mktemp("orbax_compat")
+    return _run_scenarios("orbax_compat_scenarios.py", SCENARIOS, work)
+
+
+def test_restore_strict_false_pads_or_truncates_like_orbax(compat_results):
+    """ckptio.orbax.Restore(strict=False): zero-padding and truncation per dimension, sharded and not,
+    jax and numpy leaves, with a cast; target slices wholly beyond the saved array are zeros. strict=True
+    (the default) and a change of rank raise, naming the item (was: any shape change raised)."""
+    _check(compat_results, "reshape_save_restore")
+
+
+def test_register_honours_array_restore_args_global_shape_and_strict(compat_results):
+    """register(): ArrayRestoreArgs(global_shape, strict=False) and StandardRestore(strict=False) pad or
+    truncate as Orbax does (its test_reshape_padding / _truncate / test_change_shape / test_transform);
+    strict=True raises (was: 'ckptio does not pad or truncate' whatever strict said)."""
+    _check(compat_results, "reshape_type_handler")
+
+
+def test_metadata_is_orbax_tree_metadata_with_write_shape(compat_results):
+    """handler.metadata() is a TreeMetadata (.tree, .custom_metadata) of ArrayMetadata with
+    storage.write_shape (the saved shards' shape), ScalarMetadata and StringMetadata; item_metadata()
+    is not None from the saving manager or a fresh one given the handler; it restores as a target."""
+    _check(compat_results, "metadata_api")
+
+
+def test_restore_without_target_detects_a_topology_mismatch(compat_results):
+    """register(): StandardRestore() with jax.devices() mocked to one device raises 'Topology mismatch
+    detected' (Orbax's test_topology_mismatch); with a target it restores. Save/Restore records no
+    topology, so Restore() brings the array whole onto the default device (README)."""
+    _check(compat_results, "topology_mismatch")
