@@ -1,59 +1,171 @@
-"""The ``ckptio`` command: bench, ls, inspect, verify, gc, cp, convert.
+"""The ``ckptio`` command: ls, inspect, verify, gc, cp, convert, bench.
 
-    ckptio cp SRC DST [--step N] [--dst-step N] [--json]
-    ckptio convert SRC DST --from dcp|orbax|ckptio --to ckptio|dcp|orbax [--step N] [--json]
-
-``cp`` copies a committed checkpoint between any two backends (``/path``,
-``gs://bucket/x``, ``mem://``, ...) with the engine's parallelism: every
-byte is checked against its checksum on the way, the destination's
-manifest is committed last. ``convert`` streams a DCP or Orbax checkpoint
-directory into ckptio, or a ckptio checkpoint out to one (see
-:mod:`ckptio.convert`). ``--step`` is the ckptio side's step.
+Errors are one line on stderr, ``ckptio: error: <what, naming the URL, step
+or object>``, and a distinct exit status (see :data:`EXIT_CODES`); with
+``--json`` the error is a JSON object on stdout instead; ``--debug`` shows the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
+import os
 import sys
-from typing import Any
+import time
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from .engine import run_sync
-from .errors import IntegrityError
+from .errors import IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, ArrayItem, Manifest
 from .store import CheckpointStore
 from .verify import verify_checkpoint
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "CliError", "main"]
+
+#: Exit statuses: each kind of failure has its own, so scripts can tell them apart.
+EXIT_CODES = {
+    "ok": 0,
+    "failed": 1,       # anything else (the message says what)
+    "usage": 2,        # a bad command line or URL (argparse's own status)
+    "not-found": 3,    # no checkpoint / step / path there
+    "damaged": 4,      # a manifest or an object fails its checks
+    "unreachable": 5,  # the storage did not answer (connection refused, timeouts)
+    "denied": 6,       # no permission, no credentials, a read-only storage
+}
+
+_FSSPEC_PROTOCOLS = ("s3", "s3a", "az", "abfs", "abfss", "adl", "hf", "http", "https", "oss", "r2", "sftp", "webdav")
+
+
+class CliError(Exception):
+    """A failure the command reports as its answer: one line and the exit status of ``kind``."""
+
+    def __init__(self, kind: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.extra = extra
+
+
+def _kind_of(e: BaseException) -> str:
+    """The exit-status kind of an exception raised while a command ran."""
+    from ckptio.backends import RetryableError
+
+    if isinstance(e, CliError):
+        return e.kind
+    if isinstance(e, (IntegrityError, ManifestError)):
+        return "damaged"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return "not-found"
+    if isinstance(e, PermissionError):
+        return "denied"
+    if isinstance(e, (RetryableError, ConnectionError, TimeoutError)) or type(e).__module__.startswith("aiohttp"):
+        return "unreachable"
+    if isinstance(e, argparse.ArgumentError):
+        return "usage"
+    return "failed"
+
+
+def _one_line(e: BaseException, url: str | None) -> str:
+    """The exception as one line that names ``url`` (most messages already start with it)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    if url and url not in text and not isinstance(e, CliError):
+        text = f"{url}: {text}"
+    return text
+
+
+@contextlib.contextmanager
+def _store(url: str) -> Iterator[CheckpointStore]:
+    """Open ``url``'s store and always close it (an unclosed GCS session warns at exit)."""
+    try:
+        store = CheckpointStore(url)
+    except ValueError as e:
+        raise CliError("usage", _scheme_hint(url, str(e))) from e
+    try:
+        yield store
+    finally:
+        try:
+            run_sync(store.close())
+        except Exception:  # the command's own error is the one worth reporting
+            pass
+
+
+def _scheme_hint(url: str, message: str) -> str:
+    """An unknown scheme's error, with the fsspec spelling when fsspec has that protocol."""
+    if "://" not in url or "no ckptio backend" not in message:
+        return message
+    scheme = url.split("://", 1)[0].lower()
+    known = scheme in _FSSPEC_PROTOCOLS
+    try:
+        import fsspec
+
+        known = known or scheme in fsspec.available_protocols()
+    except ImportError:
+        pass
+    if not known:
+        return message
+    return f"{message}. For {scheme}:// through fsspec use fsspec+{url} (pip install 'ckptio[fsspec]' and its package)"
+
+
+def local_path(url: str) -> str | None:
+    """The filesystem path of a local URL (a plain path, ``file://``, ``hdml://``, ``pstore://``); else None."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return rest if scheme.lower() in ("file", "hdml", "pstore") else None
+
+
+def _nothing_there(url: str) -> str:
+    """Why ``ls`` found no checkpoint under ``url``, as precisely as the storage allows."""
+    path = local_path(url)
+    if path is not None:
+        if not os.path.lexists(path):
+            return f"{url} does not exist"
+        if not os.path.isdir(path):
+            return f"{url} is a file, not a checkpoint directory"
+        return f"{url} holds no ckptio checkpoint (no step directory with a {MANIFEST_NAME}, none at the top)"
+    return f"no ckptio checkpoint under {url}"
 
 
 def _ls(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.url)
     rows = []
-    steps: list[int | None] = list(run_sync(store.step_dirs()))
-    if run_sync(store._exists(MANIFEST_NAME)):
-        steps.insert(0, None)  # a checkpoint saved at the URL itself (step None)
-    for step in steps:
-        st = run_sync(store.status("" if step is None else str(step)))  # a bad step never stops the listing
-        row: dict[str, Any] = {"step": step, "state": st.state, "committed": st.state == "committed"}
-        if st.manifest is not None:
-            m = st.manifest
-            row.update(items=len(m.items), objects=len(m.objects), bytes=_nbytes(m), hosts=m.num_hosts)
-        if st.problem:
-            row["problem"] = st.problem
-        rows.append(row)
+    with _store(args.url) as store:
+        path = local_path(args.url)
+        if path is not None and os.path.isfile(path):
+            raise CliError("not-found", _nothing_there(args.url), url=args.url)
+        steps: list[int | None] = list(run_sync(store.step_dirs()))
+        if run_sync(store._exists(MANIFEST_NAME)):
+            steps.insert(0, None)  # a checkpoint saved at the URL itself (step None)
+        for step in steps:
+            st = run_sync(store.status("" if step is None else str(step)))  # a bad step never stops the listing
+            row: dict[str, Any] = {"step": step, "state": st.state, "committed": st.state == "committed"}
+            if st.manifest is not None:
+                m = st.manifest
+                row.update(items=len(m.items), objects=len(m.objects), bytes=_nbytes(m), hosts=m.num_hosts,
+                           created=m.created)
+            if st.problem:
+                row["problem"] = st.problem
+            rows.append(row)
+    if not rows:
+        raise CliError("not-found", _nothing_there(args.url), url=args.url)
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
-                  "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)"}
-        for r in rows:
-            if r["committed"]:
-                extra = f"{r['items']} items, {r['objects']} objects, {r['bytes'] / 2**20:.1f} MiB"
-            else:
-                extra = r.get("problem", "")
-            print(f"{'(root)' if r['step'] is None else r['step']:>10}  {labels[r['state']]:<28} {extra}")
+        return 0
+    labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
+              "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)"}
+    print(f"{'step':>10}  {'state':<28} {'size':>10}  {'saved':<19}  what")
+    for r in rows:
+        if r["committed"]:
+            size = f"{r['bytes'] / 2**20:.1f} MiB"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-"
+            extra = f"{r['items']} items, {r['objects']} objects, {r['hosts']} host(s)"
+        else:
+            size, when, extra = "-", "-", r.get("problem", "")
+        step = "(root)" if r["step"] is None else r["step"]
+        print(f"{step:>10}  {labels[r['state']]:<28} {size:>10}  {when:<19}  {extra}")
     return 0
 
 
@@ -61,14 +173,18 @@ def _nbytes(m: Manifest) -> int:
     return sum(i.nbytes for i in m.items.values() if isinstance(i, ArrayItem))
 
 
-def _load(url: str, step: int | None) -> tuple[CheckpointStore, str, Manifest]:
-    store = CheckpointStore(url)
+def _resolve(store: CheckpointStore, url: str, step: int | None) -> tuple[str, Manifest]:
+    """The step directory and manifest of ``step`` (None: the newest intact one) under ``url``."""
+    path = local_path(url)
+    if path is not None and not os.path.isdir(path):
+        raise CliError("not-found", _nothing_there(url), url=url)
     step_dir = run_sync(store.resolve(step))
-    return store, step_dir, run_sync(store.read_manifest(step_dir))
+    return step_dir, run_sync(store.read_manifest(step_dir))
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    _store, _step_dir, m = _load(args.url, args.step)
+    with _store(args.url) as store:
+        _step_dir, m = _resolve(store, args.url, args.step)
     items = {}
     per_host: dict[int, int] = {}
     for name, it in m.items.items():
@@ -101,38 +217,31 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(args: argparse.Namespace, e: BaseException, **extra: Any) -> int:
-    """Report an error as the command's answer (no traceback): exit status 1."""
-    if args.json:
-        doc: dict[str, Any] = {"ok": False, "error": str(e), "type": type(e).__name__, **extra}
-        if isinstance(e, IntegrityError):
-            doc.update(object=e.key, item=e.item)
-        print(json.dumps(doc))
-    else:
-        print(f"FAILED: {e}", file=sys.stderr)
-    return 1
-
-
 def _verify(args: argparse.Namespace) -> int:
     """Re-read every byte of a checkpoint and check every checksum."""
     from tqdm import tqdm
 
-    store, step_dir, m = _load(args.url, args.step)
-    total = _nbytes(m)
-    with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="verify") as bar:
-        try:
-            _objects, done = run_sync(verify_checkpoint(store, step_dir, lambda _e, n: bar.update(n)))
-        except Exception as e:  # report, don't trace: this is the tool's answer
-            return _fail(args, e, url=store.where(step_dir))
-        finally:
-            run_sync(store.close())
+    with _store(args.url) as store:
+        step_dir, m = _resolve(store, args.url, args.step)
+        where = store.where(step_dir)
+        with tqdm(total=_nbytes(m), unit="B", unit_scale=True, disable=args.json, desc="verify") as bar:
+            try:
+                _objects, done = run_sync(verify_checkpoint(store, step_dir, lambda _e, n: bar.update(n)))
+            except IntegrityError as e:
+                raise CliError("damaged", _one_line(e, where), url=where, object=e.key, item=e.item) from e
+            except Exception as e:
+                raise CliError(_kind_of(e), _one_line(e, where), url=where) from e
     if args.json:
-        doc = {"ok": True, "url": store.where(step_dir), "bytes": done, "objects": len(m.objects)}
-        print(json.dumps(doc))
+        print(json.dumps({"ok": True, "url": where, "bytes": done, "objects": len(m.objects)}))
     else:
-        print(f"OK: {store.where(step_dir)}: {len(m.objects)} objects, {done / 2**20:.1f} MiB, "
-              "every checksum matches")
+        print(f"OK: {where}: {len(m.objects)} objects, {done / 2**20:.1f} MiB, every checksum matches")
     return 0
+
+
+def _refuse_a_file(url: str, role: str) -> None:
+    path = local_path(url)
+    if path is not None and os.path.isfile(path):
+        raise CliError("usage", f"{role} {url} is a file; a checkpoint lives in a directory", url=url)
 
 
 def _cp(args: argparse.Namespace) -> int:
@@ -141,46 +250,41 @@ def _cp(args: argparse.Namespace) -> int:
 
     from .copy import copy_checkpoint, object_extents
 
-    src, dst = CheckpointStore(args.src), CheckpointStore(args.dst)
-    try:
-        step_dir = run_sync(src.resolve(args.step))
-        m = run_sync(src.read_manifest(step_dir))
+    _refuse_a_file(args.dst, "destination")
+    with _store(args.src) as src, _store(args.dst) as dst:
+        step_dir, m = _resolve(src, args.src, args.step)
         dst_dir = step_dir if args.dst_step is None else str(args.dst_step)
         total = sum(max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(m))
         with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="cp") as bar:
             out, stats = run_sync(copy_checkpoint(src, dst, step_dir, dst_step_dir=dst_dir,
                                                   progress=lambda _e, n: bar.update(n)))
-    except Exception as e:
-        return _fail(args, e, src=args.src, dst=args.dst)
-    finally:
-        run_sync(src.close())
-        run_sync(dst.close())
-    doc = {"ok": True, "src": src.where(step_dir), "dst": dst.where(dst_dir), "step": out.step,
-           "checkpoint_id": out.checkpoint_id, "objects": len(out.objects), "written": stats.written,
-           "kept": stats.kept, "bytes": stats.bytes}
+        src_where, dst_where = src.where(step_dir), dst.where(dst_dir)
+    # Nothing written and nothing found: the destination already held this very checkpoint, committed.
+    complete = stats.written == 0 and stats.kept == 0
+    doc = {"ok": True, "src": src_where, "dst": dst_where, "step": out.step, "checkpoint_id": out.checkpoint_id,
+           "objects": len(out.objects), "written": stats.written, "kept": stats.kept, "bytes": stats.bytes,
+           "already_complete": complete}
     if args.json:
         print(json.dumps(doc))
+    elif complete:
+        print(f"OK: {dst_where} already holds this checkpoint, committed ({len(out.objects)} objects): "
+              "already complete, nothing copied")
     else:
-        print(f"OK: {doc['src']} -> {doc['dst']}: {stats.written} objects written "
-              f"({stats.bytes / 2**20:.1f} MiB), "
+        print(f"OK: {src_where} -> {dst_where}: {stats.written} objects written ({stats.bytes / 2**20:.1f} MiB), "
               f"{stats.kept} already there; committed")
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
     """Stream a DCP / Orbax checkpoint directory into ckptio, or a ckptio checkpoint out to one."""
-
     from tqdm import tqdm
 
     from .convert import convert, source_bytes
 
-    try:
-        total = source_bytes(args.src, args.src_format, args.step) if not args.json else None
-        with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="convert") as bar:
-            res = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-                          step=args.step, progress=lambda _e, n: bar.update(n))
-    except Exception as e:
-        return _fail(args, e, src=args.src, dst=args.dst)
+    total = source_bytes(args.src, args.src_format, args.step) if not args.json else None
+    with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="convert") as bar:
+        res = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                      step=args.step, progress=lambda _e, n: bar.update(n))
     doc = {"ok": True, **dataclasses.asdict(res)}
     if args.json:
         print(json.dumps(doc))
@@ -191,11 +295,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.url)
-    try:
+    with _store(args.url) as store:
+        path = local_path(args.url)
+        if path is not None and not os.path.isdir(path):
+            raise CliError("not-found", _nothing_there(args.url), url=args.url)
         report = run_sync(store.sweep(args.grace, dry_run=args.dry_run))
-    finally:
-        run_sync(store.close())
     if args.json:
         print(json.dumps({"ok": True, "dry_run": args.dry_run, **dataclasses.asdict(report)}))
         return 0
@@ -221,54 +325,127 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a usage CliError instead of printing and exiting (main reports it)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError("usage", f"{message} (see `{self.prog} --help`)")
+
+
+_EPILOG = """\
+URLs: a path or file://PATH (local disk), gs://BUCKET/PREFIX (GCS), mem://NAME, hdml://PATH,
+pstore://PATH, fsspec+PROTOCOL://... (any fsspec filesystem, e.g. fsspec+s3://bucket/run).
+
+exit status: 0 ok, 1 failed, 2 usage (bad arguments or URL), 3 not found, 4 damaged
+(a manifest or object fails its checks), 5 storage unreachable, 6 permission denied.
+Errors are one line, "ckptio: error: ..."; --json prints them as JSON; --debug shows the traceback.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptio", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("bench", help="IO benchmark against the raw disk, Orbax and DCP (see `ckptio bench -h`)",
+    """The ``ckptio`` argument parser (``bench`` has its own: ``ckptio bench --help``)."""
+    from . import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the traceback")
+    p = _Parser(prog="ckptio", parents=[common], epilog=_EPILOG,
+                description="Inspect, verify, copy, convert and clean up ckptio checkpoints; benchmark storage.",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"ckptio {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("bench", help="IO benchmark against the raw disk, Orbax and DCP (see `ckptio bench --help`)",
                    add_help=False)
-    for name, fn, hlp in (("ls", _ls, "list checkpoints"), ("inspect", _inspect, "items, shapes, shards"),
+    for name, fn, hlp in (("ls", _ls, "list the steps under URL: state, size, time"),
+                          ("inspect", _inspect, "items, shapes, shards of one step"),
                           ("verify", _verify, "re-read everything and check every checksum")):
-        sp = sub.add_parser(name, help=hlp)
-        sp.add_argument("url")
+        sp = sub.add_parser(name, help=hlp, description=hlp, parents=[common])
+        sp.add_argument("url", metavar="URL")
         if name != "ls":
-            sp.add_argument("--step", type=int, default=None)
-        sp.add_argument("--json", action="store_true")
+            sp.add_argument("--step", type=int, default=None, help="the step (default: the newest intact one)")
+        sp.add_argument("--json", action="store_true", help="the answer (or the error) as JSON on stdout")
         sp.set_defaults(fn=fn)
-    sp = sub.add_parser("gc", help="delete orphan objects of crashed saves")
-    sp.add_argument("url")
+    sp = sub.add_parser("gc", help="delete what crashed saves left (orphan objects, temporaries, dead intents)",
+                        parents=[common])
+    sp.add_argument("url", metavar="URL")
     sp.add_argument("--grace", type=float, default=3600.0, help="only objects older than this many seconds")
     sp.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     sp.add_argument("--json", action="store_true", help="the report as one JSON object")
     sp.set_defaults(fn=_gc)
-    sp = sub.add_parser("cp", help="copy a checkpoint between backends (verified, committed last)")
-    sp.add_argument("src")
-    sp.add_argument("dst")
+    sp = sub.add_parser("cp", help="copy a checkpoint between backends (verified, committed last)", parents=[common])
+    sp.add_argument("src", metavar="SRC")
+    sp.add_argument("dst", metavar="DST")
     sp.add_argument("--step", type=int, default=None, help="step to copy (default: the newest committed)")
     sp.add_argument("--dst-step", type=int, default=None, help="step at the destination (default: the same)")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="the answer (or the error) as JSON on stdout")
     sp.set_defaults(fn=_cp)
     from .convert import FORMATS
 
-    sp = sub.add_parser("convert", help="DCP / Orbax checkpoint directory <-> ckptio, streaming")
-    sp.add_argument("src")
-    sp.add_argument("dst")
+    sp = sub.add_parser("convert", help="DCP / Orbax checkpoint directory <-> ckptio, streaming", parents=[common])
+    sp.add_argument("src", metavar="SRC")
+    sp.add_argument("dst", metavar="DST")
     sp.add_argument("--from", dest="src_format", choices=FORMATS, required=True)
     sp.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
     sp.add_argument("--step", type=int, default=None,
                     help="the ckptio side's step: to read (default: the newest) or to write "
                          "(default: DST itself)")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="the answer (or the error) as JSON on stdout")
     sp.set_defaults(fn=_convert)
     return p
 
 
+def _report(e: BaseException, kind: str, url: str | None, as_json: bool) -> int:
+    """Print ``e`` as the command's one-line answer (or JSON); return its exit status."""
+    message = _one_line(e, url)
+    if as_json:
+        doc: dict[str, Any] = {"ok": False, "error": message, "kind": kind, "exit": EXIT_CODES[kind],
+                               "type": type(e.__cause__ if isinstance(e, CliError) and e.__cause__ else e).__name__}
+        if url:
+            doc["url"] = url
+        if isinstance(e, IntegrityError):
+            doc.update(object=e.key, item=e.item)
+        if isinstance(e, CliError):
+            doc.update({k: v for k, v in e.extra.items() if v is not None})
+        print(json.dumps(doc))
+    else:
+        print(f"ckptio: error: {message}", file=sys.stderr)
+    return EXIT_CODES[kind]
+
+
+def _log_to_stderr(debug: bool) -> None:
+    """ckptio's warnings (a damaged step skipped, a read retried) as ``ckptio: warning: ...`` lines."""
+    log = logging.getLogger("ckptio")
+    if any(getattr(h, "_ckptio_cli", False) for h in log.handlers) or logging.getLogger().handlers:
+        return  # the host program (or an earlier call) configured logging
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("ckptio: %(levelname)s: %(message)s" if not debug else
+                                           "%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    handler._ckptio_cli = True  # type: ignore[attr-defined]
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run the ``ckptio`` command; returns its exit status (see :data:`EXIT_CODES`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    debug = "--debug" in argv
+    as_json = "--json" in argv
+    _log_to_stderr(debug)
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as e:
+        return _report(e, "usage", None, as_json)
+    url = getattr(args, "url", None) or getattr(args, "src", None)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        if debug:
+            raise
+        return _report(e, _kind_of(e), url, as_json)
 
 
 if __name__ == "__main__":

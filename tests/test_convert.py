@@ -174,7 +174,7 @@ def test_convert_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one side"):
         convert(str(tmp_path), str(tmp_path / "x"), src_format="dcp", dst_format="orbax")
     rc, res = cli("convert", str(tmp_path), str(tmp_path / "x"), "--from", "dcp", "--to", "ckptio", "--json")
-    assert rc == 1 and "not a DCP checkpoint" in res["error"]
+    assert rc == 3 and "not a DCP checkpoint" in res["error"] and res["kind"] == "not-found"
 
 
 # -- the incremental writer --------------------------------------------------
