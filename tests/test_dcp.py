@@ -130,9 +130,11 @@ class _Planner:
         self.committed.append(ri.dest_index.fqn)
 
 
-def _read(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: str) -> ReadItem:
+def _read(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...], dest: str,
+          chunk: tuple[int, ...] | None = None) -> ReadItem:
+    """Read ``lengths`` at ``offsets`` of the saved chunk at ``chunk`` (default: the origin) into ``dest``."""
     return ReadItem(LoadItemType.TENSOR, MetadataIndex(dest), torch.Size([0] * len(offsets)),
-                    MetadataIndex(fqn, (0,) * len(offsets)), torch.Size(offsets), torch.Size(lengths))
+                    MetadataIndex(fqn, chunk or (0,) * len(offsets)), torch.Size(offsets), torch.Size(lengths))
 
 
 def test_sub_rectangles_are_ranged_reads_across_objects(tmp_path):
@@ -199,7 +201,8 @@ def test_missing_uncommitted_and_existing_checkpoints_are_named(tmp_path):
 
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(3)}, storage_writer=Writer(url))
-    _expect_failure(lambda: dcp.save({"w": torch.ones(3)}, storage_writer=Writer(url)), "already committed", url)
+    _expect_failure(lambda: dcp.save({"w": torch.ones(3)}, storage_writer=Writer(url, overwrite=False)),
+                    "Checkpoint already exists", url)
     os.remove(os.path.join(url, MANIFEST_NAME))  # as if the coordinator died before the commit
     _expect_failure(lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=Reader(url)), "not committed", url)
 

@@ -75,8 +75,7 @@ def dcp_to_ckptio(
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from ..dcp._codec import ChunkLocation, manifest_doc, numpy_dtype_of
-    from ..staging import torch_to_numpy
+    from ..dcp._codec import ChunkLocation, manifest_doc, numpy_dtype_of, numpy_view
 
     src = os.fspath(src)
     if not is_dcp_dir(src):
@@ -128,7 +127,7 @@ def dcp_to_ckptio(
 
         def commit_tensor(self, read_item: Any, tensor: Any) -> None:
             fqn = read_item.dest_index.fqn
-            arr = torch_to_numpy(tensor)
+            arr = numpy_view(tensor.contiguous(), fqn)  # raw dtypes (complex32, float4) too
             n = writer.write_shard(path_str((fqn,)), tuple(read_item.dest_index.offset), arr)
             placed.append((read_item.dest_index, path_str((fqn,)), n, arr.nbytes))
 
@@ -206,7 +205,13 @@ def _plans(manifest: Manifest, where: str) -> tuple[list[_Plan], dict[str, Any] 
     """Every FQN to write, and DCP's planner_data (FQN -> path)."""
     from ..dcp._codec import metadata_from_manifest
 
-    meta, names = metadata_from_manifest(manifest, where)
+    meta, refs = metadata_from_manifest(manifest, where)
+    names: dict[str, tuple[str, str]] = {}
+    for (fqn, _offsets), ref in refs.items():
+        if ref.transforms:  # compressed chunks are no array to stream: DCP's reader undoes them
+            raise ValueError(f"{where}: {fqn!r} is stored through DCP transforms {list(ref.transforms)}; convert "
+                             "does not undo them (load it with dcp.load and ckptio.dcp.Reader)")
+        names[fqn] = (ref.name, ref.kind)
     props = {fqn: getattr(m, "properties", None) for fqn, m in meta.state_dict_metadata.items()}
     if "dcp" in manifest.metadata:
         plans = [_Plan(fqn, kind, item, props[fqn]) for fqn, (item, kind) in names.items()]
@@ -251,7 +256,7 @@ def _streaming_planner_class() -> type:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from ..staging import torch_to_numpy
+    from ..dcp._codec import numpy_view
 
     class _StreamingSavePlanner(DefaultSavePlanner):
         """A DefaultSavePlanner over meta tensors whose ``resolve_data`` reads each block from ckptio."""
@@ -311,7 +316,7 @@ def _streaming_planner_class() -> type:
             chunk = write_item.tensor_data.chunk
             t = torch.empty(tuple(chunk.sizes), dtype=p.props.dtype)
             if t.numel():
-                self._read(p.item, it, tuple(chunk.offsets), torch_to_numpy(t))
+                self._read(p.item, it, tuple(chunk.offsets), numpy_view(t, p.fqn))
             return t
 
         def _read(self, name: str, it: ArrayItem, offsets: tuple[int, ...], dest: np.ndarray) -> None:

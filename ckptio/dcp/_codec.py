@@ -19,6 +19,25 @@ Byte items (what the planner produced as ``io.BytesIO``) are stored raw, as a
 1-D uint8 array item. Their content is the planner's business: the default
 planners ``torch.save`` non-tensor values into them (pickle), and
 ``DefaultLoadPlanner.load_bytes`` unpickles them. ckptio never does either.
+
+dtypes: a tensor is stored as its raw bytes. Where numpy (ml_dtypes) has the
+same dtype the manifest records it (a native restore returns it as such);
+torch dtypes numpy lacks (``complex32``, ``float4_e2m1fn_x2``, the ``bits*``
+kinds) are stored as ``|V<itemsize>`` with the torch dtype's name in
+``metadata["dcp"]``, so DCP gets them back bit for bit. Quantized and
+sub-byte "shell" dtypes (``uint1`` .. ``int7``), which ``torch.save`` cannot
+serialize either, are refused with the tensor's FQN.
+
+Stream transforms (``Writer(_extensions=[ZStandard()])``, DCP's
+``StreamTransformExtension``): each chunk's bytes are transformed whole and
+stored as a 1-D uint8 item ``dcp-stored/<fqn>`` outside the tree (a native
+restore does not offer them: it would hand out compressed bytes); the DCP
+entry then holds the tensor's ``size`` and per chunk its box, where its
+bytes start in that item (``at``) and the transforms' descriptors, exactly
+as DCP writes them (``"stream.zstd/1"``; reversed application order)::
+
+    {"item": "dcp-stored/w", "kind": "tensor", "dtype": ..., "size": [8, 4],
+     "chunks": [{"offsets": [0, 0], "sizes": [4, 4], "at": 0, "transforms": ["stream.zstd/1"]}, ...]}
 """
 
 from __future__ import annotations
@@ -39,9 +58,13 @@ from ..tree import path_str
 __all__ = [
     "DCP_VERSION",
     "ChunkLocation",
+    "ChunkRef",
     "manifest_doc",
     "metadata_from_manifest",
+    "RAW_DTYPES",
     "numpy_dtype_of",
+    "numpy_view",
+    "stored_item_name",
 ]
 
 log = logging.getLogger("ckptio.dcp")
@@ -66,6 +89,8 @@ class ChunkLocation:
     rank: int
     nbytes: int
     extents: tuple[tuple[str, int, int, int, tuple[int, ...]], ...]
+    #: DCP extension descriptors applied to the stored bytes, as DCP lists them (``()``: raw bytes).
+    transforms: tuple[str, ...] = ()
 
 
 def _torch() -> Any:
@@ -74,13 +99,33 @@ def _torch() -> Any:
     return torch
 
 
+#: torch dtypes numpy has no equivalent of, stored as raw bytes (``|V<itemsize>``) under their torch name.
+RAW_DTYPES = frozenset({"complex32", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
+
+
 def numpy_dtype_of(torch_dtype: Any, fqn: str) -> np.dtype:
-    """The numpy (ml_dtypes) dtype whose bytes are ``torch_dtype``'s; TypeError naming ``fqn``."""
+    """The numpy dtype the manifest records for ``torch_dtype``; TypeError naming ``fqn`` if ckptio cannot store it.
+
+    ml_dtypes' dtype where it is the same (bfloat16, float8_*), ``|V<n>`` for
+    :data:`RAW_DTYPES`, refused for quantized and sub-byte shell dtypes
+    (``torch.save`` refuses those too, so no DCP checkpoint holds them).
+    """
     torch = _torch()
+    name = _torch_name(torch_dtype)
+    if name in RAW_DTYPES:
+        return np.dtype(f"V{torch.empty(0, dtype=torch_dtype).element_size()}")
     try:
         return torch_to_numpy(torch.empty(0, dtype=torch_dtype)).dtype
     except (TypeError, RuntimeError, AttributeError) as e:
-        raise TypeError(f"{fqn!r}: tensors of dtype {torch_dtype} have no raw-bytes form ckptio can store: {e}") from e
+        raise TypeError(f"{fqn!r}: ckptio cannot store tensors of dtype {torch_dtype} (neither can torch.save): {e}"
+                        ) from e
+
+
+def numpy_view(t: Any, fqn: str) -> np.ndarray:
+    """A numpy view of the contiguous CPU tensor ``t`` with its manifest dtype (shares memory)."""
+    dtype = numpy_dtype_of(t.dtype, fqn)
+    torch = _torch()
+    return t.reshape(-1).view(torch.uint8).numpy().view(dtype).reshape(tuple(t.shape))
 
 
 def _torch_attr(name: Any, kind: str, allowed: tuple[str, ...] | None, where: str) -> Any:
@@ -98,6 +143,15 @@ def _torch_name(value: Any) -> str:
 
 
 # -- writing ----------------------------------------------------------------
+
+
+def stored_item_name(fqn: str) -> str:
+    """The manifest item of a transformed FQN's stored bytes (two path components: never a plain FQN's name)."""
+    return path_str(("dcp-stored", fqn))
+
+
+def _transformed(d: dict[str, Any]) -> bool:
+    return "chunks" in d or bool(d.get("transforms"))
 
 
 def _planner_data_json(data: Any) -> Any:
@@ -155,32 +209,50 @@ def manifest_doc(
         name = path_str((fqn,))
         if isinstance(md, BytesStorageMetadata):
             loc = where.get(MetadataIndex(fqn)) or missing(fqn)
+            if loc.transforms:
+                name = stored_item_name(fqn)
             items[name] = {
                 "kind": "array", "dtype": "|u1", "shape": [loc.nbytes], "scalar": False, "origin": "numpy",
                 "shards": [{"offsets": [0], "shape": [loc.nbytes], "host": loc.rank, "extents": extents(loc)}],
             }
             dcp_items[fqn] = {"item": name, "kind": "bytes"}
+            if loc.transforms:
+                dcp_items[fqn]["transforms"] = list(loc.transforms)
             continue
         props = md.properties
-        shards = []
-        for chunk in md.chunks:
-            loc = where.get(MetadataIndex(fqn, chunk.offsets)) or missing(MetadataIndex(fqn, chunk.offsets))
-            shards.append({"offsets": list(chunk.offsets), "shape": list(chunk.sizes), "host": loc.rank,
-                           "extents": extents(loc)})
-        items[name] = {
-            "kind": "array", "dtype": encode_dtype(numpy_dtype_of(props.dtype, fqn)), "shape": list(md.size),
-            "scalar": False, "origin": "torch", "shards": shards,
-        }
-        dcp_items[fqn] = {
+        locs = [where.get(MetadataIndex(fqn, c.offsets)) or missing(MetadataIndex(fqn, c.offsets)) for c in md.chunks]
+        entry: dict[str, Any] = {
             "item": name, "kind": "tensor", "dtype": _torch_name(props.dtype), "layout": _torch_name(props.layout),
             "requires_grad": bool(props.requires_grad), "memory_format": _torch_name(props.memory_format),
             "pin_memory": bool(props.pin_memory),
+        }
+        dcp_items[fqn] = entry
+        if any(loc.transforms for loc in locs):
+            # Transformed bytes are no array: one uint8 item of every chunk's stored bytes, out of the tree.
+            entry["item"] = name = stored_item_name(fqn)
+            entry["size"] = list(md.size)
+            entry["chunks"] = []
+            shards, at = [], 0
+            for chunk, loc in zip(md.chunks, locs):
+                entry["chunks"].append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "at": at,
+                                        "transforms": list(loc.transforms)})
+                shards.append({"offsets": [at], "shape": [loc.nbytes], "host": loc.rank, "extents": extents(loc)})
+                at += loc.nbytes
+            items[name] = {"kind": "array", "dtype": "|u1", "shape": [at], "scalar": False, "origin": "numpy",
+                           "shards": shards}
+            continue
+        shards = [{"offsets": list(c.offsets), "shape": list(c.sizes), "host": loc.rank, "extents": extents(loc)}
+                  for c, loc in zip(md.chunks, locs)]
+        items[name] = {
+            "kind": "array", "dtype": encode_dtype(numpy_dtype_of(props.dtype, fqn)), "shape": list(md.size),
+            "scalar": False, "origin": "torch", "shards": shards,
         }
     return {
         "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "created": created,
         "block_size": block_size, "num_hosts": num_hosts,
         # A flat dict keyed by FQN: a native restore returns {fqn: array}.
-        "tree": {"dict": {fqn: {"leaf": d["item"]} for fqn, d in dcp_items.items()}},
+        # Transformed items are left out: their stored bytes are not the values.
+        "tree": {"dict": {fqn: {"leaf": d["item"]} for fqn, d in dcp_items.items() if not _transformed(d)}},
         "objects": objects,
         "items": items,
         "metadata": {"dcp": {
@@ -193,11 +265,18 @@ def manifest_doc(
 # -- reading ----------------------------------------------------------------
 
 
-def _properties(d: dict[str, Any], item: ArrayItem, where: str) -> Any:
+def _dims(v: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 64 or not all(type(n) is int and 0 <= n < 1 << 62 for n in v):
+        raise ManifestError(f"{where}: {v!r} is not a list of dimensions")
+    return tuple(v)
+
+
+def _properties(d: dict[str, Any], item: ArrayItem | None, where: str) -> Any:
+    """DCP's TensorProperties of an entry; ``item`` (the raw array, if not transformed) must hold its dtype."""
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     dtype = _torch_attr(d.get("dtype"), "dtype", None, where)
-    if numpy_dtype_of(dtype, where) != item.dtype:
+    if item is not None and numpy_dtype_of(dtype, where) != item.dtype:
         raise ManifestError(f"{where}: torch dtype {d.get('dtype')} does not match the stored {item.dtype}")
     if not isinstance(d.get("requires_grad", False), bool) or not isinstance(d.get("pin_memory", False), bool):
         raise ManifestError(f"{where}: requires_grad / pin_memory must be booleans")
@@ -229,8 +308,32 @@ def _location(item: ArrayItem, shard: ShardRecord, objects: list[str]) -> ChunkL
     ))
 
 
-def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[str, tuple[str, str]]]:
-    """DCP ``Metadata`` of a committed checkpoint, and FQN -> (manifest item name, kind).
+@dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """One saved chunk (or byte item) as the reader finds it: a single-shard view of its manifest item.
+
+    With ``transforms`` the item holds the chunk's transformed bytes (uint8),
+    to be read whole and undone with DCP's extension registry.
+    """
+
+    name: str
+    item: ArrayItem
+    transforms: tuple[str, ...] = ()
+    kind: str = "tensor"  # or "bytes" (a planner byte item)
+
+
+def _descriptors(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
+        raise ManifestError(f"{where}: transforms must be a list of descriptor strings")
+    return tuple(v)
+
+
+def _one_shard(item: ArrayItem, shard: ShardRecord) -> ArrayItem:
+    return ArrayItem(item.dtype, item.shape, [shard], origin=item.origin)
+
+
+def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[tuple[str, tuple[int, ...]], ChunkRef]]:
+    """DCP ``Metadata`` of a committed checkpoint, and (FQN, chunk offsets) -> :class:`ChunkRef`.
 
     A checkpoint written by the native API (no ``metadata["dcp"]``) is offered
     as tensors; its non-array values cannot be, and are left out.
@@ -263,7 +366,7 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
         raise ManifestError(f"{where}: malformed 'dcp' metadata")
     sd_md: dict[str, Any] = {}
     storage: dict[Any, ChunkLocation] = {}
-    names: dict[str, tuple[str, str]] = {}
+    refs: dict[tuple[str, tuple[int, ...]], ChunkRef] = {}
     for fqn, d in dcp["items"].items():
         here = f"{where}: DCP item {fqn!r}"
         item = manifest.items.get(d["item"]) if isinstance(d, dict) and isinstance(d.get("item"), str) else None
@@ -275,6 +378,29 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
                 raise ManifestError(f"{here}: a byte item must be one 1-D uint8 shard")
             sd_md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = _location(item, item.shards[0], manifest.objects)
+            refs[(fqn, (0,))] = ChunkRef(d["item"], item, _descriptors(d.get("transforms", []), here), "bytes")
+        elif kind == "tensor" and "chunks" in d:  # transformed chunks: stored bytes, the boxes in the entry
+            if item.dtype != np.uint8 or len(item.shape) != 1 or not isinstance(d["chunks"], list) or len(
+                    d["chunks"]) != len(item.shards):
+                raise ManifestError(f"{here}: transformed chunks must be one uint8 shard each")
+            props = _properties(d, None, here)
+            size = _dims(d.get("size"), here)
+            by_at = {s.offsets[0]: s for s in item.shards}
+            chunks = []
+            for c in d["chunks"]:
+                if not isinstance(c, dict) or c.get("at") not in by_at:
+                    raise ManifestError(f"{here}: chunk {c!r} names no stored shard")
+                offsets, sizes = _dims(c.get("offsets"), here), _dims(c.get("sizes"), here)
+                if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                        o + n > m for o, n, m in zip(offsets, sizes, size)):
+                    raise ManifestError(f"{here}: chunk {c!r} lies outside the tensor's size {list(size)}")
+                shard = by_at[c["at"]]
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+                storage[MetadataIndex(fqn, offsets)] = dataclasses.replace(
+                    _location(item, shard, manifest.objects), transforms=_descriptors(c.get("transforms"), here))
+                refs[(fqn, offsets)] = ChunkRef(d["item"], _one_shard(item, shard),
+                                                _descriptors(c.get("transforms"), here))
+            sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
         elif kind in ("tensor", "native"):
             props = (_properties(d, item, here) if kind == "tensor"
                      else TensorProperties(dtype=_torch_dtype_for(item.dtype, here)))
@@ -282,10 +408,11 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
             for s in item.shards:
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.shape)))
                 storage[MetadataIndex(fqn, s.offsets)] = _location(item, s, manifest.objects)
+                # One single-shard view per saved chunk: a ReadItem names exactly one chunk.
+                refs[(fqn, s.offsets)] = ChunkRef(d["item"], _one_shard(item, s))
             sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(item.shape), chunks=chunks)
         else:
             raise ManifestError(f"{here}: unknown kind {kind!r}")
-        names[fqn] = (d["item"], "bytes" if kind == "bytes" else "tensor")
     planner_data = dcp.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict) or not all(
@@ -302,5 +429,5 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[st
                                  modules=[m for m in modules if isinstance(m, str)]),
         version=dcp.get("version") if isinstance(dcp.get("version"), str) else DCP_VERSION,
     )
-    return meta, names
+    return meta, refs
 

@@ -2,8 +2,12 @@
 
 Save, in DCP's order of calls:
 
-1. ``prepare_local_plan`` -- the coordinator refuses a checkpoint that is
-   already committed (before anyone writes a byte).
+1. ``prepare_local_plan`` -- the coordinator looks at what is there before
+   anyone writes a byte. Without a step the path is the checkpoint, as in
+   DCP: ``overwrite=True`` (FileSystemWriter's default) will replace a
+   committed one, ``overwrite=False`` raises DCP's own "Checkpoint already
+   exists" error. With ``step=`` (a managed root) a committed step is
+   refused, as every ckptio save refuses one.
 2. ``prepare_global_plan`` (coordinator) -- one save id for every rank, and
    each rank's number, so object names follow the store's naming.
 3. ``write_data`` (every rank) -- each WriteItem's bytes (a tensor chunk's
@@ -13,8 +17,22 @@ Save, in DCP's order of calls:
    here). Each WriteResult's ``storage_data`` is a :class:`ChunkLocation`.
 4. ``finish`` (coordinator) -- builds a normal ckptio manifest (one array
    item per FQN, one shard per chunk, DCP's Metadata as JSON beside it) and
-   commits it with create-if-absent: last, once. Until then the checkpoint
-   does not exist for any reader.
+   commits it last, once: with create-if-absent, or -- replacing a step-less
+   checkpoint -- in one atomic write, after which the old checkpoint's
+   objects are deleted by the never-lose rules (:mod:`ckptio.dcp._overwrite`).
+   Until then the new checkpoint does not exist for any reader.
+
+FileSystemWriter's options: ``thread_count`` sets the engine's concurrency
+(requests in flight; by default the backend's own good concurrency);
+``cache_staged_state_dict`` is accepted -- staging always reuses pooled
+host buffers (:mod:`ckptio.dcp.staging`); ``_extensions`` (DCP's stream
+transforms, e.g. ``ZStandard``) are applied to each item's bytes and
+recorded as DCP records them (:mod:`ckptio.dcp._transforms`);
+``single_file_per_rank`` and ``per_thread_copy_ahead`` are accepted and have
+no effect (the layout packs objects; staging copies everything first);
+``sync_files=False`` is accepted but ckptio still makes every object
+durable before it commits (the commit rule is not optional).
+``serialization_format=SAFETENSORS`` is refused: ckptio stores raw bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,9 +58,9 @@ from ..engine import EngineConfig, run_sync
 from ..intents import Lease, new_id
 from ..layout import Naming, Piece, pack
 from ..manifest import Manifest
-from ..staging import torch_to_numpy
 from ..store import CheckpointStore
-from ._codec import DCP_VERSION, ChunkLocation, manifest_doc
+from . import _overwrite, _transforms
+from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._location import Located
 from .staging import HostBuffers, stage_state_dict
 
@@ -62,7 +81,8 @@ class _PlanInfo:
 class Writer(Located, StorageWriter, AsyncStager):
     """Save a DCP checkpoint to any ckptio URL (local path, ``mem://``, ``gs://``, ...).
 
-    ``dcp.save(sd, storage_writer=Writer(url))`` makes ``url`` the checkpoint;
+    ``dcp.save(sd, storage_writer=Writer(url))`` makes ``url`` the checkpoint
+    (a later save to it replaces it, as DCP's FileSystemWriter does);
     ``Writer(root, step=100)`` writes ``<root>/100`` as the native API would.
     As an ``AsyncStager`` it stages ``dcp.async_save`` state dicts into host
     buffers reused across saves (``buffers``, by default one process-wide
@@ -70,11 +90,17 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     Args:
         url: checkpoint URL or path (a ``checkpoint_id`` given to ``dcp.save`` replaces it).
-        step: save as step ``step`` under ``url``.
+        step: save as step ``step`` under ``url`` (a committed step is refused, whatever ``overwrite``).
         engine_config: concurrency, byte budget, checksum block size, retries.
         naming: object naming (default: the backend's -- hashed on object stores).
         backend_options: options of the backend (e.g. ``{"fsync": False}`` for local).
         buffers: the staging pool for ``async_save``.
+        overwrite: replace a committed step-less checkpoint (DCP's default); False raises DCP's error.
+        thread_count: the engine's concurrency (default: the backend's).
+        cache_staged_state_dict: accepted for FileSystemWriter compatibility (staging always reuses buffers).
+        single_file_per_rank, sync_files, per_thread_copy_ahead: accepted, no effect (see the module doc).
+        serialization_format: only DCP's ``TORCH_SAVE`` default (ckptio stores raw bytes either way).
+        _extensions: DCP stream transforms (``ZStandard``) applied to every item's stored bytes.
     """
 
     _synchronize_after_execute = False  # stage() returns once the copy is complete
@@ -88,10 +114,30 @@ class Writer(Located, StorageWriter, AsyncStager):
         naming: Naming | None = None,
         backend_options: dict[str, Any] | None = None,
         buffers: HostBuffers | None = None,
+        overwrite: bool = True,
+        thread_count: int | None = None,
+        cache_staged_state_dict: bool = False,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        serialization_format: Any = None,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
+        if thread_count is not None:
+            if not isinstance(thread_count, int) or thread_count < 1:
+                raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+            engine_config = dataclasses.replace(engine_config or EngineConfig(), concurrency=thread_count)
+        if serialization_format is not None and getattr(serialization_format, "value", serialization_format) != (
+                "torch_save"):
+            raise ValueError(f"ckptio.dcp.Writer stores raw tensor bytes; serialization_format="
+                             f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         self._init_location(url, step, engine_config, backend_options, naming)
         self.buffers = buffers
+        self.overwrite = bool(overwrite)
+        self.cache_staged_state_dict = bool(cache_staged_state_dict)
+        self.extensions = _transforms.check_extensions(_extensions)
+        self._replace = False
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
@@ -134,17 +180,25 @@ class Writer(Located, StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:
             try:
-                run_sync(self._open().prepare_save(self.step_dir))  # finishes an interrupted deletion
-                committed = False
-            except FileExistsError:
-                committed = True
+                committed = run_sync(_overwrite.existing(self._open(), self.step_dir))  # finishes a deletion
             finally:
                 self._close()  # write_data may run in another process (async_save's process executor)
-            if committed:
+            if committed and self.step is not None:
                 raise FileExistsError(
-                    f"checkpoint {self.checkpoint_id} is already committed; ckptio never overwrites one "
-                    "(delete it first, e.g. with CheckpointManager or `ckptio gc`)"
+                    f"checkpoint {self.checkpoint_id} is already committed; ckptio never overwrites a step of a "
+                    "managed root (delete it first, e.g. with CheckpointManager or `ckptio gc`)"
                 )
+            if committed and not self.overwrite:
+                # DCP's own error and words (FileSystemWriter), with the place named.
+                raise RuntimeError(f"Checkpoint already exists and self.overwrite=False. ({self.checkpoint_id})")
+            if committed == "stock":
+                raise _overwrite.refuse_stock(self.checkpoint_id)
+            # Only a step-less checkpoint is ever replaced; overwrite=False commits with create-if-absent,
+            # so a save that raced in after this check still is not replaced.
+            self._replace = self.step is None and self.overwrite
+            if committed:
+                log.info("%s: a committed checkpoint is there; this save replaces it (overwrite=True)",
+                         self.checkpoint_id)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -172,10 +226,11 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def _write(self, store: Any, info: _PlanInfo, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         t0 = time.perf_counter()
-        pieces, sizes = [], []
+        pieces, sizes, descs = [], [], []
         for i, item in enumerate(items):
-            data = _raw_bytes(item, planner.resolve_data(item))
+            data, d = _transforms.apply(self.extensions, _raw_bytes(item, planner.resolve_data(item)))
             sizes.append(data.nbytes)
+            descs.append(d)
             pieces.append(Piece(str(i), 0, data))
         plans = pack(
             pieces,
@@ -194,7 +249,8 @@ class Writer(Located, StorageWriter, AsyncStager):
             WriteResult(
                 index=item.index,
                 size_in_bytes=sizes[i],
-                storage_data=ChunkLocation(info.rank, sizes[i], tuple(sorted(extents.get(i, []), key=lambda x: x[2]))),
+                storage_data=ChunkLocation(info.rank, sizes[i], tuple(sorted(extents.get(i, []), key=lambda x: x[2])),
+                                           descs[i]),
             )
             for i, item in enumerate(items)
         ]
@@ -209,7 +265,10 @@ class Writer(Located, StorageWriter, AsyncStager):
                 modules=list(metadata.storage_meta.modules) if metadata.storage_meta else [],
             )
             manifest = Manifest.from_doc(doc, where)  # validates: every tensor's chunks tile it once
-            run_sync(store.commit(self.step_dir, manifest))
+            if self._replace:
+                run_sync(_overwrite.replace(store, self.step_dir, manifest))
+            else:
+                run_sync(store.commit(self.step_dir, manifest))
         except BaseException:
             self._end_lease(retire=False)
             raise
@@ -246,5 +305,5 @@ def _raw_bytes(item: WriteItem, data: Any) -> memoryview:
     expected = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else tuple(t.shape)
     if tuple(t.shape) != expected:
         raise ValueError(f"{item.index.fqn!r}: the planner resolved a {tuple(t.shape)} tensor for a {expected} chunk")
-    arr: np.ndarray = torch_to_numpy(t).reshape(-1).view(np.uint8)
+    arr: np.ndarray = numpy_view(t, item.index.fqn).reshape(-1).view(np.uint8)  # names the FQN if refused
     return memoryview(arr)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
