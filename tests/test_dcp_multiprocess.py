@@ -76,3 +76,30 @@ def test_async_save(tmp_path, executor):
 def test_async_save_and_reshard_through_fake_gcs(gcs_emulator_env):
     """Two ranks, gs:// (fake-gcs-server): async saves of a Shard(0) DTensor, loaded as Shard(1)."""
     run_ranks(2, "async", f"gs://ckptio-test/dcp-mp-{os.getpid()}", "thread")
+
+
+def test_stock_checkpoint_shard0_on_2_loads_through_reader_as_shard1_and_whole(tmp_path):
+    """A FileSystemWriter checkpoint (per-rank .distcp files) resharded through ckptio.dcp.Reader."""
+    root = str(tmp_path / "stock")
+    run_ranks(2, "save_dtensor", root, "stock")
+    assert os.path.exists(os.path.join(root, ".metadata"))
+    run_ranks(2, "load_shard1", root)
+    run_ranks(1, "load_full", root)
+
+
+@pytest.mark.gcs
+def test_stock_checkpoint_on_fake_gcs_loads_through_reader_as_shard1(gcs_emulator_env, tmp_path):
+    """The same stock files, where an old run left them on GCS (fake-gcs-server): loaded where they lie."""
+    from ckptio.engine import run_sync
+    from ckptio.store import CheckpointStore
+
+    local = str(tmp_path / "stock")
+    run_ranks(2, "save_dtensor", local, "stock")
+    url = f"gs://ckptio-test/dcp-stock-{os.getpid()}"
+    store = CheckpointStore(url)
+    for name in os.listdir(local):
+        with open(os.path.join(local, name), "rb") as f:
+            run_sync(store.backend.write(name, [memoryview(f.read())]))
+    run_sync(store.close())
+    run_ranks(2, "load_shard1", url)
+    run_ranks(1, "load_full", url)
