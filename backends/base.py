@@ -3,8 +3,8 @@
 Everything else -- retries, concurrency, packing, checksums, commit order --
 lives once, above this layer, in :mod:`ckptio.engine`.
 
-Contract every backend keeps (the conformance suite in
-``tests/backend_conformance.py`` checks each point):
+Contract every backend keeps (the conformance suite shipped as
+:mod:`ckptio.testing` checks each point):
 
 * Keys are ``/``-separated relative names (no leading ``/``, no ``.`` or
   ``..`` components, no empty components). :func:`check_key` enforces this;

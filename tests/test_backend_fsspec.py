@@ -31,7 +31,7 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 import fsspec
 import numpy as np
 import pytest
-from backend_conformance import BackendConformance
+from ckptio.testing import BackendConformance
 from conftest import GCS_TEST_BUCKET
 from fake_gcs import FakeGCS, free_port
 from fsspec.implementations.memory import MemoryFileSystem

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import crc32c
 import pytest
 from aiohttp import web
-from backend_conformance import BackendConformance
-from backend_model import split_views
+from ckptio.testing import BackendConformance
+from ckptio.testing import split_views
 from conftest import GCS_TEST_BUCKET
 from fake_gcs import AppServer, FakeGCS, FaultProxy, free_port
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from backend_conformance import BackendConformance
+from ckptio.testing import BackendConformance
 
 from ckptio.backends import RetryableError, open_backend
 from ckptio.backends._posix import aligned_buffer

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from backend_conformance import BackendConformance
+from ckptio.testing import BackendConformance
 
 from ckptio.backends import memory
 from ckptio.backends.base import ByteRange, ObjectInfo

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from backend_conformance import BackendConformance
+from ckptio.testing import BackendConformance
 from test_backend_local import read_only_mount  # noqa: F401  (a fixture)
 
 import ckptio

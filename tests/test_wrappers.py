@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from backend_conformance import BackendConformance
+from ckptio.testing import BackendConformance
 
 from ckptio.backends import RetryableError
 from ckptio.backends import memory as memory_module

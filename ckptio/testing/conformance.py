@@ -6,7 +6,7 @@ same random operations and compares them after every step.
 
 A backend's test file provides ``make_backend``; everything else is inherited::
 
-    from backend_conformance import BackendConformance
+    from ckptio.testing import BackendConformance
 
     class TestMyBackend(BackendConformance):
         async def make_backend(self, tmp_path):        # may also be a plain def
@@ -51,10 +51,12 @@ from typing import Any, ClassVar, TypeVar
 import ml_dtypes
 import numpy as np
 import pytest
-from backend_model import machine_for, split_views
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
+
+from .model import machine_for, split_views
 
 __all__ = ["BackendConformance", "backend_test", "split_views"]
 

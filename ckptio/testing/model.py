@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from ckptio.backends.base import ByteRange
 
 if TYPE_CHECKING:
-    from backend_conformance import BackendConformance
+    from .conformance import BackendConformance
 
 __all__ = ["machine_for", "split_views"]
 
