@@ -5,6 +5,7 @@ usage: dcp_worker.py MODE ROOT [ARGS]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
 modes:
   save_dtensor ROOT [stock]   every tensor a DTensor sharded Shard(0) over the world (stock: torch's FileSystemWriter)
   load_shard1 ROOT         load it as Shard(1) over the world
+  stock_per_rank ROOT      each rank saves its own state with FileSystemWriter(use_collectives=False), loads it via Reader
   load_full ROOT           load it into plain full tensors
   resume_a ROOT OUT        train N steps, save, train M more; losses -> OUT/a_<rank>.json
   resume_b ROOT OUT        fresh model, restore, train M; losses -> OUT/b_<rank>.json
@@ -122,6 +123,17 @@ def load_full(root: str) -> None:
     for name, t in full.items():
         same_bits(sd[name], t, name)
     assert sd["meta"] == {"step": 42, "note": "dcp"}
+
+
+def stock_per_rank(root: str, rank: int) -> None:
+    """No coordination: every rank writes ``__<rank>.metadata``; DCP then asks the Reader for rank metadata."""
+    mine = {"w": torch.arange(6.0) + rank, "meta": {"rank": rank}}
+    dcp.save(mine, storage_writer=dcp.FileSystemWriter(root), use_collectives=False)
+    dist.barrier()
+    assert not os.path.exists(os.path.join(root, ".metadata"))
+    out = {"w": torch.zeros(6), "meta": {"rank": -1}}
+    dcp.load(out, storage_reader=Reader(root))
+    assert out["w"].equal(mine["w"]) and out["meta"] == {"rank": rank}, out
 
 
 # -- deterministic resume ----------------------------------------------------
@@ -270,6 +282,8 @@ def main() -> int:
         save_dtensor(root, rank, world, mesh, stock=sys.argv[3:] == ["stock"])
     elif mode == "load_shard1":
         load_shard1(root, rank, world, mesh)
+    elif mode == "stock_per_rank":
+        stock_per_rank(root, rank)
     elif mode == "load_full":
         load_full(root)
     elif mode in ("resume_a", "resume_b"):

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 
 import ckptio
-from ckptio.dcp import Reader, Writer, _overwrite
+from ckptio.dcp import Reader, Writer
 from ckptio.engine import Engine, run_sync
 from ckptio.names import parse_object
 from ckptio.store import CheckpointStore
@@ -139,6 +139,8 @@ class _Crash(BaseException):
 
 
 def test_crash_after_the_new_manifest_leaves_it_restorable_and_only_provable_orphans(url, monkeypatch):
+    from ckptio.dcp import _overwrite
+
     a, b = {"w": torch.arange(64.0)}, {"w": torch.arange(64.0) * 3}
     dcp.save(a, storage_writer=Writer(url))
     old = _manifest_objects(url)
@@ -161,6 +163,8 @@ def test_crash_after_the_new_manifest_leaves_it_restorable_and_only_provable_orp
 
 
 def test_crash_before_the_new_manifest_keeps_the_old_checkpoint(url, monkeypatch):
+    from ckptio.dcp import _overwrite
+
     a, b = {"w": torch.arange(64.0)}, {"w": torch.arange(64.0) * 3}
     dcp.save(a, storage_writer=Writer(url))
     old = _manifest_objects(url)
@@ -202,6 +206,8 @@ def test_replacing_spares_live_saves_foreign_files_and_the_new_objects(tmp_path)
 
 
 def test_replace_refuses_a_manifest_naming_a_missing_object(tmp_path):
+    from ckptio.dcp import _overwrite
+
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(8)}, storage_writer=Writer(url))
     store = CheckpointStore(url)

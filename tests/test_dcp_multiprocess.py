@@ -87,6 +87,11 @@ def test_stock_checkpoint_shard0_on_2_loads_through_reader_as_shard1_and_whole(t
     run_ranks(1, "load_full", root)
 
 
+def test_stock_per_rank_metadata_loads_through_reader(tmp_path):
+    """FileSystemWriter without collectives (``__<rank>.metadata``): each rank loads its own through the Reader."""
+    run_ranks(2, "stock_per_rank", str(tmp_path / "per-rank"))
+
+
 @pytest.mark.gcs
 def test_stock_checkpoint_on_fake_gcs_loads_through_reader_as_shard1(gcs_emulator_env, tmp_path):
     """The same stock files, where an old run left them on GCS (fake-gcs-server): loaded where they lie."""
