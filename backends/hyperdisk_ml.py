@@ -62,6 +62,10 @@ class HyperdiskMLBackend(LocalBackend):
         return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20)
 
     def read_only_message(self, key: str) -> str:
+        if not self.url.startswith("hdml://"):
+            # A plain path on a read-only mount gets this backend too (auto-detected), and most such
+            # mounts are no Hyperdisk ML volume: name Hyperdisk ML only when the URL says it is one.
+            return f"{self.url}: cannot modify {key!r}: the file system at {self.root} is mounted read-only"
         return (
             f"{self.url}: cannot modify {key!r}: this Hyperdisk ML volume is attached read-only. "
             "Hyperdisk ML is written in a single-writer phase (one host, read-write attachment; "

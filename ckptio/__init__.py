@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .api import restore, save
-from .engine import EngineConfig
+from .engine import EngineConfig, Progress
 from .errors import (
     CheckpointNotFoundError,
     CkptioError,
@@ -17,6 +17,7 @@ from .errors import (
     SaveFailedError,
     UnsupportedLeafError,
 )
+from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manager import CheckpointManager
 from .save import SaveHandle
 from .staging import Sharded, StagingPool
@@ -27,8 +28,13 @@ __all__ = [
     "CheckpointNotFoundError",
     "CkptioError",
     "EngineConfig",
+    "FanoutNaming",
+    "FlatNaming",
+    "HashedNaming",
     "IntegrityError",
     "ManifestError",
+    "Naming",
+    "Progress",
     "SaveFailedError",
     "SaveHandle",
     "SaveState",

@@ -10,10 +10,12 @@ from ckptio.backends import Backend
 from .distributed import Coordinator, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
+from .progress import progress_callback
 from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore
+from .urls import file_in_the_way
 
 __all__ = ["restore", "save"]
 
@@ -29,11 +31,11 @@ def save(
     engine_config: EngineConfig | None = None,
     naming: Naming | None = None,
     backend_options: dict[str, Any] | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
     pool: StagingPool | None = None,
     backend: Backend | None = None,
 ) -> SaveHandle:
-    """Save ``state`` (a pytree of dicts, lists and tuples) as step ``step`` under ``url``.
+    """Save ``state`` (a pytree: see :mod:`ckptio.tree`) as step ``step`` under ``url``.
 
     Returns once the state is staged (the training step may go on and mutate
     its arrays); ``.result()`` waits until every host's objects are written
@@ -45,16 +47,29 @@ def save(
     ``copy=False`` skips the staging copy of mutable arrays: only for callers
     that promise not to mutate them until ``.result()`` returns. ``backend``
     overrides the backend ``url`` would pick (e.g. a wrapped one).
+    ``progress=True`` shows a tqdm bar of the bytes written; a callable
+    ``(key, nbytes)`` is called as bytes go out.
     """
+    problem = file_in_the_way(url) if backend is None else None
+    if problem:
+        raise NotADirectoryError(problem)
     store = CheckpointStore(
         url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
     )
-    handle = start_save(
-        store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
-        copy=copy, progress=progress, pool=pool,
-        on_done=lambda _h: run_sync(store.close()),
-    )
-    return handle
+    callback, close_bar = progress_callback(progress, "save")
+
+    def done(_h: SaveHandle) -> None:
+        close_bar()
+        run_sync(store.close())
+
+    try:
+        return start_save(
+            store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
+            copy=copy, progress=callback, pool=pool, on_done=done,
+        )
+    except BaseException:
+        close_bar()
+        raise
 
 
 def restore(
@@ -64,7 +79,7 @@ def restore(
     *,
     engine_config: EngineConfig | None = None,
     backend_options: dict[str, Any] | None = None,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
     backend: Backend | None = None,
 ) -> Any:
     """Restore step ``step`` (default: the newest committed) from ``url``.
@@ -73,10 +88,13 @@ def restore(
     and in which layout (see :mod:`ckptio.restore`); by default every item is
     restored whole, as numpy arrays and Python values. Every byte read is
     checked against its crc32c; a mismatch raises IntegrityError naming the
-    object and the item, and nothing is returned.
+    object and the item, and nothing is returned. A target leaf of another
+    dtype is a checked cast; ``progress=True`` shows a tqdm bar of the bytes read.
     """
     store = CheckpointStore(url, backend=backend, engine_config=engine_config, backend_options=backend_options)
+    callback, close_bar = progress_callback(progress, "restore")
     try:
-        return restore_step(store, step, target, progress=progress)
+        return restore_step(store, step, target, progress=callback)
     finally:
+        close_bar()
         run_sync(store.close())

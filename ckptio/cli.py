@@ -23,6 +23,7 @@ from .engine import run_sync
 from .errors import IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, ArrayItem, Manifest
 from .store import CheckpointStore
+from .urls import file_in_the_way, local_path
 from .verify import verify_checkpoint
 
 __all__ = ["EXIT_CODES", "CliError", "main"]
@@ -108,14 +109,6 @@ def _scheme_hint(url: str, message: str) -> str:
     if not known:
         return message
     return f"{message}. For {scheme}:// through fsspec use fsspec+{url} (pip install 'ckptio[fsspec]' and its package)"
-
-
-def local_path(url: str) -> str | None:
-    """The filesystem path of a local URL (a plain path, ``file://``, ``hdml://``, ``pstore://``); else None."""
-    if "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return rest if scheme.lower() in ("file", "hdml", "pstore") else None
 
 
 def _nothing_there(url: str) -> str:
@@ -239,9 +232,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _refuse_a_file(url: str, role: str) -> None:
-    path = local_path(url)
-    if path is not None and os.path.isfile(path):
-        raise CliError("usage", f"{role} {url} is a file; a checkpoint lives in a directory", url=url)
+    problem = file_in_the_way(url)
+    if problem:
+        raise CliError("usage", f"{role} {problem}", url=url)
 
 
 def _cp(args: argparse.Namespace) -> int:
