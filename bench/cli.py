@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import json
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import report
@@ -19,7 +21,7 @@ from .cases import Case, all_cases
 from .harness import run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
-from .targets import Target, open_target
+from .targets import GCSTarget, Target, open_target
 
 __all__ = ["build_parser", "main"]
 
@@ -47,14 +49,20 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
     g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
     g = p.add_argument_group("where")
-    g.add_argument("--backend", default=None,
-                   help="storage URL: a directory or file://DIR (a temp dir is made inside it); gs://… (later)")
+    g.add_argument("--backend", default=None, metavar="URL",
+                   help="where to benchmark: a directory or file://DIR (a temp dir is made inside it, default: "
+                        "the system temp dir), or gs://BUCKET/PREFIX: that real bucket, with google-auth's default "
+                        "credentials (or the emulator in STORAGE_EMULATOR_HOST, if set)")
+    g.add_argument("--fake-gcs", action="store_true",
+                   help="benchmark GCS against a local fake-gcs-server the bench starts afresh for every case "
+                        "(--backend gs://BUCKET/PREFIX names the bucket; default gs://bench/ckptio-bench)")
     g.add_argument("--dir", default=None, help="parent directory for the local temp dir (default: system temp)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     g.add_argument("--cache-drop", default="auto", choices=["auto", "drop_caches", "fadvise", "none"],
                    help="how restores are made cold (auto: drop_caches if permitted, else fadvise)")
     g = p.add_argument_group("what")
-    g.add_argument("--cases", type=_csv, default=None, help="comma-separated case names/globs (default: all)")
+    g.add_argument("--cases", type=_csv, default=None,
+                   help="comma-separated case names/globs (default: every default case; --list shows them)")
     g.add_argument("--skip", type=_csv, default=[], help="comma-separated case names/globs to leave out")
     g.add_argument("--list", action="store_true", help="list the cases and whether they can run here")
     g.add_argument("--no-verify", dest="verify", action="store_false", help="do not check restored bytes")
@@ -179,9 +187,42 @@ def _header(doc: dict[str, Any]) -> str:
             f"cold reads: {doc['cache_drop']['method']}")
 
 
+@contextlib.contextmanager
+def _without_env(*names: str) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _open_target(args: argparse.Namespace) -> Target:
+    """The storage to benchmark: a real ``gs://`` URL means that bucket, the emulator only on ``--fake-gcs``."""
+    backend = args.backend
+    if args.fake_gcs:
+        backend = backend or "gs://bench/ckptio-bench"
+        if not backend.startswith("gs://"):
+            raise ValueError(f"--fake-gcs benchmarks GCS: --backend must be gs://BUCKET/PREFIX, not {backend!r}")
+        with _without_env("CKPTIO_BENCH_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST"):  # no endpoint: start the fake
+            return GCSTarget(backend, keep=args.keep)
+    if backend is not None and backend.startswith("gs://"):
+        from ckptio.backends._gcs_config import GCS_ENDPOINT
+
+        endpoint = (os.environ.get("CKPTIO_BENCH_GCS_ENDPOINT") or os.environ.get("STORAGE_EMULATOR_HOST")
+                    or GCS_ENDPOINT)
+        return GCSTarget(backend, keep=args.keep, endpoint=endpoint)
+    return open_target(backend or args.dir, keep=args.keep)
+
+
+def _unknown_cases(globs: Sequence[str] | None) -> list[str]:
+    """The ``--cases`` / ``--skip`` globs that name no case at all (a typo, not a case that cannot run here)."""
+    names = [cls.name for cls in all_cases()]
+    return [g for g in globs or () if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+
+
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     spec = StateSpec(total_bytes=parse_size(args.size), count=args.arrays, dtype=args.dtype)
-    target = open_target(args.backend or args.dir, keep=args.keep)
+    target = _open_target(args)
     progress = _Progress(args.progress)
     try:
         method, reason = target.cache_drop()
@@ -226,12 +267,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.list:
-        backend = args.backend or ""
+        backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")
+    unknown = _unknown_cases(args.cases) + _unknown_cases(args.skip)
+    if unknown and not args.from_json:
+        print(f"ckptio bench: error: no case is called {', '.join(map(repr, unknown))} "
+              "(`ckptio bench --list` shows the cases)", file=sys.stderr)
+        return 2
     try:
         mtbf_s = parse_duration(args.mtbf)
     except ValueError as e:
-        print(f"ckptio bench: {e}", file=sys.stderr)
+        print(f"ckptio bench: error: {e}", file=sys.stderr)
         return 2
     if args.from_json:
         with open(args.from_json) as f:
@@ -240,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             doc = _measure(args, argv)
         except (NotImplementedError, ValueError) as e:
-            print(f"ckptio bench: {e}", file=sys.stderr)
+            print(f"ckptio bench: error: {e}", file=sys.stderr)
             return 2
     results = [r for r in doc["cases"] if r.get("status") != "skipped"]
     skipped = {r["case"]: r.get("reason", "") for r in doc["cases"] if r.get("status") == "skipped"}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 from .spec import FIGURES
 
-__all__ = ["plot"]
+__all__ = ["figure", "plot"]
 
 _TITLES = {
     "save_gibps": "save GiB/s (higher is better)",
@@ -22,8 +23,20 @@ def _colour(result: dict[str, Any]) -> str:
     return {"ckptio": "tab:red", "floor": "tab:gray"}.get(result.get("kind", ""), "tab:blue")
 
 
+_TITLE_PT = 11
+
+
 def plot(path: str, results: Sequence[dict[str, Any]], title: str) -> None:
     """Write a PNG with a panel per figure; cases that failed are left out."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(results: Sequence[dict[str, Any]], title: str) -> Any:
+    """The matplotlib figure :func:`plot` writes (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, and never pick an interactive backend
@@ -52,7 +65,11 @@ def plot(path: str, results: Sequence[dict[str, Any]], title: str) -> None:
             ax.axhline(raw, ls="--", lw=1, color="black", label="raw disk")
             ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # The run's header is longer than the figure is wide: wrap it to the width (about 0.6 em per
+    # character) and keep room above the panels for every line, or the title is cut off.
+    width_in, height_in = fig.get_size_inches()
+    lines = textwrap.wrap(title, width=max(20, int(width_in * 72 / (0.6 * _TITLE_PT)))) or [""]
+    fig.suptitle("\n".join(lines), fontsize=_TITLE_PT)
+    top = 1 - (len(lines) * 1.5 * _TITLE_PT / 72 + 0.1) / height_in
+    fig.tight_layout(rect=(0, 0, 1, top))
+    return fig

@@ -30,7 +30,7 @@ GIB = float(1 << 30)
 MIB = float(1 << 20)
 RAW = "raw-disk"
 
-# The goals issue 3 sets for ckptio: (case, figure, reference, bound, kind) where kind
+# The goals ckptio holds itself to: (case, figure, reference, bound, kind) where kind
 # ">=" means case/reference must be at least bound (throughput), "<=" at most (stall).
 GOALS: tuple[tuple[str, str, str, float, str], ...] = (
     ("ckptio", "save_gibps", RAW, 0.9, ">="),
@@ -39,15 +39,15 @@ GOALS: tuple[tuple[str, str, str, float, str], ...] = (
     ("ckptio", "restore_gibps", RAW, 0.9, ">="),
     ("ckptio-jax", "stall_s", "orbax-default", 1.0, "<="),
     ("ckptio-torch", "stall_s", "memcpy", 1.0, "<="),
-    # issue 5: ckptio under DCP
+    # ckptio under DCP
     ("ckptio-dcp", "save_gibps", "dcp", 1.5, ">="),
     ("ckptio-dcp", "restore_gibps", "dcp", 1.5, ">="),
     ("ckptio-dcp-async", "stall_s", "memcpy", 1.0, "<="),
     ("ckptio-dcp-async", "stall_s", "dcp-async", 1.0, "<="),
-    # issue 4: ckptio on gs:// against the raw aiohttp ceiling on the same server
+    # ckptio on gs:// against the raw aiohttp ceiling on the same server
     ("ckptio", "save_gibps", "raw-aiohttp", 0.8, ">="),
     ("ckptio", "restore_gibps", "raw-aiohttp", 0.8, ">="),
-    # issue 6: ckptio under Orbax
+    # ckptio under Orbax
     ("ckptio-orbax", "save_gibps", "orbax-default", 2.5, ">="),
     ("ckptio-orbax", "save_gibps", "orbax-nocomp", 1.1, ">="),
     ("ckptio-orbax", "restore_gibps", "orbax-default", 2.0, ">="),
@@ -241,4 +241,5 @@ def render_goals(goals: Sequence[Mapping[str, Any]], out: TextIO | None = None) 
                      fmt_ratio(g["ratio"]), "met" if g["met"] else "MISSED"])
     skipped = len(goals) - len(rows)
     notes = [f"{skipped} more goal(s) need cases this run did not have (all in --json)"] if skipped else []
-    print_table("goals (issues 3-6)", ["case", "figure", "vs", "goal", "ratio", "verdict"], rows, notes, out=out)
+    print_table("goals: ckptio against the reference on the same storage",
+                ["case", "figure", "vs", "goal", "ratio", "verdict"], rows, notes, out=out)
