@@ -24,3 +24,9 @@ def test_a_checkpoint_saved_and_restored_through_the_example_backend(tmp_path: P
     ckptio.save(url, state, step=3, backend=SQLiteBackend(url)).result()
     back = ckptio.restore(url, backend=SQLiteBackend(url))
     assert back["step"] == 3 and np.array_equal(back["w"], state["w"])
+
+
+def test_the_readme_shows_this_very_example() -> None:
+    root = Path(__file__).resolve().parent.parent
+    example = (root / "tests" / "example_backend.py").read_text().rstrip()
+    assert example in (root / "README.md").read_text()
