@@ -235,8 +235,8 @@ def stage_leaf(
     except TypeError:
         raise UnsupportedLeafError(
             f"{where}: cannot save a leaf of type {type(leaf).__module__}.{type(leaf).__qualname__}; "
-            "ckptio stores arrays (numpy, jax, torch, ckptio.Sharded), int, float, bool, str, bytes and None, "
-            "in dicts, lists and tuples -- never pickle"
+            "ckptio stores arrays (numpy, jax, torch, ckptio.Sharded, typed PRNG keys), int, float, bool, str, "
+            "bytes and None, in dicts, lists, tuples, NamedTuples and jax-registered pytree nodes -- never pickle"
         ) from None
     return ValueItem(leaf)
 

@@ -212,3 +212,8 @@ def test_cast_core_imports_no_framework() -> None:
 
     code = "import sys, ckptio.cast; assert 'jax' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_unsupported_leaf_names_its_path_and_what_is_supported(tmp_path: Path) -> None:
+    with pytest.raises(ckptio.UnsupportedLeafError, match=r"opt/0/fn.*NamedTuples.*never pickle"):
+        ckptio.save(str(tmp_path), {"opt": ({"fn": object()},)}, step=1)
