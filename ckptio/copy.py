@@ -110,7 +110,7 @@ def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir:
         raise ValueError(f"rekeying {dst.where(dst_dir)} maps two objects to one key")
     # A copy to another step directory is that step's checkpoint (same id: still the same bytes).
     step = int(dst_dir) if dst_dir != step_dir and dst_dir.isdigit() else manifest.step
-    return dataclasses.replace(manifest, objects=keys, step=step)
+    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None)  # written whole: format 1
 
 
 async def copy_objects(

@@ -46,6 +46,7 @@ __all__ = [
     "TOMBSTONE_NAME",
     "VERSION",
     "ArrayItem",
+    "array_item",
     "Extent",
     "Manifest",
     "ShardRecord",
@@ -58,7 +59,9 @@ __all__ = [
 ]
 
 FORMAT = "ckptio"
-VERSION = 1
+#: The newest format this ckptio reads: 1 (one manifest) or 2 (a root and per-host fragments, see
+#: ckptio.fragments). Writers write 1 unless they split.
+VERSION = 2
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
@@ -105,6 +108,8 @@ class ArrayItem:
     origin: str = "numpy"  # numpy | jax | torch | sharded: a hint for adapters
     #: Built on first use by :func:`ckptio.reshard.shards_meeting` (not part of the record).
     index: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    #: Format 2: the int64 table ``[fragment, offsets..., shape...]`` of every shard (ckptio.fragments).
+    locator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -173,14 +178,24 @@ class Manifest:
     items: dict[str, ArrayItem | ValueItem]
     objects: list[str]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Format 2: the per-host fragments the root names (None for format 1).
+    fragments: list[Any] | None = None
+    #: False for a format-2 root loaded with only some (or none) of its fragments' shards.
+    complete: bool = True
+
+    def keys(self) -> list[str]:
+        """Every key this checkpoint owns besides its manifest: objects (loaded) and fragments."""
+        return [*self.objects, *(f.key for f in self.fragments or [])]
 
     # -- writing ---------------------------------------------------------
 
     def to_doc(self) -> dict[str, Any]:
-        """The manifest as a JSON-able dict."""
+        """The manifest as a JSON-able dict (format 1: every shard in one document)."""
+        if not self.complete:
+            raise ManifestError("a manifest loaded with only some of its fragments cannot be written whole")
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": 1,
             "step": self.step,
             "checkpoint_id": self.checkpoint_id,
             "created": self.created,
@@ -228,6 +243,10 @@ class Manifest:
             raise ManifestError(
                 f"{where}: manifest version {version!r} is not supported by this ckptio (reads <= {VERSION})"
             )
+        if version == 2:
+            from .fragments import root_from_doc
+
+            return root_from_doc(doc, where)
         block_size = _int(doc["block_size"], "block_size", where, lo=1)
         objects = doc["objects"]
         if not isinstance(objects, list) or len(objects) > _MAX_COUNT:
@@ -248,35 +267,35 @@ class Manifest:
             if raw.get("kind") == "value":
                 items[name] = ValueItem(decode_value(raw, here))
             elif raw.get("kind") == "array":
-                items[name] = _array_item(raw, here, len(objects), block_size)
+                items[name] = array_item(raw, here, len(objects), block_size)
             else:
                 raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
-        step = doc.get("step")
-        if step is not None:
-            _int(step, "step", where)
-        metadata = doc.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise ManifestError(f"{where}: 'metadata' must be a JSON object")
-        from .tree import tree_leaf_paths
+        return cls(block_size=block_size, items=items, objects=objects, **head_fields(doc, items, where))
 
-        tree = doc["tree"]
-        try:
-            missing = [p for p in tree_leaf_paths(tree) if p not in items]
-        except (AttributeError, ValueError, TypeError) as e:
-            raise ManifestError(f"{where}: malformed tree: {e}") from e
-        if missing:
-            raise ManifestError(f"{where}: tree names items the manifest lacks: {missing[:5]}")
-        return cls(
-            step=step,
-            checkpoint_id=str(doc.get("checkpoint_id", "")),
-            created=float(doc.get("created", 0.0)),
-            block_size=block_size,
-            num_hosts=_int(doc.get("num_hosts", 1), "num_hosts", where, lo=1),
-            tree=tree,
-            items=items,
-            objects=objects,
-            metadata=metadata,
-        )
+
+def head_fields(doc: dict[str, Any], items: dict[str, Any], where: str) -> dict[str, Any]:
+    """The validated fields every manifest format shares (step, id, time, hosts, tree, metadata)."""
+    step = doc.get("step")
+    if step is not None:
+        _int(step, "step", where)
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{where}: 'metadata' must be a JSON object")
+    _check_tree(doc["tree"], items, where)
+    return {"step": step, "checkpoint_id": str(doc.get("checkpoint_id", "")), "created": float(doc.get("created", 0.0)),
+            "num_hosts": _int(doc.get("num_hosts", 1), "num_hosts", where, lo=1), "tree": doc["tree"],
+            "metadata": metadata}
+
+
+def _check_tree(tree: Any, items: dict[str, Any], where: str) -> None:
+    from .tree import tree_leaf_paths
+
+    try:
+        missing = [p for p in tree_leaf_paths(tree) if p not in items]
+    except (AttributeError, ValueError, TypeError) as e:
+        raise ManifestError(f"{where}: malformed tree: {e}") from e
+    if missing:
+        raise ManifestError(f"{where}: tree names items the manifest lacks: {missing[:5]}")
 
 
 _SEAL_HEAD, _SEAL_TAIL = b'{"crc32c":"', b'","manifest":'
@@ -343,11 +362,19 @@ def _dims(v: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(_int(d, what, where) for d in v)
 
 
-def _array_item(raw: dict[str, Any], where: str, n_objects: int, block_size: int) -> ArrayItem:
-    try:
-        dtype = decode_dtype(raw["dtype"], where)
-    except ValueError as e:
-        raise ManifestError(str(e)) from e
+def array_item(
+    raw: dict[str, Any], where: str, n_objects: int, block_size: int, *, tiling: bool = True,
+    dtype: np.dtype | None = None,
+) -> ArrayItem:
+    """Validate one array item's JSON (``tiling``: its shards must tile it exactly once).
+
+    ``dtype``: already decoded (a format-2 root's item, completed from its fragments).
+    """
+    if dtype is None:
+        try:
+            dtype = decode_dtype(raw["dtype"], where)
+        except ValueError as e:
+            raise ManifestError(str(e)) from e
     shape = _dims(raw["shape"], "shape", where)
     shards_raw = raw["shards"]
     if not isinstance(shards_raw, list) or len(shards_raw) > _MAX_COUNT:
@@ -380,7 +407,8 @@ def _array_item(raw: dict[str, Any], where: str, n_objects: int, block_size: int
         if covered != nbytes:
             raise ManifestError(f"{here}: extents hold {covered} bytes, the shard needs {nbytes}")
         shards.append(ShardRecord(offsets, sshape, _int(s.get("host", 0), "host", here), extents))
-    _check_tiling(shards, shape, where)
+    if tiling:
+        _check_tiling(shards, shape, where)
     scalar = raw.get("scalar", False)
     origin = raw.get("origin", "numpy")
     if not isinstance(scalar, bool) or origin not in ("numpy", "jax", "torch", "sharded"):

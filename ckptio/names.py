@@ -5,6 +5,7 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 
 * objects: ``[h<hex>/][<step>/][d<NNN>/]<save id>.h<host>-<n>`` -- exactly the
   shapes :mod:`ckptio.layout` produces (hashed, flat, fan-out), no deeper;
+* a host's manifest fragment: ``[<step>/]ckptio.fragment.<save id>``;
 * a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
   first object and rewritten as a heartbeat while the save is in flight;
 * the manifest (``ckptio.manifest.json``) and the tombstone (``ckptio.deleting``).
@@ -38,6 +39,8 @@ _OBJECT = re.compile(
     rf"(?:(?P<hash>{_HASH})/)?(?:(?P<step>{_STEP})/)?(?:d[0-9]{{3}}/)?(?P<sid>{_SID})\.h[0-9]{{5}}-[0-9]{{5}}"
 )
 INTENT_PREFIX = "ckptio.intent."
+#: A host's part of a format-2 manifest (see ckptio.fragments), deleted with its step like an object.
+_FRAGMENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.fragment\.(?P<sid>{_SID})")
 _INTENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.intent\.(?P<sid>{_SID})")
 _HASH_RE = re.compile(_HASH)
 
@@ -51,8 +54,8 @@ class ObjectName:
 
 
 def parse_object(key: str) -> ObjectName | None:
-    """The step directory and save id of a ckptio data object's key; None for any other key."""
-    m = _OBJECT.fullmatch(key)
+    """The step directory and save id of a ckptio data object's or fragment's key; None for any other key."""
+    m = _OBJECT.fullmatch(key) or _FRAGMENT.fullmatch(key)
     if m is None:
         return None
     return ObjectName(m["step"] or "", m["sid"])

@@ -232,6 +232,10 @@ def restore_checkpoint(
                 f"{where}: the target asks for {missing[:5]} which the checkpoint does not hold "
                 f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
             )
+    if not manifest.complete:  # format 2: read only the fragments holding shards this restore meets
+        wanted_boxes = {n: _target_boxes(manifest.items[n], t) for n, t in wanted.items()
+                        if isinstance(manifest.items[n], ArrayItem)}
+        manifest = run_sync(store.load_fragments(step_dir, manifest, wanted_boxes))
     # Objects exist and are as long as the manifest says before anything is allocated from it.
     if not store.host_local:
         run_sync(store.check_objects(manifest, where))
@@ -253,6 +257,22 @@ def restore_checkpoint(
     return unflatten(structure, results.__getitem__)
 
 
+def _target_boxes(item: ArrayItem, target: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes of ``item`` a restore into ``target`` reads (before anything is allocated)."""
+    whole = [((0,) * len(item.shape), tuple(item.shape))]
+    if isinstance(target, Sharded):
+        return [index_to_box(index, target.shape) for index, _data in target.pieces]
+    sharding = getattr(target, "sharding", None)
+    jax = sys.modules.get("jax")
+    if sharding is not None and jax is not None and isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+        try:
+            indices = sharding.addressable_devices_indices_map(tuple(item.shape)).values()
+        except (ValueError, TypeError):
+            return whole  # a shape the sharding refuses: _regions reports it
+        return sorted({index_to_box(index, item.shape) for index in indices})
+    return whole
+
+
 def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *,
                  progress: Progress | None = None) -> Any:
     """Restore ``step`` (None: the newest intact committed step) of ``store``.
@@ -263,7 +283,7 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     """
     tried: list[int] = []
     while True:
-        step_dir, manifest = run_sync(store.resolve_manifest(step, skip=tried))
+        step_dir, manifest = run_sync(store.resolve_manifest(step, skip=tried, shards=False))
         try:
             return restore_checkpoint(store, manifest, step_dir, target, progress=progress)
         except (FileNotFoundError, IntegrityError) as e:
@@ -280,6 +300,6 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
 
 async def _still_there(store: CheckpointStore, step_dir: str, checkpoint_id: str) -> bool:
     try:
-        return (await store.read_manifest(step_dir)).checkpoint_id == checkpoint_id
+        return (await store.read_manifest(step_dir, shards=False)).checkpoint_id == checkpoint_id
     except (FileNotFoundError, ValueError, IntegrityError):
         return False

@@ -25,7 +25,9 @@ from .errors import ManifestError, SaveFailedError
 from .intents import Lease
 from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
-from .manifest import Manifest, item_to_json
+from .checksum import crc32c
+from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
+from .manifest import Manifest, item_to_json, seal
 from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
@@ -110,6 +112,27 @@ def _host_record(
         elif include_values:
             items[name] = item_to_json(item, name)
     return {"ok": True, "objects": [p.key for p in plans], "items": items}
+
+
+async def _write_fragment(
+    store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
+    record: dict[str, Any], plans: list[ObjectPlan],
+) -> dict[str, Any]:
+    """Write this host's fragment, check that its objects are all there, and return its summary."""
+    ref = None
+    if any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
+        data = fragment_doc(record, step, save_id, host)
+        key = fragment_key(step_dir, save_id)
+        view = memoryview(data)
+        await store.engine.retrying(f"write {key!r}", lambda: store.backend.write(key, [view]))
+        await store.engine.retrying(f"sync {key!r}", store.backend.sync)
+        ref = FragmentRef(key, len(data), crc32c(data), host)
+    # The coordinator sees only fragments: each host vouches for its own objects before the commit.
+    have = await store.object_sizes(p.key for p in plans)
+    for p in plans:
+        if have.get(p.key, -1) < p.size:
+            raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
+    return summary_of(record, ref)
 
 
 def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
@@ -202,11 +225,17 @@ def start_save(
         "metadata": metadata or {},
     }
 
+    # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
+    # (ckptio.fragments). A host-local store could not read other hosts' fragments back.
+    split = coord.size > 1 and not store.host_local
+
     def background() -> None:
         try:
             written = run_sync(store.engine.write_objects(plans, progress, ready))
             run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
             record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
+            if split:
+                record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))
             handle.state = SaveState.WRITTEN
             log.info("%s: host %d written (%d objects)", where, coord.rank, len(plans))
         except BaseException as e:  # every host must still join the gather, or the others hang
@@ -230,8 +259,13 @@ def start_save(
                     verdict = {"ok": False, "error": "; ".join(errors)}
                 else:
                     try:
-                        manifest = merge_records(records, head, where)
-                        run_sync(store.commit(step_dir, manifest))
+                        if split:
+                            data = seal(build_root(records, head, where))
+                            manifest = Manifest.from_json(data, where)
+                            run_sync(store.commit(step_dir, manifest, data))
+                        else:
+                            manifest = merge_records(records, head, where)
+                            run_sync(store.commit(step_dir, manifest))
                         verdict = {"ok": True}
                     except BaseException as e:
                         verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}

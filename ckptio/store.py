@@ -149,7 +149,7 @@ class CheckpointStore:
         if await self._exists(join_key(step_dir, TOMBSTONE_NAME)):
             return StepStatus(step, "deleting")
         try:
-            return StepStatus(step, "committed", manifest=await self.read_manifest(step_dir))
+            return StepStatus(step, "committed", manifest=await self.read_manifest(step_dir, shards=False))
         except (ManifestError, IntegrityError) as e:
             return StepStatus(step, "damaged", problem=str(e))
         except CheckpointNotFoundError:
@@ -165,7 +165,7 @@ class CheckpointStore:
         out: list[int] = []
         for step in reversed(await self.committed_steps()):
             try:
-                await self.read_manifest(str(step))
+                await self.read_manifest(str(step), shards=False)
             except (ManifestError, IntegrityError) as e:
                 log.warning("%s: step %d is damaged and skipped: %s", self.url, step, e)
                 continue
@@ -176,13 +176,40 @@ class CheckpointStore:
                 break
         return sorted(out)
 
-    async def read_manifest(self, step_dir: str) -> Manifest:
+    async def read_manifest(self, step_dir: str, *, shards: bool = True) -> Manifest:
         """The validated manifest of a committed checkpoint.
 
         CheckpointNotFoundError if there is none (or it is being deleted);
         ManifestError / IntegrityError naming the step if it is damaged, too
         large, or not bound to ``step_dir`` (copied or moved from elsewhere).
+        A format-2 checkpoint comes with every fragment loaded, or with
+        ``shards=False`` as its root alone (see :meth:`load_fragments`).
         """
+        root = await self._read_root(step_dir)
+        if shards and not root.complete:
+            return await self.load_fragments(step_dir, root, None)
+        return root
+
+    async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
+        """A format-2 root with the shards that meet ``wanted`` (item -> boxes; None: all) loaded."""
+        from .fragments import fragments_for, load_fragments
+
+        where = f"{self.where(step_dir)}/{MANIFEST_NAME}"
+        refs = root.fragments or []
+        numbers = fragments_for(root, wanted)
+        datas: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            key = refs[i].key
+            try:
+                datas[i] = await self.engine.retrying(f"read fragment {key!r}", lambda: self.backend.read(key))
+            except FileNotFoundError:
+                raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
+
+        await _bounded(self.engine.concurrency * 2, (one(i) for i in numbers))
+        return load_fragments(root, datas, step_dir, where, complete=wanted is None)
+
+    async def _read_root(self, step_dir: str) -> Manifest:
         where = self.where(step_dir)
         key = join_key(step_dir, MANIFEST_NAME)
         try:
@@ -212,7 +239,8 @@ class CheckpointStore:
         check_binding(manifest, step_dir, f"{where}/{MANIFEST_NAME}")
         if len(self._manifests) > 64:
             self._manifests.clear()
-        self._manifests[(step_dir, info.size, info.mtime)] = manifest
+        if step_dir:  # a root checkpoint may be replaced in place (ckptio.dcp overwrite): never cached
+            self._manifests[(step_dir, info.size, info.mtime)] = manifest
         return manifest
 
     async def _exists(self, key: str) -> bool:
@@ -229,25 +257,34 @@ class CheckpointStore:
         newest committed step whose manifest validates (a damaged newer one is
         logged by name and skipped). CheckpointNotFoundError names the URL.
         """
-        return (await self.resolve_manifest(step))[0]
+        return (await self.resolve_manifest(step, shards=False))[0]
 
-    async def resolve_manifest(self, step: int | None, skip: Iterable[int] = ()) -> tuple[str, Manifest]:
-        """:meth:`resolve` and the manifest it found; ``skip`` leaves steps out of "latest"."""
+    async def resolve_manifest(
+        self, step: int | None, skip: Iterable[int] = (), *, shards: bool = True
+    ) -> tuple[str, Manifest]:
+        """:meth:`resolve` and the manifest it found; ``skip`` leaves steps out of "latest".
+
+        ``shards=False``: a format-2 checkpoint's root alone (see :meth:`read_manifest`).
+        """
         if step is not None:
             step_dir = step_dir_of(step)
-            return step_dir, await self.read_manifest(step_dir)
+            return step_dir, await self.read_manifest(step_dir, shards=shards)
         if await self.is_committed(""):
-            return "", await self.read_manifest("")
+            return "", await self.read_manifest("", shards=shards)
         skipped = set(skip)
+        damage: Exception | None = None
         for s in reversed(await self.committed_steps()):
             if s in skipped:
                 continue
             try:
-                return str(s), await self.read_manifest(str(s))
+                return str(s), await self.read_manifest(str(s), shards=shards)
             except (ManifestError, IntegrityError) as e:
                 log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
+                damage = damage or e
             except CheckpointNotFoundError as e:
                 log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
+        if damage is not None:  # nothing intact, but something damaged: say what, not "nothing"
+            raise damage
         raise CheckpointNotFoundError(f"no intact committed checkpoint under {self.url}")
 
     # -- objects ---------------------------------------------------------
@@ -281,7 +318,8 @@ class CheckpointStore:
     async def check_objects(self, manifest: Manifest, where: str) -> None:
         """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
         need = manifest_object_sizes(manifest)
-        have = await self.object_sizes(manifest.objects)
+        need.update((f.key, f.size) for f in manifest.fragments or [])
+        have = await self.object_sizes(need)
         for key, size in need.items():
             if key not in have:
                 raise FileNotFoundError(f"{where}: object {key!r} is missing (deleted by someone, or never written)")
@@ -340,14 +378,15 @@ class CheckpointStore:
 
     # -- commit ----------------------------------------------------------
 
-    async def commit(self, step_dir: str, manifest: Manifest) -> None:
+    async def commit(self, step_dir: str, manifest: Manifest, data: bytes | None = None) -> None:
         """Write the manifest once, atomically, after checking it.
 
         Refuses (ManifestError) a manifest not bound to ``step_dir``, and
         (FileNotFoundError / IntegrityError) one naming an object that is not
         there with its recorded size: a gc, an ``rm -rf`` or a lost write
         must fail the save, never commit a checkpoint that cannot restore.
-        FileExistsError if the checkpoint exists.
+        FileExistsError if the checkpoint exists. ``data``: the manifest's bytes when they are
+        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments).
         """
         where = self.where(step_dir)
         check_binding(manifest, step_dir, where)
@@ -358,14 +397,15 @@ class CheckpointStore:
         if await self._exists(tomb) and not await self._exists(key):
             # A deletion died after removing its manifest (its objects went before it): finish it.
             await self._delete_keys([tomb])
-        data = manifest.to_json()
+        if data is None:
+            data = manifest.to_json()
         try:
             await self.engine.retrying(f"commit {where}", lambda: self.backend.create_if_absent(key, data))
         except FileExistsError:
             # A retried create may meet its own first attempt, which won but lost its reply:
             # the manifest is unique to this save (id, time), so equal bytes mean we won.
             try:
-                if await self.backend.read(key) == data:
+                if await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)) == data:
                     return
             except FileNotFoundError:
                 pass
@@ -400,6 +440,11 @@ class CheckpointStore:
             pass
         except (ManifestError, IntegrityError, RecursionError) as e:
             log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
+        if manifest is not None and not manifest.complete:
+            try:  # format 2: the objects are named in the fragments
+                manifest = await self.load_fragments(step_dir, manifest, None)
+            except (ManifestError, IntegrityError) as e:
+                log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only", where, e)
         marker = (manifest.checkpoint_id if manifest is not None else "").encode()
         try:
             await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, marker))
@@ -408,8 +453,9 @@ class CheckpointStore:
         listing = await self._step_listing(step_dir, everywhere=manifest is None or await self._other_attempts(
             step_dir, manifest))
         live = await self.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
-        keys = {k for k in (manifest.objects if manifest is not None else []) if step_of_key(k) == step_dir}
-        foreign = len(manifest.objects) - len(keys) if manifest is not None else 0
+        owned = manifest.keys() if manifest is not None else []
+        keys = {k for k in owned if step_of_key(k) == step_dir}
+        foreign = len(owned) - len(keys)
         if foreign:
             log.warning("deleting %s: its manifest names %d objects outside the step; left alone", where, foreign)
         for info in listing:
@@ -429,7 +475,7 @@ class CheckpointStore:
         """True if intents of saves other than ``manifest``'s writers remain in ``step_dir``."""
         prefix = join_key(step_dir, INTENT_PREFIX)
         listed = await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix))
-        writers = {n.save_id for k in manifest.objects if (n := parse_object(k)) is not None}
+        writers = {n.save_id for k in manifest.keys() if (n := parse_object(k)) is not None}
         return any((n := parse_intent(i.key)) is not None and n.save_id not in writers for i in listed)
 
     async def _step_listing(self, step_dir: str, *, everywhere: bool) -> list[ObjectInfo]:
@@ -493,7 +539,7 @@ class CheckpointStore:
                 continue
             if join_key(step_dir, MANIFEST_NAME) in markers:
                 try:
-                    keep.update((await self.read_manifest(step_dir)).objects)
+                    keep.update((await self.read_manifest(step_dir)).keys())
                 except CheckpointNotFoundError:
                     protected.add(step_dir)  # changing under us: leave it to the next sweep
                 except (ManifestError, IntegrityError) as e:
@@ -549,7 +595,7 @@ def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
         if manifest.step != int(step_dir):
             raise ManifestError(f"{where}: the manifest is for step {manifest.step}, not {step_dir} "
                                 "(copied or moved from elsewhere?)")
-    for key in manifest.objects:
+    for key in manifest.keys():
         if step_of_key(key) != step_dir:
             raise ManifestError(f"{where}: object {key!r} lies outside this checkpoint's step "
                                 "(copied or moved from elsewhere?)")

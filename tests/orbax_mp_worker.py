@@ -25,7 +25,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptio.orbax  # noqa: E402
 from ckptio.layout import HashedNaming  # noqa: E402
-from ckptio.manifest import MANIFEST_NAME, Manifest  # noqa: E402
+from ckptio.engine import run_sync  # noqa: E402
+from ckptio.manifest import MANIFEST_NAME  # noqa: E402
+from ckptio.store import CheckpointStore  # noqa: E402
 
 
 def global_values() -> dict[str, np.ndarray]:
@@ -76,8 +78,8 @@ def main() -> None:
 
     # Each host wrote its own shards, one replica each: the objects hold each array's bytes once.
     item = os.path.join(root, "2", "default")
-    with open(os.path.join(item, MANIFEST_NAME), "rb") as f:
-        manifest = Manifest.from_json(f.read(), item)
+    # Format 2 (several hosts): a root and one fragment per host; the store loads them all.
+    manifest = run_sync(CheckpointStore(item).read_manifest(""))
     hosts = {s.host for name in ("w", "b") for s in manifest.items[name].shards}
     assert hosts == set(range(nproc)), hosts
     assert {s.host for s in manifest.items["r"].shards} == {0}
@@ -120,7 +122,8 @@ def main() -> None:
         check(out, values, "external storage")
     if pid == 0:
         files = [os.path.join(d, f) for d, _, fs in os.walk(ext) for f in fs]
-        data = sum(os.path.getsize(f) for f in files if not f.endswith(MANIFEST_NAME))
+        data = sum(os.path.getsize(f) for f in files  # data objects only: not the root, not fragments
+                   if not f.endswith(MANIFEST_NAME) and "ckptio.fragment." not in f)
         assert data == sum(v.nbytes for v in values.values()), (data, files)
         assert [f for f in files if f.endswith(MANIFEST_NAME)] == [os.path.join(ext, "state", "2", MANIFEST_NAME)]
 

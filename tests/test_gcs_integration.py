@@ -7,7 +7,7 @@ The module's server is fresh (``fake_gcs`` in conftest); the big fault test
 starts its own, so the memory it holds is given back when it ends.
 
 Several hosts are simulated in one process: one thread per host, each with
-a :class:`_ThreadGroup` member as its coordinator (an all-gather over a
+a thread-hosts member (tests/hosts.py) as its coordinator (an all-gather over a
 barrier, records passed through JSON as a real coordinator would).
 """
 
@@ -21,7 +21,6 @@ import sys
 import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 import pytest
 from conftest import GCS_TEST_BUCKET
 from fake_gcs import FakeGCS, FaultProxy
+from hosts import on_hosts
 
 import ckptio
 from ckptio.dtypes import ML_DTYPES
@@ -108,53 +108,6 @@ def random_array(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -
     return raw.view(dtype).reshape(shape)
 
 
-class _ThreadGroup:
-    """``size`` hosts as threads of this process: an all-gather over a barrier, through JSON."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._barrier = threading.Barrier(size, timeout=120)
-        self._slots: list[str] = [""] * size
-
-    def member(self, rank: int) -> _Member:
-        return _Member(self, rank)
-
-
-class _Member:
-    def __init__(self, group: _ThreadGroup, rank: int) -> None:
-        self.group, self.rank, self.size = group, rank, group.size
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        g = self.group
-        g._slots[self.rank] = json.dumps(obj)
-        g._barrier.wait()
-        out = [json.loads(s) for s in g._slots]
-        g._barrier.wait()  # nobody overwrites a slot before everyone has read it
-        return out
-
-
-def on_hosts(n: int, body: Callable[[int, _Member], Any]) -> list[Any]:
-    """Run ``body(rank, coordinator)`` on ``n`` simulated hosts at once; re-raise the first failure."""
-    group = _ThreadGroup(n)
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def host(rank: int) -> None:
-        try:
-            results[rank] = body(rank, group.member(rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=host, args=(r,), name=f"host-{r}") for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return results
-
-
 class _CrashBeforeCommit:
     """A single host whose job dies after its objects are written, before the commit."""
 
@@ -211,7 +164,7 @@ def test_reshard_rows_to_columns_and_odd_boxes(gcs_emulator_env: str, tmp_path: 
     url = _url(tmp_path)
     rows = shape[0] // 4
 
-    def save(rank: int, coord: _Member) -> Any:
+    def save(rank: int, coord: Any) -> Any:
         # Each host's row block as 4 pieces of 6 rows (960 bytes): one small object each.
         starts = range(rank * rows, (rank + 1) * rows, 6)
         mine = [((slice(r, r + 6), slice(None)), full[r : r + 6]) for r in starts]
@@ -219,7 +172,8 @@ def test_reshard_rows_to_columns_and_odd_boxes(gcs_emulator_env: str, tmp_path: 
         return ckptio.save(url, state, step=3, coordinator=coord, backend_options={"object_size": 1024}).result()
 
     manifest = on_hosts(4, save)[0]
-    assert len(manifest.objects) == 16
+    assert manifest.fragments is not None and len(manifest.fragments) == 4  # format 2: one per host
+    assert len(run_sync(CheckpointStore(url).read_manifest("3")).objects) == 16
     cols = [(slice(None), slice(j * 20, (j + 1) * 20)) for j in range(4)]
     odd = [(slice(3, 70), slice(5, 77)), (slice(95, 96), slice(0, 80)), (slice(10, 11), slice(7, 8))]
     for layout in (cols, odd):
@@ -263,7 +217,9 @@ def test_orphan_sweep_removes_crashed_saves_and_keeps_committed(fake_gcs: FakeGC
     crashed_save(url, state(-3), 3, **opts)  # and step 3 never commits
     committed = committed_objects(url, [1, 2], **opts)
     orphans = set(bucket_keys(fake_gcs.url, prefix)) - committed
-    assert len(orphans) == 6 and all(k.split("/")[1] in ("2", "3") for k in orphans)
+    objects = {k for k in orphans if "ckptio.intent." not in k}  # and the two dead saves' intents
+    assert len(objects) == 6 and len(orphans) == 8
+    assert all(k.split("/")[1] in ("2", "3") for k in objects) and len(orphans - objects) == 2
 
     mngr = ckptio.CheckpointManager(url, backend_options=opts)
     with pytest.raises(ckptio.CheckpointNotFoundError):
@@ -304,7 +260,7 @@ def test_manager_path_with_forced_pagination(fake_gcs: FakeGCS, tmp_path: Path) 
             assert mngr.all_steps() == [2, 4, 5, 6, 7] and mngr.latest_step() == 7
             assert mngr.restore()["step"] == 7 and (mngr.restore(2)["w"][1] == 2).all()
             orphans = set(bucket_keys(fake_gcs.url, prefix)) - committed_objects(url, [2, 4, 5, 6, 7], **opts)
-            assert len(orphans) == 3  # the crashed step-4 attempt's objects
+            assert len(orphans) == 4  # the crashed step-4 attempt's 3 objects and its (dead) intent
             assert set(mngr.sweep_orphans(grace_seconds=0)) == orphans
         assert set(bucket_keys(fake_gcs.url, prefix)) == committed_objects(url, [2, 4, 5, 6, 7], **opts)
     assert proxy.listings and all(q.get("maxResults") == "2" for q in proxy.listings)
@@ -354,7 +310,7 @@ def test_two_saves_of_one_step_race_exactly_one_commits(gcs_emulator_env: str, t
         assert (ckptio.restore(url, step=step)["w"] == 10 * step + winners[0]).all()
     # The losers' objects are orphans: the sweep takes them and nothing else.
     mngr = ckptio.CheckpointManager(url)
-    assert len(mngr.sweep_orphans(grace_seconds=0)) == 3
+    assert len(mngr.sweep_orphans(grace_seconds=0)) == 6  # 3 objects and the 3 losers' dead intents
     assert mngr.all_steps() == [1, 2, 3] and (mngr.restore(3)["w"] >= 30).all()
     mngr.close()
 
@@ -372,7 +328,7 @@ def test_name_spread_1000_objects_from_8_hosts(fake_gcs: FakeGCS, tmp_path: Path
     opts = {"endpoint": fake_gcs.url, "object_size": row}  # one row per object
 
     def save(step: int) -> Any:
-        def host(rank: int, coord: _Member) -> Any:
+        def host(rank: int, coord: Any) -> Any:
             rows = range(rank * per_host, (rank + 1) * per_host)
             pieces = [((slice(r, r + 1), slice(None)), full[r : r + 1] ^ step) for r in rows]
             state = {"w": ckptio.Sharded(shape, np.uint8, pieces), "step": step}
@@ -382,7 +338,8 @@ def test_name_spread_1000_objects_from_8_hosts(fake_gcs: FakeGCS, tmp_path: Path
 
     spread: dict[int, collections.Counter[str]] = {}
     for step in (100, 101):
-        manifest = save(step)
+        save(step)
+        manifest = run_sync(CheckpointStore(url, backend_options=opts).read_manifest(str(step)))  # all fragments
         assert len(manifest.objects) == hosts * per_host
         keys = [k for k in bucket_keys(fake_gcs.url, prefix) if k.split("/")[1] == str(step)]
         assert sorted(keys) == sorted(manifest.objects)
@@ -442,8 +399,8 @@ def test_corrupted_object_is_detected_and_never_restored(fake_gcs: FakeGCS, tmp_
 def test_truncated_object_is_an_error_naming_it(fake_gcs: FakeGCS, tmp_path: Path) -> None:
     url, key, data = _saved_for_damage(fake_gcs, tmp_path)
     replace_object(fake_gcs.url, f"{_prefix(tmp_path)}/{key}", data[: len(data) // 2])
-    # Shorter than the manifest says: refused before any checksum, naming the object.
-    with pytest.raises(ValueError, match="past the end") as e:
+    # Shorter than the manifest says: refused before anything is allocated or read, naming the object.
+    with pytest.raises(ckptio.IntegrityError, match="its extents need") as e:
         ckptio.restore(url, backend_options={"endpoint": fake_gcs.url})
     assert key in str(e.value)
 
