@@ -20,12 +20,12 @@ first put the unconverted data on the devices).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from ckptio.cast import cast_checked
 from ckptio.staging import Sharded
 
 __all__ = ["cast_checked", "cast_staged", "jax_dtype", "x64_context", "x64_enabled"]
@@ -34,59 +34,6 @@ __all__ = ["cast_checked", "cast_staged", "jax_dtype", "x64_context", "x64_enabl
 def jax_dtype(dtype: Any) -> np.dtype:
     """The dtype a jax array asked to be ``dtype`` has now (``jax_enable_x64`` decides 64-bit types)."""
     return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
-
-
-def _inexact(dtype: np.dtype) -> bool:
-    # jax's issubdtype knows ml_dtypes (bfloat16, float8: numpy sees them as opaque 'V' types).
-    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
-
-
-def _mismatch(src: np.ndarray, out: np.ndarray, exact: bool) -> np.ndarray:
-    """Mask of the values of ``src`` that ``out`` (its cast) does not hold."""
-    if exact or not _inexact(out.dtype):
-        with np.errstate(invalid="ignore", over="ignore"):
-            back = out.astype(src.dtype)
-        differs = np.asarray(back != src)
-        if _inexact(src.dtype):
-            differs &= ~(np.isnan(back) & np.isnan(src))  # a NaN that stays NaN survived
-        return differs
-    bad = np.isfinite(src) & ~np.isfinite(out)  # overflow to inf (or to nan, for float8 types)
-    if np.iscomplexobj(src) and not np.iscomplexobj(out):
-        bad |= np.imag(src) != 0  # the imaginary part would be dropped
-    return bad
-
-
-def cast_checked(
-    name: str, values: np.ndarray, dtype: Any, *, asked: bool, saving: bool = False
-) -> np.ndarray:
-    """``values`` as ``dtype``, or ValueError naming item ``name`` if ``dtype`` cannot hold them.
-
-    ``asked``: the caller asked for ``dtype`` (a float target may round);
-    False when jax forces the change (every value must survive exactly).
-    ``saving``: the values come from the state being saved, not from a checkpoint.
-    """
-    values = np.asarray(values)
-    dtype = np.dtype(dtype)
-    if values.dtype == dtype:
-        return values
-    with np.errstate(invalid="ignore", over="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)  # checked below
-        out = values.astype(dtype)
-    bad = _mismatch(values, out, exact=not asked)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        first = values[where].item()
-        if asked:
-            why = f"the requested dtype {dtype} cannot hold them"
-            fix = "ask for a dtype that holds them"
-        else:
-            why = f"as a jax array it would be {dtype}: jax_enable_x64 is off, and {dtype} cannot hold them"
-            fix = "enable jax_enable_x64, or restore it as numpy (an np.ndarray target)"
-        raise ValueError(
-            f"item {name!r}: the {'state' if saving else 'checkpoint'} holds {values.dtype} values such as {first!r} "
-            f"(at index {list(where)}), but {why}; {fix}"
-        )
-    return out
 
 
 def cast_staged(name: str, staged: Any, dtype: Any) -> Any:

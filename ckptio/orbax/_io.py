@@ -33,7 +33,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess
+from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess, broadcast_from_root
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.errors import CheckpointNotFoundError, SaveFailedError
 from ckptio.layout import Naming
@@ -258,7 +258,7 @@ def _prepare_external(item_dir: Any, loc: Location, store: CheckpointStore, coor
             verdict, failure = {"ok": False, "error": f"{type(e).__name__}: {e}"}, e
     if coord.size > 1:
         # Also a barrier: no host looks for an existing checkpoint before the stale one is gone.
-        verdict = coord.all_gather(verdict)[0]
+        verdict = broadcast_from_root(coord, verdict)  # O(1) bytes for the others, whatever H
     if not verdict["ok"]:
         raise failure or SaveFailedError(
             f"{loc.url}: preparing step {loc.step} failed on host 0: {verdict['error']}"
