@@ -75,6 +75,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--sweep-counts", type=_ints, default=[32, 1000, 10000, 100000])
     g.add_argument("--sweep-procs", type=_ints, default=[1, 2, 4])
     g.add_argument("--sweep-rounds", type=int, default=None, help="rounds in the sweep (default: --rounds)")
+    g.add_argument("--scale", type=_csv, default=None, metavar="HOSTSxSHARDS[,...]",
+                   help="instead of the IO cases: simulate the commit and a host's restore planning of a "
+                        "job this large (e.g. 4096x256), see bench/scale.py")
     g = p.add_argument_group("advice")
     g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
     g.add_argument("--mtbf", default="4h", help="mean time between failures for --advise (default 4h)")
@@ -262,10 +265,31 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     return doc
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from .scale import parse_scale, render, run_scale
+
+    try:
+        sizes = [parse_scale(x) for x in args.scale]
+    except ValueError as e:
+        print(f"ckptio bench: error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for hosts, shards in sizes:
+        res = run_scale(hosts, shards, args.dir)
+        print(render(res), flush=True)
+        results.append(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": SCHEMA, "scale": results}, f, indent=1)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.scale:
+        return _scale(args)
     if args.list:
         backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")

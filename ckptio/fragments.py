@@ -256,6 +256,7 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
     assert manifest.fragments is not None
     objects: list[str] = []
     shards: dict[str, list[Any]] = {}
+    owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
     for f in sorted(datas):
         ref, data = manifest.fragments[f], datas[f]
         here = f"{where}: fragment {ref.key!r}"
@@ -280,9 +281,11 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
             item = manifest.items.get(name)
             if not isinstance(item, ArrayItem) or item.locator is None:
                 raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
-            assigned = {tuple(r[1:].tolist()) for r in item.locator if r[0] == f}
+            owner = owners.get(name)
+            if owner is None:
+                owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
             for offsets, shape, extents in rows:
-                if tuple(offsets) + tuple(shape) not in assigned:
+                if owner.get((*offsets, *shape)) != f:
                     continue  # a replica the root assigns to another fragment
                 shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": ref.host, "extents": [
                     [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < len(doc["objects"]) else -1, *e[1:]]

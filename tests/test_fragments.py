@@ -126,3 +126,14 @@ def test_format1_fixture_written_by_the_previous_release_still_reads(tmp_path: P
     got = ckptio.restore(root)
     assert got["w"].tobytes() == full("w").tobytes() and got["step"] == 3
     assert cli(["verify", str(root)]) == 0
+
+
+def test_bench_scale_simulation_runs_the_real_commit_and_restore_planning(tmp_path: Path) -> None:
+    from ckptio.bench.scale import run_scale
+
+    res = run_scale(16, 16, str(tmp_path))
+    assert res["received_per_non_coordinator"] == 12
+    # A host restoring its own layout reads the root and its own fragment, not everyone's.
+    assert res["same_bytes_read"] <= res["root_bytes"] + 2 * res["fragment_bytes_mean"]
+    assert res["resharded_bytes_read"] >= res["root_bytes"] + 16 * res["fragment_bytes_mean"] * 0.9
+    assert res["same_requests"] > 0 and res["resharded_requests"] > 0
