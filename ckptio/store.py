@@ -530,6 +530,10 @@ class CheckpointStore:
             if name is not None:
                 by_step.setdefault(name.step_dir, []).append(info)
         markers = {i.key for i in listing if i.key.rpartition("/")[2] in (MANIFEST_NAME, TOMBSTONE_NAME)}
+        for key in markers:  # a step whose deletion died after its objects went holds markers only
+            parent = key.rpartition("/")[0]
+            if parent == "" or (parent.isdigit() and str(int(parent)) == parent):
+                by_step.setdefault(parent, [])
         for step_dir in sorted(by_step, key=lambda s: (len(s), s)):
             if join_key(step_dir, TOMBSTONE_NAME) in markers:
                 if not dry_run:

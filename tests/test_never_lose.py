@@ -495,3 +495,17 @@ def test_core_restore_never_narrows_64_bit_values_silently_into_jax(tmp_path: Pa
         ckptio.restore(tmp_path, step=1, target=target)
     got = ckptio.restore(tmp_path, step=1, target={"small": target["small"]})
     assert np.asarray(got["small"]).tolist() == [0, 1, 2]  # values jax can hold come back intact
+
+
+def test_gc_finishes_a_deletion_that_died_after_its_objects(tmp_path: Path) -> None:
+    """Found by the 100-trial campaign: a step holding only its manifest and tombstone was never finished."""
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    store = CheckpointStore(tmp_path)
+    m = run_sync(store.read_manifest("1"))
+    run_sync(store.backend.create_if_absent(f"1/{TOMBSTONE_NAME}", m.checkpoint_id.encode()))
+    for key in m.objects:
+        run_sync(store.backend.delete(key))
+    report = run_sync(store.sweep(0))
+    assert report.finished_deletions == [1] and not (tmp_path / "1").exists()
+    assert same(ckptio.restore(tmp_path), 2)
