@@ -205,7 +205,8 @@ def test_manager_tiers_retention_and_fallback(tmp_path):
         assert same(m.restore(), state(6)) and m.last_restore.sources == {0: LOCAL}
         assert durable.calls("read_into") == 0
         assert same(m.restore(tiers=(DURABLE,)), state(6)) and m.last_restore.bytes_from[DURABLE] > 0
-        assert same(m.restore(step=4), state(4)) and m.last_restore.sources == {0: DURABLE}
+        # A look-only restore of an older step changes nothing (a plain one would make it the head).
+        assert same(m.restore(step=4, retire_newer=False), state(4)) and m.last_restore.sources == {0: DURABLE}
     # The host's fast tier is gone: the newest durable checkpoint.
     import shutil
 
@@ -217,7 +218,7 @@ def test_manager_tiers_retention_and_fallback(tmp_path):
 @pytest.mark.parametrize("coalesce", [False, True])
 def test_replication_waits_only_when_the_queue_is_full(tmp_path, coalesce):
     gated = GatedBackend(open_backend(str(tmp_path / "durable")))
-    policy = TierPolicy(replicate_every=1, queue_size=2, coalesce=coalesce, fast=Retention(1))
+    policy = TierPolicy(replicate_every=1, queue_size=2, coalesce=coalesce, fast=Retention(1), durable=Retention())
     m = TieredCheckpointManager(f"mem://gate-{coalesce}-{tmp_path.name}", durable_backend=gated, policy=policy)
     try:
         t0 = time.perf_counter()
@@ -235,7 +236,7 @@ def test_replication_waits_only_when_the_queue_is_full(tmp_path, coalesce):
         expect = [1, 3, 4] if coalesce else [1, 2, 3, 4]
         assert run_sync(m.durable.committed_steps()) == expect
         assert m.durable_worker is not None and m.durable_worker.skipped == ([2] if coalesce else [])
-        assert same(m.restore(step=3, tiers=(DURABLE,)), state(3))
+        assert same(m.restore(step=3, tiers=(DURABLE,), retire_newer=False), state(3))
     finally:
         gated.gate.set()
         m.close()

@@ -12,6 +12,11 @@ Modes:
   replacement  a replacement process of ``emergency`` (joins on PORT2, restores)
   copykill     save --steps; the durable tier stalls after --stall-after object writes (the test kills us)
   copyresume   a new run on the same fast tiers: the durable copy left unfinished completes
+  resume       restore (--restore-step, else the newest; expecting --expect-step), then save --steps of
+               generation --gen (other data under the same step numbers), wait, report errors and tiers
+  phasekill    save --steps one at a time (each replicated before the next); host --victims kills itself
+               (SIGKILL) at replication --phase of the last step (the test then kills the others)
+  durabledown  save --steps with every durable write failing; report the lag, exit
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from ckptio.tiers import Retention, TieredCheckpointManager, TierPolicy
 ROWS, COLS = 64, 96  # rows per host, per array
 
 
-def state_for(step: int, rank: int, world: int, arrays: int) -> dict:
-    """Host ``rank``'s part of the deterministic state of ``step`` (each array row-split across hosts)."""
+def state_for(step: int, rank: int, world: int, arrays: int, gen: int = 0) -> dict:
+    """Host ``rank``'s part of the deterministic state of ``step`` (each array row-split across hosts).
+
+    ``gen``: another training run's state at the same step (a re-save after a rollback).
+    """
     state: dict = {}
-    for name, full in full_arrays(step, world, arrays).items():
+    for name, full in full_arrays(step, world, arrays, gen).items():
         if name == "rep":
             state[name] = full  # replicated: host 0 writes it
             continue
@@ -50,8 +58,8 @@ def state_for(step: int, rank: int, world: int, arrays: int) -> dict:
     return state
 
 
-def full_arrays(step: int, world: int, arrays: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(step)
+def full_arrays(step: int, world: int, arrays: int, gen: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step + 1_000_003 * gen)
     out: dict[str, np.ndarray] = {}
     for i in range(arrays):
         out[f"w{i}"] = rng.standard_normal((world * ROWS, COLS)).astype(np.float32)
@@ -69,9 +77,9 @@ def target_for(rank: int, world: int, arrays: int) -> dict:
     return t
 
 
-def check(out: dict, step: int, rank: int, world: int, arrays: int) -> None:
-    """Bit-exact against the state saved at ``step``."""
-    full = full_arrays(step, world, arrays)
+def check(out: dict, step: int, rank: int, world: int, arrays: int, gen: int = 0) -> None:
+    """Bit-exact against the state saved at ``step`` (by generation ``gen``)."""
+    full = full_arrays(step, world, arrays, gen)
     ix = (slice(rank * ROWS, (rank + 1) * ROWS), slice(None))
     assert out["step"] == step, (out["step"], step)
     for name, want in full.items():
@@ -90,6 +98,9 @@ class StallingBackend(WrapperBackend):
         self.writes = 0
 
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        if "ckptio.intent." in key:  # a copy's intent and its heartbeats are not objects: they pass
+            await self.inner.write(key, buffers)
+            return
         self.writes += 1
         if self.writes > self.after:
             with open(self.marker, "a") as f:  # noqa: ASYNC230 -- a tiny marker file for the test to see
@@ -98,13 +109,72 @@ class StallingBackend(WrapperBackend):
         await self.inner.write(key, buffers)
 
 
+class FailingBackend(WrapperBackend):
+    """Every write fails with a retryable-looking OSError (a durable tier that is down)."""
+
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        raise OSError(f"injected: durable tier down ({key})")
+
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        raise OSError(f"injected: durable tier down ({key})")
+
+
+class KillingBackend(WrapperBackend):
+    """SIGKILLs this process at the first ``op`` on a key for which ``hit(key)`` is true (a node loss)."""
+
+    def __init__(self, inner: Backend, op: str, hit: object) -> None:
+        super().__init__(inner)
+        self.op, self.hit = op, hit
+
+    def _maybe_die(self, op: str, key: str) -> None:
+        if op == self.op and self.hit(key):  # type: ignore[operator]
+            print(f"victim dies at {op} {key}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        self._maybe_die("write", key)
+        await self.inner.write(key, buffers)
+
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        self._maybe_die("create", key)
+        await self.inner.create_if_absent(key, data)
+
+    async def delete(self, key: str) -> None:
+        self._maybe_die("delete", key)
+        await self.inner.delete(key)
+
+    async def read_into(self, key: str, rng: object, buffers: Sequence[memoryview]) -> None:
+        self._maybe_die("read", key)
+        await self.inner.read_into(key, rng, buffers)  # type: ignore[arg-type]
+
+
+#: Replication phases of the last step N at which ``phasekill`` kills the victim:
+#: (store, operation, key predicate). "fast" is the victim's own fast tier, "replica" the replicas it keeps.
+def phases(n: int) -> dict[str, tuple[str, str, object]]:
+    def under(step: int) -> object:
+        return lambda k: k.startswith(f"{step}/")
+
+    return {
+        "commit-own": ("fast", "create", lambda k: k == f"{n}/ckptio.manifest.json"),  # before replication
+        "send": ("fast", "read", under(n)),  # sending its own objects to its partner
+        "receive": ("replica", "write", under(n)),  # receiving its source's objects
+        "commit-replica": ("replica", "create", lambda k: k == f"{n}/ckptio.manifest.json"),
+        "mark": ("replica", "create", lambda k: k.startswith(f"{n}/ckptio.replica-of.")),
+        "prune-replica": ("replica", "delete", under(n - 1)),  # the previous replica goes
+        # its own previous step goes (not the retirement of that step's intent, at its own save)
+        "retain-own": ("fast", "delete", lambda k: k.startswith(f"{n - 1}/") and "ckptio.intent." not in k),
+    }
+
+
 def manager(args: argparse.Namespace, rank: int, *, durable_backend: Backend | None = None,
-            fast: str | None = None) -> TieredCheckpointManager:
-    policy = TierPolicy(replicate_every=args.every, queue_size=2, fast=Retention(args.keep))
+            fast: str | None = None, fast_backend: Backend | None = None) -> TieredCheckpointManager:
+    policy = TierPolicy(replicate_every=args.every, queue_size=2, fast=Retention(args.keep),
+                        retry_backoff_s=0.05, retry_backoff_max_s=0.2)
     durable = args.durable or os.path.join(args.root, "durable")
     return TieredCheckpointManager(
         fast or os.path.join(args.root, "fast", f"r{rank}"), durable, policy=policy,
-        durable_backend=durable_backend, fast_options=None if (fast or "").startswith("mem://") else
+        durable_backend=durable_backend, fast_backend=fast_backend,
+        fast_options=None if (fast or "").startswith("mem://") or fast_backend is not None else
         {"object_size": args.object_size, "fsync": False},
     )
 
@@ -122,7 +192,7 @@ def restore_and_report(mgr: TieredCheckpointManager, args: argparse.Namespace, r
     assert rep is not None
     if args.expect_step is not None:
         assert rep.step == args.expect_step, (rep.step, args.expect_step)
-    check(out, rep.step, rank, world, args.arrays)
+    check(out, rep.step, rank, world, args.arrays, args.gen)
     print(json.dumps({
         "rank": rank, "step": rep.step, "sources": {str(k): v for k, v in rep.sources.items()},
         "bytes_from": rep.bytes_from, "durable_reads": counter.calls("read_into"), "seconds": seconds, **extra,
@@ -145,6 +215,9 @@ def main() -> int:
     p.add_argument("--arrays", type=int, default=2)
     p.add_argument("--object-size", type=int, default=64 << 20)
     p.add_argument("--stall-after", type=int, default=1)
+    p.add_argument("--gen", type=int, default=0)
+    p.add_argument("--restore-step", type=int)
+    p.add_argument("--phase")
     args = p.parse_args()
     steps = [int(s) for s in args.steps.split(",") if s]
     victims = {int(v) for v in args.victims.split(",") if v}
@@ -163,7 +236,7 @@ def main() -> int:
                                       args.stall_after, os.path.join(args.root, f"stalled.r{rank}"))
         mgr = manager(args, rank, durable_backend=backend)
         for s in steps:
-            mgr.save(s, state_for(s, rank, world, args.arrays))
+            mgr.save(s, state_for(s, rank, world, args.arrays, args.gen))
         mgr.wait_until_finished()
         print(json.dumps({"rank": rank, "tiers": mgr.tier_steps()}), flush=True)
         mgr.close()
@@ -172,6 +245,63 @@ def main() -> int:
         mgr.wait_until_finished()
         assert mgr.durable_worker is not None
         print(json.dumps({"rank": rank, "tiers": mgr.tier_steps(), "copied": mgr.durable_worker.done}), flush=True)
+        mgr.close()
+    elif args.mode == "resume":
+        counter = counted(args)
+        mgr = manager(args, rank, durable_backend=counter)
+        out = mgr.restore(args.restore_step, target=target_for(rank, world, args.arrays))
+        rep = mgr.last_restore
+        assert rep is not None
+        if args.expect_step is not None:
+            assert rep.step == args.expect_step, (rep.step, args.expect_step)
+        check(out, rep.step, rank, world, args.arrays)  # what is restored here is always generation 0
+        saved, error = [], None
+        try:
+            for s in steps:
+                if mgr.save(s, state_for(s, rank, world, args.arrays, args.gen)) is not None:
+                    saved.append(s)
+            mgr.wait_until_finished()
+        except Exception as e:  # reported, so that the test shows what went wrong
+            error = f"{type(e).__name__}: {e}"
+        print(json.dumps({"rank": rank, "step": rep.step, "saved": saved,
+                          "error": error, "tiers": mgr.tier_steps()}), flush=True)
+        try:
+            mgr.close()
+        except Exception:
+            pass
+    elif args.mode == "phasekill":
+        where, op, hit = phases(steps[-1])[args.phase]
+        victim = rank in victims
+        path = os.path.join(args.root, "fast", f"r{rank}")
+        fb = open_backend(path, object_size=args.object_size, fsync=False)
+        if victim and where == "fast":
+            fb = KillingBackend(fb, op, hit)
+        mgr = manager(args, rank, fast_backend=fb)
+        if victim and where == "replica":
+            mgr.replica.backend = mgr.replica.engine.backend = KillingBackend(mgr.replica.backend, op, hit)
+        for s in steps:
+            mgr.save(s, state_for(s, rank, world, args.arrays))
+            mgr.wait_until_finished()  # each step replicated (or failed) before the next: phases are exact
+        print(json.dumps({"rank": rank, "tiers": mgr.tier_steps(), "survived": True}), flush=True)
+        time.sleep(3600)  # the test kills the whole job once the victim is dead (a job restart)
+    elif args.mode == "durabledown":
+        mgr = manager(args, rank, durable_backend=FailingBackend(open_backend(
+            args.durable or os.path.join(args.root, "durable"))))
+        lags = []
+        for s in steps:
+            mgr.save(s, state_for(s, rank, world, args.arrays)).result()
+            lag = mgr.durable_lag
+            assert lag is not None
+            lags.append([lag.steps, lag.seconds, lag.uncopied])
+        error = None
+        try:
+            mgr.wait_until_finished()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        lag = mgr.durable_lag
+        assert lag is not None
+        print(json.dumps({"rank": rank, "lags": lags, "owed": lag.owed, "error": error,
+                          "tiers": mgr.tier_steps()}), flush=True)
         mgr.close()
     elif args.mode == "restore":
         counter = counted(args)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -46,13 +47,17 @@ from ..staging import StagingPool
 from ..states import SaveState
 from ..store import CheckpointStore
 from .group import LocalGroup, PeerGroup, TorchGroup, torch_world
-from .peer import RoutedBackend, fetch_from_peers, holdings, replicate_to_partner
+from .peer import RoutedBackend, fetch_from_peers, holdings, replicate_to_partner, retire_replica
 from .policy import DURABLE, LOCAL, PEER, TIERS, Holding, RestorePlan, TierPolicy, plan_restore
-from .replicator import Pins, ReplicationError, ReplicationWorker, durable_recovery, durable_round
+from .replicator import Lag, Pins, ReplicationError, ReplicationWorker, durable_recovery, durable_round
 
 __all__ = ["RestoreReport", "TieredCheckpointManager"]
 
 log = logging.getLogger("ckptio.tiers")
+
+#: This host's record (in its fast tier's root) of each host's newest step replicated to its partner.
+#: Not a name ckptio.names proves deletable: no deleter ever touches it; it is replaced whole.
+REPLICATED_RECORD = "ckptio.tiers.replicated.json"
 
 
 @dataclasses.dataclass
@@ -135,12 +140,17 @@ class TieredCheckpointManager:
         if pol.peer_replication and self.size > 1 and pol.partner_offset % self.size == 0:
             raise ValueError(f"partner_offset {pol.partner_offset} makes every host its own partner "
                              f"among {self.size} hosts")
+        #: Per host: the newest step whose replica is marked complete on its partner (the same on
+        #: every host). Each host's fast tier keeps its own copy of these steps (see _fast_retention).
+        self._replicated: dict[int, int] = self._load_replicated()
         self.peer_worker: ReplicationWorker | None = None
         if pol.peer_replication and self.size > 1:
             self.peer_worker = ReplicationWorker(
                 "peer", peer_group,
-                lambda s: replicate_to_partner(peer_group, self.fast, self.replica, s, pol.partner_offset),
+                lambda s: replicate_to_partner(peer_group, self.fast, self.replica, s, pol.partner_offset,
+                                               on_marked=lambda srcs: self._note_replicated(s, srcs)),
                 queue_size=pol.queue_size, coalesce=True, pins=self.pins, after_round=self._fast_retention,
+                lag_warn_steps=max(pol.lag_warn_steps, pol.queue_size + 1),
             )
         self.durable_worker: ReplicationWorker | None = None
         if self.durable is not None and pol.replicate_every > 0:
@@ -150,7 +160,8 @@ class TieredCheckpointManager:
                 lambda s: durable_round(durable_group, self.fast, durable, s, pol),
                 queue_size=pol.queue_size, coalesce=pol.coalesce, pins=self.pins,
                 prologue=lambda: durable_recovery(durable_group, self.fast, durable, pol),
-                after_round=self._fast_retention,
+                after_round=self._fast_retention, retry_backoff=pol.backoff, max_backlog=pol.max_backlog,
+                lag_warn_steps=pol.lag_warn_steps,
             )
 
     # -- queries (this host's view; no collectives) ------------------------
@@ -166,6 +177,50 @@ class TieredCheckpointManager:
     def holdings(self) -> list[Holding]:
         """What this host could serve at a restore (own complete copies and partners' replicas)."""
         return holdings(self.fast, self.replica, self.rank)
+
+    @property
+    def durable_lag(self) -> Lag | None:
+        """How far the durable tier is behind this host's fast tier (None without one).
+
+        ``steps`` saved for the durable tier are not there yet (queued, being
+        copied, or failed and waiting for a retry); the oldest was committed in
+        the fast tier ``seconds`` ago. A trainer can read it every step; each
+        failed round and each save while ``policy.lag_warn_steps`` or more are
+        behind also logs a warning.
+        """
+        return self.durable_worker.lag() if self.durable_worker is not None else None
+
+    @property
+    def replicated_steps(self) -> dict[int, int]:
+        """Per host, the newest step whose replica is marked complete on its partner."""
+        with self._retention_lock:
+            return dict(self._replicated)
+
+    def _load_replicated(self) -> dict[int, int]:
+        """The record a previous run of this host left (missing or unreadable: nothing known)."""
+        try:
+            doc = json.loads(run_sync(self.fast.backend.read(REPLICATED_RECORD)))
+            return {int(k): int(v) for k, v in doc["replicated"].items()}
+        except FileNotFoundError:
+            return {}
+        except Exception as e:  # noqa: BLE001 -- a bad record only means less is protected until the next round
+            log.warning("%s: unreadable %s, ignored: %r", self.fast.url, REPLICATED_RECORD, e)
+            return {}
+
+    def _note_replicated(self, step: int, sources: list[int]) -> None:
+        """After a peer round: ``sources``' replicas of ``step`` are marked; record it, then retention may go on."""
+        with self._retention_lock:
+            for src in sources:
+                self._replicated[src] = max(step, self._replicated.get(src, -1))
+            self._save_replicated()
+
+    def _save_replicated(self) -> None:
+        """Persist the record in the fast tier (one small object, replaced whole), for the next run."""
+        data = memoryview(json.dumps({"replicated": {str(k): v for k, v in self._replicated.items()}}).encode())
+        try:
+            run_sync(self.fast.backend.write(REPLICATED_RECORD, [data]))
+        except Exception as e:  # noqa: BLE001 -- in memory it still protects; a restart knows less
+            log.warning("%s: cannot write %s: %r", self.fast.url, REPLICATED_RECORD, e)
 
     # -- save -------------------------------------------------------------
 
@@ -250,13 +305,18 @@ class TieredCheckpointManager:
             self._hook_error = e
 
     def _fast_retention(self) -> None:
-        """Delete this host's fast-tier steps beyond its retention, except those a replicator still needs.
+        """Delete this host's fast-tier steps beyond its retention, except those a replicator still needs
+        and the newest replicated step of every host.
 
         Runs after each save and after each replication round (which may have unpinned a step).
+        Keeping its own copy of each host's newest replicated step is what bounds a host loss: the
+        lost host's shards of that step are on its partner, everyone else's here, so the job
+        restores it at worst -- never an older step, never the durable tier.
         """
         with self._retention_lock:
             steps = run_sync(self.fast.committed_steps())
-            for s in self.policy.fast.doomed(steps, self.pins.snapshot()):
+            keep = self.pins.snapshot() | set(self._replicated.values())
+            for s in self.policy.fast.doomed(steps, keep):
                 run_sync(self.fast.delete(str(s)))
 
     def _wait_save(self) -> None:
@@ -290,6 +350,7 @@ class TieredCheckpointManager:
         *,
         tiers: Collection[str] = TIERS,
         progress: Progress | None = None,
+        retire_newer: bool = True,
     ) -> Any:
         """Restore the newest checkpoint complete in some tier (or ``step``), as ``target`` asks (collective).
 
@@ -298,10 +359,30 @@ class TieredCheckpointManager:
         tier. ``tiers`` limits the places (e.g. ``("durable",)``). Every byte
         is checked against its checksum. :attr:`last_restore` says what came
         from where.
+
+        The step restored becomes the head everywhere: once every host has
+        restored it, the steps newer than it -- an abandoned timeline, after a
+        fallback or a rollback -- are retired from every host's fast tier, its
+        partners' replicas and the durable tier, and dropped from the
+        replication queues, so that training re-saves those step numbers as
+        new checkpoints. ``retire_newer=False``: a look-only restore that
+        changes nothing.
         """
         self._wait_save()
-        if self.peer_worker is not None:  # a replica being replaced must not be read meanwhile
-            self.peer_worker.wait()
+        # Both replicators hold still (after their current round) until the restore is over: a replica
+        # being replaced must not be read, and no copy of a step the restore abandons may land meanwhile.
+        workers = [w for w in (self.peer_worker, self.durable_worker) if w is not None]
+        for w in workers:
+            w.pause()
+        try:
+            return self._restore(step, target, tiers, progress, retire_newer)
+        finally:
+            for w in workers:
+                w.resume()
+
+    def _restore(
+        self, step: int | None, target: Any, tiers: Collection[str], progress: Progress | None, retire_newer: bool
+    ) -> Any:
         t0 = time.perf_counter()
         # Nothing before a collective may raise on one host only (the others would wait forever):
         # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
@@ -348,10 +429,23 @@ class TieredCheckpointManager:
         engine = _FetchingEngine(self, plan, manifest, routed, holding_store, store.engine.config)
         store.engine.close()
         store.engine = engine
+        failure: BaseException | None = None
         try:
             out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        except BaseException as e:  # every host must learn it before anything is retired
+            failure = e
         finally:
             store.engine.close()
+        # Retire the abandoned timeline only once every host holds the head in memory: a restore that
+        # failed anywhere changes nothing anywhere. Host 0 decides; the others get one word.
+        oks = self._control.gather(failure is None)
+        all_ok = self._control.broadcast(all(oks) if oks is not None else None)
+        if failure is not None:
+            raise failure
+        if not all_ok:
+            raise RuntimeError(f"restore of step {plan.step} failed on another host; nothing was retired")
+        if retire_newer:
+            self._retire_newer(plan.step)
         writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
         self.last_restore = RestoreReport(
             step=plan.step, checkpoint_id=manifest.checkpoint_id,
@@ -363,6 +457,42 @@ class TieredCheckpointManager:
         log.info("restored step %d on host %d in %.3fs: %s", plan.step, self.rank, self.last_restore.seconds,
                  self.last_restore.bytes_from)
         return out
+
+    def _retire_newer(self, head: int) -> None:
+        """Collective, with the replicators paused: make ``head`` the newest step in every tier.
+
+        Each host deletes its own fast-tier and replica steps newer than ``head``
+        and drops them from its replication queues; host 0 deletes the durable
+        tier's. Deletion goes through the stores (ckptio's names only, never a live save's objects).
+        """
+        error: str | None = None
+        try:
+            for w in (self.peer_worker, self.durable_worker):
+                if w is not None:
+                    w.drop_newer(head)
+            with self._retention_lock:
+                if any(v > head for v in self._replicated.values()):
+                    self._replicated = {k: v for k, v in self._replicated.items() if v <= head}
+                    self._save_replicated()
+                for s in run_sync(self.replica.step_dirs()):
+                    if s > head:
+                        run_sync(retire_replica(self.replica, s))
+                for s in run_sync(self.fast.step_dirs()):
+                    if s > head:
+                        run_sync(self.fast.delete(str(s)))
+            if self.rank == 0 and self.durable is not None:
+                for s in run_sync(self.durable.step_dirs()):
+                    if s > head:
+                        run_sync(self.durable.delete(str(s)))
+        except Exception as e:  # noqa: BLE001 -- reported on every host below
+            error = f"host {self.rank}: {type(e).__name__}: {e}"
+        errors = self._control.gather(error)
+        verdict = self._control.broadcast(join_errors([e for e in errors if e]) if errors is not None else None)
+        if verdict:
+            # A leftover newer step is still refused as "already committed" by the next save of that number,
+            # so say so now, on every host alike.
+            raise OSError(f"restored step {head}, but retiring the newer steps failed: {verdict}")
+        log.info("step %d is the head: newer steps retired on host %d", head, self.rank)
 
     # -- closing ------------------------------------------------------------
 

@@ -40,6 +40,7 @@ __all__ = [
     "object_sizes",
     "read_chunks",
     "replicate_to_partner",
+    "retire_replica",
 ]
 
 log = logging.getLogger("ckptio.tiers.peer")
@@ -124,12 +125,17 @@ def _check(manifest: Manifest, i: int, buf: bytearray, extents: list[list[tuple[
 
 
 def replicate_to_partner(
-    group: PeerGroup, own: CheckpointStore, replica: CheckpointStore, step: int, partner_offset: int
+    group: PeerGroup, own: CheckpointStore, replica: CheckpointStore, step: int, partner_offset: int,
+    on_marked: Callable[[list[int]], None] | None = None,
 ) -> None:
     """One round, on every host at once: send my objects of ``step`` to my partner, keep my source's.
 
     Every host must call it for the same step (the replication worker agrees
     on it first). Raises on the hosts whose part failed; the others go on.
+    ``on_marked(sources)`` learns, on every host alike (even one whose own
+    part failed), the hosts whose replica of ``step`` is marked complete on
+    their partner -- the fast tier's retention keeps those hosts' own copies
+    of it (see :class:`ckptio.tiers.TieredCheckpointManager`).
     """
     rank, size = group.rank, group.size
     step_dir = str(step)
@@ -168,9 +174,24 @@ def replicate_to_partner(
     oks = group.gather(error is None)
     failed = group.broadcast([r for r, ok in enumerate(oks) if not ok] if oks is not None else None)
     source = (rank - partner_offset) % size
+    failure: BaseException | None = None
     if source in failed or error is not None:
-        raise RuntimeError(f"peer replication of step {step}: host {source}'s snapshot did not arrive whole") from error
-    run_sync(_commit_replica(replica, step, m, source))
+        failure = RuntimeError(f"peer replication of step {step}: host {source}'s snapshot did not arrive whole")
+        failure.__cause__ = error
+    else:
+        try:
+            run_sync(_commit_replica(replica, step, m, source))
+        except BaseException as e:  # still take part in the status round below
+            failure = e
+    # The replicated-step marker decides: a host's step counts as replicated only once its partner's
+    # marker is in. Host 0 gathers who marked and broadcasts the hosts whose replica is not (O(failures)).
+    marked = group.gather(failure is None)
+    unmarked = group.broadcast([r for r, ok in enumerate(marked) if not ok] if marked is not None else None)
+    if on_marked is not None:
+        on_marked(sorted({(r - partner_offset) % size for r in range(size)} -
+                         {(r - partner_offset) % size for r in unmarked}))
+    if failure is not None:
+        raise failure
 
 
 async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
@@ -189,15 +210,20 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
     # Only the latest snapshot is kept: older replicas go once the new one is complete.
     for old in await replica.step_dirs():
         if old < step:
-            infos = await replica.backend.list(f"{old}/")
-            marks = [i.key for i in infos if i.key.rsplit("/", 1)[-1].startswith("ckptio.replica-of.")]
-            for k in marks:  # markers first: from here on nobody counts on this replica
-                try:
-                    await replica.backend.delete(k)
-                except FileNotFoundError:
-                    pass
-            await replica.delete(str(old))
+            await retire_replica(replica, old)
     log.info("replica of host %d, step %d: committed", source, step)
+
+
+async def retire_replica(replica: CheckpointStore, step: int) -> None:
+    """Delete a replica step: its markers first (from then on nobody counts on it), then the checkpoint."""
+    infos = await replica.backend.list(f"{step}/")
+    marks = [i.key for i in infos if i.key.rsplit("/", 1)[-1].startswith("ckptio.replica-of.")]
+    for k in marks:
+        try:
+            await replica.backend.delete(k)
+        except FileNotFoundError:
+            pass
+    await replica.delete(str(step))
 
 
 def fetch_from_peers(

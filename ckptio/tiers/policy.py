@@ -66,24 +66,40 @@ class TierPolicy:
             waiting step and skip the older ones (all hosts agree on which).
         fast: retention of each host's fast tier (steps a queue still needs
             are kept until it is done with them).
-        durable: retention of the durable tier (run by host 0).
+        durable: retention of the durable tier (run by host 0 after each durable commit). Bounded by
+            default (the newest 3 plus every ``keep_period``-th): a durable tier is never left to grow forever.
         peer_replication: send each host's latest snapshot to its partner.
         partner_offset: host ``r``'s partner is ``(r + partner_offset) % N``.
         save_interval_steps: ``save`` saves only steps that are multiples of this.
+        retry_backoff_s, retry_backoff_max_s: a failed durable round is retried after ``retry_backoff_s``,
+            doubling per failure up to ``retry_backoff_max_s`` (later rounds never skip it unless ``coalesce``).
+        max_backlog: durable steps owed (failed, waiting for a retry) at most; beyond that the oldest is
+            given up (logged): it keeps a host's fast tier bounded while the durable tier is down.
+        lag_warn_steps: log a warning whenever the durable tier is at least this many steps behind.
     """
 
     replicate_every: int = 1
     queue_size: int = 2
     coalesce: bool = False
     fast: Retention = Retention(max_to_keep=2)
-    durable: Retention = Retention()
+    durable: Retention = Retention(max_to_keep=3)
     peer_replication: bool = True
     partner_offset: int = 1
     save_interval_steps: int = 1
+    retry_backoff_s: float = 2.0
+    retry_backoff_max_s: float = 120.0
+    max_backlog: int = 4
+    lag_warn_steps: int = 2
 
     def __post_init__(self) -> None:
-        if self.replicate_every < 0 or self.queue_size < 1 or self.save_interval_steps < 1:
+        if (self.replicate_every < 0 or self.queue_size < 1 or self.save_interval_steps < 1
+                or self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s
+                or self.max_backlog < 1 or self.lag_warn_steps < 1):
             raise ValueError(f"invalid tier policy {self}")
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait before the retry that follows ``failures`` failed rounds of one step."""
+        return min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, failures - 1))
 
     def replicates(self, step: int) -> bool:
         """Whether ``step`` goes to the durable tier."""
