@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ckptio.backends._copy import flat_bytes
+from ckptio.backends._threads import background_pool
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
@@ -48,7 +49,16 @@ class EngineConfig:
     backoff_max: float = 8.0
     #: Adjacent ranges of one object are merged into reads of at most this many bytes.
     max_read_size: int = 64 << 20
+    #: A merged read is issued in pieces of about this many bytes (cut at checksum block
+    #: boundaries), each verified while the next one is read, so that verification is
+    #: off the critical path but never skipped. None: the larger of the backend's
+    #: preferred IO size and four checksum blocks.
+    read_piece_size: int | None = None
     checksum_threads: int = 2
+    #: A save's checksums run this many nice steps below the caller's priority: they are
+    #: CPU the training step would otherwise wait for (backends/_threads.py has the numbers).
+    #: A restore's verification keeps full priority. 0: no change.
+    save_nice: int = 10
 
 
 # -- the shared event-loop thread -------------------------------------------
@@ -151,6 +161,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
         self._cpu = concurrent.futures.ThreadPoolExecutor(self.config.checksum_threads, "ckptio-crc")
+        self._cpu_save = background_pool(self.config.checksum_threads, "ckptio-crc-w", self.config.save_nice)
         self._state: dict[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, ByteBudget]] = {}
 
     def _limits(self) -> tuple[asyncio.Semaphore, ByteBudget]:
@@ -162,6 +173,9 @@ class Engine:
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def _in_save_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_save, fn, *args)
 
     async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run ``call()``, retrying RetryableError with exponential backoff and full jitter."""
@@ -196,7 +210,7 @@ class Engine:
         async with sem:
             held = await budget.acquire(size)
             try:
-                crcs = await self._in_thread(lambda: [block_crcs(e.data, bs) for e in plan.extents])
+                crcs = await self._in_save_thread(lambda: [block_crcs(e.data, bs) for e in plan.extents])
                 await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
             finally:
                 await budget.release(held)
@@ -244,13 +258,29 @@ class Engine:
                 out.append(ReadRequest(r.key, r.rng, list(r.buffers), list(r.checks), list(r.after), r.block_size))
         return out
 
-    def _verify(self, req: ReadRequest) -> None:
+    def _piece_size(self, req: ReadRequest) -> int:
+        return self.config.read_piece_size or max(self.backend.capabilities.preferred_io_size, 4 * req.block_size)
+
+    async def _read_verified(self, req: ReadRequest) -> None:
+        """Read ``req`` piece by piece; each piece's checksums run in a thread while the next
+        piece is read. Returns once every piece is read and verified (raises IntegrityError)."""
+        loop = asyncio.get_running_loop()
+        checking: list[asyncio.Future[None]] = []
+        try:
+            for piece in split_request(req, self._piece_size(req)):
+                await self.retrying(
+                    f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
+                )
+                checking.append(loop.run_in_executor(self._cpu, self._verify_checks, piece))
+            await asyncio.gather(*checking)
+        finally:  # a failed read must not leave checks running over buffers a retry refills
+            await asyncio.gather(*checking, return_exceptions=True)
+
+    def _verify_checks(self, req: ReadRequest) -> None:
         flat = _Concat(req.buffers)
         bs = req.block_size
         for offset, length, crcs, item in req.checks:
             verify_blocks(flat.slice(offset, length), crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
-        for fn in req.after:
-            fn()
 
     async def read_one(self, req: ReadRequest, progress: Progress | None = None) -> None:
         sem, budget = self._limits()
@@ -258,16 +288,15 @@ class Engine:
             held = await budget.acquire(req.rng.length)
             try:
                 for attempt in (0, 1):
-                    await self.retrying(
-                        f"read {req.key!r}", lambda: self.backend.read_into(req.key, req.rng, req.buffers)
-                    )
                     try:
-                        await self._in_thread(self._verify, req)
+                        await self._read_verified(req)
                         break
                     except IntegrityError:
                         if attempt:  # corrupt twice: it is the object, not the wire
                             raise
                         log.warning("checksum mismatch reading %r; reading it once more", req.key)
+                if req.after:  # copy-out (resharding, casts) once the whole range is verified
+                    await self._in_thread(lambda: [fn() for fn in req.after])
             finally:
                 await budget.release(held)
         if progress:
@@ -279,6 +308,72 @@ class Engine:
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False)
+        self._cpu_save.shutdown(wait=False)
+
+
+def _slice_buffers(buffers: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
+    """Views of the bytes ``[start, end)`` of the concatenation of ``buffers`` (no copy)."""
+    out: list[memoryview] = []
+    pos = 0
+    for b in buffers:
+        v = flat_bytes(b) if b.nbytes else b
+        lo, hi = max(start, pos), min(end, pos + v.nbytes)
+        if lo < hi:
+            out.append(v[lo - pos : hi - pos])
+        pos += v.nbytes
+        if pos >= end:
+            break
+    return out
+
+
+def split_request(req: ReadRequest, piece: int) -> list[ReadRequest]:
+    """``req`` as consecutive pieces of about ``piece`` bytes, cut only at checksum block
+    boundaries of every check a cut falls into (so each piece verifies on its own).
+
+    The pieces share ``req``'s buffers (views, no copy) and carry no ``after`` callbacks:
+    those run once the whole request is verified.
+    """
+    total = req.rng.length
+    if total <= piece or not req.checks:
+        return [ReadRequest(req.key, req.rng, req.buffers, req.checks, [], req.block_size)]
+    bs = req.block_size
+    checks = sorted(req.checks, key=lambda c: c[0])
+    starts = [c[0] for c in checks]
+
+    def inside(x: int) -> tuple[int, int] | None:
+        """The (offset, end) of the check that ``x`` falls strictly inside, if any."""
+        i = bisect.bisect_right(starts, x) - 1
+        if i >= 0 and checks[i][0] < x < checks[i][0] + checks[i][1]:
+            return checks[i][0], checks[i][0] + checks[i][1]
+        return None
+
+    cuts: list[int] = []
+    pos = 0
+    while total - pos > piece:
+        cut = pos + piece
+        box = inside(cut)
+        if box is not None:  # back to a block boundary of that check (its start is one)
+            cut = box[0] + (cut - box[0]) // bs * bs
+            if cut <= pos:  # the piece lies inside one block run: forward to the next boundary
+                cut = min(box[0] + ((pos - box[0]) // bs + 1) * bs, box[1])
+        if cut >= total:
+            break
+        cuts.append(cut)
+        pos = cut
+    bounds = [0, *cuts, total]
+    out: list[ReadRequest] = []
+    for a, b in zip(bounds, bounds[1:]):
+        if a >= b:
+            continue
+        mine = []
+        for offset, length, crcs, item in checks:
+            lo, hi = max(a, offset), min(b, offset + length)
+            if lo < hi:
+                k0, k1 = (lo - offset) // bs, -(-(hi - offset) // bs)
+                mine.append((lo - a, hi - lo, crcs[k0:k1], item))
+        rng = ByteRange(req.rng.start + a, req.rng.start + b)
+        out.append(ReadRequest(req.key, rng, _slice_buffers(req.buffers, a, b), mine, [], bs))
+    return out
 
 
 class _Concat:
