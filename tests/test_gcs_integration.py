@@ -473,10 +473,10 @@ def test_uploads_damaged_in_transit_are_sent_again_and_never_committed(fake_gcs:
 # -- ckptio bench --backend gs:// ----------------------------------------------------------------------
 
 
-def _bench(tmp_path: Path, env: dict[str, str], url: str) -> dict[str, Any]:
+def _bench(tmp_path: Path, env: dict[str, str], url: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "ckptio.bench", "--backend", url, "--size", "4MiB", "--rounds", "1",
-           "--cases", "raw-aiohttp*,ckptio", "--json", str(out), "--no-progress"]
+           "--cases", "raw-aiohttp*,ckptio", "--json", str(out), "--no-progress", *extra]
     full_env = {k: v for k, v in os.environ.items() if k not in ("STORAGE_EMULATOR_HOST", "CKPTIO_BENCH_GCS_ENDPOINT")}
     proc = subprocess.run(cmd, env={**full_env, **env}, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -493,7 +493,7 @@ def _bench(tmp_path: Path, env: dict[str, str], url: str) -> dict[str, Any]:
 
 
 def test_bench_starts_its_own_fake_gcs_per_case(tmp_path: Path) -> None:
-    doc = _bench(tmp_path, {}, "gs://ckptio-bench/run")
+    doc = _bench(tmp_path, {}, "gs://ckptio-bench/run", "--fake-gcs")  # a plain gs:// URL is a real bucket
     target = doc["config"]["target"]
     assert target["scheme"] == "gs" and "fake-gcs-server" in target["server"]
     assert len(target["server_rss_bytes"]) == 3  # one server per case, stopped after it
