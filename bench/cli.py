@@ -78,6 +78,10 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--scale", type=_csv, default=None, metavar="HOSTSxSHARDS[,...]",
                    help="instead of the IO cases: simulate the commit and a host's restore planning of a "
                         "job this large (e.g. 4096x256), see bench/scale.py")
+    g.add_argument("--tiers", type=int, nargs="?", const=2, default=None, metavar="HOSTS",
+                   help="time to recover from each tier (local SSD, partner's replica, durable fake GCS) and a "
+                        "whole restart, with HOSTS processes (2-4, default 2) of --tiers-mib each, see bench/tiers.py")
+    g.add_argument("--tiers-mib", type=int, default=256, help="MiB per host for --tiers (default 256)")
     g = p.add_argument_group("advice")
     g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
     g.add_argument("--mtbf", default="4h", help="mean time between failures for --advise (default 4h)")
@@ -284,12 +288,29 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiers(args: argparse.Namespace) -> int:
+    from .tiers import render_tiers, run_tiers
+
+    try:
+        res = run_tiers(args.tiers, args.tiers_mib, args.rounds, args.dir)
+    except (ValueError, RuntimeError) as e:
+        print(f"ckptio bench: error: {e}", file=sys.stderr)
+        return 2
+    print(render_tiers(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": SCHEMA, "tiers": res}, f, indent=1)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.scale:
         return _scale(args)
+    if args.tiers is not None:
+        return _tiers(args)
     if args.list:
         backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")

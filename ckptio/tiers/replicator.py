@@ -332,10 +332,11 @@ class ReplicationWorker:
                 with self._cond:
                     self._errors.append(e)
                 todo = []
-            for step in todo:
+            for step in todo:  # all pinned before the first round: its retention must not take the next ones
                 self.pins.add(step)
                 with self._cond:
                     self._since.setdefault(step, time.monotonic())
+            for step in todo:
                 self._run_one(step, True, 0)
             with self._cond:
                 self._busy = False
