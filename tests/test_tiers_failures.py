@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import time
-from typing import Any
 
 import pytest
 
@@ -24,7 +23,7 @@ from ckptio.names import parse_intent, parse_object
 from ckptio.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_tiers_mp import _free_port, collect, run, spawn
+from test_tiers_mp import _free_port, kill_mid_copy, run, spawn
 from tiers_worker import phases
 
 pytestmark = pytest.mark.slow
@@ -130,19 +129,7 @@ def test_a_killed_copys_objects_are_cleaned_when_the_step_completes(tmp_path):
     lease = 1.0
     env = {"CKPTIO_LEASE_S": str(lease)}
     args = ["--steps", "1,2", "--every", "2", "--arrays", "3", "--object-size", str(16 << 10)]
-    procs = spawn(2, range(2), "copykill", root, *args, "--stall-after", "1", port=_free_port(), env=env)
-    markers = [tmp_path / f"stalled.r{r}" for r in range(2)]
-    deadline = time.monotonic() + 120
-    try:
-        while not all(m.exists() for m in markers):
-            assert time.monotonic() < deadline, "the durable copy never started"
-            assert all(p.poll() is None for p in procs), "a worker exited before being killed"
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-        for p in procs:
-            p.communicate()
+    kill_mid_copy(tmp_path, args, env)
     durable = CheckpointStore(str(tmp_path / "durable"))
     left = [k for k in os.listdir(tmp_path / "durable" / "2") if parse_object(k)]
     assert left, "some objects should have arrived before the kill"

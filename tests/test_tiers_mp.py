@@ -76,6 +76,26 @@ def run(world: int, *args: str, env: dict[str, str] | None = None) -> dict[int, 
     return {r["rank"]: r for r in reports}
 
 
+def kill_mid_copy(tmp_path: Any, args: Sequence[str], env: dict[str, str] | None = None,
+                  on_poll: Any = lambda: True) -> None:
+    """Run ``copykill`` on 2 hosts and SIGKILL both once each is stalled mid-copy of the durable step;
+    ``on_poll()`` must hold at every poll meanwhile (e.g. nothing partial is listed)."""
+    procs = spawn(2, range(2), "copykill", str(tmp_path), *args, "--stall-after", "1", port=_free_port(), env=env)
+    markers = [tmp_path / f"stalled.r{r}" for r in range(2)]
+    deadline = time.monotonic() + 120
+    try:
+        while not all(m.exists() for m in markers):  # both hosts are mid-copy
+            assert time.monotonic() < deadline, "the durable copy never started"
+            assert all(p.poll() is None for p in procs), "a worker exited before being killed"
+            assert on_poll()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.communicate()
+
+
 @pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def durable(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, str]]:
     """The durable tier: a local directory, or a bucket prefix on fake-gcs-server."""
@@ -141,20 +161,7 @@ def test_durable_copy_killed_midway_is_never_visible_and_the_next_run_completes_
     durable = str(tmp_path / "durable")
     store = CheckpointStore(durable)
     args = ["--steps", "1,2", "--every", "2", "--arrays", "3", "--object-size", str(16 << 10)]
-    procs = spawn(2, range(2), "copykill", root, *args, "--stall-after", "1", port=_free_port())
-    markers = [tmp_path / f"stalled.r{r}" for r in range(2)]
-    deadline = time.monotonic() + 120
-    try:
-        while not all(m.exists() for m in markers):  # both hosts are mid-copy of step 2
-            assert time.monotonic() < deadline, "the durable copy never started"
-            assert all(p.poll() is None for p in procs), "a worker exited before being killed"
-            assert run_sync(store.committed_steps()) == []  # nothing partial is ever listed
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-        for p in procs:
-            p.communicate()
+    kill_mid_copy(tmp_path, args, on_poll=lambda: run_sync(store.committed_steps()) == [])
     assert run_sync(store.committed_steps()) == []
     with pytest.raises(CheckpointNotFoundError, match="not committed"):
         ckptio.restore(durable, step=2)

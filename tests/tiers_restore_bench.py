@@ -37,22 +37,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def drop_cache(path: str) -> None:
-    """Evict a directory tree's files from the page cache (no root needed for our own files)."""
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+sys.path.insert(0, os.path.dirname(HERE))
+from bench.tiers import _drop_cache as drop_cache  # noqa: E402 -- one copy, with the --tiers bench
+from bench.tiers import _free_port  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
