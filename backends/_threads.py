@@ -7,9 +7,13 @@ state), but waiting in the run queue -- a save's checksum and copy threads
 holding the CPU the step wanted -- cost it 200-1700 us. So most of the step's
 slowdown is CPU, not GIL: a writer process would not give it back on a
 machine this small. Running the save's CPU-heavy threads at a lower priority
-does: a copy loop beside the step slowed it 1.52x at nice 0, 1.11x at nice 5
-and not measurably at nice 19. The threads still get every idle cycle, so an
-otherwise idle host saves as fast as before.
+helps the run-queue part: a copy loop beside the step slowed it 1.52x at nice
+0, 1.11x at nice 5, not measurably at nice 19. But with whole saves on a host
+whose cores other processes kept busy, nice 10 cut the save's throughput
+(median ~1.1 -> ~0.75 GiB/s) while the step still ran 1.2x slower (its own
+on-CPU time grows too: the two vCPUs share memory bandwidth), so the knobs
+(``LocalConfig.write_nice``, ``EngineConfig.save_nice``) default to 0 and are
+for hosts with idle cores to spare, where the lowered threads lose nothing.
 
 Only the threads doing bulk work that releases the GIL (pwritev, copies,
 crc32c) are lowered; the event-loop thread, which runs Python holding the GIL,

@@ -57,8 +57,9 @@ class EngineConfig:
     checksum_threads: int = 2
     #: A save's checksums run this many nice steps below the caller's priority: they are
     #: CPU the training step would otherwise wait for (backends/_threads.py has the numbers).
-    #: A restore's verification keeps full priority. 0: no change.
-    save_nice: int = 10
+    #: A restore's verification keeps full priority. 0 (default): no change -- on a saturated
+    #: host a lowered save loses throughput to every other process, not just the trainer.
+    save_nice: int = 0
 
 
 # -- the shared event-loop thread -------------------------------------------
