@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import resource
 import tempfile
 import time
@@ -65,7 +66,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
     key = fragment_key("1", save_id)
     with open(os.path.join(root, key), "wb") as f:
         f.write(data)
-    return json.loads(json.dumps(summary_of(record, FragmentRef(key, len(data), crc32c(data), rank))))
+    return json.loads(json.dumps(summary_of(record, FragmentRef(key, len(data), crc32c(data), rank), coordinator=rank == 0)))
 
 
 def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
@@ -78,7 +79,7 @@ def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
         summaries = json.load(f)
     t0 = time.perf_counter()
     head = {"format": "ckptio", "step": 1, "checkpoint_id": "0" * 12, "created": time.time(),
-            "block_size": 4 << 20, "num_hosts": hosts, "tree": {"dict": {n: {"leaf": n} for n in summaries[0]["items"]}},
+            "block_size": 4 << 20, "num_hosts": hosts, "tree": {"dict": {m[0]: {"leaf": m[0]} for m in summaries[0]["meta"]}},
             "metadata": {}}
     data = seal(build_root(summaries, head, root))
     manifest = Manifest.from_json(data, root)
@@ -135,7 +136,13 @@ def _in_child(target: Any, *args: Any) -> dict[str, Any]:
     q = ctx.Queue()
     p = ctx.Process(target=target, args=(*args, q))
     p.start()
-    res = q.get(timeout=3600)
+    while True:  # a child that dies (an exception, the OOM killer) must not leave us waiting
+        try:
+            res: dict[str, Any] = q.get(timeout=1)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"the {target.__name__} simulation died (exit {p.exitcode}); see its traceback above")
     p.join()
     return res
 

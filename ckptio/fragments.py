@@ -85,50 +85,84 @@ def fragment_doc(record: Mapping[str, Any], step: int | None, save_id: str, host
                  "objects": record["objects"], "items": items})
 
 
-def summary_of(record: Mapping[str, Any], ref: FragmentRef | None) -> dict[str, Any]:
-    """What a host sends the coordinator: its fragment's reference, each array's dtype/shape and shard boxes."""
-    items: dict[str, Any] = {}
-    for name, it in record["items"].items():
-        if it["kind"] == "array":
-            items[name] = {k: it[k] for k in ("kind", "dtype", "shape", "scalar", "origin")}
-            items[name]["boxes"] = [s["offsets"] + s["shape"] for s in it["shards"]]
-        else:
-            items[name] = it
-    return {"ok": True, "fragment": dataclasses.asdict(ref) if ref is not None else None, "items": items}
+_META_KEYS = ("kind", "dtype", "shape", "scalar", "origin")
+
+
+def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinator: bool) -> dict[str, Any]:
+    """What a host sends the coordinator: its fragment's reference and its shards' boxes, compactly.
+
+    Every host flattens the same tree, so array items come in the same order everywhere: a host
+    sends a digest of their names, dtypes and shapes (rank 0 also the list itself and the value
+    items), how many boxes each array has here, and all boxes as one int64 table padded to the
+    largest rank (offset 0, length 1 in the missing dimensions). About 35 bytes per shard.
+    """
+    meta = [[name, *(it[k] for k in _META_KEYS)] for name, it in record["items"].items() if it["kind"] == "array"]
+    width = max((len(m[3]) for m in meta), default=0)
+    rows = [[*s["offsets"], *[0] * (width - len(s["offsets"])), *s["shape"], *[1] * (width - len(s["shape"]))]
+            for it in record["items"].values() if it["kind"] == "array" for s in it["shards"]]
+    table = np.array(rows, dtype=np.int64).reshape(-1, 2 * width)
+    doc: dict[str, Any] = {
+        "ok": True, "fragment": dataclasses.asdict(ref) if ref is not None else None, "meta_digest": _digest(meta),
+        "counts": [len(it["shards"]) for it in record["items"].values() if it["kind"] == "array"],
+        "width": width, "boxes": base64.b64encode(zlib.compress(table.tobytes(), 1)).decode(),
+        "values": {n: it for n, it in record["items"].items() if it["kind"] != "array"},
+    }
+    if coordinator:
+        doc["meta"] = meta
+    return doc
+
+
+def _digest(meta: Any) -> str:
+    return hashlib.blake2b(json.dumps(meta, separators=(",", ":")).encode(), digest_size=16).hexdigest()
 
 
 # -- the coordinator's side -----------------------------------------------------------------------
 
 def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str) -> dict[str, Any]:
-    """The root manifest document from every host's summary; ManifestError if the shards do not tile."""
+    """The root manifest document from every host's summary; ManifestError if the shards do not tile.
+
+    Vectorised over hosts: a job of 4096 hosts x 256 shards is a million boxes.
+    """
+    meta = summaries[0]["meta"]
+    for rank, s in enumerate(summaries):
+        if s["meta_digest"] != summaries[0]["meta_digest"]:
+            theirs = s.get("meta")
+            diff = [m[0] for m, o in zip(meta, theirs)] if theirs is None else \
+                [m[0] for m, o in zip(meta, theirs) if m != o][:3]
+            raise ManifestError(f"{where}: host {rank}'s arrays differ from host 0's (names, dtypes or shapes)"
+                                + (f": {diff}" if theirs is not None else ""))
     fragments = [s["fragment"] for s in summaries if s["fragment"] is not None]
-    frag_no = {f["key"]: i for i, f in enumerate(fragments)}
-    meta: dict[str, dict[str, Any]] = {}
-    rows: dict[str, list[list[int]]] = {}
-    seen: dict[str, set[tuple[int, ...]]] = {}
-    values: dict[str, Any] = {}
+    width = summaries[0]["width"]
+    n_items = len(meta)
+    tables, item_ids, frag_ids = [], [], []
+    f = 0
     for s in summaries:
-        f = frag_no[s["fragment"]["key"]] if s["fragment"] is not None else -1
-        for name, it in s["items"].items():
-            if it["kind"] != "array":
-                values.setdefault(name, it)
-                continue
-            head_it = {k: it[k] for k in ("kind", "dtype", "shape", "scalar", "origin")}
-            if meta.setdefault(name, head_it)["dtype"] != it["dtype"] or meta[name]["shape"] != it["shape"]:
-                raise ManifestError(f"{where}: item {name!r} differs between hosts (dtype or shape)")
-            mine = seen.setdefault(name, set())
-            for box in it["boxes"]:
-                key = tuple(box)
-                if key not in mine:  # a replica another host already wrote is left out
-                    mine.add(key)
-                    rows.setdefault(name, []).append([f, *box])
-    items: dict[str, Any] = dict(values)
+        counts = np.asarray(s["counts"], dtype=np.int64)
+        if len(counts) != n_items:
+            raise ManifestError(f"{where}: a host's summary does not list every array")
+        table = np.frombuffer(zlib.decompress(base64.b64decode(s["boxes"])), dtype=np.int64).reshape(-1, 2 * width)
+        if len(table) != counts.sum():
+            raise ManifestError(f"{where}: a host's summary holds {len(table)} boxes, its counts say {counts.sum()}")
+        if len(table):
+            tables.append(table)
+            item_ids.append(np.repeat(np.arange(n_items), counts))
+            frag_ids.append(np.full(len(table), f if s["fragment"] is not None else -1, dtype=np.int64))
+        f += s["fragment"] is not None
+    boxes = np.concatenate(tables) if tables else np.zeros((0, 2 * width), np.int64)
+    ids = np.concatenate(item_ids) if item_ids else np.zeros(0, np.int64)
+    frags = np.concatenate(frag_ids) if frag_ids else np.zeros(0, np.int64)
+    order = np.argsort(ids, kind="stable")
+    bounds = np.searchsorted(ids[order], np.arange(n_items + 1))
+    items: dict[str, Any] = dict(summaries[0]["values"])
     locators: dict[str, str] = {}
     by_content: dict[bytes, str] = {}
-    for name, it in meta.items():
+    for k, (name, *fields) in enumerate(meta):
+        it = dict(zip(_META_KEYS, fields))
         ndim = len(it["shape"])
-        table = np.array(rows.get(name, []), dtype=np.int64).reshape(-1, 1 + 2 * ndim)
-        _check_table(table, it["shape"], len(fragments), f"{where}: item {name!r}", exact=True)
+        sel = order[bounds[k] : bounds[k + 1]]
+        rows = boxes[sel]
+        table = np.column_stack([frags[sel], rows[:, :ndim], rows[:, width : width + ndim]]).astype(np.int64)
+        table = _tiled(table, it["shape"], len(fragments), f"{where}: item {name!r}")
         raw = table.tobytes()
         digest = hashlib.blake2b(raw + bytes([ndim]), digest_size=16).digest()
         lid = by_content.get(digest)
@@ -138,6 +172,38 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
         items[name] = {**it, "locator": lid}
     return {**head, "format": FORMAT, "version": 2, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}
+
+
+def _tiled(table: np.ndarray, shape: list[int], n_fragments: int, where: str) -> np.ndarray:
+    """``table`` without replicas (the same box from two hosts: the first is kept), checked to tile the array.
+
+    A grid (every mesh sharding) is checked with a few vectorised passes: per dimension its
+    distinct intervals must be disjoint, and no two boxes in the same cell; anything else
+    goes through :func:`ckptio.manifest.first_overlap`.
+    """
+    ndim = len(shape)
+    if len(table) > 1:
+        _u, first = np.unique(table[:, 1:], axis=0, return_index=True)
+        if len(first) < len(table):
+            table = table[np.sort(first)]
+    _check_table(table, shape, n_fragments, where, exact=False)
+    live = table[np.prod(table[:, 1 + ndim :], axis=1) > 0] if ndim else table
+    if len(live) < 2:
+        return table
+    # Distinct boxes whose intervals, per dimension, are equal or disjoint cannot overlap.
+    grid = True
+    for d in range(ndim):
+        spans = np.unique(live[:, [1 + d, 1 + ndim + d]], axis=0)
+        if (spans[:-1, 0] + spans[:-1, 1] > spans[1:, 0]).any():
+            grid = False
+            break
+    if grid:
+        exact = sum(math.prod(r) for r in live[:, 1 + ndim :].tolist())
+        if exact != math.prod(shape):
+            raise ManifestError(f"{where}: the shards hold {exact} of the array's {math.prod(shape)} elements")
+        return table
+    _check_table(table, shape, n_fragments, where, exact=True)
+    return table
 
 
 def _check_table(table: np.ndarray, shape: list[int] | tuple[int, ...], n_fragments: int, where: str,

@@ -132,7 +132,7 @@ async def _write_fragment(
     for p in plans:
         if have.get(p.key, -1) < p.size:
             raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
-    return summary_of(record, ref)
+    return summary_of(record, ref, coordinator=host == 0)
 
 
 def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
