@@ -323,6 +323,7 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
     objects: list[str] = []
     shards: dict[str, list[Any]] = {}
     owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
+    few = len(datas) <= 8
     for f in sorted(datas):
         ref, data = manifest.fragments[f], datas[f]
         here = f"{where}: fragment {ref.key!r}"
@@ -347,11 +348,16 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
             item = manifest.items.get(name)
             if not isinstance(item, ArrayItem) or item.locator is None:
                 raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
-            owner = owners.get(name)
-            if owner is None:
-                owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
+            if few:  # a host reading its own fragment: its rows only, not every host's
+                mine = {tuple(r) for r in item.locator[item.locator[:, 0] == f, 1:].tolist()}
+                owned = (lambda box, mine=mine: box in mine)
+            else:
+                owner = owners.get(name)
+                if owner is None:
+                    owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
+                owned = (lambda box, owner=owner, f=f: owner.get(box) == f)
             for offsets, shape, extents in rows:
-                if owner.get((*offsets, *shape)) != f:
+                if not owned((*offsets, *shape)):
                     continue  # a replica the root assigns to another fragment
                 shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": ref.host, "extents": [
                     [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < len(doc["objects"]) else -1, *e[1:]]
