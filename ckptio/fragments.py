@@ -260,6 +260,7 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
     if not isinstance(locators, dict):
         raise ManifestError(f"{where}: 'locators' must be a JSON object")
     tables: dict[tuple[str, int], np.ndarray] = {}
+    checked: set[tuple[str, tuple[int, ...]]] = set()
     items: dict[str, ArrayItem | ValueItem] = {}
     for name, raw in doc["items"].items():
         here = f"{where}: item {name!r}"
@@ -284,7 +285,9 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
                 raise ManifestError(f"{here}: locator {lid!r} does not match the array's rank")
             tables[(lid, ndim)] = np.frombuffer(data, dtype=np.int64).reshape(-1, 1 + 2 * ndim)
         item.locator = tables[(lid, ndim)]
-        _check_table(item.locator, item.shape, len(fragments), here, exact=False)
+        if (lid, item.shape) not in checked:  # arrays sharing a layout share the check
+            _check_table(item.locator, item.shape, len(fragments), here, exact=False)
+            checked.add((lid, item.shape))
         items[name] = item
     return Manifest(block_size=block_size, items=items, objects=[], fragments=fragments, complete=False,
                     **head_fields(doc, items, where))
@@ -298,10 +301,16 @@ def fragments_for(manifest: Manifest, wanted: Boxes | None) -> list[int]:
     if wanted is None:
         return list(range(len(manifest.fragments or [])))
     out: set[int] = set()
+    asked: set[tuple[int, tuple[Any, ...]]] = set()  # arrays sharing a layout and target boxes: asked once
     for name, boxes in wanted.items():
         item = manifest.items.get(name)
         if not isinstance(item, ArrayItem) or item.locator is None or not len(item.locator):
             continue
+        boxes = [(tuple(o), tuple(sh)) for o, sh in boxes]
+        key = (id(item.locator), tuple(boxes))
+        if key in asked:
+            continue
+        asked.add(key)
         table, ndim = item.locator, len(item.shape)
         offs, sizes = table[:, 1 : 1 + ndim], table[:, 1 + ndim :]
         for off, shape in boxes:
