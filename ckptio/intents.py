@@ -72,13 +72,7 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        try:
-            if retire:
-                run_sync(self.store.retire(self.step_dir, self.save_id))
-            else:  # a zero lease: dead at once, so nobody waits a lease for it
-                run_sync(self.store.announce(self.step_dir, self.save_id, self.host, 0.0, self.covers))
-        except Exception as e:  # noqa: BLE001 -- a leftover intent goes stale and is collected by gc
-            log.warning("%s: could not end intent of save %s: %r", self.store.where(self.step_dir), self.save_id, e)
+        run_sync(_end_intent(self.store, self.step_dir, self.save_id, self.host, self.covers, retire=retire))
 
     def __enter__(self) -> Lease:
         return self.start()
@@ -112,10 +106,18 @@ async def async_lease(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        try:
-            if ok:
-                await store.retire(step_dir, save_id)
-            else:  # dead at once (see Lease.close)
-                await store.announce(step_dir, save_id, host, 0.0, ids)
-        except Exception as e:  # noqa: BLE001 -- a leftover intent goes stale and is collected by gc
-            log.warning("%s: could not end intent %s: %r", store.where(step_dir), save_id, e)
+        await _end_intent(store, step_dir, save_id, host, ids, retire=ok)
+
+
+async def _end_intent(
+    store: CheckpointStore, step_dir: str, save_id: str, host: int, covers: list[str], *, retire: bool
+) -> None:
+    """Retire an intent (its save committed), or mark it dead at once with a zero lease (its save
+    failed: deleters need not wait a lease to treat its objects as a dead attempt's). Never raises."""
+    try:
+        if retire:
+            await store.retire(step_dir, save_id)
+        else:
+            await store.announce(step_dir, save_id, host, 0.0, covers)
+    except Exception as e:  # noqa: BLE001 -- a leftover intent goes stale and is collected by gc
+        log.warning("%s: could not end intent of save %s: %r", store.where(step_dir), save_id, e)

@@ -13,7 +13,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
-from .intents import Lease
+from .intents import Lease, new_id
 from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .checksum import crc32c
@@ -209,7 +208,7 @@ def start_save(
             area.release()
         raise
     pieces, arrays = _pieces(staged)
-    save_id = uuid.uuid4().hex[:12]
+    save_id = new_id()
     plans = pack(
         pieces,
         object_size=store.backend.capabilities.object_size,

@@ -29,7 +29,6 @@ import collections
 import concurrent.futures
 import logging
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ from .layout import ObjectPlan, Piece, pack
 from .manifest import Manifest, ValueItem, item_to_json
 from .save import merge_records
 from .states import SaveState
-from .intents import Lease
+from .intents import Lease, new_id
 from .store import CheckpointStore, step_dir_of
 
 __all__ = ["StreamWriter"]
@@ -73,7 +72,7 @@ class StreamWriter:
         self.step = step
         self.step_dir = step_dir_of(step)
         self.where = store.where(self.step_dir)
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_id()
         self.state = SaveState.STAGED
         self.batch_bytes = max(1, batch_bytes)
         self.inflight_bytes = max(self.batch_bytes, inflight_bytes)

@@ -42,7 +42,6 @@ import io
 import logging
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -203,7 +202,7 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # One id for the whole save: in every object's name and in the manifest.
-        save_id = self._save_id = uuid.uuid4().hex[:12]
+        save_id = self._save_id = new_id()
         # Announced before any rank writes an object; kept fresh until finish() commits.
         self._lease = Lease(CheckpointStore(self.url, engine_config=self.engine_config,
                                             backend_options=self.backend_options),
@@ -213,7 +212,7 @@ class Writer(Located, StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
         if not isinstance(info, _PlanInfo):  # a caller that skipped the global plan
-            info = _PlanInfo(uuid.uuid4().hex[:12], self.rank, 1)
+            info = _PlanInfo(new_id(), self.rank, 1)
         store = self._open()
         try:
             results = self._write(store, info, plan.items, planner)
@@ -260,7 +259,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         where = self.checkpoint_id
         try:
             doc = manifest_doc(
-                metadata, results, step=self.step, save_id=self._save_id or uuid.uuid4().hex[:12], created=time.time(),
+                metadata, results, step=self.step, save_id=self._save_id or new_id(), created=time.time(),
                 block_size=store.engine.config.block_size, num_hosts=len(results),
                 modules=list(metadata.storage_meta.modules) if metadata.storage_meta else [],
             )
