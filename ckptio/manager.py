@@ -21,6 +21,7 @@ from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore
+from .urls import file_in_the_way
 
 __all__ = ["CheckpointManager"]
 
@@ -55,6 +56,11 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if keep_period is not None and keep_period < 1:
             raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        # The same refusal as ckptio.save: a root that is a file would otherwise fail later, at the
+        # first save, as a bare "no such file" deep in the backend.
+        problem = file_in_the_way(url) if backend is None else None
+        if problem:
+            raise NotADirectoryError(problem)
         self.store = CheckpointStore(
             url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
         )
