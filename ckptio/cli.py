@@ -139,6 +139,10 @@ def _ls(args: argparse.Namespace) -> int:
                 m = st.manifest
                 row.update(items=len(m.items), objects=len(m.objects), bytes=_nbytes(m), hosts=m.num_hosts,
                            created=m.created)
+                if not m.complete:
+                    # Format 2: only the root was read (one read per step, as for format 1); the objects
+                    # are named in the hosts' fragments, so their count is unknown here, not 0.
+                    row.update(objects=None, fragments=len(m.fragments or []))
             if st.problem:
                 row["problem"] = st.problem
             rows.append(row)
@@ -154,7 +158,8 @@ def _ls(args: argparse.Namespace) -> int:
         if r["committed"]:
             size = f"{r['bytes'] / 2**20:.1f} MiB"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-"
-            extra = f"{r['items']} items, {r['objects']} objects, {r['hosts']} host(s)"
+            parts = f"{r['objects']} objects" if r["objects"] is not None else f"{r['fragments']} host fragments"
+            extra = f"{r['items']} items, {parts}, {r['hosts']} host(s)"
         else:
             size, when, extra = "-", "-", r.get("problem", "")
         step = "(root)" if r["step"] is None else r["step"]
