@@ -117,7 +117,7 @@ def account(root: str) -> dict[str, int]:
     owned: set[str] = set()
     for step in mngr.all_steps():
         m = run_sync_manifest(mngr, step)
-        owned.update(os.path.join(root, k) for k in m.objects)
+        owned.update(os.path.join(root, k) for k in m.keys())  # objects, and a format-2 step's fragments
         owned.add(os.path.join(root, str(step), MANIFEST_NAME))
     mngr.close()
     on_disk = {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}

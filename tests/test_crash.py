@@ -4,7 +4,11 @@ nothing committed is lost, and a final gc leaves exactly the kept steps' bytes."
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +22,75 @@ def test_kill_minus_9_campaign(tmp_path):
     assert result["trials"] == 20 and result["newest"] >= 2
     assert all(n > 0 for n in result["kills"].values())  # savers/deleters, gc and cp were all killed
     assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
+
+
+# -- format 2: multi-host saves (tests/crash_campaign_multihost.py) ------------------------------------
+
+
+@pytest.mark.slow
+def test_kill_minus_9_campaign_of_multihost_format2_saves(tmp_path):
+    """A few jobs of 2-4 real host processes killed at chosen points of their saves (objects,
+    fragments, the root's commit, retention) or at random, beside gc, cp and a restorer."""
+    from crash_campaign_multihost import run_campaign as run_multihost
+
+    result = run_multihost(trials=4, root=str(tmp_path / "ckpt"), seed=3)
+    assert result["newest"] >= 2 and sum(result["kills"].values()) >= 4
+    assert result["restorer"]["restored"] > 0
+    assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
+
+
+def _fragments(step_dir: Path) -> list[Path]:
+    return sorted(step_dir.glob("ckptio.fragment.*"))
+
+
+@pytest.mark.parametrize("phase", ["fragment-after", "commit-during", "commit-after"])
+def test_a_killed_jobs_fragments_are_swept_only_once_provably_dead(tmp_path: Path, phase: str) -> None:
+    """Three hosts die together (one process) after writing their fragments, around the root's commit.
+
+    Uncommitted (no root): a sweep at grace 0 spares their fragments and objects while their
+    intents are live and takes all of them once the intents are stale. Committed (the root made
+    it before the kill): the step is whole and newest, and stale intents never take its fragments.
+    Either way the committed step beside it is never touched.
+    """
+    import ckptio
+    from ckptio.backends.local import TMP_MARK
+    from crash_campaign_multihost import LEASE_S, check_restored
+
+    root = tmp_path / "ckpt"
+    script = str(Path(__file__).with_name("crash_campaign_multihost.py"))
+
+    def job(step: int, kill: list[str]) -> int:
+        argv = [sys.executable, script, "--role", "threads", "--root", str(root), "--hosts", "3", "--step", str(step),
+                "--log", str(tmp_path / f"log{step}"), "--name", f"job{step}", *kill]
+        return subprocess.run(argv, env={**os.environ, "CKPTIO_LEASE_S": str(LEASE_S)}, timeout=120).returncode
+
+    def files(step: int) -> dict[Path, int]:
+        return {p: p.stat().st_size for p in (root / str(step)).rglob("*") if p.is_file()}
+
+    assert job(1, []) == 0  # committed: its fragments belong to it for as long as it is kept
+    victim = "2" if phase == "fragment-after" else "0"  # only the coordinator commits
+    assert job(2, ["--rank", victim, "--kill-phase", phase, "--kill-at", "1"]) == -signal.SIGKILL
+    committed = (root / "2" / "ckptio.manifest.json").exists()
+    assert committed or phase != "commit-after"
+    left = _fragments(root / "2")
+    intents = sorted((root / "2").glob("ckptio.intent.*"))
+    assert left and len(intents) == 3  # every host announced itself; some wrote their fragment
+    step1, step2 = files(1), files(2)
+
+    mngr = ckptio.CheckpointManager(root)
+    mngr.sweep_orphans(grace_seconds=0)  # the intents are fresh: nothing of step 2 is provably dead
+    assert {p: n for p, n in files(2).items() if TMP_MARK not in p.name} == \
+        {p: n for p, n in step2.items() if TMP_MARK not in p.name}
+    # The lease runs out (as if LEASE_S passed without a heartbeat): the killed attempt is provably dead.
+    old = time.time() - LEASE_S - 1
+    for p in intents:
+        os.utime(p, (old, old))
+    swept = mngr.sweep_orphans(grace_seconds=0)
+    assert files(1) == step1
+    if committed:
+        assert set(files(2)) == {p for p in step2 if p not in intents and TMP_MARK not in p.name}
+        check_restored(ckptio.restore(root), 2)
+    else:
+        assert {str(p.relative_to(root)) for p in left} <= set(swept) and files(2) == {}
+        check_restored(ckptio.restore(root), 1)
+    mngr.close()
