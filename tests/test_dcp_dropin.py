@@ -120,6 +120,18 @@ def test_a_step_of_a_managed_root_is_still_never_overwritten(tmp_path):
     assert out["w"].tolist() == [1.0, 1.0]
 
 
+def test_a_writer_at_a_regular_file_names_it(tmp_path):
+    # Issue 16: was a CheckpointException wrapping "FileNotFoundError ... writing 'ckptio.intent...'".
+    f = tmp_path / "afile"
+    f.write_bytes(b"not a checkpoint")
+    for make in (lambda: Writer(f), lambda: Writer(f, step=3), lambda: Writer(f / "under")):
+        with pytest.raises(NotADirectoryError, match=f"{f}.* is a file, not a directory|lies under {f}, which is a file"):
+            make()
+    with pytest.raises(NotADirectoryError, match=f"{f} is a file, not a directory"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(f), storage_writer=Writer(tmp_path / "ok"))  # via reset()
+    assert f.read_bytes() == b"not a checkpoint" and not (tmp_path / "ok").exists()
+
+
 def test_a_stock_checkpoint_is_neither_deleted_nor_shadowed(tmp_path):
     path = str(tmp_path / "stock")
     dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(path))

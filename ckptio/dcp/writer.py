@@ -58,6 +58,7 @@ from ..intents import Lease, new_id
 from ..layout import Naming, Piece, pack
 from ..manifest import Manifest
 from ..store import CheckpointStore
+from ..urls import file_in_the_way
 from . import _overwrite, _transforms
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._location import Located
@@ -131,6 +132,7 @@ class Writer(Located, StorageWriter, AsyncStager):
                 "torch_save"):
             raise ValueError(f"ckptio.dcp.Writer stores raw tensor bytes; serialization_format="
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
+        _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
         self.buffers = buffers
         self.overwrite = bool(overwrite)
@@ -164,6 +166,9 @@ class Writer(Located, StorageWriter, AsyncStager):
     # -- StorageWriter -----------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's ``reset``: a given ``checkpoint_id`` becomes the checkpoint's URL (a file there is refused)."""
+        if checkpoint_id:
+            _refuse_file(checkpoint_id)
         self._relocate(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -241,7 +246,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         extents: dict[int, list[tuple[str, int, int, int, tuple[int, ...]]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):
-                extents.setdefault(int(e.item), []).append((obj.key, e.offset, e.shard_offset, e.data.nbytes, tuple(crcs)))
+                extents.setdefault(int(e.item), []).append((obj.key, e.offset, e.shard_offset, e.length, tuple(crcs)))
         log.info("%s: rank %d wrote %d objects, %d bytes (%.3fs)", self.checkpoint_id, info.rank, len(plans),
                  sum(sizes), time.perf_counter() - t0)
         return [
@@ -285,6 +290,18 @@ class Writer(Located, StorageWriter, AsyncStager):
         if lease is not None:
             lease.close(retire=retire)
             run_sync(lease.store.close())
+
+
+def _refuse_file(url: str | os.PathLike[str]) -> None:
+    """NotADirectoryError naming ``url`` if it, or a directory above it, is a local file.
+
+    Checked when the writer is made (or reset), before any collective: otherwise
+    the save fails later, on every rank, as a bare FileNotFoundError /
+    FileExistsError about an intent file, wrapped in a CheckpointException.
+    """
+    problem = file_in_the_way(url)
+    if problem:
+        raise NotADirectoryError(f"ckptio.dcp.Writer: {problem}")
 
 
 def _raw_bytes(item: WriteItem, data: Any) -> memoryview:
