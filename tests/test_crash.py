@@ -94,3 +94,28 @@ def test_a_killed_jobs_fragments_are_swept_only_once_provably_dead(tmp_path: Pat
         assert {str(p.relative_to(root)) for p in left} <= set(swept) and files(2) == {}
         check_restored(ckptio.restore(root), 1)
     mngr.close()
+
+
+def test_the_deletion_check_tells_a_live_saves_deletion_from_a_dead_ones() -> None:
+    """check_deletions is not vacuous: a deletion during regular heartbeats is caught; after the
+    save ended, after its process died, or after its heartbeats stopped for a lease, it is not."""
+    from crash_campaign_multihost import LEASE_S, check_deletions
+
+    sid = "0123456789ab"
+    t0 = 1000.0
+    beats = [{"proc": "0/host1", "op": "intent", "key": f"5/ckptio.intent.{sid}", "lease": LEASE_S,
+              "t0": t0 + i * LEASE_S / 4, "t": t0 + i * LEASE_S / 4 + 0.01} for i in range(12)]
+
+    def deletion_at(t: float, *extra: dict) -> list[dict]:
+        gc = [{"proc": "0/gc", "op": "pass", "t": t - 0.5},
+              {"proc": "0/gc", "op": "delete", "key": f"5/ckptio.fragment.{sid}", "t": t}]
+        return sorted([*beats, *extra, *gc], key=lambda e: e.get("t0", e["t"]))
+
+    with pytest.raises(AssertionError, match="was alive"):
+        check_deletions(deletion_at(t0 + 2 * LEASE_S), {})
+    ended = {"proc": "0/host1", "op": "intent", "key": f"5/ckptio.intent.{sid}", "lease": 0.0,
+             "t0": t0 + 1.5 * LEASE_S, "t": t0 + 1.5 * LEASE_S + 0.01}
+    assert check_deletions(deletion_at(t0 + 2 * LEASE_S, ended), {})["fragments_deleted"] == 1
+    assert check_deletions(deletion_at(t0 + 2 * LEASE_S), {"0/host1": t0 + LEASE_S})["deleted"] == 1
+    del beats[4:]  # the heartbeats stop one lease before the deletion: judged dead, rightly
+    assert check_deletions(deletion_at(t0 + 3 * LEASE_S), {})["deleted"] == 1
