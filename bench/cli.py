@@ -81,6 +81,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--tiers", type=int, nargs="?", const=2, default=None, metavar="HOSTS",
                    help="time to recover from each tier (local SSD, partner's replica, durable fake GCS) and a "
                         "whole restart, with HOSTS processes (2-4, default 2) of --tiers-mib each, see bench/tiers.py")
+    g.add_argument("--reshard", action="store_true",
+                   help="restore one row/column block of a --size array saved as 16 row or column blocks: bytes "
+                        "read per byte needed, time and peak RSS, tiled and plain layouts (bench/reshard.py)")
     g.add_argument("--tiers-mib", type=int, default=256, help="MiB per host for --tiers (default 256)")
     g = p.add_argument_group("advice")
     g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
@@ -303,6 +306,17 @@ def _tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reshard(args: argparse.Namespace) -> int:
+    from .reshard import render_reshard, run_reshard
+
+    res = run_reshard(parse_size(args.size), args.dir, args.cache_drop, args.rounds)
+    print(render_reshard(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": SCHEMA, "reshard": res}, f, indent=1)
+    return 0 if all(r["bit_exact"] for r in res["rows"]) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -311,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _scale(args)
     if args.tiers is not None:
         return _tiers(args)
+    if args.reshard:
+        return _reshard(args)
     if args.list:
         backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")

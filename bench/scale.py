@@ -60,7 +60,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
             pieces.append(Piece(name, 0, scratch[:nbytes]))
     save_id = f"{rank:012x}"
     plans = pack(pieces, object_size=64 << 20, key_for=lambda n: FlatNaming().object_key("1", save_id, rank, hosts, n))
-    written = [WrittenObject(pl.key, pl.size, [[0] * -(-e.data.nbytes // block) for e in pl.extents]) for pl in plans]
+    written = [WrittenObject(pl.key, pl.size, [[0] * -(-e.length // block) for e in pl.extents]) for pl in plans]
     record = _host_record(staged, plans, written, rank, include_values=rank == 0)
     data = fragment_doc(record, 1, save_id, rank)
     key = fragment_key("1", save_id)

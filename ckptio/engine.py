@@ -25,6 +25,7 @@ from ckptio.backends._threads import background_pool
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
+from .tiling import DEFAULT_TILE_BYTES
 from .errors import IntegrityError
 from .layout import ObjectPlan
 
@@ -52,7 +53,7 @@ class EngineConfig:
     #: A merged read is issued in pieces of about this many bytes (cut at checksum block
     #: boundaries), each verified while the next one is read, so that verification is
     #: off the critical path but never skipped. None: the larger of the backend's
-    #: preferred IO size and four checksum blocks.
+    #: preferred IO size, four checksum blocks and 16 MiB.
     read_piece_size: int | None = None
     checksum_threads: int = 2
     #: A save's checksums run this many nice steps below the caller's priority: they are
@@ -60,6 +61,10 @@ class EngineConfig:
     #: A restore's verification keeps full priority. 0 (default): no change -- on a saturated
     #: host a lowered save loses throughput to every other process, not just the trainer.
     save_nice: int = 0
+    #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
+    #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
+    #: meets; 0 keeps every shard in plain C order.
+    tile_bytes: int = DEFAULT_TILE_BYTES
 
 
 # -- the shared event-loop thread -------------------------------------------
@@ -211,12 +216,13 @@ class Engine:
         async with sem:
             held = await budget.acquire(size)
             try:
-                crcs = await self._in_save_thread(lambda: [block_crcs(e.data, bs) for e in plan.extents])
+                crcs = await self._in_save_thread(lambda: _prepare(plan, bs))
                 await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
             finally:
+                plan.release()
                 await budget.release(held)
         if progress:  # payload bytes, not alignment padding
-            progress("written", sum(e.data.nbytes for e in plan.extents))
+            progress("written", sum(e.length for e in plan.extents))
         return WrittenObject(plan.key, size, crcs)
 
     async def write_objects(
@@ -260,7 +266,7 @@ class Engine:
         return out
 
     def _piece_size(self, req: ReadRequest) -> int:
-        return self.config.read_piece_size or max(self.backend.capabilities.preferred_io_size, 4 * req.block_size)
+        return self.config.read_piece_size or max(self.backend.capabilities.preferred_io_size, 4 * req.block_size, _PIECE)
 
     async def _read_verified(self, req: ReadRequest) -> None:
         """Read ``req`` piece by piece; each piece's checksums run in a thread while the next
@@ -304,12 +310,36 @@ class Engine:
             progress("read", req.rng.length)
 
     async def read(self, requests: Sequence[ReadRequest], progress: Progress | None = None) -> None:
-        """Coalesce, then run every read concurrently; the first failure cancels the rest."""
-        await gather_or_cancel(self.read_one(r, progress) for r in self.coalesce(requests))
+        """Coalesce, then run every read concurrently; the first failure cancels the rest.
+
+        Consumes ``requests``: each read drops its buffers and callbacks once done, so the
+        scratch memory of a resharded read is freed as soon as it is copied out, not when
+        the whole restore returns.
+        """
+        merged = self.coalesce(requests)
+        for r in requests:
+            r.buffers, r.after = [], []
+        await gather_or_cancel(self._read_and_drop(r, progress) for r in merged)
+
+    async def _read_and_drop(self, req: ReadRequest, progress: Progress | None) -> None:
+        try:
+            await self.read_one(req, progress)
+        finally:
+            req.buffers, req.after = [], []
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False)
         self._cpu_save.shutdown(wait=False)
+
+
+_PIECE = 16 << 20
+
+
+def _prepare(plan: ObjectPlan, block_size: int) -> list[list[int]]:
+    """Cut a plan's lazy extents (tiles) out of their staged shards, then checksum every extent."""
+    if plan.lazy:
+        plan.materialize()
+    return [block_crcs(e.data, block_size) for e in plan.extents]  # type: ignore[arg-type]
 
 
 def _slice_buffers(buffers: Sequence[memoryview], start: int, end: int) -> list[memoryview]:

@@ -42,6 +42,7 @@ from .checksum import crc32c
 from .errors import IntegrityError, ManifestError
 from .manifest import (
     FORMAT,
+    TILED_VERSION,
     ArrayItem,
     Manifest,
     ValueItem,
@@ -79,7 +80,8 @@ def fragment_key(step_dir: str, save_id: str) -> str:
 
 def fragment_doc(record: Mapping[str, Any], step: int | None, save_id: str, host: int) -> bytes:
     """A host's fragment, sealed, from its format-1 record (``save._host_record``)."""
-    items = {name: [[s["offsets"], s["shape"], s["extents"]] for s in it["shards"]]
+    items = {name: [[s["offsets"], s["shape"], s["extents"], *([s["tile"]] if "tile" in s else [])]
+                    for s in it["shards"]]
              for name, it in record["items"].items() if it["kind"] == "array" and it["shards"]}
     return seal({"format": _FRAGMENT_FORMAT, "version": 2, "step": step, "save_id": save_id, "host": host,
                  "objects": record["objects"], "items": items})
@@ -106,6 +108,7 @@ def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinato
         "counts": [len(it["shards"]) for it in record["items"].values() if it["kind"] == "array"],
         "width": width, "boxes": base64.b64encode(zlib.compress(table.tobytes(), 1)).decode(),
         "values": {n: it for n, it in record["items"].items() if it["kind"] != "array"},
+        "tiled": any("tile" in s for it in record["items"].values() if it["kind"] == "array" for s in it["shards"]),
     }
     if coordinator:
         doc["meta"] = meta
@@ -170,7 +173,8 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
             lid = by_content[digest] = str(len(locators))
             locators[lid] = base64.b64encode(zlib.compress(raw, 6)).decode()
         items[name] = {**it, "locator": lid}
-    return {**head, "format": FORMAT, "version": 2, "items": items, "locators": locators, "fragments": fragments,
+    version = TILED_VERSION if any(s.get("tiled") for s in summaries) else 2
+    return {**head, "format": FORMAT, "version": version, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}
 
 
@@ -365,12 +369,15 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
                 if owner is None:
                     owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
                 owned = (lambda box, owner=owner, f=f: owner.get(box) == f)
-            for offsets, shape, extents in rows:
+            for row in rows:
+                if not isinstance(row, list) or len(row) not in (3, 4):
+                    raise ManifestError(f"{here}: malformed shard row of item {name!r}")
+                offsets, shape, extents = row[:3]
                 if not owned((*offsets, *shape)):
                     continue  # a replica the root assigns to another fragment
                 shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": ref.host, "extents": [
                     [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < len(doc["objects"]) else -1, *e[1:]]
-                    for e in extents]})
+                    for e in extents], "tile": row[3] if len(row) == 4 else None})
     items: dict[str, ArrayItem | ValueItem] = {}
     for name, item in manifest.items.items():
         if not isinstance(item, ArrayItem):

@@ -60,8 +60,11 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads: 1 (one manifest) or 2 (a root and per-host fragments, see
-#: ckptio.fragments). Writers write 1 unless they split.
-VERSION = 2
+#: ckptio.fragments). Writers write 1 unless they split. 3 is 1 or 2 (a root has 'fragments') with
+#: tiled shards (ckptio.tiling): written only when some shard is tiled, so that a reader that
+#: predates tiles refuses the checkpoint instead of reading tile streams as C order.
+VERSION = 3
+TILED_VERSION = 3
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
@@ -93,6 +96,8 @@ class ShardRecord:
     shape: tuple[int, ...]
     host: int
     extents: list[Extent]
+    #: The tile shape when the shard's bytes are its tiles in stream order (ckptio.tiling).
+    tile: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -193,9 +198,10 @@ class Manifest:
         """The manifest as a JSON-able dict (format 1: every shard in one document)."""
         if not self.complete:
             raise ManifestError("a manifest loaded with only some of its fragments cannot be written whole")
+        tiled = any(isinstance(it, ArrayItem) and any(s.tile for s in it.shards) for it in self.items.values())
         return {
             "format": FORMAT,
-            "version": 1,
+            "version": TILED_VERSION if tiled else 1,
             "step": self.step,
             "checkpoint_id": self.checkpoint_id,
             "created": self.created,
@@ -243,7 +249,7 @@ class Manifest:
             raise ManifestError(
                 f"{where}: manifest version {version!r} is not supported by this ckptio (reads <= {VERSION})"
             )
-        if version == 2:
+        if version == 2 or (version == TILED_VERSION and "fragments" in doc):
             from .fragments import root_from_doc
 
             return root_from_doc(doc, where)
@@ -344,6 +350,7 @@ def item_to_json(item: ArrayItem | ValueItem, name: str) -> dict[str, Any]:
                 "shape": list(s.shape),
                 "host": s.host,
                 "extents": [[e.object, e.offset, e.shard_offset, e.length, e.crcs] for e in s.extents],
+                **({"tile": list(s.tile)} if s.tile is not None else {}),
             }
             for s in item.shards
         ],
@@ -406,7 +413,12 @@ def array_item(
             extents.append(ext)
         if covered != nbytes:
             raise ManifestError(f"{here}: extents hold {covered} bytes, the shard needs {nbytes}")
-        shards.append(ShardRecord(offsets, sshape, _int(s.get("host", 0), "host", here), extents))
+        tile = None
+        if s.get("tile") is not None:
+            tile = _dims(s["tile"], "tile", here)
+            if len(tile) != len(sshape) or not all(1 <= t <= max(n, 1) for t, n in zip(tile, sshape)):
+                raise ManifestError(f"{here}: tile {list(tile)} does not fit the shard's shape {list(sshape)}")
+        shards.append(ShardRecord(offsets, sshape, _int(s.get("host", 0), "host", here), extents, tile))
     if tiling:
         _check_tiling(shards, shape, where)
     scalar = raw.get("scalar", False)

@@ -9,6 +9,10 @@ and the saved shard share their inner dimensions, the bytes go straight into
 the destination; only partial blocks at the ends pass through a small
 scratch buffer. Otherwise a bounded scratch buffer holds a run of rows and a
 numpy copy scatters the overlap into place.
+
+A tiled shard (ckptio.tiling) is read tile by tile: only the tiles that meet
+the region, each into its own scratch buffer and copied into place once
+verified, so a column block of row-saved shards reads about what it asks for.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ckptio.backends.base import ByteRange
 
 from .engine import ReadRequest
 from .manifest import ArrayItem, Box, Extent, ShardRecord, overlap
+from .tiling import tiles_meeting
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid", "shards_meeting"]
 
@@ -139,6 +144,9 @@ def plan_region(
     if dest_bytes is None:
         return reqs
     for shard, (o_off, o_shape) in shards_meeting(item, region.offsets, shape):
+        if shard.tile is not None:
+            reqs += _tiled(name, item, shard, region, o_off, o_shape, objects, block_size)
+            continue
         ndim = len(shape)
         row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
         r0 = o_off[0] - shard.offsets[0] if ndim else 0
@@ -186,6 +194,24 @@ def _copier(dest: np.ndarray, d: int, src: np.ndarray, s: int, n: int) -> Callab
     return copy
 
 
+def _through_scratch(
+    name: str, shard: ShardRecord, lo: int, hi: int, objects: list[str], bs: int,
+    place: Callable[[np.ndarray], None],
+) -> list[ReadRequest]:
+    """Read shard bytes ``[lo, hi)`` (rounded out to checksum blocks) into a scratch buffer of
+    their own; once every piece is in and verified, ``place`` gets those bytes to copy out."""
+    pieces = _pieces(shard, lo, hi, bs)
+    base = pieces[0][3]
+    scratch = np.empty(pieces[-1][4] - base, np.uint8)
+    reqs = [
+        _request(objects, e, ra, rb, bs, [memoryview(scratch[ra - base : rb - base])], [_check(e, ra, rb, bs, 0, name)], [])
+        for e, _a, _b, ra, rb in pieces
+    ]
+    wanted = scratch[lo - base : hi - base]
+    reqs[-1].after.append(_after_all(len(reqs), lambda: place(wanted), reqs))
+    return reqs
+
+
 def _scattered(
     name: str,
     item: ArrayItem,
@@ -200,27 +226,55 @@ def _scattered(
     bs: int,
 ) -> list[ReadRequest]:
     """Rows ``[c0, c1)`` of the saved shard through scratch, then the overlap's part of them into place."""
-    lo, hi = c0 * row_bytes, c1 * row_bytes
-    pieces = _pieces(shard, lo, hi, bs)
-    base = pieces[0][3]
-    scratch = np.empty(pieces[-1][4] - base, np.uint8)
-    reqs = []
-    for e, _a, _b, ra, rb in pieces:
-        view = memoryview(scratch[ra - base : rb - base])
-        reqs.append(_request(objects, e, ra, rb, bs, [view], [_check(e, ra, rb, bs, 0, name)], []))
+    src = (slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(o_off[1:], shard.offsets[1:], o_shape[1:]))
+    g0 = shard.offsets[0] + c0  # global row of the chunk's first row
+    dst = (slice(g0 - region.offsets[0], g0 - region.offsets[0] + c1 - c0),) + tuple(
+        slice(o - r, o - r + n) for o, r, n in zip(o_off[1:], region.offsets[1:], o_shape[1:])
+    )
+    shape = (c1 - c0, *shard.shape[1:])
+    return _through_scratch(name, shard, c0 * row_bytes, c1 * row_bytes, objects, bs,
+                            _placer(region.dest, dst, item.dtype, shape, src))
 
-    def scatter() -> None:
-        rows = scratch[lo - base : hi - base].view(item.dtype).reshape((c1 - c0, *shard.shape[1:]))
-        src = (slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(o_off[1:], shard.offsets[1:], o_shape[1:]))
-        g0 = shard.offsets[0] + c0  # global row of the chunk's first row
-        dst = (slice(g0 - region.offsets[0], g0 - region.offsets[0] + c1 - c0),) + tuple(
-            slice(o - r, o - r + n) for o, r, n in zip(o_off[1:], region.offsets[1:], o_shape[1:])
-        )
-        region.dest[dst] = rows[src]
 
-    # The scatter may run only once every piece of the chunk is in and verified.
-    reqs[-1].after.append(_after_all(len(reqs), scatter, reqs))
+def _tiled(
+    name: str,
+    item: ArrayItem,
+    shard: ShardRecord,
+    region: Region,
+    o_off: tuple[int, ...],
+    o_shape: tuple[int, ...],
+    objects: list[str],
+    bs: int,
+) -> list[ReadRequest]:
+    """The tiles of ``shard`` that meet the overlap ``(o_off, o_shape)``: of each, the rows the
+    overlap touches (a tile is C order inside) through scratch, then its part into place."""
+    assert shard.tile is not None
+    isz = item.dtype.itemsize
+    rel = tuple(o - s for o, s in zip(o_off, shard.offsets))
+    reqs: list[ReadRequest] = []
+    for t_off, t_shape, pos in tiles_meeting(shard.shape, shard.tile, rel, o_shape):
+        g_off = tuple(s + t for s, t in zip(shard.offsets, t_off))
+        part = overlap(g_off, t_shape, o_off, o_shape)
+        assert part is not None
+        r0 = part[0][0] - g_off[0]
+        r1 = r0 + part[1][0]
+        row = math.prod(t_shape[1:]) * isz
+        src = (slice(None),) + tuple(slice(p - g, p - g + n) for p, g, n in zip(part[0][1:], g_off[1:], part[1][1:]))
+        dst = tuple(slice(p - r, p - r + n) for p, r, n in zip(part[0], region.offsets, part[1]))
+        reqs += _through_scratch(name, shard, pos * isz + r0 * row, pos * isz + r1 * row, objects, bs,
+                                 _placer(region.dest, dst, item.dtype, (r1 - r0, *t_shape[1:]), src))
     return reqs
+
+
+def _placer(
+    dest: np.ndarray, dst: tuple[slice, ...], dtype: np.dtype, shape: tuple[int, ...], src: tuple[slice, ...]
+) -> Callable[[np.ndarray], None]:
+    """Copies ``src`` of the bytes it is given (viewed as ``dtype[shape]``) to ``dest[dst]``."""
+
+    def place(raw: np.ndarray) -> None:
+        dest[dst] = raw.view(dtype).reshape(shape)[src]
+
+    return place
 
 
 def _after_all(n: int, fn: Callable[[], None], reqs: list[ReadRequest]) -> Callable[[], None]:

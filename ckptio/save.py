@@ -30,6 +30,7 @@ from .manifest import Manifest, item_to_json, seal
 from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
+from .tiling import tile_boxes
 from .tree import flatten, path_str
 
 __all__ = ["SaveHandle", "merge_records", "start_save"]
@@ -64,25 +65,42 @@ class SaveHandle:
         return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
 
 
-def _plan_staging(state: Any, rank: int, area: StagingArea | None) -> tuple[Any, dict[str, Any]]:
+def _plan_staging(state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0) -> tuple[Any, dict[str, Any]]:
     """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled."""
     leaves, structure = flatten(state)
     staged: dict[str, Any] = {}
     for path, leaf in leaves:
         name = path_str(path)
-        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area)
+        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area, tile_bytes=tile_bytes)
     return structure, staged
 
 
 def _pieces(staged: dict[str, Any]) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
-    """Every shard as a byte piece, and each piece's array (to fill before its object is written)."""
+    """Every shard as byte pieces (one per tile of a tiled shard), and each shard's array (to
+    fill before its objects are written)."""
     out, arrays = [], {}
     for name, item in staged.items():
         if isinstance(item, StagedArray):
-            for i, (_offs, _shape, data) in enumerate(item.shards):
-                out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
+            for i, (_offs, shape, data) in enumerate(item.shards):
+                tile = item.tile_of(i)
+                if tile is None:
+                    out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
+                else:
+                    size = item.dtype.itemsize
+                    for offs, sizes, pos in tile_boxes(shape, tile):
+                        out.append(Piece(name, i, None, pos * size, _tile_fill(data, offs, sizes), math.prod(sizes) * size))
                 arrays[(name, i)] = data
     return out, arrays
+
+
+def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...]) -> Callable[[memoryview], None]:
+    """Copies one tile of a staged C-order shard into the buffer the writer hands it."""
+    box = tuple(slice(o, o + n) for o, n in zip(offs, sizes))
+
+    def fill(dest: memoryview) -> None:
+        np.copyto(np.asarray(dest).view(shard.dtype).reshape(sizes), shard[box], casting="no")
+
+    return fill
 
 
 def _host_record(
@@ -92,7 +110,7 @@ def _host_record(
     extents: dict[tuple[str, int], list[list[Any]]] = {}
     for n, (plan, w) in enumerate(zip(plans, written)):
         for e, crcs in zip(plan.extents, w.crcs):
-            extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.data.nbytes, crcs])
+            extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
     items: dict[str, Any] = {}
     for name, item in staged.items():
         if isinstance(item, StagedArray):
@@ -104,7 +122,8 @@ def _host_record(
                 "origin": item.origin,
                 "shards": [
                     {"offsets": list(o), "shape": list(s), "host": rank,
-                     "extents": sorted(extents.get((name, i), []), key=lambda x: x[2])}
+                     "extents": sorted(extents.get((name, i), []), key=lambda x: x[2]),
+                     **({"tile": list(t)} if (t := item.tile_of(i)) is not None else {})}
                     for i, (o, s, _d) in enumerate(item.shards)
                 ],
             }
@@ -198,7 +217,7 @@ def start_save(
     area = StagingArea(pool) if copy else None
     try:
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
-        structure, staged = _plan_staging(state, coord.rank, area)
+        structure, staged = _plan_staging(state, coord.rank, area, store.engine.config.tile_bytes)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):

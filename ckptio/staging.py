@@ -23,6 +23,7 @@ import numpy as np
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
+from .tiling import tile_for
 
 __all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
@@ -78,25 +79,32 @@ class StagingPool:
     copies at ~7.7 GiB/s: reusing buffers is most of the stall.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
+        self._max = max_bytes  # None: keep everything given back
+        self._held = 0
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             bufs = self._free.get(nbytes)
             if bufs:
+                self._held -= nbytes
                 return bufs.pop()
         return aligned_empty(nbytes)
 
     def give_back(self, buffers: Sequence[np.ndarray]) -> None:
         with self._lock:
             for b in buffers:
+                if self._max is not None and self._held + b.nbytes > self._max:
+                    continue  # beyond the bound: let it go
                 self._free.setdefault(b.nbytes, []).append(b)
+                self._held += b.nbytes
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._held = 0
 
 
 @dataclasses.dataclass
@@ -108,6 +116,12 @@ class StagedArray:
     scalar: bool
     origin: str
     shards: list[tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]  # offsets, shape, C-contiguous data
+    #: Per shard, the tile shape it is stored in (ckptio.tiling), or None for plain C order.
+    #: Staging is plain C order either way; the writer cuts tiles out of it off the step's path.
+    tiles: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
+
+    def tile_of(self, i: int) -> tuple[int, ...] | None:
+        return self.tiles[i] if self.tiles else None
 
 
 _TORCH_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
@@ -180,12 +194,21 @@ def stage_leaf(
     *,
     host: int,
     area: StagingArea | None,
+    tile_bytes: int = 0,
 ) -> StagedArray | ValueItem:
     """Stage one leaf (``where`` is its pytree path, used in errors).
 
     Mutable arrays get a snapshot buffer in ``area`` (filled later by
     ``area.fill``); with ``area=None`` they are referenced as they are.
+    Each shard's tile shape at ``tile_bytes`` (:func:`ckptio.tiling.tile_for`)
+    is recorded for the writer.
     """
+    tiles: list[tuple[int, ...] | None] = []
+
+    def own(arr: np.ndarray, area: StagingArea | None) -> np.ndarray:
+        tiles.append(tile_for(arr.shape, arr.dtype.itemsize, tile_bytes))
+        return area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)
+
     if isinstance(leaf, Sharded):
         check_dtype(leaf.dtype, where)
         shards = []
@@ -196,8 +219,8 @@ def stage_leaf(
                 raise ValueError(
                     f"{where}: piece {index!r} holds {arr.dtype}{list(arr.shape)}, expected {leaf.dtype}{list(sizes)}"
                 )
-            shards.append((offs, sizes, area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)))
-        return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards)
+            shards.append((offs, sizes, own(arr, area)))
+        return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards, tiles)
     if _is_jax_array(leaf):
         shards = []
         for s in leaf.addressable_shards:
@@ -205,9 +228,8 @@ def stage_leaf(
                 continue
             offs, sizes = index_to_box(s.index, leaf.shape)
             # JAX arrays are immutable: a host view is a consistent snapshot without a copy.
-            data = np.ascontiguousarray(np.asarray(s.data))
-            shards.append((offs, sizes, data))
-        return StagedArray(np.dtype(leaf.dtype), tuple(leaf.shape), False, "jax", shards)
+            shards.append((offs, sizes, own(np.asarray(s.data), None)))
+        return StagedArray(np.dtype(leaf.dtype), tuple(leaf.shape), False, "jax", shards, tiles)
     origin = "numpy"
     if _is_torch_tensor(leaf):
         if type(leaf).__name__ == "DTensor":
@@ -227,9 +249,8 @@ def stage_leaf(
             raise UnsupportedLeafError(str(e)) from None
         shards = []
         if host == 0:
-            data = area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)
-            shards.append(((0,) * arr.ndim, tuple(arr.shape), data))
-        return StagedArray(arr.dtype, tuple(arr.shape), scalar, origin, shards)
+            shards.append(((0,) * arr.ndim, tuple(arr.shape), own(arr, area)))
+        return StagedArray(arr.dtype, tuple(arr.shape), scalar, origin, shards, tiles)
     try:
         encode_value(leaf, where)
     except TypeError:

@@ -170,7 +170,7 @@ class StreamWriter:
         for i, (plan, w) in enumerate(zip(plans, written)):
             for e, crcs in zip(plan.extents, w.crcs):
                 shard = self._items[e.item]["shards"][e.shard]
-                shard["extents"].append([base + i, e.offset, e.shard_offset, e.data.nbytes, crcs])
+                shard["extents"].append([base + i, e.offset, e.shard_offset, e.length, crcs])
             self.bytes_written += w.size
         self._inflight_total -= nbytes
 

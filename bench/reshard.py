@@ -1,0 +1,116 @@
+"""``--reshard``: a restore onto another sharding reads about what it asks for.
+
+One square float32 array of ``--size`` bytes is saved as 16 row blocks (data
+parallel) and, separately, as 16 column blocks (tensor parallel), once with
+ckptio's default tiled layout (ckptio.tiling) and once in plain C order
+(``tile_bytes=0``). Each checkpoint is then restored cold as one block of
+each kind -- the same layout as saved, and the other one -- plus a column
+block at an odd, non-dividing offset (one block wide: a tile-aligned layout
+reads up to two tiles' width for it). Each restore runs in a fresh process
+and reports the bytes it read against the bytes it needed (a counting
+backend wrapper around the local backend), its time, and its peak RSS above
+the process's RSS before it (``PeakRSS``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from .report import print_table
+from .scale import _in_child
+from .system import PeakRSS, detect_cache_drop, drop_cache
+
+__all__ = ["render_reshard", "run_reshard"]
+
+BLOCKS = 16
+
+
+def _blocks(n: int, kind: str) -> list[tuple[slice, slice]]:
+    step = n // BLOCKS
+    if kind == "rows":
+        return [(slice(i * step, (i + 1) * step), slice(None)) for i in range(BLOCKS)]
+    return [(slice(None), slice(i * step, (i + 1) * step)) for i in range(BLOCKS)]
+
+
+def _array(n: int) -> np.ndarray:
+    return np.arange(n * n, dtype=np.float32).reshape(n, n)
+
+
+def _save(root: str, n: int, kind: str, tile_bytes: int | None, q: Any) -> None:
+    import ckptio
+
+    full = _array(n)
+    pieces = [(ix, full[ix]) for ix in _blocks(n, kind)]
+    config = ckptio.EngineConfig() if tile_bytes is None else ckptio.EngineConfig(tile_bytes=tile_bytes)
+    t0 = time.perf_counter()
+    ckptio.save(root, {"w": ckptio.Sharded(full.shape, full.dtype, pieces)}, step=1, engine_config=config).result()
+    q.put({"save_s": time.perf_counter() - t0})
+
+
+def _restore(root: str, n: int, index: tuple[slice, slice], cache: str, q: Any) -> None:
+    import ckptio
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+
+    drop_cache(cache, root)
+    counting = CountingBackend(open_backend(root))
+    target = {"w": ckptio.Sharded((n, n), np.float32, [(index, None)])}
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        out = ckptio.restore(root, step=1, target=target, backend=counting)
+        seconds = time.perf_counter() - t0
+    got = out["w"].pieces[0][1]
+    ok = bool(np.array_equal(got, _array(n)[index]))
+    data_read = sum(r.length for k, r in counting.reads if ".json" not in k and "fragment" not in k)
+    q.put({"restore_s": seconds, "bytes_read": data_read, "bytes_needed": int(got.nbytes),
+           "peak_rss_extra": rss.peak_increase, "bit_exact": ok})
+
+
+def run_reshard(size: int, parent: str | None = None, cache: str = "auto", rounds: int = 3) -> dict[str, Any]:
+    """Save and restore as described in the module docstring; every figure per layout (restore
+    time: the median of ``rounds`` cold runs; peak RSS: the largest)."""
+    n = int(math.isqrt(size // 4)) // BLOCKS * BLOCKS
+    if cache == "auto":
+        cache = detect_cache_drop()[0]
+    odd = (slice(None), slice(n // BLOCKS * 5 + 37, n // BLOCKS * 6 + 37))
+    rows: list[dict[str, Any]] = []
+    for layout, tile_bytes in (("tiled", None), ("C order", 0)):
+        for saved in ("rows", "cols"):
+            with tempfile.TemporaryDirectory(prefix="ckptio-reshard-", dir=parent) as root:
+                saved_s = _in_child(_save, root, n, saved, tile_bytes)["save_s"]
+                asks = {"row block": _blocks(n, "rows")[5], "column block": _blocks(n, "cols")[5], "odd column block": odd}
+                for ask, index in asks.items():
+                    runs = [_in_child(_restore, root, n, index, cache) for _ in range(rounds)]
+                    res = {**runs[0], "restore_s": statistics.median(r["restore_s"] for r in runs),
+                           "restore_runs_s": [r["restore_s"] for r in runs],
+                           "peak_rss_extra": max((r["peak_rss_extra"] or 0) for r in runs),
+                           "bit_exact": all(r["bit_exact"] for r in runs)}
+                    rows.append({"layout": layout, "saved": f"{saved[:-1]} blocks", "restored": ask,
+                                 "save_s": saved_s, **res})
+    return {"array": [n, n], "bytes": n * n * 4, "blocks": BLOCKS, "cache_drop": cache, "rounds": rounds, "rows": rows}
+
+
+def render_reshard(res: dict[str, Any]) -> str:
+    n = res["array"][0]
+    head = (f"reshard: float32[{n}, {n}] ({res['bytes'] / 2**30:.2f} GiB) saved as {res['blocks']} row or column "
+            f"blocks; one block restored cold ({res['cache_drop']}), median of {res['rounds']}")
+    table = []
+    for r in res["rows"]:
+        rss = r["peak_rss_extra"]
+        table.append([r["layout"], r["saved"], r["restored"], f"{r['save_s']:.2f}", f"{r['restore_s']:.3f}",
+                      f"{r['bytes_read'] / r['bytes_needed']:.2f}x",
+                      f"{r['bytes_needed'] / 2**20:.0f}", "-" if rss is None else f"{rss / 2**20:.0f}",
+                      "yes" if r["bit_exact"] else "NO"])
+    import io
+
+    out = io.StringIO()
+    print_table(head, ["layout", "saved as", "restored", "save s", "restore s", "read/needed", "needed MiB",
+                       "peak extra RSS MiB", "bit-exact"], table, out=out)
+    return out.getvalue()
