@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -39,7 +40,9 @@ from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, unseal
 from .names import INTENT_PREFIX, intent_key, is_hashed_component, parse_intent, parse_object, step_of_key
 
-__all__ = ["CheckpointStore", "StepStatus", "SweepReport", "step_dir_of", "MAX_STEP"]
+__all__ = [
+    "CheckpointStore", "StepStatus", "SweepReport", "step_dir_of", "sweeps_temporaries_by_prefix", "MAX_STEP",
+]
 
 log = logging.getLogger("ckptio.store")
 
@@ -522,8 +525,6 @@ class CheckpointStore:
             lambda: self.backend.sweep_temporaries(grace_seconds, dry_run=dry_run),
         )
         listing = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
-        keep: set[str] = set()
-        protected: set[str] = set()  # step dirs whose objects nobody may sweep now
         by_step: dict[str, list[ObjectInfo]] = {}
         for info in listing:
             name = parse_object(info.key) or parse_intent(info.key)
@@ -534,6 +535,62 @@ class CheckpointStore:
             parent = key.rpartition("/")[0]
             if parent == "" or (parent.isdigit() and str(int(parent)) == parent):
                 by_step.setdefault(parent, [])
+        await self._sweep_steps(by_step, markers, now, grace_seconds, dry_run, report)
+        return report
+
+    async def sweep_step(
+        self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False
+    ) -> SweepReport:
+        """:meth:`sweep` for one step only: what crashed or killed saves of ``step`` left.
+
+        The same rules, deleting only keys of ``step``'s own layout (its directory, and
+        ``<h>/<step>/`` under each hashed prefix); never lists the whole root, never touches
+        another step. Temporary files of killed writes go only where the backend can find
+        them under the step (``sweep_temporaries(..., prefix=...)``), and only while no
+        live save is announced in the step: a temporary cannot say whose write it is.
+        ``step`` must be an int: a step-less checkpoint shares the root with everything,
+        sweep it with :meth:`sweep`.
+        """
+        if step is None:
+            raise ValueError("sweep_step needs a step: a checkpoint saved at the root is swept by sweep()")
+        step_dir = step_dir_of(step)
+        report = SweepReport()
+        now = time.time()
+        listing = await self._step_listing(step_dir, everywhere=True)
+        infos = [i for i in listing if (n := parse_object(i.key) or parse_intent(i.key)) is not None
+                 and n.step_dir == step_dir]
+        markers = {i.key for i in listing if i.key in (join_key(step_dir, MANIFEST_NAME),
+                                                       join_key(step_dir, TOMBSTONE_NAME))}
+        live, protected = await self._sweep_steps(
+            {step_dir: infos}, markers, now, grace_seconds, dry_run, report)
+        if not live[step_dir] and step_dir not in protected:
+            report.temporaries = await self._step_temporaries(step_dir, grace_seconds, dry_run)
+        return report
+
+    async def _step_temporaries(self, step_dir: str, grace_seconds: float, dry_run: bool) -> list[str]:
+        """The temporaries under ``step_dir`` older than ``grace_seconds``, swept; none where the
+        backend can only sweep its whole root (that is :meth:`sweep`'s job, not one step's)."""
+        if not sweeps_temporaries_by_prefix(self.backend):
+            log.debug("%s: the backend sweeps temporaries root-wide only; left to gc", self.where(step_dir))
+            return []
+        sweep: Any = self.backend.sweep_temporaries  # typed without ``prefix`` in the Backend ABC
+        return await self.engine.retrying(
+            f"sweep temporaries of {self.where(step_dir)}",
+            lambda: sweep(grace_seconds, dry_run=dry_run, prefix=step_dir + "/"),
+        )
+
+    async def _sweep_steps(
+        self, by_step: dict[str, list[ObjectInfo]], markers: set[str], now: float, grace_seconds: float,
+        dry_run: bool, report: SweepReport,
+    ) -> tuple[dict[str, set[str]], set[str]]:
+        """The sweep of the steps in ``by_step`` (their objects' and intents' listings; ``markers``: the
+        manifests and tombstones listed; ``now``: the time before the listing), into ``report``.
+
+        Returns the live save ids of each step, and the steps left alone (a deletion finished,
+        a damaged manifest, or one changing under us).
+        """
+        keep: set[str] = set()
+        protected: set[str] = set()  # step dirs whose objects nobody may sweep now
         for step_dir in sorted(by_step, key=lambda s: (len(s), s)):
             if join_key(step_dir, TOMBSTONE_NAME) in markers:
                 if not dry_run:
@@ -581,11 +638,23 @@ class CheckpointStore:
             await self._delete_keys(report.objects)
             await self._delete_keys(report.intents)
         report.objects.sort()
-        return report
+        return live, protected
 
     async def close(self) -> None:
         self.engine.close()
         await self.backend.close()
+
+
+def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
+    """True if ``backend.sweep_temporaries`` takes a ``prefix`` (sweeps one step's temporaries only).
+
+    The Backend ABC's sweep walks the whole root; a backend (or wrapper) that can
+    limit it to a prefix says so by that keyword.
+    """
+    try:
+        return "prefix" in inspect.signature(backend.sweep_temporaries).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
