@@ -8,7 +8,9 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 * a host's manifest fragment: ``[<step>/]ckptio.fragment.<save id>``;
 * a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
   first object and rewritten as a heartbeat while the save is in flight;
-* the manifest (``ckptio.manifest.json``) and the tombstone (``ckptio.deleting``).
+* the manifest (``ckptio.manifest.json``) and the tombstone (``ckptio.deleting``);
+* a peer replica's marker (``<step>/ckptio.replica-of.h<host>``, see :mod:`ckptio.tiers.peer`):
+  the named partner's objects of that step are all in this replica store.
 
 Anything else under a root (another tool's files, a user's notes, an Orbax
 step, a nested root's deeper keys) never parses, so it is never deleted.
@@ -24,10 +26,14 @@ from ckptio.backends.base import join_key
 __all__ = [
     "INTENT_PREFIX",
     "ObjectName",
+    "REPLICA_MARK_PREFIX",
+    "ReplicaMark",
     "intent_key",
     "is_hashed_component",
     "parse_intent",
     "parse_object",
+    "parse_replica_mark",
+    "replica_mark_key",
     "step_of_key",
 ]
 
@@ -43,6 +49,9 @@ INTENT_PREFIX = "ckptio.intent."
 _FRAGMENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.fragment\.(?P<sid>{_SID})")
 _INTENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.intent\.(?P<sid>{_SID})")
 _HASH_RE = re.compile(_HASH)
+REPLICA_MARK_PREFIX = "ckptio.replica-of.h"
+#: Always in a step directory (a replica is of one step); the host as ``{:05d}`` writes it.
+_REPLICA_MARK = re.compile(rf"(?P<step>{_STEP})/ckptio\.replica-of\.h(?P<host>[0-9]{{5,}})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +74,35 @@ def parse_intent(key: str) -> ObjectName | None:
     """The step directory and save id of an intent's key; None for any other key."""
     m = _INTENT.fullmatch(key)
     return None if m is None else ObjectName(m["step"] or "", m["sid"])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaMark:
+    """What a replica marker's key says: the step directory and the partner host whose objects are in."""
+
+    step_dir: str
+    host: int
+
+
+def replica_mark_key(step_dir: str, host: int) -> str:
+    """The marker saying that ``host``'s objects of ``step_dir`` are all in a replica store."""
+    if not step_dir or isinstance(host, bool) or not isinstance(host, int) or host < 0:
+        raise ValueError(f"a replica marker needs a step directory and a host >= 0, got {step_dir!r}, "
+                         f"{host!r}")
+    return join_key(step_dir, f"{REPLICA_MARK_PREFIX}{host:05d}")
+
+
+def parse_replica_mark(key: str) -> ReplicaMark | None:
+    """The step directory and host of a replica marker's key; None for any other key.
+
+    Only the exact name :func:`replica_mark_key` writes parses (``h00001``, not
+    ``h1``, ``h000001``, ``hxyz`` or ``h00001.bak``): a lookalike is someone else's.
+    """
+    m = _REPLICA_MARK.fullmatch(key)
+    if m is None:
+        return None
+    mark = ReplicaMark(m["step"], int(m["host"]))
+    return mark if replica_mark_key(mark.step_dir, mark.host) == key else None
 
 
 def intent_key(step_dir: str, save_id: str) -> str:

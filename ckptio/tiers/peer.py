@@ -16,23 +16,24 @@ receiver checks each extent's block checksums before keeping it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckptio.backends._copy import scatter_bytes
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, join_key
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 
 from ..checksum import verify_blocks
 from ..copy import object_extents, object_writers
 from ..distributed import join_errors
 from ..engine import run_sync
 from ..manifest import Manifest
+from ..names import parse_replica_mark, replica_mark_key
 from ..store import CheckpointStore
 from .group import CHUNK, Message, PeerGroup
 from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
 
 __all__ = [
-    "REPLICA_MARK",
     "RoutedBackend",
     "checkpoint_disagreement",
     "fetch_from_peers",
@@ -44,9 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckptio.tiers.peer")
-
-#: Marker object in a replica step directory: the named partner's objects are all there.
-REPLICA_MARK = "ckptio.replica-of.h{:05d}"
 
 
 def object_sizes(manifest: Manifest) -> list[int]:
@@ -90,11 +88,10 @@ async def _replica_holdings(replica: CheckpointStore, rank: int) -> list[Holding
             infos = await replica.backend.list(f"{step}/")
         except FileNotFoundError:
             continue
-        prefix = REPLICA_MARK.split("{", 1)[0]
         for info in infos:
-            name = info.key.rsplit("/", 1)[-1]
-            if name.startswith(prefix) and name[len(prefix):].isdigit():
-                out.append(Holding(rank, step, m.checkpoint_id, int(name[len(prefix):]), m.num_hosts, False))
+            mark = parse_replica_mark(info.key)
+            if mark is not None and mark.step_dir == str(step):
+                out.append(Holding(rank, step, m.checkpoint_id, mark.host, m.num_hosts, False))
     return out
 
 
@@ -202,7 +199,7 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
     except FileExistsError:  # another partner's replica of the same checkpoint came first
         if (await replica.read_manifest(step_dir)).checkpoint_id != m.checkpoint_id:
             raise
-    mark = join_key(step_dir, REPLICA_MARK.format(source))
+    mark = replica_mark_key(step_dir, source)
     try:
         await replica.engine.retrying(f"mark {mark!r}", lambda: replica.backend.create_if_absent(mark, b""))
     except FileExistsError:
@@ -215,15 +212,25 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
 
 
 async def retire_replica(replica: CheckpointStore, step: int) -> None:
-    """Delete a replica step: its markers first (from then on nobody counts on it), then the checkpoint."""
-    infos = await replica.backend.list(f"{step}/")
-    marks = [i.key for i in infos if i.key.rsplit("/", 1)[-1].startswith("ckptio.replica-of.")]
-    for k in marks:
+    """Delete a replica step: its markers first (from then on nobody counts on it), then the checkpoint.
+
+    Like every deleter, it deletes only keys :mod:`ckptio.names` proves are ckptio's: the markers
+    :func:`ckptio.names.parse_replica_mark` parses as this step's (a lookalike such as
+    ``ckptio.replica-of.h00001.bak`` stays), then what :meth:`CheckpointStore.delete` deletes.
+    """
+    step_dir = str(step)
+    infos = await replica.engine.retrying(f"list {step_dir!r}", lambda: replica.backend.list(f"{step_dir}/"))
+    for k in _marks_of(infos, step_dir):
         try:
-            await replica.backend.delete(k)
+            await replica.engine.retrying(f"delete {k!r}", functools.partial(replica.backend.delete, k))
         except FileNotFoundError:
             pass
-    await replica.delete(str(step))
+    await replica.delete(step_dir)
+
+
+def _marks_of(infos: Iterable[ObjectInfo], step_dir: str) -> list[str]:
+    """The keys among ``infos`` that are replica markers of ``step_dir``: the only ones to delete as such."""
+    return [i.key for i in infos if (m := parse_replica_mark(i.key)) is not None and m.step_dir == step_dir]
 
 
 def fetch_from_peers(
