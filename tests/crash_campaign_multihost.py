@@ -528,9 +528,19 @@ def check_deletions(events: list[dict[str, Any]], deaths: dict[str, float]) -> d
     return counts
 
 
+def _root_of_last_save(root: str, logs: str, trial: int) -> bool:
+    """Whether the step host 0 of ``trial`` was saving when it died has a root manifest."""
+    from ckptio.manifest import MANIFEST_NAME
+
+    last = [e for e in read_events(logs) if e["proc"] == f"{trial}/host0" and e["op"] == "intent"][-1]
+    return os.path.exists(os.path.join(root, last["key"].split("/")[0], MANIFEST_NAME))
+
+
 def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, notice: float = 0.3,
-                 max_delay: float = 2.5) -> dict[str, Any]:
+                 max_delay: float = 2.5, plan: Sequence[str] = ()) -> dict[str, Any]:
     """``trials`` jobs killed as the module doc says; returns the figures (see main).
+
+    ``plan``: the first trials' kinds, in order ("random" or one of PHASES); random after it.
 
     Beside ``root``: ``<root>-copy`` (cp's destination) and ``<root>-work`` (the jobs' coordinator
     directories, every process's event log and stderr).
@@ -558,6 +568,8 @@ def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, noti
         hosts_seen[hosts] = hosts_seen.get(hosts, 0) + 1
         mode = rnd.choice(["phase", "phase", "random"])
         victim, phase, at = rnd.randrange(hosts), rnd.choice(PHASES), rnd.randint(1, 3)
+        if trial < len(plan):
+            mode, phase = ("random", phase) if plan[trial] == "random" else ("phase", plan[trial])
         if phase in ("commit-during", "commit-after", "retention"):
             victim = 0  # only the coordinator commits and runs retention
         if phase == "object":
@@ -605,6 +617,9 @@ def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, noti
         for name, p in procs.items():
             p.kill()
             deaths[f"{trial}/{name}"] = p.died or time.time()
+        if mode == "phase" and phase == "commit-during" and procs["host0"].died:
+            # Did the kill land before the root's rename (no checkpoint) or just after it?
+            count("commit-during:" + ("root-made-it" if _root_of_last_save(root, logs, trial) else "no-root"))
         out = procs["restorer"].p.stdout.read().decode() if procs["restorer"].p.stdout else ""
         bad = [line for line in out.splitlines() if line.startswith(("MISMATCH", "ERROR"))]
         restores["restored"] += sum(line.startswith("restored") for line in out.splitlines())

@@ -33,8 +33,12 @@ def test_kill_minus_9_campaign_of_multihost_format2_saves(tmp_path):
     fragments, the root's commit, retention) or at random, beside gc, cp and a restorer."""
     from crash_campaign_multihost import run_campaign as run_multihost
 
-    result = run_multihost(trials=4, root=str(tmp_path / "ckpt"), seed=3)
-    assert result["newest"] >= 2 and sum(result["kills"].values()) >= 4
+    # The kills format 2 adds: after a host's fragment, during and after the root's commit; then one at random.
+    plan = ["fragment-after", "commit-during", "commit-after", "random"]
+    result = run_multihost(trials=4, root=str(tmp_path / "ckpt"), seed=3, plan=plan)
+    kills = result["kills"]
+    assert result["newest"] >= 2 and any(k.startswith("phase:") for k in kills) and any(
+        k.startswith("random:") for k in kills), kills
     assert result["restorer"]["restored"] > 0
     assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
 
