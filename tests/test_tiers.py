@@ -6,6 +6,7 @@ The multi-process behaviour (peers over gloo, lost hosts, killed copies) is in t
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -20,7 +21,10 @@ import ckptio
 from ckptio.copy import copy_checkpoint, copy_objects, rekey
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.intents import new_id
 from ckptio.layout import HashedNaming
+from ckptio.manifest import MANIFEST_NAME
+from ckptio.names import ReplicaMark, parse_replica_mark, replica_mark_key
 from ckptio.store import CheckpointStore
 from ckptio.tiers import (
     DURABLE,
@@ -32,6 +36,7 @@ from ckptio.tiers import (
     TierPolicy,
     plan_restore,
 )
+from ckptio.tiers.peer import holdings, retire_replica
 
 
 def state(step: int) -> dict:
@@ -241,3 +246,68 @@ def test_replication_waits_only_when_the_queue_is_full(tmp_path, coalesce):
         gated.gate.set()
         m.close()
         MemoryBackend.forget(f"mem://gate-{coalesce}-{tmp_path.name}")
+
+
+# -- replica markers: only ckptio's exact names are counted and deleted -----------------------------
+
+LOOKALIKE_MARKS = ["ckptio.replica-of.hxyz", "ckptio.replica-of.h00001.bak", "ckptio.replica-of.h1",
+                   "ckptio.replica-of.h000001", "ckptio.replica-of.h00001~"]
+
+
+def test_replica_mark_names_parse_only_as_written():
+    assert replica_mark_key("7", 1) == "7/ckptio.replica-of.h00001"
+    assert parse_replica_mark("7/ckptio.replica-of.h00001") == ReplicaMark("7", 1)
+    assert parse_replica_mark("7/ckptio.replica-of.h123456") == ReplicaMark("7", 123456)
+    for name in LOOKALIKE_MARKS:
+        assert parse_replica_mark(f"7/{name}") is None, name
+    for key in ["ckptio.replica-of.h00001", "07/ckptio.replica-of.h00001", "7/x/ckptio.replica-of.h00001",
+                "h3f/7/ckptio.replica-of.h00001"]:
+        assert parse_replica_mark(key) is None, key
+    with pytest.raises(ValueError):
+        replica_mark_key("", 1)
+
+
+def test_retiring_a_replica_deletes_its_markers_and_spares_lookalikes(tmp_path):
+    """A user's or another tool's file that looks like a marker is neither counted as a replica nor
+    deleted."""
+    replica = CheckpointStore(str(tmp_path / "peer"))
+    for s in (2, 3):
+        ckptio.save(replica.url, state(s), step=s).result()
+        run_sync(replica.backend.create_if_absent(replica_mark_key(str(s), 1), b""))
+    for name in LOOKALIKE_MARKS:
+        (tmp_path / "peer" / "3" / name).write_text("not ckptio's")
+    own = CheckpointStore(str(tmp_path / "own"))
+    held = {(h.step, h.writer) for h in holdings(own, replica, 0)}
+    assert held == {(2, 1), (3, 1)}  # the lookalikes name no host that the replica holds
+
+    run_sync(retire_replica(replica, 3))
+    left = sorted(os.listdir(tmp_path / "peer" / "3"))
+    assert left == sorted(LOOKALIKE_MARKS)  # the marker, the manifest and the objects went; they stayed
+    assert run_sync(replica.committed_steps()) == [2]
+    assert {(h.step, h.writer) for h in holdings(own, replica, 0)} == {(2, 1)}
+    assert same(ckptio.restore(replica.url, step=2), state(2))
+
+
+def test_a_killed_copy_within_its_lease_at_the_commit_is_cleaned_by_a_later_round(tmp_path, monkeypatch):
+    """A restart quicker than the lease: the killed copy's intent still counts as live when the step is
+    committed again, so its objects must stay then -- and go at a later round, once it is stale."""
+    monkeypatch.setenv("CKPTIO_LEASE_S", "1.0")
+    durable = CheckpointStore(str(tmp_path / "durable"))
+    killed = new_id()  # an earlier run's copy of step 2, killed after one object: its last beat is now
+    run_sync(durable.announce("2", killed, 0, durable.lease_s))
+    run_sync(durable.backend.write(f"2/{killed}.h00000-00000", [memoryview(b"half a copy")]))
+    policy = TierPolicy(replicate_every=2, fast=Retention(1), durable=Retention(max_to_keep=3))
+    with TieredCheckpointManager(str(tmp_path / "fast"), str(tmp_path / "durable"), policy=policy) as m:
+        m.save(2, state(2))
+        m.wait_until_finished()
+        assert (tmp_path / "durable" / "2" / f"{killed}.h00000-00000").exists()  # spared: it may be alive
+        deadline = time.monotonic() + 30
+        while run_sync(durable.live_saves("2")):  # until the store judges the killed copy dead
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        m.save(4, state(4))
+        m.wait_until_finished()
+        assert m.tier_steps()["durable"] == [2, 4]
+    kept = {k.rsplit("/", 1)[-1] for k in run_sync(durable.read_manifest("2")).keys()}
+    assert set(os.listdir(tmp_path / "durable" / "2")) == kept | {MANIFEST_NAME}
+    assert same(ckptio.restore(str(tmp_path / "durable"), step=2), state(2))

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from ckptio.backends.local import TMP_MARK
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.names import parse_intent, parse_object
@@ -124,16 +125,24 @@ def test_a_durable_tier_down_for_a_whole_run_is_reported_retried_and_caught_up(t
 def test_a_killed_copys_objects_are_cleaned_when_the_step_completes(tmp_path):
     """A durable copy of step 2 is killed midway (objects without a manifest). A new run (fresh fast
     tiers, new data) saves step 2 again: once it is committed in the durable tier, nothing of the
-    killed copy is left beside it -- no object, no intent."""
+    killed copy is left beside it -- no object, no intent, no temporary of a write it was in."""
     root = str(tmp_path)
-    lease = 1.0
-    env = {"CKPTIO_LEASE_S": str(lease)}
+    env = {"CKPTIO_LEASE_S": "1.0"}  # a dead copy's intent goes stale within a second, not two minutes
     args = ["--steps", "1,2", "--every", "2", "--arrays", "3", "--object-size", str(16 << 10)]
     kill_mid_copy(tmp_path, args, env)
     durable = CheckpointStore(str(tmp_path / "durable"))
     left = [k for k in os.listdir(tmp_path / "durable" / "2") if parse_object(k)]
     assert left, "some objects should have arrived before the kill"
-    time.sleep(2 * lease)  # the killed copy's intent has stopped beating: it is a dead attempt now
+    # What a write killed between its temporary file and the rename leaves (invisible to listings).
+    killed_write = tmp_path / "durable" / "2" / f"{TMP_MARK}0123456789abcdef"
+    killed_write.write_bytes(b"half an object")
+    os.utime(killed_write, (time.time() - 3600, time.time() - 3600))
+    # The property the cleanup relies on: the killed copy is a dead attempt as the store judges it
+    # (its intents stopped beating), whatever the machine's load made of the time since the kill.
+    deadline = time.monotonic() + 60
+    while run_sync(durable.live_saves("2")):
+        assert time.monotonic() < deadline, "the killed copy's intents never went stale"
+        time.sleep(0.1)
     shutil.rmtree(tmp_path / "fast")
     run(2, "save", root, *args, "--gen", "1", env=env)
     m = run_sync(durable.read_manifest("2"))

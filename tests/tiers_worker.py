@@ -10,7 +10,7 @@ Modes:
   emergency    host-RAM fast tier: save, then the --victims die; the others re-form the job on PORT2
                with their replacements and everyone restores
   replacement  a replacement process of ``emergency`` (joins on PORT2, restores)
-  copykill     save --steps; the durable tier stalls after --stall-after object writes (the test kills us)
+  copykill     save --steps; the durable tier stalls once --stall-after objects arrived (the test kills us)
   copyresume   a new run on the same fast tiers: the durable copy left unfinished completes
   resume       restore (--restore-step, else the newest; expecting --expect-step), then save --steps of
                generation --gen (other data under the same step numbers), wait, report errors and tiers
@@ -89,13 +89,19 @@ def check(out: dict, step: int, rank: int, world: int, arrays: int, gen: int = 0
 
 
 class StallingBackend(WrapperBackend):
-    """Writes pass until ``after`` of them went through; then each write touches ``marker`` and hangs."""
+    """The first ``after`` writes pass; each later one waits until those are in storage, then touches
+    ``marker`` and hangs. So once the marker exists, ``after`` objects have arrived whole (a write is
+    a temporary file until its rename: a marker written at the next write's start would not say so)."""
 
     def __init__(self, inner: Backend, after: int, marker: str) -> None:
         super().__init__(inner)
         self.after = after
         self.marker = marker
         self.writes = 0
+        self.arrived = 0
+        self._passed = asyncio.Event()
+        if after <= 0:
+            self._passed.set()
 
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         if "ckptio.intent." in key:  # a copy's intent and its heartbeats are not objects: they pass
@@ -103,10 +109,14 @@ class StallingBackend(WrapperBackend):
             return
         self.writes += 1
         if self.writes > self.after:
+            await self._passed.wait()
             with open(self.marker, "a") as f:  # noqa: ASYNC230 -- a tiny marker file for the test to see
                 f.write(f"{key}\n")
             await asyncio.sleep(3600)
         await self.inner.write(key, buffers)
+        self.arrived += 1
+        if self.arrived >= self.after:
+            self._passed.set()
 
 
 class FailingBackend(WrapperBackend):

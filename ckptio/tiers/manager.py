@@ -155,9 +155,11 @@ class TieredCheckpointManager:
         self.durable_worker: ReplicationWorker | None = None
         if self.durable is not None and pol.replicate_every > 0:
             durable = self.durable
+            # Durable steps still holding a killed copy's leftovers (only the worker's thread uses it).
+            unclean: set[int] = set()
             self.durable_worker = ReplicationWorker(
                 "durable", durable_group,
-                lambda s: durable_round(durable_group, self.fast, durable, s, pol),
+                lambda s: durable_round(durable_group, self.fast, durable, s, pol, unclean),
                 queue_size=pol.queue_size, coalesce=pol.coalesce, pins=self.pins,
                 prologue=lambda: durable_recovery(durable_group, self.fast, durable, pol),
                 after_round=self._fast_retention, retry_backoff=pol.backoff, max_backlog=pol.max_backlog,

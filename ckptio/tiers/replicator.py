@@ -39,7 +39,7 @@ from ..errors import CkptioError
 from ..intents import Lease, new_id
 from ..manifest import Manifest
 from ..names import INTENT_PREFIX, parse_object
-from ..store import CheckpointStore
+from ..store import CheckpointStore, sweeps_temporaries_by_prefix
 from .group import PeerGroup
 from .peer import checkpoint_disagreement, holdings
 from .policy import TierPolicy
@@ -453,13 +453,17 @@ def _own_indices(own: CheckpointStore, manifest_objects: list[str], writers: lis
 
 
 def durable_round(
-    group: PeerGroup, own: CheckpointStore, durable: CheckpointStore, step: int, policy: TierPolicy
+    group: PeerGroup, own: CheckpointStore, durable: CheckpointStore, step: int, policy: TierPolicy,
+    unclean: set[int] | None = None,
 ) -> None:
     """Copy ``step`` from every host's fast tier to the durable tier; host 0 commits it there, last.
 
     Collective. Raises ReplicationError on every host alike if the step is
     not complete in the fast tier, the durable tier holds another checkpoint
     under that step, or any host's copy failed (then nothing is committed).
+    ``unclean``: the durable steps whose killed copies' leftovers a live-looking
+    intent still protected at an earlier round (kept across rounds by the caller;
+    see :func:`_after_durable_commit`).
     """
     step_dir = str(step)
     rank = group.rank
@@ -512,20 +516,25 @@ def durable_round(
         lease.close(retire=bool(verdict["ok"]))
     if committed:
         # After the intents are retired: the cleanup must see only dead attempts' intents.
-        _after_durable_commit(durable, step_dir, m.checkpoint_id, policy)
+        _after_durable_commit(durable, step_dir, policy, set() if unclean is None else unclean)
     if not verdict["ok"]:
         raise ReplicationError(f"durable copy of step {step} failed: {verdict['error']}")
 
 
-def _after_durable_commit(durable: CheckpointStore, step_dir: str, checkpoint_id: str, policy: TierPolicy) -> None:
+def _after_durable_commit(
+    durable: CheckpointStore, step_dir: str, policy: TierPolicy, unclean: set[int]
+) -> None:
     """Host 0, once a step is committed in the durable tier: retention, and killed copies' leftovers.
 
     A copy killed midway (an earlier run's, or a re-saved step's earlier checkpoint) leaves objects
-    that no manifest names and an intent that stops beating. They go through the store's sweep -- the
-    one deleter besides ``delete``: only ckptio's names, never a live save's objects -- whenever this
-    step's directory holds an intent or an older step directory has no manifest; a healthy round
-    costs one listing of the step's intents. A dead copy's intent protects its objects until its lease
-    runs out (``CheckpointStore.lease_s``): a commit sooner than that leaves them to the next one.
+    that no manifest names and an intent that stops beating. They go through the store's step sweep
+    (:meth:`CheckpointStore.sweep_step`, the rules of the orphan sweep for one step: only ckptio's
+    names, never a live save's objects) -- of this step whenever its directory holds an intent, and
+    of each older step directory that has no manifest; never a listing of every key of the durable
+    root. A healthy round costs one listing of the step's intents and one of the root's step directories.
+    A dead copy's intent protects its objects until its lease runs out (``CheckpointStore.lease_s``):
+    after a restart quicker than that, a swept step still holds an intent; it joins ``unclean`` and
+    is swept again at each later round until none is left.
     """
     committed: list[int] = []
     try:
@@ -535,10 +544,28 @@ def _after_durable_commit(durable: CheckpointStore, step_dir: str, checkpoint_id
     try:
         leftovers = run_sync(durable.backend.list(join_key(step_dir, INTENT_PREFIX)))
         stray = [d for d in run_sync(durable.step_dirs()) if d < int(step_dir) and d not in committed]
-        if leftovers or stray:
-            report = run_sync(durable.sweep(grace_seconds=0.0))
-            log.info("%s: cleaned what interrupted copies left (%d objects, %d intents; %d spared in flight)",
-                     durable.url, len(report.objects), len(report.intents), report.spared_in_flight)
+        swept = sorted({*stray, *unclean, *([int(step_dir)] if leftovers else [])})
+        for step in swept:
+            report = run_sync(durable.sweep_step(step, grace_seconds=0.0))
+            if report.deleted or report.spared_in_flight:
+                log.info("%s: cleaned what interrupted copies left (%d objects, %d intents, %d temporaries; "
+                         "%d spared in flight)", durable.where(str(step)), len(report.objects),
+                         len(report.intents), len(report.temporaries), report.spared_in_flight)
+            # An intent that survived the sweep looked live: its objects wait for a later round.
+            if run_sync(durable.backend.list(join_key(str(step), INTENT_PREFIX))):
+                unclean.add(step)
+            else:
+                unclean.discard(step)
+        if swept and not sweeps_temporaries_by_prefix(durable.backend):
+            # A killed write leaves a temporary file that the step sweep cannot reach on this backend.
+            # One untouched for a whole lease is a dead writer's (a live write keeps touching its file,
+            # as a live save keeps beating); a younger one is left to gc. Root-wide, but only POSIX
+            # backends have temporaries: on object stores this is a no-op that lists nothing.
+            lease = durable.lease_s
+            gone = run_sync(durable.engine.retrying(
+                f"sweep temporaries of {durable.url}", lambda: durable.backend.sweep_temporaries(lease)))
+            if gone:
+                log.info("%s: removed %d temporaries of killed writes", durable.url, len(gone))
     except Exception as e:  # noqa: BLE001 -- leftovers stay for gc; the checkpoint is committed
         log.warning("%s: cleaning an interrupted copy's leftovers failed: %r", durable.where(step_dir), e)
 
