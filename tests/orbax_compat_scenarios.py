@@ -8,13 +8,17 @@ Usage as tests/orbax_scenarios.py (whose runner and helpers this reuses):
   naming the item -- in both adapter modes, under Orbax's own arguments;
 * the metadata API: ``TreeMetadata`` with ``custom_metadata``, ``ArrayMetadata``
   with ``storage.write_shape``, ``CheckpointManager.item_metadata``;
-* the topology check of a restore without a target (``jax.devices`` mocked).
+* the topology check of a restore without a target (``jax.devices`` mocked);
+* issue 16: stock Orbax reading a ``register()`` item is told to call
+  ``register()``; ``ckptio.orbax.CheckpointManager`` refuses a file as its root.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -276,6 +280,133 @@ def topology_mismatch(root: str) -> None:
             out = mngr.restore(1, args=ckptio.orbax.Restore())
     equal(out["a"], np.asarray(arr), "Save/Restore, no target")
     assert len(out["a"].sharding.device_set) == 1
+
+
+#: What a stock restore of a register() item must say (ckptio.orbax._marker.MARKER_MESSAGE's gist).
+CALL_REGISTER = "call ckptio.orbax.register()"
+
+#: Run in a fresh process: stock Orbax, ckptio not imported, then imported without register().
+STOCK_READER = r"""
+import sys
+import jax, numpy as np, orbax.checkpoint as ocp
+path = sys.argv[1]
+one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+target = {"w": jax.ShapeDtypeStruct((16,), np.float32, sharding=one), "n": 0, "v": np.zeros(3, np.int64)}
+for step in ("no ckptio", "import ckptio.orbax"):
+    if step != "no ckptio":
+        import ckptio.orbax  # registers nothing for jax.Array: only the typestr answers
+    assert "ckptio.orbax" in sys.modules or step == "no ckptio"
+    for how, args in (("target", ocp.args.StandardRestore(target)), ("no target", ocp.args.StandardRestore())):
+        if step == "no ckptio" and how == "no target":
+            continue  # Orbax: Unknown type "ckptio.jax.Array" -- it names ckptio; nothing of ours ran
+        try:
+            with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+                c.restore(path, args=args)
+            print(f"{step}/{how}: restored")
+        except Exception as e:
+            print(f"{step}/{how}: {type(e).__name__}: {e}")
+"""
+
+
+@scenario
+def stock_reads_register_item(root: str) -> None:
+    """Issue 16: an item written under register(), read by stock Orbax, fails saying to call register().
+
+    Was: ``NOT_FOUND ... Metadata at "w/.zarray" in OCDBT database ... does not exist`` (with a
+    target) or ``Unknown type: "ckptio.jax.Array"`` (without). Covers OCDBT items with only jax
+    leaves (no Orbax data at all) and mixed with numpy/scalar leaves, and a non-OCDBT item; and a
+    process without ckptio imported. register() still restores them, and Orbax no longer warns
+    "Skipping merge of OCDBT checkpoints" on every all-jax save.
+    """
+    mesh = mesh8()
+    w = put(np.arange(16, dtype=np.float32), mesh, P("x"))
+    target = {"w": jax.ShapeDtypeStruct((16,), np.float32, sharding=NamedSharding(mesh, P("x")))}
+    cases = {
+        "jax_only": ({"w": w}, ocp.StandardCheckpointHandler, {}),
+        "mixed": ({"w": w, "n": 7, "v": np.arange(3)}, ocp.StandardCheckpointHandler, {}),
+        "no_ocdbt": ({"w": w}, ocp.PyTreeCheckpointHandler, {"use_ocdbt": False}),
+    }
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    collect = Collect(logging.WARNING)
+    logging.getLogger("absl").addHandler(collect)
+    ckptio.orbax.register()
+    try:
+        for name, (state, handler, kw) in cases.items():
+            path = epath.Path(root) / name
+            with ocp.Checkpointer(handler(**kw)) as c:
+                save = ocp.args.StandardSave if handler is ocp.StandardCheckpointHandler else ocp.args.PyTreeSave
+                c.save(path, args=save(state))
+    finally:
+        logging.getLogger("absl").removeHandler(collect)
+        ckptio.orbax.unregister()
+    # (Orbax warns so for any non-OCDBT item, stock too: only the OCDBT ones must be quiet.)
+    skipped = [m for m in warnings if "Skipping merge" in m and "no_ocdbt" not in m]
+    assert not skipped, skipped
+    # In this process, after unregister(): Orbax's own jax.Array handler, given a target.
+    for name, (state, handler, kw) in cases.items():
+        path = epath.Path(root) / name
+        want = {**target, **{k: v for k, v in state.items() if k != "w"}}
+        with ocp.Checkpointer(handler(**kw)) as c:
+            if handler is ocp.StandardCheckpointHandler:
+                args: Any = ocp.args.StandardRestore(want)
+            else:
+                restore_args = {"w": ocp.ArrayRestoreArgs(sharding=target["w"].sharding)}
+                args = ocp.args.PyTreeRestore(want, restore_args=restore_args)
+            raises(partial(c.restore, path, args=args), CALL_REGISTER, what=f"{name}, stock")
+    # register() again: every case restores bit-exact (the marker is never read).
+    ckptio.orbax.register()
+    try:
+        for name, (state, handler, kw) in cases.items():
+            path = epath.Path(root) / name
+            with ocp.Checkpointer(handler(**kw)) as c:
+                if handler is ocp.StandardCheckpointHandler:
+                    out = c.restore(path, args=ocp.args.StandardRestore({**state, "w": target["w"]}))
+                else:
+                    restore_args = {"w": ocp.ArrayRestoreArgs(sharding=target["w"].sharding)}
+                    out = c.restore(path, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+            equal(out["w"], np.asarray(w), f"{name}, register()")
+    finally:
+        ckptio.orbax.unregister()
+    # A fresh process, one device: stock Orbax without ckptio, then with ckptio.orbax imported.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", STOCK_READER, str(epath.Path(root) / "mixed")],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("no ckptio/", "import ckptio"))]
+    assert len(lines) == 3, proc.stdout + proc.stderr[-3000:]
+    for line in lines:
+        assert CALL_REGISTER in line and "restored" not in line, line
+
+
+@scenario
+def manager_root_is_a_file(root: str) -> None:
+    """Issue 16: ckptio.orbax.CheckpointManager on a path that is a regular file raises at once, naming it.
+
+    Was: accepted; the first save failed in a background thread with
+    ``NotADirectoryError: .../0.orbax-checkpoint-tmp`` and left Orbax's signalling threads waiting.
+    """
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "not_a_dir")
+    with open(path, "w") as f:
+        f.write("x")
+    for kw in ({}, {"storage": "mem://file_root"}):
+        try:
+            ckptio.orbax.CheckpointManager(path, **kw)
+        except NotADirectoryError as e:
+            assert path in str(e) and "not a directory" in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for a file root ({kw})")
+    # A directory, existing or not, is still fine.
+    with ckptio.orbax.CheckpointManager(os.path.join(root, "fresh")) as m:
+        m.save(0, args=ckptio.orbax.Save({"a": np.arange(3)}))
+        m.wait_until_finished()
+        assert m.all_steps() == [0]
 
 
 if __name__ == "__main__":

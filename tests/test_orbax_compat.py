@@ -1,4 +1,5 @@
-"""Issue 20, items 3-5: Orbax's shape changes, metadata API and topology check, in both adapter modes.
+"""Issue 20, items 3-5: Orbax's shape changes, metadata API and topology check, in both adapter modes;
+issue 16: clear errors for stock Orbax reading a register() item and for a file as the manager's root.
 
 The scenarios (tests/orbax_compat_scenarios.py) need 8 CPU devices, so they
 run in one subprocess, as tests/test_orbax.py's do; this module reads their
@@ -13,7 +14,14 @@ from typing import Any
 import pytest
 from test_orbax import _check, _run_scenarios  # noqa: F401  (skips the module without jax/orbax)
 
-SCENARIOS = ["reshape_save_restore", "reshape_type_handler", "metadata_api", "topology_mismatch"]
+SCENARIOS = [
+    "reshape_save_restore",
+    "reshape_type_handler",
+    "metadata_api",
+    "topology_mismatch",
+    "stock_reads_register_item",
+    "manager_root_is_a_file",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +56,17 @@ def test_restore_without_target_detects_a_topology_mismatch(compat_results):
     detected' (Orbax's test_topology_mismatch); with a target it restores. Save/Restore records no
     topology, so Restore() brings the array whole onto the default device (README)."""
     _check(compat_results, "topology_mismatch")
+
+
+def test_stock_orbax_reading_a_register_item_is_told_to_call_register(compat_results):
+    """An item written under ckptio.orbax.register(), restored by stock Orbax (ckptio not imported, or
+    imported without register()), with or without a target, OCDBT or not, all-jax or mixed: the error
+    says "call ckptio.orbax.register()" (was: NOT_FOUND ... .zarray, or Unknown type "ckptio.jax.Array");
+    register() still restores it, and Orbax's "Skipping merge of OCDBT checkpoints" warning is gone."""
+    _check(compat_results, "stock_reads_register_item")
+
+
+def test_checkpoint_manager_refuses_a_file_as_its_directory(compat_results):
+    """ckptio.orbax.CheckpointManager(path_of_a_regular_file) raises NotADirectoryError naming the path
+    (was: accepted; the first save failed in a background thread)."""
+    _check(compat_results, "manager_root_is_a_file")

@@ -129,6 +129,7 @@ class CheckpointManager(ocp.CheckpointManager):
         handler_registry: Any = None,
         **kwargs: Any,
     ) -> None:
+        _check_directory(directory)
         if storage is not None and handler_registry is None:
             handler_registry = _registry(storage, naming=naming)
         super().__init__(directory, options=options, handler_registry=handler_registry, **kwargs)
@@ -136,3 +137,18 @@ class CheckpointManager(ocp.CheckpointManager):
 
 
 _registry = handler_registry
+
+
+def _check_directory(directory: epath.PathLike) -> None:
+    """Refuse a root that exists and is not a directory, naming it.
+
+    Orbax accepts such a path and fails only at the first save, inside a
+    background thread (``NotADirectoryError: .../0.orbax-checkpoint-tmp``),
+    with its signalling threads left waiting.
+    """
+    path = epath.Path(directory)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"ckptio.orbax.CheckpointManager: {path} is a file, not a directory; "
+            "pass a directory (it is created if missing)"
+        )

@@ -31,8 +31,9 @@ from ckptio.restore import restore_checkpoint
 from ckptio.store import CheckpointStore
 
 from ._cast import cast_staged, x64_context, x64_enabled
-from ._metadata import leaf_metadata
 from ._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
+from ._marker import write_marker
+from ._metadata import leaf_metadata
 from ._tree import META_KEY, plan_restore, stage_tree
 
 __all__ = ["TYPESTR", "CkptioArrayHandler", "CkptioNumpyHandler", "register", "unregister"]
@@ -109,11 +110,16 @@ class CkptioArrayHandler(types.TypeHandler):
         coord = coordinator_for(parent, f"arrays:{step}")
         metadata = {META_KEY: {**staged.meta, "shardings": shardings}}
         config = self._config
+        names = [info.name for info in infos]
+        use_ocdbt, use_zarr3 = bool(infos[0].is_ocdbt_checkpoint), bool(infos[0].use_zarr3)
 
         async def commit() -> None:
+            path = parent
             if hasattr(parent, "await_creation"):  # a PathAwaitingCreation
-                await parent.await_creation()
+                path = await parent.await_creation()
             write_and_commit(parent, staged.tree, metadata, config, coord, loc)
+            # So that a process without register() is told to call it (issue 16), not NOT_FOUND.
+            write_marker(path, names, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="ckptio_array_save")]
 
@@ -326,6 +332,47 @@ def _item_name(name: str) -> str:
     return path_str((name,))
 
 
+class _NotRegistered(types.TypeHandler):
+    """Answers Orbax's lookups of :data:`TYPESTR` until :func:`register` replaces it: "call register()".
+
+    A restore without a target finds each leaf's handler by the typestr
+    recorded in ``_METADATA``; without this, Orbax says only
+    ``Unknown type: "ckptio.jax.Array"``. (A restore with a target uses
+    Orbax's own ``jax.Array`` handler, which the on-disk marker of
+    :mod:`ckptio.orbax._marker` answers instead.)
+    """
+
+    def typestr(self) -> str:
+        return TYPESTR
+
+    def _refuse(self) -> Any:
+        from ._marker import MARKER_MESSAGE
+
+        raise ValueError(MARKER_MESSAGE)
+
+    async def metadata(self, infos: Sequence[types.ParamInfo]) -> Sequence[Any]:
+        return self._refuse()
+
+    async def serialize(self, values: Any, infos: Any, args: Any = None) -> Any:
+        return self._refuse()
+
+    async def deserialize(self, infos: Any, args: Any = None) -> Any:
+        return self._refuse()
+
+
+class _Unmatched:
+    """A type nothing is: the key under which :class:`_NotRegistered` joins Orbax's registry."""
+
+
+def _install_not_registered() -> None:
+    """Map :data:`TYPESTR` to :class:`_NotRegistered` unless a handler already answers it."""
+    from orbax.checkpoint._src.serialization import type_handler_registry as registry
+
+    if not registry.GLOBAL_TYPE_HANDLER_REGISTRY.has(TYPESTR):
+        # func never matches a value's type: only typestr lookups (restores) reach it.
+        types.register_type_handler(_Unmatched, _NotRegistered(), func=lambda ty: False)
+
+
 def register(handler: CkptioArrayHandler | None = None) -> CkptioArrayHandler:
     """Route every ``jax.Array`` leaf of Orbax's pytree handlers through ckptio; returns the handler."""
     h = handler or CkptioArrayHandler()
@@ -350,3 +397,6 @@ def unregister() -> None:
     cur_np = types.get_type_handler(np.ndarray)
     if isinstance(cur_np, CkptioNumpyHandler):
         types.register_type_handler(np.ndarray, cur_np.wrapped, override=True)
+
+
+_install_not_registered()
