@@ -182,6 +182,7 @@ class GCSBackend(Backend):
             concurrency=cfg.concurrency,
             list_consistent=True,
             hashed_names=True,
+            tile_bytes=1 << 20,  # every host restores its own part of a shared checkpoint
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

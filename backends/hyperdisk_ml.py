@@ -59,7 +59,9 @@ class HyperdiskMLBackend(LocalBackend):
 
     def _capabilities(self) -> Capabilities:
         caps = super()._capabilities()
-        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20)
+        # Attached read-only to many hosts to restore from: tiled, so each reads only its part.
+        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20,
+                                   tile_bytes=1 << 20)
 
     def read_only_message(self, key: str) -> str:
         if not self.url.startswith("hdml://"):

@@ -74,6 +74,8 @@ class LocalConfig:
     lock_stale_s: float = 600.0
     #: Split a checkpoint's objects over this many sub-directories (0: flat).
     dir_fanout: int = 0
+    #: See :attr:`Capabilities.tile_bytes` (0: plain C order, the right default for a local disk).
+    tile_bytes: int = 0
     #: Object writes run on threads this many nice steps below the caller's priority, so
     #: that a background save's copies and system calls yield the CPU to the training
     #: step (see ``backends/_threads.py``). Off by default: on a CPU-saturated 2-core host
@@ -110,6 +112,7 @@ class LocalBackend(Backend):
             alignment=self.config.alignment if self.config.direct else 1,
             concurrency=self.config.threads,
             dir_fanout=self.config.dir_fanout,
+            tile_bytes=self.config.tile_bytes,
         )
 
     @property

@@ -35,7 +35,7 @@ log = logging.getLogger("ckptio.backends.parallelstore")
 
 # dfuse's O_DIRECT semantics depend on its caching mode; large buffered IO is the documented path.
 PARALLELSTORE_DEFAULTS = LocalConfig(threads=16, object_size=256 << 20, dir_fsync=False, link_commit=False,
-                                     dir_fanout=16, direct=False)
+                                     dir_fanout=16, direct=False, tile_bytes=1 << 20)
 _INTERCEPTION = ("libpil4dfs", "libioil")
 
 

@@ -1,9 +1,10 @@
 """``--reshard``: a restore onto another sharding reads about what it asks for.
 
 One square float32 array of ``--size`` bytes is saved as 16 row blocks (data
-parallel) and, separately, as 16 column blocks (tensor parallel), once with
-ckptio's default tiled layout (ckptio.tiling) and once in plain C order
-(``tile_bytes=0``). Each checkpoint is then restored cold as one block of
+parallel) and, separately, as 16 column blocks (tensor parallel), once tiled
+(1 MiB tiles, ckptio.tiling: the default on shared storage -- GCS,
+Parallelstore, Hyperdisk ML) and once in plain C order (``tile_bytes=0``: the
+default on a local disk). Each checkpoint is then restored cold as one block of
 each kind -- the same layout as saved, and the other one -- plus a column
 block at an odd, non-dividing offset (one block wide: a tile-aligned layout
 reads up to two tiles' width for it). Each restore runs in a fresh process
@@ -22,6 +23,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from ckptio.tiling import DEFAULT_TILE_BYTES
 
 from .report import print_table
 from .scale import _in_child
@@ -48,7 +51,7 @@ def _save(root: str, n: int, kind: str, tile_bytes: int | None, q: Any) -> None:
 
     full = _array(n)
     pieces = [(ix, full[ix]) for ix in _blocks(n, kind)]
-    config = ckptio.EngineConfig() if tile_bytes is None else ckptio.EngineConfig(tile_bytes=tile_bytes)
+    config = ckptio.EngineConfig(tile_bytes=tile_bytes)
     t0 = time.perf_counter()
     ckptio.save(root, {"w": ckptio.Sharded(full.shape, full.dtype, pieces)}, step=1, engine_config=config).result()
     q.put({"save_s": time.perf_counter() - t0})
@@ -81,7 +84,7 @@ def run_reshard(size: int, parent: str | None = None, cache: str = "auto", round
         cache = detect_cache_drop()[0]
     odd = (slice(None), slice(n // BLOCKS * 5 + 37, n // BLOCKS * 6 + 37))
     rows: list[dict[str, Any]] = []
-    for layout, tile_bytes in (("tiled", None), ("C order", 0)):
+    for layout, tile_bytes in (("tiled", DEFAULT_TILE_BYTES), ("C order", 0)):
         for saved in ("rows", "cols"):
             with tempfile.TemporaryDirectory(prefix="ckptio-reshard-", dir=parent) as root:
                 saved_s = _in_child(_save, root, n, saved, tile_bytes)["save_s"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import concurrent.futures
 import dataclasses
 import logging
@@ -25,7 +26,6 @@ from ckptio.backends._threads import background_pool
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
-from .tiling import DEFAULT_TILE_BYTES
 from .errors import IntegrityError
 from .layout import ObjectPlan
 
@@ -63,8 +63,9 @@ class EngineConfig:
     save_nice: int = 0
     #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
     #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
-    #: meets; 0 keeps every shard in plain C order.
-    tile_bytes: int = DEFAULT_TILE_BYTES
+    #: meets; 0 keeps every shard in plain C order. None: the backend's
+    #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
+    tile_bytes: int | None = None
 
 
 # -- the shared event-loop thread -------------------------------------------
@@ -397,7 +398,11 @@ def split_request(req: ReadRequest, piece: int) -> list[ReadRequest]:
         if a >= b:
             continue
         mine = []
-        for offset, length, crcs, item in checks:
+        # Checks do not overlap and are sorted: start from the one holding byte ``a``
+        # (thousands of small checks in one merged read must not cost checks x pieces).
+        for offset, length, crcs, item in itertools.islice(checks, max(0, bisect.bisect_right(starts, a) - 1), None):
+            if offset >= b:
+                break
             lo, hi = max(a, offset), min(b, offset + length)
             if lo < hi:
                 k0, k1 = (lo - offset) // bs, -(-(hi - offset) // bs)

@@ -88,6 +88,9 @@ def shards_meeting(
 ) -> list[tuple[ShardRecord, Box]]:
     """The saved shards of ``item`` that overlap the box ``(off, shape)``, each with that overlap
     (``(offsets, shape)`` in array coordinates), in index order."""
+    if len(item.shards) == 1:  # most items of a large state: no index to build
+        o = overlap(item.shards[0].offsets, item.shards[0].shape, off, shape)
+        return [] if o is None else [(item.shards[0], o)]
     if item.index is None:
         item.index = _ShardIndex(item.shards)  # a benign race: two threads build equal indexes
     out = []

@@ -26,7 +26,7 @@ from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .checksum import crc32c
 from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
-from .manifest import Manifest, item_to_json, seal
+from .manifest import TILED_VERSION, Manifest, item_to_json, seal
 from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
@@ -155,6 +155,19 @@ async def _write_fragment(
 
 def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
     """The coordinator's manifest from every host's record (validated like any manifest read)."""
+    return _validated(_merged_doc(records, head, where), where)
+
+
+def _validated(doc: dict[str, Any], where: str) -> Manifest:
+    try:
+        return Manifest.from_doc(doc, where)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{where}: the merged manifest is invalid: {e}") from e
+    # (from_doc also checks that every array's shards tile it exactly once.)
+
+
+def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> dict[str, Any]:
+    """Every host's record in one manifest document (format 1, or 3 with tiled shards)."""
     objects: list[str] = []
     items: dict[str, Any] = {}
     # Boxes already in each array item, kept across hosts: rebuilding them per host made
@@ -189,12 +202,30 @@ def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: st
                 f"{where}: item {name!r} has no shard on any host. Plain arrays count as replicated and are "
                 "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
             )
-    doc = {**head, "objects": objects, "items": items}
+    tiled = any("tile" in sh for it in items.values() if it["kind"] == "array" for sh in it["shards"])
+    return {**head, "version": TILED_VERSION if tiled else head.get("version", 1), "objects": objects, "items": items}
+
+
+def _join_as_failed(coord: Coordinator, error: str, where: str) -> None:
+    """Take part in this save's collectives with a failure record, as the background thread would.
+
+    A host that refuses a save before its background thread starts (bad input, a committed
+    step, an unwritable intent) must still join the gather and the verdict: otherwise the other
+    hosts' gather for this step pairs with this host's next save, and every later save fails or
+    hangs one step out of phase. So every host fails this step (naming this host's error) and
+    the next one pairs up. Runs on the calling thread, before the error reaches the caller.
+    """
+    if coord.size == 1:
+        return
     try:
-        return Manifest.from_doc(doc, where)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where}: the merged manifest is invalid: {e}") from e
-    # (from_doc also checks that every array's shards tile it exactly once.)
+        records = gather_to_root(coord, {"ok": False, "error": error})
+        verdict = {"ok": False, "error": error}
+        if coord.rank == 0:
+            assert records is not None
+            verdict = {"ok": False, "error": "; ".join(r["error"] for r in records if not r["ok"])}
+        broadcast_from_root(coord, verdict)
+    except BaseException as e:  # the caller's own error is the one to raise
+        log.error("%s: host %d could not report its refusal to the other hosts: %r", where, coord.rank, e)
 
 
 def start_save(
@@ -217,14 +248,18 @@ def start_save(
     area = StagingArea(pool) if copy else None
     try:
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
-        structure, staged = _plan_staging(state, coord.rank, area, store.engine.config.tile_bytes)
+        tile_bytes = store.engine.config.tile_bytes
+        if tile_bytes is None:
+            tile_bytes = store.backend.capabilities.tile_bytes
+        structure, staged = _plan_staging(state, coord.rank, area, min(tile_bytes, store.backend.capabilities.object_size))
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
             raise FileExistsError(f"checkpoint {where} is already committed")
-    except BaseException:
+    except BaseException as e:
         if area is not None:
             area.release()
+        _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
     pieces, arrays = _pieces(staged)
     save_id = new_id()
@@ -282,8 +317,10 @@ def start_save(
                             manifest = Manifest.from_json(data, where)
                             run_sync(store.commit(step_dir, manifest, data))
                         else:
-                            manifest = merge_records(records, head, where)
-                            run_sync(store.commit(step_dir, manifest))
+                            # The document validated is the one written: no second encoding pass.
+                            doc = _merged_doc(records, head, where)
+                            manifest = _validated(doc, where)
+                            run_sync(store.commit(step_dir, manifest, seal(doc)))
                         verdict = {"ok": True}
                     except BaseException as e:
                         verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
@@ -315,9 +352,10 @@ def start_save(
     lease = Lease(store, step_dir, save_id, coord.rank)
     try:
         lease.start()
-    except BaseException:
+    except BaseException as e:
         if area is not None:
             area.release()
+        _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
     threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
     try:

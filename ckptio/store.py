@@ -522,7 +522,7 @@ class CheckpointStore:
         now = time.time()
         report.temporaries = await self.engine.retrying(
             f"sweep temporaries of {self.url}",
-            lambda: self.backend.sweep_temporaries(grace_seconds, dry_run=dry_run),
+            lambda: self.backend.sweep_temporaries(self._temporary_grace(grace_seconds), dry_run=dry_run),
         )
         listing = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
         by_step: dict[str, list[ObjectInfo]] = {}
@@ -576,8 +576,14 @@ class CheckpointStore:
         sweep: Any = self.backend.sweep_temporaries  # typed without ``prefix`` in the Backend ABC
         return await self.engine.retrying(
             f"sweep temporaries of {self.where(step_dir)}",
-            lambda: sweep(grace_seconds, dry_run=dry_run, prefix=step_dir + "/"),
+            lambda: sweep(self._temporary_grace(grace_seconds), dry_run=dry_run, prefix=step_dir + "/"),
         )
+
+    def _temporary_grace(self, grace_seconds: float) -> float:
+        """A temporary cannot say whose write it is, so it goes only once a lease has passed
+        since its last byte: a write in flight keeps its mtime fresh, and a grace of 0 (``gc
+        --grace 0``) must not pull the file from under a live save's write."""
+        return max(grace_seconds, self.lease_s)
 
     async def _sweep_steps(
         self, by_step: dict[str, list[ObjectInfo]], markers: set[str], now: float, grace_seconds: float,

@@ -25,8 +25,9 @@ import numpy as np
 
 __all__ = ["DEFAULT_TILE_BYTES", "tile_boxes", "tile_for", "tiles_meeting"]
 
-#: Tiles of about 1 MiB: a column block of a row-saved shard reads at most one tile width too
-#: much on either side, and a tile is still one efficient request.
+#: Tiles of about 1 MiB (what shared-storage backends declare in ``Capabilities.tile_bytes``): a
+#: column block of a row-saved shard reads at most one tile width too much on either side, and a
+#: tile is still one efficient request.
 DEFAULT_TILE_BYTES = 1 << 20
 
 Shape = tuple[int, ...]
