@@ -10,9 +10,9 @@ the destination; only partial blocks at the ends pass through a small
 scratch buffer. Otherwise a bounded scratch buffer holds a run of rows and a
 numpy copy scatters the overlap into place.
 
-A tiled shard (ckptio.tiling) is read tile by tile: only the tiles that meet
-the region, each into its own scratch buffer and copied into place once
-verified, so a column block of row-saved shards reads about what it asks for.
+A tiled shard (ckptio.tiling) always goes through scratch, tile by tile: only
+the tiles that meet the region, so a column block of row-saved shards reads
+about what it asks for.
 """
 
 from __future__ import annotations
@@ -147,22 +147,16 @@ def plan_region(
     if dest_bytes is None:
         return reqs
     for shard, (o_off, o_shape) in shards_meeting(item, region.offsets, shape):
-        if shard.tile is not None:
-            reqs += _tiled(name, item, shard, region, o_off, o_shape, objects, block_size)
-            continue
         ndim = len(shape)
-        row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
-        r0 = o_off[0] - shard.offsets[0] if ndim else 0
-        nrows = o_shape[0] if ndim else 1
         inner_same = ndim == 0 or (shard.shape[1:] == o_shape[1:] == shape[1:])
-        if inner_same:
+        if shard.tile is None and inner_same:
+            row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
+            r0 = o_off[0] - shard.offsets[0] if ndim else 0
+            nrows = o_shape[0] if ndim else 1
             d0 = (o_off[0] - region.offsets[0]) * row_bytes if ndim else 0
             reqs += _direct(name, shard, r0 * row_bytes, (r0 + nrows) * row_bytes, dest_bytes, d0, objects, block_size)
         else:
-            rows_per = max(1, _SCRATCH_ROWS_BYTES // max(row_bytes, 1))
-            for c0 in range(r0, r0 + nrows, rows_per):
-                c1 = min(r0 + nrows, c0 + rows_per)
-                reqs += _scattered(name, item, shard, region, o_off, o_shape, c0, c1, row_bytes, objects, block_size)
+            reqs += _scattered(name, item, shard, region, o_off, o_shape, objects, block_size)
     return reqs
 
 
@@ -222,50 +216,34 @@ def _scattered(
     region: Region,
     o_off: tuple[int, ...],
     o_shape: tuple[int, ...],
-    c0: int,
-    c1: int,
-    row_bytes: int,
     objects: list[str],
     bs: int,
 ) -> list[ReadRequest]:
-    """Rows ``[c0, c1)`` of the saved shard through scratch, then the overlap's part of them into place."""
-    src = (slice(None),) + tuple(slice(o - s, o - s + n) for o, s, n in zip(o_off[1:], shard.offsets[1:], o_shape[1:]))
-    g0 = shard.offsets[0] + c0  # global row of the chunk's first row
-    dst = (slice(g0 - region.offsets[0], g0 - region.offsets[0] + c1 - c0),) + tuple(
-        slice(o - r, o - r + n) for o, r, n in zip(o_off[1:], region.offsets[1:], o_shape[1:])
-    )
-    shape = (c1 - c0, *shard.shape[1:])
-    return _through_scratch(name, shard, c0 * row_bytes, c1 * row_bytes, objects, bs,
-                            _placer(region.dest, dst, item.dtype, shape, src))
-
-
-def _tiled(
-    name: str,
-    item: ArrayItem,
-    shard: ShardRecord,
-    region: Region,
-    o_off: tuple[int, ...],
-    o_shape: tuple[int, ...],
-    objects: list[str],
-    bs: int,
-) -> list[ReadRequest]:
-    """The tiles of ``shard`` that meet the overlap ``(o_off, o_shape)``: of each, the rows the
-    overlap touches (a tile is C order inside) through scratch, then its part into place."""
-    assert shard.tile is not None
+    """The overlap ``(o_off, o_shape)`` of ``shard`` through scratch, block by block of its
+    stream: each tile it meets of a tiled shard, or the whole of a C-order one. Of each block,
+    the rows the overlap touches (a block is C order inside), in runs of at most
+    ``_SCRATCH_ROWS_BYTES``, are read and verified, then their part copied into place."""
     isz = item.dtype.itemsize
     rel = tuple(o - s for o, s in zip(o_off, shard.offsets))
+    blocks = ([((0,) * len(shard.shape), shard.shape, 0)] if shard.tile is None
+              else tiles_meeting(shard.shape, shard.tile, rel, o_shape))
     reqs: list[ReadRequest] = []
-    for t_off, t_shape, pos in tiles_meeting(shard.shape, shard.tile, rel, o_shape):
-        g_off = tuple(s + t for s, t in zip(shard.offsets, t_off))
-        part = overlap(g_off, t_shape, o_off, o_shape)
+    for b_off, b_shape, pos in blocks:
+        g_off = tuple(s + b for s, b in zip(shard.offsets, b_off))
+        part = overlap(g_off, b_shape, o_off, o_shape)
         assert part is not None
-        r0 = part[0][0] - g_off[0]
-        r1 = r0 + part[1][0]
-        row = math.prod(t_shape[1:]) * isz
+        row = math.prod(b_shape[1:]) * isz
+        first = part[0][0] - g_off[0]
+        last = first + part[1][0]
         src = (slice(None),) + tuple(slice(p - g, p - g + n) for p, g, n in zip(part[0][1:], g_off[1:], part[1][1:]))
-        dst = tuple(slice(p - r, p - r + n) for p, r, n in zip(part[0], region.offsets, part[1]))
-        reqs += _through_scratch(name, shard, pos * isz + r0 * row, pos * isz + r1 * row, objects, bs,
-                                 _placer(region.dest, dst, item.dtype, (r1 - r0, *t_shape[1:]), src))
+        inner = tuple(slice(p - r, p - r + n) for p, r, n in zip(part[0][1:], region.offsets[1:], part[1][1:]))
+        rows_per = max(1, _SCRATCH_ROWS_BYTES // max(row, 1))
+        for r0 in range(first, last, rows_per):
+            r1 = min(last, r0 + rows_per)
+            d0 = g_off[0] + r0 - region.offsets[0]
+            dst = (slice(d0, d0 + r1 - r0), *inner)
+            reqs += _through_scratch(name, shard, pos * isz + r0 * row, pos * isz + r1 * row, objects, bs,
+                                     _placer(region.dest, dst, item.dtype, (r1 - r0, *b_shape[1:]), src))
     return reqs
 
 

@@ -206,7 +206,7 @@ def stage_leaf(
     tiles: list[tuple[int, ...] | None] = []
 
     def own(arr: np.ndarray, area: StagingArea | None) -> np.ndarray:
-        tiles.append(tile_for(arr.shape, arr.dtype.itemsize, tile_bytes) if arr.ndim > 1 else None)
+        tiles.append(tile_for(arr.shape, arr.dtype.itemsize, tile_bytes))
         return area.snapshot(arr) if area is not None else np.ascontiguousarray(arr)
 
     if isinstance(leaf, Sharded):
