@@ -38,6 +38,7 @@ from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 
 import ckptio
 from ckptio.tiers import Retention, TieredCheckpointManager, TierPolicy
+from ckptio.tiers.replicator import ReplicationError
 
 ROWS, COLS = 64, 96  # rows per host, per array
 
@@ -312,7 +313,10 @@ def main() -> int:
         assert lag is not None
         print(json.dumps({"rank": rank, "lags": lags, "owed": lag.owed, "error": error,
                           "tiers": mgr.tier_steps()}), flush=True)
-        mgr.close()
+        try:
+            mgr.close()
+        except ReplicationError:
+            pass  # a retry that ran (and failed) after the wait above: reported again, as it should be
     elif args.mode == "restore":
         counter = counted(args)
         mgr = manager(args, rank, durable_backend=counter)
