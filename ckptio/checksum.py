@@ -12,7 +12,7 @@ from ckptio.backends._copy import flat_bytes
 
 from .errors import IntegrityError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "block_crcs", "crc32c", "verify_blocks"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "block_crcs", "crc32c", "member_crcs", "verify_blocks"]
 
 #: 1 MiB: a partial read (a row block of column-saved shards, a slice) rounds out to at most a
 #: MiB on either side, at 4 bytes of checksum per MiB (11 bytes of manifest JSON).
@@ -28,6 +28,16 @@ def block_crcs(view: memoryview, block_size: int) -> list[int]:
     """crc32c of each consecutive ``block_size`` block of ``view`` (the last may be shorter)."""
     view = flat_bytes(view)
     return [_crc32c.crc32c(view[i : i + block_size]) for i in range(0, view.nbytes, block_size)]
+
+
+def member_crcs(view: memoryview, ends: list[int]) -> list[int]:
+    """crc32c of each member of a pack: the bytes up to ``ends[0]``, then up to ``ends[1]``, ..."""
+    view = flat_bytes(view)
+    out, start = [], 0
+    for end in ends:
+        out.append(_crc32c.crc32c(view[start:end]))
+        start = end
+    return out
 
 
 def verify_blocks(

@@ -25,7 +25,7 @@ from ckptio.backends._copy import flat_bytes
 from ckptio.backends._threads import background_pool
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
-from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, verify_blocks
+from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, member_crcs, verify_blocks
 from .errors import IntegrityError
 from .layout import ObjectPlan
 
@@ -340,7 +340,8 @@ def _prepare(plan: ObjectPlan, block_size: int) -> list[list[int]]:
     """Cut a plan's lazy extents (tiles) out of their staged shards, then checksum every extent."""
     if plan.lazy:
         plan.materialize()
-    return [block_crcs(e.data, block_size) for e in plan.extents]  # type: ignore[arg-type]
+    return [block_crcs(e.data, block_size) if e.cuts is None else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
+            for e in plan.extents]
 
 
 def _slice_buffers(buffers: Sequence[memoryview], start: int, end: int) -> list[memoryview]:

@@ -130,8 +130,7 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
     for rank, s in enumerate(summaries):
         if s["meta_digest"] != summaries[0]["meta_digest"]:
             theirs = s.get("meta")
-            diff = [m[0] for m, o in zip(meta, theirs)] if theirs is None else \
-                [m[0] for m, o in zip(meta, theirs) if m != o][:3]
+            diff = None if theirs is None else [m[0] for m, o in zip(meta, theirs) if m != o][:3]
             raise ManifestError(f"{where}: host {rank}'s arrays differ from host 0's (names, dtypes or shapes)"
                                 + (f": {diff}" if theirs is not None else ""))
     fragments = [s["fragment"] for s in summaries if s["fragment"] is not None]

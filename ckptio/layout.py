@@ -56,6 +56,9 @@ class Piece:
     shard_offset: int = 0
     fill: Fill | None = None
     length: int = -1
+    #: A pack of small arrays (staging.LeafPack): each member's end offset. Checksummed per
+    #: member, never split across objects.
+    cuts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -72,6 +75,7 @@ class PlannedExtent:
     data: memoryview | None  # None until a lazy extent is filled (ObjectPlan.materialize)
     length: int = -1
     fill: Fill | None = None
+    cuts: list[int] | None = None  # see Piece.cuts
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -218,8 +222,8 @@ def pack(
         if n == 0:
             continue
         if n > object_size:
-            if p.data is None:
-                raise ValueError(f"a lazy piece of {n} bytes exceeds the object size {object_size}")
+            if p.data is None or p.cuts is not None:
+                raise ValueError(f"a lazy or packed piece of {n} bytes exceeds the object size {object_size}")
             close()
             for start in range(0, n, step):
                 chunk = p.data[start : start + step]
@@ -229,7 +233,7 @@ def pack(
             close()
         if align > 1 and n >= align and size % align:
             size += align - size % align  # small pieces stay packed tight; big ones start aligned
-        current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill))
+        current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts))
         size += n
     close()
     return plans

@@ -380,6 +380,9 @@ def array_item(
 
     ``dtype``: already decoded (a format-2 root's item, completed from its fragments).
     """
+    simple = _whole_item(raw, n_objects, block_size, dtype)
+    if simple is not None:
+        return simple
     if dtype is None:
         try:
             dtype = decode_dtype(raw["dtype"], where)
@@ -428,6 +431,47 @@ def array_item(
     if not isinstance(scalar, bool) or origin not in ("numpy", "jax", "torch", "sharded"):
         raise ManifestError(f"{where}: bad 'scalar' or 'origin'")
     return ArrayItem(dtype, shape, shards, scalar, origin)
+
+
+_PLAIN_DTYPES: dict[str, np.dtype] = {}  # decoded dtype strings (a few kinds, 100k items)
+
+
+def _whole_item(raw: dict[str, Any], n_objects: int, block_size: int, dtype: np.dtype | None) -> ArrayItem | None:
+    """The commonest item checked in one pass: a whole array in one untiled shard of one extent
+    (every small leaf of a large state). Anything else, or anything wrong, returns None and takes
+    the field-by-field path, whose errors name the fault."""
+    try:
+        (s,) = raw["shards"]
+        ((obj, at, zero, length, crcs),) = s["extents"]
+        shape, offsets, spec = raw["shape"], s["offsets"], raw["dtype"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (type(shape) is list and len(shape) <= _MAX_NDIM and s["shape"] == shape and type(offsets) is list
+            and len(offsets) == len(shape) and type(s) is dict and s.get("tile") is None
+            and all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape) and not any(offsets)
+            and all(type(o) is int for o in offsets)):
+        return None
+    if dtype is None:
+        dtype = _PLAIN_DTYPES.get(spec) if type(spec) is str else None
+        if dtype is None:
+            try:
+                dtype = decode_dtype(spec, "")
+            except (ValueError, TypeError):
+                return None
+            if type(spec) is str:
+                _PLAIN_DTYPES[spec] = dtype
+    host, scalar, origin = s.get("host", 0), raw.get("scalar", False), raw.get("origin", "numpy")
+    if not (type(obj) is int and 0 <= obj < n_objects and type(at) is int and 0 <= at <= _MAX_DIM
+            and zero == 0 and type(zero) is int and type(length) is int
+            and length == math.prod(shape) * dtype.itemsize and length >= 1
+            and type(crcs) is list and len(crcs) == -(-length // block_size)
+            and all(type(c) is int and 0 <= c < _U32 for c in crcs)
+            and type(host) is int and 0 <= host <= _MAX_DIM and type(scalar) is bool
+            and origin in ("numpy", "jax", "torch", "sharded")):
+        return None
+    tup = tuple(shape)
+    return ArrayItem(dtype, tup, [ShardRecord(tuple(offsets), tup, host, [Extent(obj, at, 0, length, crcs)])],
+                     scalar, origin)
 
 
 def _extent(e: Any, here: str, n_objects: int, covered: int) -> Extent:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _gc
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
@@ -27,11 +28,11 @@ from .dtypes import encode_dtype
 from .checksum import crc32c
 from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
 from .manifest import TILED_VERSION, Manifest, item_to_json, seal
-from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
+from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tiling import tile_boxes
-from .tree import flatten, path_str
+from .tree import flatten_named
 
 __all__ = ["SaveHandle", "merge_records", "start_save"]
 
@@ -65,20 +66,30 @@ class SaveHandle:
         return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
 
 
-def _plan_staging(state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0) -> tuple[Any, dict[str, Any]]:
-    """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled."""
-    leaves, structure = flatten(state)
+def _plan_staging(
+    state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0, packer: LeafPacker | None = None,
+) -> tuple[Any, dict[str, Any], list[LeafPack]]:
+    """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled.
+
+    With a ``packer``, the small whole arrays this host writes go into its packs instead.
+    """
+    names, values, structure = flatten_named(state)
     staged: dict[str, Any] = {}
-    for path, leaf in leaves:
-        name = path_str(path)
-        staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area, tile_bytes=tile_bytes)
-    return structure, staged
+    for name, leaf in zip(names, values):
+        if packer is not None and packer.take(name, leaf):
+            staged[name] = PACKED  # holds its place: every host lists its items in tree order
+        else:
+            staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area, tile_bytes=tile_bytes)
+    return structure, staged, packer.finish() if packer is not None else []
 
 
-def _pieces(staged: dict[str, Any]) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
-    """Every shard as byte pieces (one per tile of a tiled shard), and each shard's array (to
-    fill before its objects are written)."""
+def _pieces(staged: dict[str, Any], packs: list[LeafPack] = ()) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:  # type: ignore[assignment]
+    """Every shard as byte pieces (one per tile of a tiled shard; one per pack, numbered -1, -2, ...),
+    and each shard's or pack's buffer (to fill before its objects are written)."""
     out, arrays = [], {}
+    for k, pack in enumerate(packs):
+        out.append(Piece("", -1 - k, memoryview(pack.buffer), cuts=pack.ends))
+        arrays[("", -1 - k)] = pack.buffer
     for name, item in staged.items():
         if isinstance(item, StagedArray):
             for i, (_offs, shape, data) in enumerate(item.shards):
@@ -103,17 +114,46 @@ def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...])
     return fill
 
 
+def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> None:
+    """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member)."""
+    start = 0
+    for name, arr, origin, end, crc in zip(pack.names, pack.arrays, pack.origins, pack.ends, crcs):
+        shape = list(arr.shape)
+        dtype = _DTYPE_CODES.get(arr.dtype)
+        if dtype is None:
+            dtype = _DTYPE_CODES[arr.dtype] = encode_dtype(arr.dtype)
+        items[name] = {
+            "kind": "array", "dtype": dtype, "shape": shape, "scalar": False, "origin": origin,
+            "shards": [{"offsets": [0] * len(shape), "shape": shape, "host": rank,
+                        "extents": [[n, at + start, 0, end - start, [crc]]]}],
+        }
+        start = end
+
+
+_DTYPE_CODES: dict[np.dtype, Any] = {}
+
+#: A staged item's place when the item itself is in a LeafPack.
+PACKED: Any = object()
+
+
 def _host_record(
-    staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool
+    staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool,
+    packs: list[LeafPack] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """This host's part of the manifest, with object numbers local to the host."""
     extents: dict[tuple[str, int], list[list[Any]]] = {}
+    packed: dict[str, Any] = {}
     for n, (plan, w) in enumerate(zip(plans, written)):
         for e, crcs in zip(plan.extents, w.crcs):
-            extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
+            if e.cuts is None:
+                extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
+            else:
+                _pack_items(packed, packs[-1 - e.shard], n, e.offset, crcs, rank)
     items: dict[str, Any] = {}
     for name, item in staged.items():
-        if isinstance(item, StagedArray):
+        if item is PACKED:
+            items[name] = packed[name]
+        elif isinstance(item, StagedArray):
             items[name] = {
                 "kind": "array",
                 "dtype": encode_dtype(item.dtype),
@@ -232,6 +272,17 @@ def start_save(
     store: CheckpointStore,
     step: int | None,
     state: Any,
+    **kwargs: Any,
+) -> SaveHandle:
+    """Stage ``state`` now and write + commit it in the background (see :func:`_start_save`)."""
+    with _gc.paused():  # the caller waits for staging anyway: no collections mid-burst
+        return _start_save(store, step, state, **kwargs)
+
+
+def _start_save(
+    store: CheckpointStore,
+    step: int | None,
+    state: Any,
     *,
     metadata: dict[str, Any] | None = None,
     coordinator: Coordinator | None = None,
@@ -251,7 +302,11 @@ def start_save(
         tile_bytes = store.engine.config.tile_bytes
         if tile_bytes is None:
             tile_bytes = store.backend.capabilities.tile_bytes
-        structure, staged = _plan_staging(state, coord.rank, area, min(tile_bytes, store.backend.capabilities.object_size))
+        caps = store.backend.capabilities
+        packer = None
+        if area is not None and coord.rank == 0:  # only host 0 writes plain (replicated) arrays
+            packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size), caps.object_size)
+        structure, staged, packs = _plan_staging(state, coord.rank, area, min(tile_bytes, caps.object_size), packer)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
@@ -261,7 +316,7 @@ def start_save(
             area.release()
         _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
-    pieces, arrays = _pieces(staged)
+    pieces, arrays = _pieces(staged, packs)
     save_id = new_id()
     plans = pack(
         pieces,
@@ -286,7 +341,8 @@ def start_save(
         try:
             written = run_sync(store.engine.write_objects(plans, progress, ready))
             run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
-            record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
+            with _gc.paused():
+                record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs)
             if split:
                 record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))
             handle.state = SaveState.WRITTEN
@@ -312,15 +368,16 @@ def start_save(
                     verdict = {"ok": False, "error": "; ".join(errors)}
                 else:
                     try:
-                        if split:
-                            data = seal(build_root(records, head, where))
-                            manifest = Manifest.from_json(data, where)
-                            run_sync(store.commit(step_dir, manifest, data))
-                        else:
-                            # The document validated is the one written: no second encoding pass.
-                            doc = _merged_doc(records, head, where)
-                            manifest = _validated(doc, where)
-                            run_sync(store.commit(step_dir, manifest, seal(doc)))
+                        with _gc.paused():
+                            if split:
+                                data = seal(build_root(records, head, where))
+                                manifest = Manifest.from_json(data, where)
+                            else:
+                                # The document validated is the one written: no second encoding pass.
+                                doc = _merged_doc(records, head, where)
+                                manifest = _validated(doc, where)
+                                data = seal(doc)
+                        run_sync(store.commit(step_dir, manifest, data))
                         verdict = {"ok": True}
                     except BaseException as e:
                         verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}

@@ -25,7 +25,7 @@ from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
 from .tiling import tile_for
 
-__all__ = ["Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -161,7 +161,7 @@ class StagingArea:
     def __init__(self, pool: StagingPool | None) -> None:
         self.pool = pool
         self.owned: list[np.ndarray] = []
-        self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._pending: dict[int, tuple[np.ndarray, np.ndarray | list[np.ndarray]]] = {}
 
     def snapshot(self, arr: np.ndarray) -> np.ndarray:
         """A buffer of ``arr``'s shape and dtype that :meth:`fill` will copy ``arr`` into."""
@@ -171,11 +171,23 @@ class StagingArea:
         self._pending[id(out)] = (out, arr)
         return out
 
+    def pack(self, arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
+        """A uint8 buffer that :meth:`fill` will copy ``arrays`` into, back to back."""
+        buf = self.pool.take(nbytes) if self.pool is not None else aligned_empty(nbytes)
+        self.owned.append(buf)
+        self._pending[id(buf)] = (buf, arrays)
+        return buf
+
     def fill(self, out: np.ndarray) -> None:
         """Run the copy into ``out`` if it has not run yet."""
         job = self._pending.pop(id(out), None)
-        if job is not None:
-            np.copyto(job[0], job[1], casting="no")
+        if job is None:
+            return
+        dest, src = job
+        if isinstance(src, list):  # a pack: one call for all its members
+            np.concatenate([a.reshape(-1).view(np.uint8) for a in src], out=dest)
+        else:
+            np.copyto(dest, src, casting="no")
 
     def fill_all(self) -> None:
         for out, _src in list(self._pending.values()):
@@ -186,6 +198,88 @@ class StagingArea:
         if self.pool is not None:
             self.pool.give_back(self.owned)
         self.owned = []
+
+
+#: Arrays up to this size (and at most one checksum block) are staged packed (:class:`LeafPack`).
+PACK_MAX_BYTES = 256 << 10
+
+
+@dataclasses.dataclass
+class LeafPack:
+    """Small whole arrays staged back to back in one buffer, written as one extent.
+
+    A state's per-layer norms, biases and counters are 10k-100k arrays: staging,
+    describing and checksumming them one by one costs tens of microseconds each in
+    Python. A pack copies them with one call, becomes one piece of an object, and is
+    checksummed per member in one pass; each member is still its own item in the
+    manifest (its own extent and checksum), so restores read them like any array.
+    """
+
+    names: list[str]
+    arrays: list[np.ndarray]  # the leaves (until filled), C-contiguous
+    origins: list[str]
+    ends: list[int]  # each member's end offset in ``buffer``
+    buffer: np.ndarray  # uint8, filled by the StagingArea
+
+    @property
+    def nbytes(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+
+_PLAIN_TENSORS = ("Tensor", "Parameter")  # not DTensor, not tensor subclasses with their own storage
+
+
+class LeafPacker:
+    """Collects the small leaves of a state into :class:`LeafPack` s of at most ``max_pack`` bytes."""
+
+    def __init__(self, area: StagingArea, max_leaf: int, max_pack: int) -> None:
+        self.area = area
+        self.max_leaf = max_leaf
+        self.max_pack = max(max_pack, max_leaf)
+        self.packs: list[LeafPack] = []
+        self._names: list[str] = []
+        self._arrays: list[np.ndarray] = []
+        self._origins: list[str] = []
+        self._ends: list[int] = []
+        self._size = 0
+        self._dtypes: set[np.dtype] = set()  # checked once per dtype, not per leaf
+
+    def take(self, name: str, leaf: Any) -> bool:
+        """Pack ``leaf`` if it is a small whole array this host writes; False: stage it alone."""
+        if type(leaf) is np.ndarray:
+            arr, origin = leaf, "numpy"
+        elif (_is_torch_tensor(leaf) and leaf.device.type == "cpu" and type(leaf).__name__ in _PLAIN_TENSORS
+              and leaf.is_contiguous()):
+            arr, origin = torch_to_numpy(leaf.detach()), "torch"
+        else:
+            return False
+        n = arr.nbytes
+        if not 0 < n <= self.max_leaf or not arr.flags.c_contiguous:
+            return False
+        if arr.dtype not in self._dtypes:
+            try:
+                check_dtype(arr.dtype, name)
+            except TypeError:
+                return False  # stage_leaf raises the error that names it
+            self._dtypes.add(arr.dtype)
+        if self._size + n > self.max_pack:
+            self._close()
+        self._names.append(name)
+        self._arrays.append(arr)
+        self._origins.append(origin)
+        self._size += n
+        self._ends.append(self._size)
+        return True
+
+    def _close(self) -> None:
+        if self._names:
+            buf = self.area.pack(self._arrays, self._size)
+            self.packs.append(LeafPack(self._names, self._arrays, self._origins, self._ends, buf))
+        self._names, self._arrays, self._origins, self._ends, self._size = [], [], [], [], 0
+
+    def finish(self) -> list[LeafPack]:
+        self._close()
+        return self.packs
 
 
 def stage_leaf(

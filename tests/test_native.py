@@ -133,10 +133,11 @@ def test_flipped_byte_is_detected_naming_object_and_item(tmp_path):
     state = {"params": {"w": np.random.default_rng(1).random((256, 256))}, "b": np.ones(10)}
     ckptio.save(tmp_path, state, step=1).result()
     [obj] = _object_files(tmp_path)
+    at = os.path.getsize(obj) // 2  # inside w's bytes (512 KiB of the object's ~516)
     with open(obj, "r+b") as f:
-        f.seek(1000)
+        f.seek(at)
         byte = f.read(1)
-        f.seek(1000)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(ckptio.IntegrityError) as e:
         ckptio.restore(tmp_path)
