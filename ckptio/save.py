@@ -27,7 +27,7 @@ from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .checksum import crc32c
 from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
-from .manifest import TILED_VERSION, Manifest, item_to_json, seal
+from .manifest import ROWS_VERSION, TILED_VERSION, Manifest, item_row, item_to_json, row_object, seal
 from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
@@ -115,19 +115,24 @@ def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...])
 
 
 def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> None:
-    """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member)."""
+    """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member), as
+    compact rows (``manifest.item_row``)."""
     start = 0
     for name, arr, origin, end, crc in zip(pack.names, pack.arrays, pack.origins, pack.ends, crcs):
-        shape = list(arr.shape)
         dtype = _DTYPE_CODES.get(arr.dtype)
         if dtype is None:
             dtype = _DTYPE_CODES[arr.dtype] = encode_dtype(arr.dtype)
-        items[name] = {
-            "kind": "array", "dtype": dtype, "shape": shape, "scalar": False, "origin": origin,
-            "shards": [{"offsets": [0] * len(shape), "shape": shape, "host": rank,
-                        "extents": [[n, at + start, 0, end - start, [crc]]]}],
-        }
+        if origin == "numpy" and rank == 0:
+            items[name] = [dtype, list(arr.shape), n, at + start, [crc]]
+        else:
+            items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
         start = end
+
+
+def _expanded(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its compact rows as full item objects (what fragments are built from)."""
+    items = {name: row_object(it) if type(it) is list else it for name, it in record["items"].items()}
+    return {**record, "items": items}
 
 
 _DTYPE_CODES: dict[np.dtype, Any] = {}
@@ -207,17 +212,24 @@ def _validated(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> dict[str, Any]:
-    """Every host's record in one manifest document (format 1, or 3 with tiled shards)."""
+    """Every host's record in one manifest document (format 1; 3 with tiled shards; 4 with compact rows)."""
     objects: list[str] = []
     items: dict[str, Any] = {}
     # Boxes already in each array item, kept across hosts: rebuilding them per host made
     # merging quadratic in the host count (1024 hosts x 8 shards per array).
     boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    rows = False
     for host, rec in enumerate(records):
         base = len(objects)
         objects.extend(rec["objects"])
         for name, it in rec["items"].items():
-            if it["kind"] == "array":
+            if type(it) is list:  # a compact row: a whole array in one extent
+                it[2] += base
+                rows = True
+                if items.setdefault(name, it) is it:
+                    continue
+                it = row_object(it)  # the same item from two hosts: compared in full below
+            elif it["kind"] == "array":
                 for s in it["shards"]:
                     for e in s["extents"]:
                         e[0] += base
@@ -227,6 +239,13 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
                 if it["kind"] == "array":
                     boxes[name] = {(tuple(s["offsets"]), tuple(s["shape"])) for s in it["shards"]}
                 continue
+            if type(mine) is list and it["kind"] == "array" and not it["shards"]:
+                if (it["dtype"], it["shape"]) != (mine[0], mine[1]):  # another host's view of a host-0 array
+                    raise SaveFailedError(f"{where}: item {name!r} differs between hosts (dtype, shape or kind)")
+                continue
+            if type(mine) is list:
+                mine = items[name] = row_object(mine)
+                boxes[name] = {(tuple(s["offsets"]), tuple(s["shape"])) for s in mine["shards"]}
             if it["kind"] != mine["kind"] or (it["kind"] == "array" and (it["dtype"], it["shape"]) != (mine["dtype"], mine["shape"])):
                 raise SaveFailedError(f"{where}: item {name!r} differs between hosts (dtype, shape or kind)")
             if it["kind"] == "array":
@@ -236,14 +255,19 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
                     if box not in seen:
                         seen.add(box)
                         mine["shards"].append(s)
+    tiled = False
     for name, it in items.items():
+        if type(it) is list:
+            rows = True
+            continue
         if it["kind"] == "array" and not it["shards"] and math.prod(it["shape"]):
             raise SaveFailedError(
                 f"{where}: item {name!r} has no shard on any host. Plain arrays count as replicated and are "
                 "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
             )
-    tiled = any("tile" in sh for it in items.values() if it["kind"] == "array" for sh in it["shards"])
-    return {**head, "version": TILED_VERSION if tiled else head.get("version", 1), "objects": objects, "items": items}
+        tiled = tiled or (it["kind"] == "array" and any("tile" in sh for sh in it["shards"]))
+    version = ROWS_VERSION if rows else TILED_VERSION if tiled else head.get("version", 1)
+    return {**head, "version": version, "objects": objects, "items": items}
 
 
 def _join_as_failed(coord: Coordinator, error: str, where: str) -> None:
@@ -305,7 +329,8 @@ def _start_save(
         caps = store.backend.capabilities
         packer = None
         if area is not None and coord.rank == 0:  # only host 0 writes plain (replicated) arrays
-            packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size), caps.object_size)
+            packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
+                                caps.object_size)
         structure, staged, packs = _plan_staging(state, coord.rank, area, min(tile_bytes, caps.object_size), packer)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
@@ -344,6 +369,7 @@ def _start_save(
             with _gc.paused():
                 record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs)
             if split:
+                record = _expanded(record)  # fragments hold full items
                 record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))
             handle.state = SaveState.WRITTEN
             log.info("%s: host %d written (%d objects)", where, coord.rank, len(plans))

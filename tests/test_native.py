@@ -218,11 +218,35 @@ def _edit_manifest(tmp_path, fn):
     ],
 )
 def test_malformed_manifest_is_refused_naming_it(tmp_path, edit, match):
-    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    ckptio.save(tmp_path, {"a": np.arange(40_000.0)}, step=1).result()  # too big for a pack: a full item
     _edit_manifest(tmp_path, edit)
     with pytest.raises(ckptio.ManifestError, match=match) as e:
         ckptio.restore(tmp_path, step=1)
     assert MANIFEST_NAME in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda r: r.__setitem__(0, "|O8"), "allow-list"),
+        (lambda r: r.__setitem__(1, [10**9]), "checksums"),  # 8 GB in one checksum block
+        (lambda r: r.__setitem__(1, ["10"]), "shape"),
+        (lambda r: r.__setitem__(2, 7), "extent object"),
+        (lambda r: r.__setitem__(3, -1), "extent offset"),
+        (lambda r: r.__setitem__(4, []), "checksums"),
+        (lambda r: r.__setitem__(4, [2**40]), "checksums"),
+        (lambda r: r.append({"origin": "pickle"}), "origin"),
+        (lambda r: r.append({"colour": 1}), "malformed item row"),
+        (lambda r: r.pop(), "malformed item row"),
+    ],
+)
+def test_malformed_item_row_is_refused_naming_it(tmp_path, edit, match):
+    """A small whole array is a compact row in the manifest; every field of it is checked."""
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    _edit_manifest(tmp_path, lambda d: edit(d["items"]["a"]))
+    with pytest.raises(ckptio.ManifestError, match=match) as e:
+        ckptio.restore(tmp_path, step=1)
+    assert MANIFEST_NAME in str(e.value) and "'a'" in str(e.value)
 
 
 def test_garbage_manifest(tmp_path):
@@ -239,7 +263,7 @@ def test_flipped_byte_in_manifest_is_detected(tmp_path):
     ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
     path = tmp_path / "1" / MANIFEST_NAME
     data = bytearray(path.read_bytes())
-    i = data.index(b'"shape":[10]') + len('"shape":[')
+    i = data.index(b'"a":["<f8",[10]') + len('"a":["<f8",[')  # a compact row (manifest.item_row)
     data[i] = ord("2")  # still valid JSON, wrong shape
     path.write_bytes(bytes(data))
     with pytest.raises(ckptio.IntegrityError, match="manifest"):
