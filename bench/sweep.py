@@ -45,6 +45,9 @@ def _per_tensor(entries: list[dict[str, Any]]) -> None:
     for es in by_case.values():
         base = min(es, key=lambda e: e["count"])
         for e in es:
+            for fig in ("save_s", "restore_s", "stall_s"):  # × the smallest count's time (the ≤ 3× goal)
+                have, ref = e["summary"].get(fig), base["summary"].get(fig)
+                e[f"{fig[:-2]}_ratio"] = have["median"] / ref["median"] if have and ref and ref["median"] else None
             for fig in ("save_s", "restore_s"):
                 key = f"per_tensor_{fig[:-2]}_us"
                 if e is base or fig not in e["summary"] or fig not in base["summary"]:
@@ -80,6 +83,10 @@ def run_sweep(cases: Sequence[type[Case]], spec: StateSpec, counts: Sequence[int
             "processes_note": note}
 
 
+def _times(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}×"
+
+
 def render_sweep(sweep: dict[str, Any], out: TextIO | None = None) -> None:
     def err(e: dict[str, Any]) -> str:
         return f"ERROR: {e.get('error') or '?'}"[:120]
@@ -87,16 +94,18 @@ def render_sweep(sweep: dict[str, Any], out: TextIO | None = None) -> None:
     rows = []
     for e in sweep["tensors"]:
         if e["status"] != "ok":
-            rows.append([e["case"], str(e["count"]), format_bytes(e["tensor_bytes"]), err(e), "", "", "", ""])
+            rows.append([e["case"], str(e["count"]), format_bytes(e["tensor_bytes"]), err(e), "", "", "", "", "", "", ""])
             continue
         s = e["summary"]
         rows.append([e["case"], str(e["count"]), format_bytes(e["tensor_bytes"]),
                      fmt_cell(s.get("save_gibps")), fmt_cell(s.get("restore_gibps")), fmt_cell(s.get("stall_s")),
+                     *(_times(e.get(f"{fig}_ratio")) for fig in ("save", "restore", "stall")),
                      fmt_num(e.get("per_tensor_save_us")), fmt_num(e.get("per_tensor_restore_us"))])
     print_table("sweep: same bytes, more tensors",
-                ["case", "tensors", "each", "save GiB/s", "restore GiB/s", "stall s",
-                 "save µs/tensor", "restore µs/tensor"], rows,
-                ["µs/tensor: (time at N − time at the smallest N) / extra tensors: the fixed cost per tensor;",
+                ["case", "tensors", "each", "save GiB/s", "restore GiB/s", "stall s", "save ×", "restore ×",
+                 "stall ×", "save µs/tensor", "restore µs/tensor"], rows,
+                ["×: median time at N ÷ median time at the case's smallest N (the same bytes in fewest tensors)",
+                 "µs/tensor: (time at N − time at the smallest N) / extra tensors: the fixed cost per tensor;",
                  "a negative one is run-to-run noise (the smallest N's round was slower): use more --sweep-rounds."],
                 out)
     rows = []

@@ -84,13 +84,15 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
     Bytes land in buffers of the saved dtype; a target of another dtype gets a checked cast
     of them (see :func:`_check`).
     """
-    if target is None or (isinstance(target, np.ndarray) and not (target.flags.c_contiguous and target.flags.writeable)):
+    if (target is None or isinstance(target, np.generic)
+            or (isinstance(target, np.ndarray) and not (target.flags.c_contiguous and target.flags.writeable))):
         want = item.dtype if target is None else _check(name, item, target.shape, target.dtype)
         dest = np.empty(item.shape, item.dtype)
+        as_scalar = item.scalar or isinstance(target, np.generic)  # a numpy scalar target: one back
 
         def whole() -> Any:
             out = _cast(name, dest, want)
-            return out[()] if item.scalar else out
+            return out[()] if as_scalar else out
 
         return [Region((0,) * len(item.shape), dest)], whole
     if isinstance(target, np.ndarray):
@@ -310,9 +312,10 @@ def _bulk(
         for buf, base, members in spans:
             for name, item, e in members:
                 at = e.offset - base
-                raw = buf[at : at + e.length]
-                arr = raw.view(item.dtype) if at % item.dtype.alignment == 0 else raw.copy().view(item.dtype)
-                arr = arr.reshape(item.shape)
+                if at % item.dtype.alignment == 0:
+                    arr = np.ndarray(item.shape, item.dtype, buf, at)
+                else:  # a view would be unaligned
+                    arr = buf[at : at + e.length].copy().view(item.dtype).reshape(item.shape)
                 out[name] = arr[()] if item.scalar else arr
         return out
 

@@ -223,16 +223,25 @@ def unflatten(structure: Any, leaf_for: Callable[[str], Any]) -> Any:
         return leaf_for(body)
     rebuild = getattr(structure, "rebuild", None)
     if kind == "dict" and isinstance(body, dict):
-        out = {k: unflatten(v, leaf_for) for k, v in body.items()}
+        out = {k: _child(v, leaf_for) for k, v in body.items()}
         return out if rebuild is None else rebuild(list(out.values()))
     if kind in ("list", "tuple") and isinstance(body, list):
-        seq = [unflatten(v, leaf_for) for v in body]
+        seq = [_child(v, leaf_for) for v in body]
         if rebuild is not None:
             return rebuild(seq)
         return seq if kind == "list" else tuple(seq)
     if kind.startswith(_KEY_KIND) and isinstance(body, list) and len(body) == 1:
         return wrap_prng_key(unflatten(body[0], leaf_for), kind[len(_KEY_KIND):])
     raise ValueError(f"malformed tree node of kind {kind!r}")
+
+
+def _child(node: Any, leaf_for: Callable[[str], Any]) -> Any:
+    # A leaf answered here, without a call of unflatten per leaf (100k-leaf states).
+    if type(node) is dict and len(node) == 1:
+        name = node.get("leaf")
+        if type(name) is str:
+            return leaf_for(name)
+    return unflatten(node, leaf_for)
 
 
 def tree_leaf_paths(structure: Any) -> Iterator[str]:
