@@ -243,6 +243,9 @@ class LeafPacker:
         self._ends: list[int] = []
         self._size = 0
         self._dtypes: set[np.dtype] = set()  # checked once per dtype, not per leaf
+        jax = sys.modules.get("jax")
+        # A fully replicated jax array is whole on this host only in a single-process job.
+        self._jax_ok = jax is not None and jax.process_count() == 1
 
     def take(self, name: str, leaf: Any) -> bool:
         """Pack ``leaf`` if it is a small whole array this host writes; False: stage it alone."""
@@ -251,6 +254,9 @@ class LeafPacker:
         elif (_is_torch_tensor(leaf) and leaf.device.type == "cpu" and type(leaf).__name__ in _PLAIN_TENSORS
               and leaf.is_contiguous()):
             arr, origin = torch_to_numpy(leaf.detach()), "torch"
+        elif (self._jax_ok and _is_jax_array(leaf) and leaf.is_fully_replicated
+              and 0 < math.prod(leaf.shape) * leaf.dtype.itemsize <= self.max_leaf):
+            arr, origin = np.asarray(leaf), "jax"  # a host view on CPU; copied into the pack below
         else:
             return False
         n = arr.nbytes

@@ -79,8 +79,8 @@ def is_prng_key(x: Any) -> bool:
     """True for a typed PRNG key array (``jax.random.key``), or an abstract one (ShapeDtypeStruct)."""
     jax = _jax()
     dtype = getattr(x, "dtype", None)
-    if jax is None or dtype is None or isinstance(x, np.ndarray):
-        return False
+    if jax is None or dtype is None or isinstance(x, np.ndarray) or isinstance(dtype, np.dtype):
+        return False  # a key's dtype is jax's own (extended) type, never a numpy dtype
     try:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
     except TypeError:
@@ -174,6 +174,10 @@ def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[Pat
         part = (_escape(k) if "%" in k or "/" in k else k) if isinstance(k, str) else str(k)
         return f"{name}/{part}" if path else part  # path_str of (*path, k), from its parent's
 
+    jax = _jax()
+    # jax arrays are leaves too (a typed PRNG key aside): answered before asking jax about nodes.
+    plain = _PLAIN_LEAVES if jax is None else (*_PLAIN_LEAVES, jax.Array)
+
     def walk(node: Any, path: Path, name: str) -> Any:
         if len(path) > _MAX_DEPTH:
             raise ValueError(f"state is nested deeper than {_MAX_DEPTH} levels at {name!r}")
@@ -188,11 +192,12 @@ def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[Pat
             return {"dict": {k: walk(v, (*path, k), child(name, path, k)) for k, v in node.items()}}
         if type(node) in (list, tuple):
             return {type(node).__name__: [walk(v, (*path, i), child(name, path, i)) for i, v in enumerate(node)]}
-        if isinstance(node, _PLAIN_LEAVES):
+        key = is_prng_key(node)  # cheap for arrays of numpy dtypes
+        if isinstance(node, plain) and not key:
             return leaf(path, name, node)
-        if is_prng_key(node):
+        if key:
             impl = prng_impl_name(node)
-            return {_KEY_KIND + impl: [leaf(path, name, _jax().random.key_data(node))]}
+            return {_KEY_KIND + impl: [leaf(path, name, jax.random.key_data(node))]}
         found = _node_children(node, path)
         if found is None:
             return leaf(path, name, node)

@@ -160,3 +160,34 @@ def test_gc_stays_enabled_after_saves_and_restores_and_a_callers_disable_is_kept
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_many_small_jax_leaves_pack_and_come_back_on_their_shardings(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(3)
+    dtypes = [np.float32, ml_dtypes.bfloat16, np.int32, np.bool_, np.uint8]
+    state = {
+        f"l{i}": jax.device_put(rng.integers(0, 2, size=1 + i % 9).astype(dtypes[i % len(dtypes)]),
+                                replicated if i % 2 else devices[0])
+        for i in range(2000)
+    }
+    state["key"] = jax.random.key(7)
+    state["sharded"] = jax.device_put(np.arange(8 * 64, dtype=np.float32).reshape(8 * len(devices), -1)[: 8 * len(devices)],
+                                      NamedSharding(mesh, PartitionSpec("x")))
+    ckptio.save(tmp_path, state, step=1).result()
+    doc = _manifest_doc(tmp_path, 1)
+    assert doc["items"]["l5"][5] == {"origin": "jax"}
+    target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    out = ckptio.restore(tmp_path, target=target)
+    for name, want in state.items():
+        got = out[name]
+        assert isinstance(got, jax.Array) and got.sharding == want.sharding, name
+        if name == "key":
+            assert np.array_equal(jax.random.key_data(got), jax.random.key_data(want))
+        else:
+            assert got.dtype == want.dtype and np.asarray(got).tobytes() == np.asarray(want).tobytes(), name
