@@ -247,6 +247,7 @@ def restore_checkpoint(
     finishers: dict[str, Finish] = {}
     small: list[tuple[str, ArrayItem, Extent]] = []
     placed: dict[str, Any] = {}  # small arrays read in bulk for a jax target: its sharding
+    into: dict[str, tuple[np.ndarray, Any]] = {}  # ... for a numpy or torch target: its bytes, itself
     bulk_max = min(_BULK_ITEM_BYTES, manifest.block_size)
     jax = sys.modules.get("jax")
     canonical: dict[np.dtype, bool] = {}  # per restore: jax's x64 setting may change between them
@@ -255,13 +256,18 @@ def restore_checkpoint(
         if isinstance(item, ValueItem):
             finishers[name] = lambda v=item.value: v
             continue
-        if manifest.complete and len(item.shards) == 1 and (tgt is None or _replicated_jax(jax, tgt, item, canonical)):
+        if manifest.complete and len(item.shards) == 1:
             shard = item.shards[0]
             if shard.tile is None and len(shard.extents) == 1 and 0 < shard.extents[0].length <= bulk_max:
-                small.append((name, item, shard.extents[0]))  # a whole small array: read in bulk
-                if tgt is not None:
-                    placed[name] = tgt.sharding
-                continue
+                # A whole small array: read in bulk, then placed on jax devices or copied into the target.
+                view = None if tgt is None else _inplace_view(tgt, item)
+                if tgt is None or view is not None or _replicated_jax(jax, tgt, item, canonical):
+                    small.append((name, item, shard.extents[0]))
+                    if view is not None:
+                        into[name] = (view, tgt)
+                    elif tgt is not None:
+                        placed[name] = tgt.sharding
+                    continue
         regions, finishers[name] = _regions(name, item, tgt)
         for r in regions:
             whole = manifest.complete and r.dest.shape == item.shape  # a validated tiling covers it all
@@ -273,10 +279,27 @@ def restore_checkpoint(
     run_sync(store.engine.read(requests + bulk_requests, progress))
     results = {name: finish() for name, finish in finishers.items()}
     results.update(bulk_finish())
+    for name, (view, tgt) in into.items():
+        np.copyto(view, results[name])
+        results[name] = tgt
     if placed:  # one batched transfer for all of them (per-array device_put costs ~60 us each)
         names = list(placed)
         results.update(zip(names, jax.device_put([results[n] for n in names], [placed[n] for n in names])))
     return unflatten(structure, results.__getitem__)
+
+
+def _inplace_view(target: Any, item: ArrayItem) -> np.ndarray | None:
+    """The bytes of a numpy or CPU torch ``target`` that ``item`` fills as it was saved (same dtype
+    and shape, contiguous, writeable), or None."""
+    if isinstance(target, np.ndarray):
+        ok = target.flags.c_contiguous and target.flags.writeable
+        return target if ok and target.dtype == item.dtype and target.shape == item.shape else None
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(target, torch.Tensor) or type(target).__name__ not in ("Tensor", "Parameter")
+            or target.device.type != "cpu" or not target.is_contiguous()):
+        return None
+    view = torch_to_numpy(target.detach())
+    return view if view.dtype == item.dtype and view.shape == item.shape else None
 
 
 def _replicated_jax(jax: Any, target: Any, item: ArrayItem, canonical_dtypes: dict[np.dtype, bool]) -> bool:
