@@ -201,10 +201,13 @@ class LocalBackend(Backend):
                 self._makedirs(directory)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 break
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError) as e:
                 # A concurrent delete emptied and removed a directory on our path between
-                # makedirs and open (or inside makedirs); it may do so more than once.
-                if attempt == _MKDIR_ATTEMPTS - 1:
+                # makedirs and open, or inside makedirs (whose mkdir then saw it exist, and its
+                # isdir check no longer did); it may do so more than once. A file in the way
+                # stays an error.
+                if attempt == _MKDIR_ATTEMPTS - 1 or (isinstance(e, FileExistsError) and os.path.lexists(directory)
+                                                      and not os.path.isdir(directory)):
                     raise
         try:
             if self._use_direct(sum(b.nbytes for b in buffers)):
