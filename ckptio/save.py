@@ -320,7 +320,9 @@ def _start_save(
     step_dir = step_dir_of(step)
     where = store.where(step_dir)
     t0 = time.perf_counter()
-    area = StagingArea(pool) if copy else None
+    # The save's buffers: snapshots of mutable leaves (with ``copy``) and packs of small ones (always:
+    # a pack is one copy of bytes that are tiny next to the per-leaf work it saves).
+    area = StagingArea(pool)
     try:
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
         tile_bytes = store.engine.config.tile_bytes
@@ -328,17 +330,17 @@ def _start_save(
             tile_bytes = store.backend.capabilities.tile_bytes
         caps = store.backend.capabilities
         packer = None
-        if area is not None and coord.rank == 0:  # only host 0 writes plain (replicated) arrays
+        if coord.rank == 0:  # only host 0 writes plain (replicated) arrays
             packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
                                 caps.object_size)
-        structure, staged, packs = _plan_staging(state, coord.rank, area, min(tile_bytes, caps.object_size), packer)
+        structure, staged, packs = _plan_staging(state, coord.rank, area if copy else None,
+                                                 min(tile_bytes, caps.object_size), packer)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
             raise FileExistsError(f"checkpoint {where} is already committed")
     except BaseException as e:
-        if area is not None:
-            area.release()
+        area.release()
         _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
     pieces, arrays = _pieces(staged, packs)
@@ -380,8 +382,7 @@ def _start_save(
         else:
             failure = None
         finally:
-            if area is not None:
-                area.release()
+            area.release()
         try:
             # O(H) traffic: records go to rank 0 only; every host receives just the small verdict.
             records = gather_to_root(coord, record)
@@ -436,20 +437,17 @@ def _start_save(
     try:
         lease.start()
     except BaseException as e:
-        if area is not None:
-            area.release()
+        area.release()
         _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
     threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
     try:
         for plan, fut in zip(plans, ready):
-            if area is not None:
-                for e in plan.extents:
-                    area.fill(arrays[(e.item, e.shard)])
+            for e in plan.extents:
+                area.fill(arrays[(e.item, e.shard)])
             if not fut.done():  # a failed write cancels the objects still waiting for their bytes
                 fut.set_result(None)
-        if area is not None:
-            area.fill_all()  # zero-byte pieces belong to no object
+        area.fill_all()  # zero-byte pieces belong to no object
     except BaseException as e:
         for fut in ready:
             if not fut.done():
