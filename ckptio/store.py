@@ -684,13 +684,17 @@ def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
     """The least size of each object of ``manifest``: the end of its last extent (0 if it holds none)."""
     from .manifest import ArrayItem
 
-    need = dict.fromkeys(manifest.objects, 0)
+    ends = [0] * len(manifest.objects)  # by object number: one list index per extent (100k-leaf states)
     for item in manifest.items.values():
         if isinstance(item, ArrayItem):
             for shard in item.shards:
                 for e in shard.extents:
-                    key = manifest.objects[e.object]
-                    need[key] = max(need[key], e.offset + e.length)
+                    end = e.offset + e.length
+                    if end > ends[e.object]:
+                        ends[e.object] = end
+    need = dict.fromkeys(manifest.objects, 0)
+    for key, end in zip(manifest.objects, ends):
+        need[key] = max(need[key], end)  # a key listed twice keeps its larger need
     return need
 
 
