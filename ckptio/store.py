@@ -413,6 +413,21 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
             raise FileExistsError(f"checkpoint {where} is already committed") from None
+        await self._remember(step_dir, key, manifest, len(data))
+
+    async def _remember(self, step_dir: str, key: str, manifest: Manifest, size: int) -> None:
+        """Cache the manifest just committed, as :meth:`_read_root` would after reading it back: the
+        retention that follows a save must not parse a 100k-item manifest this process just built."""
+        if not step_dir:
+            return  # a root checkpoint may be replaced in place: never cached
+        try:
+            info = await self.backend.stat(key)
+        except Exception:  # noqa: BLE001 -- committed already: a cache miss only costs a read later
+            return
+        if info.size == size:  # ours (create_if_absent is exclusive): keyed like any read of it
+            if len(self._manifests) > 64:
+                self._manifests.clear()
+            self._manifests[(step_dir, info.size, info.mtime)] = manifest
 
     async def prepare_save(self, step_dir: str) -> None:
         """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""

@@ -179,6 +179,8 @@ def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[Pat
     plain = _PLAIN_LEAVES if jax is None else (*_PLAIN_LEAVES, jax.Array)
 
     def walk(node: Any, path: Path, name: str) -> Any:
+        if type(node) is np.ndarray and is_leaf is None:  # the commonest leaf, first
+            return leaf(path, name, node)
         if len(path) > _MAX_DEPTH:
             raise ValueError(f"state is nested deeper than {_MAX_DEPTH} levels at {name!r}")
         if is_leaf is not None and is_leaf(node):
@@ -193,7 +195,7 @@ def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[Pat
         if type(node) in (list, tuple):
             return {type(node).__name__: [walk(v, (*path, i), child(name, path, i)) for i, v in enumerate(node)]}
         key = is_prng_key(node)  # cheap for arrays of numpy dtypes
-        if isinstance(node, plain) and not key:
+        if not key and isinstance(node, plain):
             return leaf(path, name, node)
         if key:
             impl = prng_impl_name(node)
