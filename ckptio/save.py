@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
+from . import sidecar
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
 from .intents import Lease, new_id
@@ -30,7 +31,7 @@ from .manifest import TILED_VERSION, Manifest, item_to_json, seal
 from .staging import StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
-from .tiling import tile_boxes
+from .tiling import TileCopy, tile_boxes
 from .tree import flatten, path_str
 
 __all__ = ["SaveHandle", "merge_records", "start_save"]
@@ -95,12 +96,7 @@ def _pieces(staged: dict[str, Any]) -> tuple[list[Piece], dict[tuple[str, int], 
 
 def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...]) -> Callable[[memoryview], None]:
     """Copies one tile of a staged C-order shard into the buffer the writer hands it."""
-    box = tuple(slice(o, o + n) for o, n in zip(offs, sizes))
-
-    def fill(dest: memoryview) -> None:
-        np.copyto(np.asarray(dest).view(shard.dtype).reshape(sizes), shard[box], casting="no")
-
-    return fill
+    return TileCopy(shard, offs, sizes)
 
 
 def _host_record(
@@ -245,7 +241,8 @@ def start_save(
     step_dir = step_dir_of(step)
     where = store.where(step_dir)
     t0 = time.perf_counter()
-    area = StagingArea(pool) if copy else None
+    # A writer process reads staged bytes from shared memory: they are staged there, no later copy.
+    area = StagingArea(sidecar.staging_pool(store, pool)) if copy else None
     try:
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
         tile_bytes = store.engine.config.tile_bytes
@@ -284,8 +281,7 @@ def start_save(
 
     def background() -> None:
         try:
-            written = run_sync(store.engine.write_objects(plans, progress, ready))
-            run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
+            written = sidecar.write_and_sync(store, plans, progress, ready, where)
             record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0)
             if split:
                 record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))

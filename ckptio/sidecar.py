@@ -1,0 +1,650 @@
+"""The optional writer process per host ("sidecar"): a save's object writes out of the trainer.
+
+With ``EngineConfig(writer="sidecar")`` (or ``CKPTIO_WRITER=sidecar``) the
+bytes of a save are staged into shared memory (:class:`ShmStagingPool`:
+memfd slabs, the same single staging copy as in-process), and a child
+process runs the engine on them: tile cuts, block checksums, the backend's
+writes and its sync. The trainer's background thread only describes each
+object (key, extents as slab offsets) once its bytes are staged, then blocks
+on the socket -- which releases the GIL -- and does the cheap rest itself:
+the host record, the fragment, the gather and the commit. Collectives never
+leave the trainer process.
+
+Contracts:
+
+- **No partial commit.** The manifest is written by the trainer only after
+  the sidecar confirmed every object (and its sync); a sidecar that dies or
+  fails fails the save, which then takes the ordinary failure path (lease
+  left to go stale, gc collects the objects).
+- **Restarted on the next save.** A dead sidecar is replaced by a fresh one
+  the next time a save needs it.
+- **Never outlives its trainer.** The child sets ``PR_SET_PDEATHSIG`` (SIGKILL)
+  tied to the trainer thread that spawned it and exits on EOF of its socket;
+  a trainer that exits normally closes the socket at exit and reaps the child.
+- **No leaked shared memory.** Slabs are anonymous ``memfd_create`` files
+  handed to the child over the socket (SCM_RIGHTS): they have no name in
+  ``/dev/shm`` and vanish with the last process mapping them, whoever dies
+  how. So there is nothing to reclaim after a SIGKILL.
+
+Data not already in shared memory (JAX arrays, which are staged without a
+copy; ``copy=False`` saves; tensors DCP staged in its own buffers) is copied
+into a slab by the trainer's background thread, object by object, with a
+copy that releases the GIL. For unaligned sources this is the copy that the
+local backend's O_DIRECT bounce buffer made in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import ctypes
+import dataclasses
+import itertools
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptio.backends._copy import copy_bytes
+from ckptio.backends._posix import address
+
+from .engine import Engine, Progress, WrittenObject, gather_or_cancel, run_sync, submit
+from .errors import SaveFailedError
+from .layout import ObjectPlan, PlannedExtent
+from .staging import StagingPool
+from .tiling import TileCopy
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
+
+__all__ = ["ENV", "ShmStagingPool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
+
+log = logging.getLogger("ckptio.sidecar")
+
+#: Environment variable that picks the writer when ``EngineConfig.writer`` is None.
+ENV = "CKPTIO_WRITER"
+WRITERS = ("thread", "sidecar")
+
+_SLAB = 64 << 20  # the smallest shared-memory file: few descriptors, one per 64 MiB of staging
+_BIG = 64 << 10  # buffers this large start on a page (O_DIRECT writes them without a bounce)
+_SMALL_ALIGN = 64
+_PR_SET_PDEATHSIG = 1
+
+
+# -- choosing the writer ------------------------------------------------------
+
+
+def writer_of(store: CheckpointStore) -> str:
+    """The writer ``store``'s saves ask for: "thread" or "sidecar" (ValueError naming a bad value)."""
+    w = store.engine.config.writer or os.environ.get(ENV) or "thread"
+    if w not in WRITERS:
+        src = "EngineConfig.writer" if store.engine.config.writer else ENV
+        raise ValueError(f"{src}={w!r}: the writer must be one of {', '.join(WRITERS)}")
+    return w
+
+
+_warned: set[str] = set()
+
+
+def wanted(store: CheckpointStore) -> bool:
+    """True if ``store``'s saves go through the sidecar.
+
+    Only a backend the store opened from its URL can be opened again in the
+    child; a backend object handed in (a wrapper, a test double) keeps the
+    in-process writer, with a warning once per URL.
+    """
+    if writer_of(store) != "sidecar":
+        return False
+    if not store.reopenable or not hasattr(os, "memfd_create"):
+        if store.url not in _warned:
+            _warned.add(store.url)
+            log.warning("%s: the sidecar writer needs a backend opened from its URL (and Linux memfd); "
+                        "writing in this process instead", store.url)
+        return False
+    return True
+
+
+def staging_pool(store: CheckpointStore, pool: StagingPool | None) -> StagingPool | None:
+    """The pool a save of ``store`` stages into: ``pool`` in-process, else this process's shared
+    one (and the sidecar is started now, so that it is up by the time the first object is)."""
+    if not wanted(store):
+        return pool
+    _sidecar()
+    return _shared_pool()
+
+
+def write_and_sync(
+    store: CheckpointStore,
+    plans: Sequence[ObjectPlan],
+    progress: Progress | None = None,
+    ready: Sequence[concurrent.futures.Future[None]] | None = None,
+    where: str | None = None,
+) -> list[WrittenObject]:
+    """Write every object of ``plans`` and make them durable (the backend's sync); blocks.
+
+    In-process (the default) this is the engine on its IO loop, as before the sidecar
+    existed. With the sidecar, ``ready[i]`` (when given) still gates object ``i``.
+    """
+    if not wanted(store):
+        written = run_sync(store.engine.write_objects(plans, progress, ready))
+        run_sync(store.engine.retrying(f"sync {where or store.url}", store.backend.sync))
+        return written
+    return _sidecar().write(store, plans, progress, ready, where or store.url)
+
+
+# -- shared-memory staging ----------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Slab:
+    id: int
+    fd: int
+    size: int
+    mm: mmap.mmap
+    addr: int
+    used: int = 0
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class ShmStagingPool(StagingPool):
+    """A :class:`StagingPool` whose buffers live in shared memory another process can map.
+
+    Buffers are carved out of memfd slabs of at least 64 MiB (large buffers page-aligned,
+    small ones 64-byte aligned) and reused by size like any pool's; slab memory is
+    returned only by :meth:`close`. :meth:`locate` tells which slab and offset a buffer
+    (or a view into one) lives at.
+    """
+
+    def __init__(self, slab_bytes: int = _SLAB) -> None:
+        super().__init__(None)
+        self.slab_bytes = slab_bytes
+        self._slabs: list[_Slab] = []  # by address
+        self._starts: list[int] = []
+        self._current: _Slab | None = None
+        self._ids = itertools.count(1)
+        self._alloc_lock = threading.Lock()
+
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
+        align = mmap.PAGESIZE if nbytes >= _BIG else _SMALL_ALIGN
+        with self._alloc_lock:
+            slab = self._current
+            if slab is None or _round_up(slab.used, align) + nbytes > slab.size:
+                slab = self._new_slab(max(self.slab_bytes, _round_up(nbytes, mmap.PAGESIZE)))
+            start = _round_up(slab.used, align)
+            slab.used = start + nbytes
+            cur = self._current
+            if cur is None or slab.size - slab.used > cur.size - cur.used:
+                self._current = slab  # small buffers go where the most room is left
+            return np.frombuffer(slab.mm, np.uint8, count=nbytes, offset=start)
+
+    def _new_slab(self, size: int) -> _Slab:
+        fd = os.memfd_create(f"ckptio-stage-{os.getpid()}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        slab = _Slab(next(self._ids), fd, size, mm, address(memoryview(mm)))
+        i = bisect.bisect(self._starts, slab.addr)
+        self._slabs.insert(i, slab)
+        self._starts.insert(i, slab.addr)
+        return slab
+
+    def slabs(self) -> list[tuple[int, int, int]]:
+        """``(id, fd, size)`` of every slab, for handing them to another process."""
+        with self._alloc_lock:
+            return [(s.id, s.fd, s.size) for s in self._slabs]
+
+    def locate(self, view: memoryview) -> tuple[int, int] | None:
+        """``(slab id, offset)`` of a C-contiguous buffer lying wholly in one slab, else None."""
+        if not view.nbytes:
+            return None
+        a = address(view)
+        with self._alloc_lock:
+            i = bisect.bisect_right(self._starts, a) - 1
+            if i >= 0:
+                s = self._slabs[i]
+                if a + view.nbytes <= s.addr + s.size:
+                    return s.id, a - s.addr
+        return None
+
+    def close(self) -> None:
+        """Forget every buffer and close the slabs' descriptors (the memory goes with the last view)."""
+        self.clear()
+        with self._alloc_lock:
+            for s in self._slabs:
+                os.close(s.fd)
+            self._slabs, self._starts, self._current = [], [], None
+
+
+_pool: ShmStagingPool | None = None
+_pool_lock = threading.Lock()
+
+
+def _shared_pool() -> ShmStagingPool:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ShmStagingPool()
+        return _pool
+
+
+# -- the wire: length-prefixed pickles, a descriptor riding on a header ---------
+
+
+class _Channel:
+    """Messages over a private Unix socket between the trainer and its own sidecar (pickle is
+    safe here: both ends are the same code in two processes of one job)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: Any, fd: int | None = None) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        head = struct.pack("!Q", len(data))
+        with self._send_lock:
+            if fd is None:
+                self.sock.sendall(head + data)
+                return
+            sent = socket.send_fds(self.sock, [head], [fd])
+            self.sock.sendall(head[sent:] + data)
+
+    def recv(self) -> tuple[Any, list[int]] | None:
+        """The next message and the descriptors that came with it; None at EOF."""
+        head, fds, _flags, _addr = socket.recv_fds(self.sock, 8, 1)
+        if not head:
+            return None
+        head += self._exactly(8 - len(head))
+        return pickle.loads(self._exactly(struct.unpack("!Q", head)[0])), list(fds)
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the other end closed the socket mid-message")
+            got += k
+        return bytes(buf)
+
+
+# -- the trainer's side -------------------------------------------------------
+
+
+class _Export:
+    """Puts every extent of a save into shared memory, remembering what it copied there."""
+
+    def __init__(self, pool: ShmStagingPool) -> None:
+        self.pool = pool
+        self.taken: list[np.ndarray] = []
+        self._shards: dict[int, tuple[np.ndarray, tuple[int, int]]] = {}
+
+    def place(self, view: memoryview) -> tuple[int, int]:
+        """Where ``view``'s bytes are in shared memory (copied into a slab if they are not)."""
+        loc = self.pool.locate(view)
+        if loc is not None:
+            return loc
+        buf = self.pool.take(view.nbytes)
+        self.taken.append(buf)
+        copy_bytes(memoryview(buf), view)  # releases the GIL for anything but small copies
+        loc = self.pool.locate(memoryview(buf))
+        assert loc is not None
+        return loc
+
+    def describe(self, plan: ObjectPlan) -> list[tuple[Any, ...]]:
+        """``(item, shard, shard_offset, offset, length, source)`` per extent of ``plan``."""
+        out = []
+        for e in plan.extents:
+            src: tuple[Any, ...]
+            if isinstance(e.fill, TileCopy):
+                shard = e.fill.shard
+                known = self._shards.get(id(shard))
+                if known is None:  # the shard's reference keeps its id from being reused meanwhile
+                    known = self._shards[id(shard)] = (shard, self.place(memoryview(shard.reshape(-1).view(np.uint8))))
+                slab, off = known[1]
+                src = ("tile", slab, off, shard.dtype.itemsize, shard.shape, e.fill.offs, e.fill.sizes)
+            elif e.fill is not None:  # some other lazy extent: fill it here, straight into a slab
+                buf = self.pool.take(e.length)
+                self.taken.append(buf)
+                e.fill(memoryview(buf))
+                src = ("shm", *self.place(memoryview(buf)))
+            else:
+                assert e.data is not None
+                src = ("shm", *self.place(e.data))
+            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src))
+        return out
+
+    def release(self) -> None:
+        self.pool.give_back(self.taken)
+        self.taken, self._shards = [], {}
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    future: concurrent.futures.Future[list[WrittenObject]]
+    progress: Progress | None
+
+
+class Sidecar:
+    """One writer process and the trainer-side thread that spawned it and reads its replies.
+
+    The thread spawns the child (so the child's parent-death signal is tied to a thread
+    that lives exactly as long as the connection), then reads replies until EOF, then
+    reaps the child and fails whatever was still pending.
+    """
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._chan = _Channel(ours)
+        self._theirs = theirs
+        self._pending: dict[int, _Request] = {}
+        self._lock = threading.Lock()
+        self._send_order = threading.Lock()  # a slab reaches the child before the objects in it
+        self._ids = itertools.count(1)
+        self._sent: set[int] = set()  # slabs the child has mapped
+        self.dead: str | None = None  # why, once the child is gone
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._spawned = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptio-sidecar", daemon=True)
+        self._thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        self._spawned.wait()
+        return self.proc.pid if self.proc is not None else None
+
+    def _run(self) -> None:
+        try:
+            self.proc = _spawn(self._theirs)
+        except BaseException as e:  # noqa: BLE001 - reported through every pending save
+            self._die(f"could not start the ckptio writer process: {type(e).__name__}: {e}")
+            return
+        finally:
+            self._theirs.close()
+            self._spawned.set()
+        log.info("ckptio writer process started (pid %d)", self.proc.pid)
+        try:
+            while True:
+                got = self._chan.recv()
+                if got is None:
+                    break
+                self._dispatch(got[0])
+        except (OSError, EOFError) as e:
+            log.debug("ckptio writer process: connection lost: %r", e)
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._die(f"the ckptio writer process (pid {self.proc.pid}) exited with status {code}")
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind, rid = msg[0], msg[1]
+        with self._lock:
+            req = self._pending.get(rid) if kind == "progress" else self._pending.pop(rid, None)
+        if req is None:
+            return
+        if kind == "progress":
+            if req.progress is not None:
+                req.progress("written", msg[2])
+        elif kind == "done":
+            req.future.set_result([WrittenObject(k, n, c) for k, n, c in msg[2]])
+        else:
+            req.future.set_exception(_error_from(msg[2], msg[3]))
+
+    def _die(self, why: str) -> None:
+        with self._lock:
+            self.dead = self.dead or why
+            pending, self._pending = self._pending, {}
+        for req in pending.values():
+            req.future.set_exception(SaveFailedError(f"{why}; the save's objects were not all confirmed"))
+
+    def _send_slabs(self, pool: ShmStagingPool) -> None:
+        for sid, fd, size in pool.slabs():
+            if sid not in self._sent:
+                self._chan.send(("slab", sid, size), fd)
+                self._sent.add(sid)
+
+    def write(
+        self,
+        store: CheckpointStore,
+        plans: Sequence[ObjectPlan],
+        progress: Progress | None,
+        ready: Sequence[concurrent.futures.Future[None]] | None,
+        where: str,
+    ) -> list[WrittenObject]:
+        """Have the child write and sync ``plans``; blocks (socket waits release the GIL)."""
+        rid = next(self._ids)
+        fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
+        with self._lock:
+            if self.dead is not None:
+                raise SaveFailedError(f"{where}: {self.dead}")
+            self._pending[rid] = _Request(fut, progress)
+        export = _Export(_shared_pool())
+        spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"))
+        try:
+            self._chan.send(("open", rid, spec, len(plans), progress is not None))
+            for i, plan in enumerate(plans):
+                if ready is not None:
+                    ready[i].result()
+                desc = export.describe(plan)
+                with self._send_order:
+                    self._send_slabs(export.pool)
+                    self._chan.send(("object", rid, i, plan.key, desc))
+            return fut.result()
+        except BaseException as e:
+            if not fut.done():
+                # The staged buffers go back to the pool after this: the child must be done with them.
+                try:
+                    self._chan.send(("abort", rid, f"{type(e).__name__}: {e}"))
+                except OSError:
+                    pass
+                concurrent.futures.wait([fut])
+            if isinstance(e, OSError) and self.dead is not None:
+                raise SaveFailedError(f"{where}: {self.dead}") from e
+            raise
+        finally:
+            export.release()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the child (EOF on its socket) and wait for the reader thread to reap it."""
+        self._spawned.wait(timeout)
+        try:
+            self._chan.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._chan.sock.close()
+
+
+def _error_from(blob: bytes | None, text: str) -> BaseException:
+    """The child's exception, re-raised here when it unpickles; else a SaveFailedError with its text."""
+    if blob is not None:
+        try:
+            e = pickle.loads(blob)
+            if isinstance(e, BaseException):
+                return e
+        except Exception:  # noqa: BLE001 - an exception type that does not round-trip
+            pass
+    return SaveFailedError(f"ckptio writer process: {text}")
+
+
+def _spawn(sock: socket.socket) -> subprocess.Popen[bytes]:
+    # The child imports this very ckptio, wherever it came from (a worktree on sys.path included).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    env[ENV] = "thread"
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ckptio.sidecar import _child_main; _child_main(*map(int, sys.argv[1:]))",
+         str(sock.fileno()), str(os.getpid())],
+        pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, env=env,
+    )
+
+
+_current: Sidecar | None = None
+_current_lock = threading.Lock()
+
+
+def _sidecar() -> Sidecar:
+    """This process's sidecar, started (again) if there is none or the last one died."""
+    global _current
+    with _current_lock:
+        sc = _current
+        if sc is None or sc.dead is not None or sc.owner_pid != os.getpid():
+            if sc is not None and sc.owner_pid == os.getpid():
+                log.warning("%s; starting a new one", sc.dead)
+                sc.close()
+            _current = sc = Sidecar()
+        return sc
+
+
+def current_pid() -> int | None:
+    """The pid of this process's live sidecar, if one is running (for tests and tools)."""
+    sc = _current
+    return sc.pid if sc is not None and sc.dead is None and sc.owner_pid == os.getpid() else None
+
+
+def shutdown() -> None:
+    """Stop this process's sidecar and free its shared memory (also run at exit)."""
+    global _current, _pool
+    with _current_lock:
+        sc, _current = _current, None
+    if sc is not None and sc.owner_pid == os.getpid():
+        sc.close()
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.close()
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a data-loader worker) shares neither the sidecar nor its slabs' bookkeeping.
+    global _current, _pool
+    _current, _pool = None, None
+
+
+import atexit  # noqa: E402
+
+atexit.register(shutdown)
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# -- the child's side ---------------------------------------------------------
+
+
+class _Writer:
+    """The child: maps the trainer's slabs and runs each request on ckptio's IO loop."""
+
+    def __init__(self, chan: _Channel) -> None:
+        self.chan = chan
+        self.slabs: dict[int, mmap.mmap] = {}
+        self.engines: dict[bytes, Engine] = {}
+        self.requests: dict[int, tuple[list[concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = {}
+
+    def serve(self) -> None:
+        while True:
+            got = self.chan.recv()
+            if got is None:
+                os._exit(0)  # the trainer is gone (or done with us): nothing here is worth finishing
+            msg, fds = got
+            kind = msg[0]
+            if kind == "slab":
+                self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
+                os.close(fds[0])
+            elif kind == "open":
+                _k, rid, spec, n, want_progress = msg
+                objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
+                task = submit(self._run(rid, spec, objects, want_progress))
+                self.requests[rid] = (objects, task)
+                task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
+            elif kind == "object":
+                _k, rid, i, key, desc = msg
+                req = self.requests.get(rid)
+                if req is not None and not req[0][i].done():
+                    req[0][i].set_result((key, desc))
+            elif kind == "abort":
+                req = self.requests.get(msg[1])
+                if req is not None:
+                    for f in req[0]:
+                        if not f.done():
+                            f.set_exception(SaveFailedError(f"aborted by the trainer: {msg[2]}"))
+            for fd in fds if kind != "slab" else ():
+                os.close(fd)
+
+    def _engine(self, spec: tuple[str, dict[str, Any], Any]) -> Engine:
+        key = pickle.dumps(spec)
+        eng = self.engines.get(key)
+        if eng is None:
+            from ckptio.backends import open_backend
+
+            url, options, config = spec
+            eng = self.engines[key] = Engine(open_backend(url, **options), config)
+        return eng
+
+    def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
+        extents = []
+        for item, shard, shard_offset, offset, length, src in desc:
+            slab = self.slabs[src[1]]
+            if src[0] == "shm":
+                view = memoryview(slab)[src[2] : src[2] + length]
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length))
+            else:
+                _s, _id, off, itemsize, shape, offs, sizes = src
+                n = int(np.prod(shape, dtype=np.int64)) * itemsize
+                # Whole elements as opaque void items: the child needs no ml_dtypes to cut a tile.
+                arr = np.frombuffer(slab, np.dtype(f"V{itemsize}"), count=n // itemsize, offset=off).reshape(shape)
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes)))
+        return ObjectPlan(key, extents)
+
+    async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]], want_progress: bool) -> None:
+        def progress(_event: str, n: int) -> None:
+            self.chan.send(("progress", rid, n))
+
+        try:
+            eng = self._engine(spec)
+
+            async def one(i: int) -> WrittenObject:
+                key, desc = await asyncio.wrap_future(objects[i])
+                return await eng.write_object(self._plan(key, desc), progress if want_progress else None)
+
+            written = await gather_or_cancel(one(i) for i in range(len(objects)))
+            await eng.retrying(f"sync {spec[0]}", eng.backend.sync)
+            self.chan.send(("done", rid, [(w.key, w.size, w.crcs) for w in written]))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the trainer
+            try:
+                blob: bytes | None = pickle.dumps(e)
+            except Exception:  # noqa: BLE001
+                blob = None
+            self.chan.send(("failed", rid, blob, f"{type(e).__name__}: {e}"))
+
+
+def _child_main(fd: int, parent: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the trainer died before the signal was armed
+        os._exit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when a save stops
+    logging.basicConfig(level=logging.WARNING, format="ckptio-sidecar %(levelname)s %(name)s: %(message)s")
+    _Writer(_Channel(socket.socket(fileno=fd))).serve()
+
