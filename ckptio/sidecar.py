@@ -60,7 +60,7 @@ import numpy as np
 from ckptio.backends._copy import copy_bytes
 from ckptio.backends._posix import address
 
-from .engine import Engine, Progress, WrittenObject, gather_or_cancel, run_sync, submit
+from .engine import Engine, EngineConfig, Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .layout import ObjectPlan, PlannedExtent
 from .staging import StagingPool
@@ -69,7 +69,7 @@ from .tiling import TileCopy
 if TYPE_CHECKING:
     from .store import CheckpointStore
 
-__all__ = ["ENV", "ShmStagingPool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
+__all__ = ["ENV", "ShmStagingPool", "current_pid", "prestart", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
 
 log = logging.getLogger("ckptio.sidecar")
 
@@ -86,13 +86,20 @@ _PR_SET_PDEATHSIG = 1
 # -- choosing the writer ------------------------------------------------------
 
 
-def writer_of(store: CheckpointStore) -> str:
-    """The writer ``store``'s saves ask for: "thread" or "sidecar" (ValueError naming a bad value)."""
-    w = store.engine.config.writer or os.environ.get(ENV) or "thread"
+def writer_of(config: EngineConfig | None) -> str:
+    """The writer an engine config asks for: "thread" or "sidecar" (ValueError naming a bad value)."""
+    w = (config.writer if config is not None else None) or os.environ.get(ENV) or "thread"
     if w not in WRITERS:
-        src = "EngineConfig.writer" if store.engine.config.writer else ENV
+        src = "EngineConfig.writer" if config is not None and config.writer else ENV
         raise ValueError(f"{src}={w!r}: the writer must be one of {', '.join(WRITERS)}")
     return w
+
+
+def prestart(config: EngineConfig | None) -> None:
+    """Start this process's sidecar now if ``config`` asks for one (a manager or writer being made),
+    so that its start-up (~0.5 s of imports) is not paid inside the first save."""
+    if writer_of(config) == "sidecar" and hasattr(os, "memfd_create"):
+        _sidecar()
 
 
 _warned: set[str] = set()
@@ -105,7 +112,7 @@ def wanted(store: CheckpointStore) -> bool:
     child; a backend object handed in (a wrapper, a test double) keeps the
     in-process writer, with a warning once per URL.
     """
-    if writer_of(store) != "sidecar":
+    if writer_of(store.engine.config) != "sidecar":
         return False
     if not store.reopenable or not hasattr(os, "memfd_create"):
         if store.url not in _warned:

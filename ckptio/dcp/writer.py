@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import sidecar
 from ..engine import EngineConfig, run_sync
 from ..intents import Lease, new_id
 from ..layout import Naming, Piece, pack
@@ -134,6 +135,7 @@ class Writer(Located, StorageWriter, AsyncStager):
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
+        sidecar.prestart(engine_config)
         self.buffers = buffers
         self.overwrite = bool(overwrite)
         self.cache_staged_state_dict = bool(cache_staged_state_dict)
@@ -241,8 +243,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             object_size=store.backend.capabilities.object_size,
             key_for=lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n),
         )
-        written = run_sync(store.engine.write_objects(plans))
-        run_sync(store.backend.sync())
+        written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
         extents: dict[int, list[tuple[str, int, int, int, tuple[int, ...]]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):
