@@ -69,7 +69,7 @@ from .tiling import TileCopy
 if TYPE_CHECKING:
     from .store import CheckpointStore
 
-__all__ = ["ENV", "ShmStagingPool", "current_pid", "prestart", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
+__all__ = ["ENV", "ShmStagingPool", "current_pid", "prestart", "shared_pool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
 
 log = logging.getLogger("ckptio.sidecar")
 
@@ -129,7 +129,7 @@ def staging_pool(store: CheckpointStore, pool: StagingPool | None) -> StagingPoo
     if not wanted(store):
         return pool
     _sidecar()
-    return _shared_pool()
+    return shared_pool()
 
 
 def write_and_sync(
@@ -246,7 +246,8 @@ _pool: ShmStagingPool | None = None
 _pool_lock = threading.Lock()
 
 
-def _shared_pool() -> ShmStagingPool:
+def shared_pool() -> ShmStagingPool:
+    """This process's shared-memory staging pool (made on first use; freed by :func:`shutdown`)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -447,7 +448,7 @@ class Sidecar:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")
             self._pending[rid] = _Request(fut, progress)
-        export = _Export(_shared_pool())
+        export = _Export(shared_pool())
         spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"))
         try:
             self._chan.send(("open", rid, spec, len(plans), progress is not None))
@@ -543,6 +544,9 @@ def shutdown() -> None:
         pool, _pool = _pool, None
     if pool is not None:
         pool.close()
+    dcp_staging = sys.modules.get("ckptio.dcp.staging")
+    if dcp_staging is not None:  # DCP's staging keeps its own free buffers, views into the slabs
+        dcp_staging.SHARED_BUFFERS.clear()
 
 
 def _forget_after_fork() -> None:

@@ -122,8 +122,12 @@ def test_dcp_async_save_through_the_sidecar(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv(sidecar.ENV, "sidecar")
     sd = {"w": torch.arange(100_000, dtype=torch.float32).reshape(100, 1000), "h": torch.ones(7, dtype=torch.bfloat16),
           "step": 4}
+    copies: list[int] = []
+    copy = sidecar.copy_bytes
+    monkeypatch.setattr(sidecar, "copy_bytes", lambda d, s: (copies.append(s.nbytes), copy(d, s)))
     dcp.async_save(sd, storage_writer=Writer(tmp_path / "a")).result()
     assert sidecar.current_pid() is not None
+    assert sum(copies) < 4096, copies  # tensors staged straight into shared memory (byte items aside)
     out = {"w": torch.zeros(100, 1000), "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
     dcp.load(out, storage_reader=Reader(tmp_path / "a"))
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"]) and out["step"] == 4

@@ -63,7 +63,7 @@ from ..urls import file_in_the_way
 from . import _overwrite, _transforms
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._location import Located
-from .staging import HostBuffers, stage_state_dict
+from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict
 
 __all__ = ["Writer"]
 
@@ -160,7 +160,10 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`)."""
-        return stage_state_dict(state_dict, self.buffers)
+        buffers = self.buffers
+        if buffers is None and sidecar.writer_of(self.engine_config) == "sidecar":
+            buffers = SHARED_BUFFERS  # staged straight into memory the writer process maps
+        return stage_state_dict(state_dict, buffers)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies synchronously."""
