@@ -109,16 +109,19 @@ def wanted(store: CheckpointStore) -> bool:
     """True if ``store``'s saves go through the sidecar.
 
     Only a backend the store opened from its URL can be opened again in the
-    child; a backend object handed in (a wrapper, a test double) keeps the
-    in-process writer, with a warning once per URL.
+    child, and only storage outside this process's memory is the same there; a
+    backend object handed in (a wrapper, a test double) or a process-local one
+    (``mem://``) keeps the in-process writer, with a warning once per URL.
     """
     if writer_of(store.engine.config) != "sidecar":
         return False
-    if not store.reopenable or not hasattr(os, "memfd_create"):
+    if not store.reopenable or store.backend.capabilities.process_local or not hasattr(os, "memfd_create"):
         if store.url not in _warned:
             _warned.add(store.url)
-            log.warning("%s: the sidecar writer needs a backend opened from its URL (and Linux memfd); "
-                        "writing in this process instead", store.url)
+            # Asked for by this store's config: worth a warning; by the environment: a note.
+            log.log(logging.WARNING if store.engine.config.writer else logging.DEBUG,
+                    "%s: the sidecar writer needs a backend opened from its URL, storage outside this process "
+                    "(not mem://) and Linux memfd; writing in this process instead", store.url)
         return False
     return True
 
