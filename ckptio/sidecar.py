@@ -78,6 +78,8 @@ ENV = "CKPTIO_WRITER"
 WRITERS = ("thread", "sidecar")
 
 _SLAB = 64 << 20  # the smallest shared-memory file: few descriptors, one per 64 MiB of staging
+#: Slab ids are unique in the process, across pools: a sidecar maps each id once.
+_slab_ids = itertools.count(1)
 _BIG = 64 << 10  # buffers this large start on a page (O_DIRECT writes them without a bounce)
 _SMALL_ALIGN = 64
 _PR_SET_PDEATHSIG = 1
@@ -186,7 +188,6 @@ class ShmStagingPool(StagingPool):
         self._slabs: list[_Slab] = []  # by address
         self._starts: list[int] = []
         self._current: _Slab | None = None
-        self._ids = itertools.count(1)
         self._alloc_lock = threading.Lock()
 
     def _allocate(self, nbytes: int) -> np.ndarray:
@@ -212,7 +213,7 @@ class ShmStagingPool(StagingPool):
         except BaseException:
             os.close(fd)
             raise
-        slab = _Slab(next(self._ids), fd, size, mm, address(memoryview(mm)))
+        slab = _Slab(next(_slab_ids), fd, size, mm, address(memoryview(mm)))
         i = bisect.bisect(self._starts, slab.addr)
         self._slabs.insert(i, slab)
         self._starts.insert(i, slab.addr)
@@ -417,7 +418,10 @@ class Sidecar:
             return
         if kind == "progress":
             if req.progress is not None:
-                req.progress("written", msg[2])
+                try:
+                    req.progress("written", msg[2])
+                except Exception as e:  # noqa: BLE001 - a progress bar must not stop the replies
+                    log.error("progress callback failed: %r", e)
         elif kind == "done":
             req.future.set_result([WrittenObject(k, n, c) for k, n, c in msg[2]])
         else:
@@ -452,7 +456,10 @@ class Sidecar:
                 raise SaveFailedError(f"{where}: {self.dead}")
             self._pending[rid] = _Request(fut, progress)
         export = _Export(shared_pool())
-        spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"))
+        # The environment travels too: backends read theirs when opened (credentials, an emulator's
+        # address), and the trainer's may have changed since the child started.
+        spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"),
+                tuple(sorted(os.environ.items())))
         try:
             self._chan.send(("open", rid, spec, len(plans), progress is not None))
             for i, plan in enumerate(plans):
@@ -606,13 +613,16 @@ class _Writer:
             for fd in fds if kind != "slab" else ():
                 os.close(fd)
 
-    def _engine(self, spec: tuple[str, dict[str, Any], Any]) -> Engine:
+    def _engine(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]]) -> Engine:
+        """The engine of one (URL, options, config, environment): made once, reused by later saves."""
         key = pickle.dumps(spec)
         eng = self.engines.get(key)
         if eng is None:
             from ckptio.backends import open_backend
 
-            url, options, config = spec
+            url, options, config, env = spec
+            os.environ.clear()
+            os.environ.update(env)  # what the backend would have seen, opened in the trainer
             eng = self.engines[key] = Engine(open_backend(url, **options), config)
         return eng
 
