@@ -80,7 +80,10 @@ WRITERS = ("thread", "sidecar")
 _SLAB = 64 << 20  # the smallest shared-memory file: few descriptors, one per 64 MiB of staging
 #: Slab ids are unique in the process, across pools: a sidecar maps each id once.
 _slab_ids = itertools.count(1)
-_BIG = 64 << 10  # buffers this large start on a page (O_DIRECT writes them without a bounce)
+_BIG = 64 << 10
+#: Copies into shared memory in flight per save, in objects (see _Export): enough to keep a
+#: local disk's writes going (4 and 8 writes in flight measured alike), far less than a state.
+_EXPORT_OBJECTS = 4  # buffers this large start on a page (O_DIRECT writes them without a bounce)
 _SMALL_ALIGN = 64
 _PR_SET_PDEATHSIG = 1
 
@@ -303,27 +306,58 @@ class _Channel:
 
 
 class _Export:
-    """Puts every extent of a save into shared memory, remembering what it copied there."""
+    """Puts every extent of a save into shared memory: copies what is not there already.
 
-    def __init__(self, pool: ShmStagingPool) -> None:
+    Copies (JAX arrays, ``copy=False`` saves) are bounded to ``budget`` bytes in flight:
+    an object's copies go back to the pool once the sidecar reports it written, so a
+    JAX state needs a few objects' worth of shared memory, not a copy of itself.
+    """
+
+    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
         self.pool = pool
-        self.taken: list[np.ndarray] = []
-        self._shards: dict[int, tuple[np.ndarray, tuple[int, int]]] = {}
+        self.budget = max(1, budget)
+        self.held = 0
+        self.over = False  # the save ended (failed): nobody waits for the budget any more
+        self._cond = threading.Condition()
+        self._users: dict[int, tuple[np.ndarray, set[int]]] = {}  # id(buffer) -> buffer, objects using it
+        self._by_object: dict[int, set[int]] = {}
+        self._shards: dict[int, tuple[np.ndarray, int, tuple[int, int]]] = {}  # id(shard) -> shard, buffer, place
 
-    def place(self, view: memoryview) -> tuple[int, int]:
-        """Where ``view``'s bytes are in shared memory (copied into a slab if they are not)."""
+    def _need(self, plan: ObjectPlan) -> int:
+        """Bytes ``plan``'s extents will be copied into (0 for bytes already in shared memory)."""
+        need = 0
+        for e in plan.extents:
+            if isinstance(e.fill, TileCopy):
+                shard = e.fill.shard
+                if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
+                    need += shard.nbytes
+            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
+                need += e.length
+        return need
+
+    def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
+        buf = self.pool.take(n)
+        fill(memoryview(buf))
+        with self._cond:
+            self._users[id(buf)] = (buf, {user})
+            self._by_object.setdefault(user, set()).add(id(buf))
+        loc = self.pool.locate(memoryview(buf))
+        assert loc is not None
+        return id(buf), loc
+
+    def _place(self, view: memoryview, user: int) -> tuple[int, int]:
         loc = self.pool.locate(view)
         if loc is not None:
             return loc
-        buf = self.pool.take(view.nbytes)
-        self.taken.append(buf)
-        copy_bytes(memoryview(buf), view)  # releases the GIL for anything but small copies
-        loc = self.pool.locate(memoryview(buf))
-        assert loc is not None
-        return loc
+        # copy_bytes releases the GIL for anything but small copies.
+        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
 
-    def describe(self, plan: ObjectPlan) -> list[tuple[Any, ...]]:
-        """``(item, shard, shard_offset, offset, length, source)`` per extent of ``plan``."""
+    def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
+        """``(item, shard, shard_offset, offset, length, source)`` per extent of object ``i``."""
+        need = self._need(plan)
+        with self._cond:  # a copy larger than the budget waits until nothing else is held
+            self._cond.wait_for(lambda: self.over or not need or not self.held or self.held + need <= self.budget)
+            self.held += need
         out = []
         for e in plan.extents:
             src: tuple[Any, ...]
@@ -331,29 +365,65 @@ class _Export:
                 shard = e.fill.shard
                 known = self._shards.get(id(shard))
                 if known is None:  # the shard's reference keeps its id from being reused meanwhile
-                    known = self._shards[id(shard)] = (shard, self.place(memoryview(shard.reshape(-1).view(np.uint8))))
-                slab, off = known[1]
+                    view = _bytes_of(shard)
+                    loc = self.pool.locate(view)
+                    bid = -1
+                    if loc is None:
+                        bid, loc = self._copy_into_slab(view.nbytes, lambda dst, v=view: copy_bytes(dst, v), i)
+                    known = self._shards[id(shard)] = (shard, bid, loc)
+                elif known[1] in self._users:
+                    with self._cond:
+                        self._users[known[1]][1].add(i)
+                        self._by_object.setdefault(i, set()).add(known[1])
+                slab, off = known[2]
                 src = ("tile", slab, off, shard.dtype.itemsize, shard.shape, e.fill.offs, e.fill.sizes)
             elif e.fill is not None:  # some other lazy extent: fill it here, straight into a slab
-                buf = self.pool.take(e.length)
-                self.taken.append(buf)
-                e.fill(memoryview(buf))
-                src = ("shm", *self.place(memoryview(buf)))
+                src = ("shm", *self._copy_into_slab(e.length, e.fill, i)[1])
             else:
                 assert e.data is not None
-                src = ("shm", *self.place(e.data))
+                src = ("shm", *self._place(e.data, i))
             out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src))
         return out
 
+    def written(self, i: int) -> None:
+        """Object ``i`` is written: the copies no other object still needs go back to the pool."""
+        freed = []
+        with self._cond:
+            for bid in self._by_object.pop(i, ()):
+                buf, users = self._users[bid]
+                users.discard(i)
+                if not users:
+                    del self._users[bid]
+                    freed.append(buf)
+            self._shards = {k: v for k, v in self._shards.items() if v[1] < 0 or v[1] in self._users}
+            self.held -= sum(b.nbytes for b in freed)
+            self._cond.notify_all()
+        self.pool.give_back(freed)
+
+    def abandon(self) -> None:
+        """The save has ended (its reply came, or the sidecar died): stop waiting for the budget."""
+        with self._cond:
+            self.over = True
+            self._cond.notify_all()
+
     def release(self) -> None:
-        self.pool.give_back(self.taken)
-        self.taken, self._shards = [], {}
+        """Give back every copy still held (the save is over, written or not)."""
+        with self._cond:
+            bufs = [b for b, _u in self._users.values()]
+            self._users, self._by_object, self._shards, self.held = {}, {}, {}, 0
+            self._cond.notify_all()
+        self.pool.give_back(bufs)
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 @dataclasses.dataclass(eq=False)
 class _Request:
     future: concurrent.futures.Future[list[WrittenObject]]
     progress: Progress | None
+    export: _Export
 
 
 class Sidecar:
@@ -395,6 +465,7 @@ class Sidecar:
             self._theirs.close()
             self._spawned.set()
         log.info("ckptio writer process started (pid %d)", self.proc.pid)
+        reason = ""
         try:
             while True:
                 got = self._chan.recv()
@@ -403,26 +474,33 @@ class Sidecar:
                 self._dispatch(got[0])
         except (OSError, EOFError) as e:
             log.debug("ckptio writer process: connection lost: %r", e)
+        except BaseException as e:  # a reply this side cannot handle: no later reply could be trusted
+            log.exception("ckptio writer process: reading its replies failed")
+            reason = f" after its replies could not be read ({type(e).__name__}: {e})"
+            self.proc.kill()
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        self._die(f"the ckptio writer process (pid {self.proc.pid}) exited with status {code}")
+        self._die(f"the ckptio writer process (pid {self.proc.pid}) exited with status {code}{reason}")
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
         kind, rid = msg[0], msg[1]
         with self._lock:
-            req = self._pending.get(rid) if kind == "progress" else self._pending.pop(rid, None)
+            req = self._pending.get(rid) if kind == "wrote" else self._pending.pop(rid, None)
         if req is None:
             return
-        if kind == "progress":
+        if kind == "wrote":
+            req.export.written(msg[2])
             if req.progress is not None:
                 try:
-                    req.progress("written", msg[2])
+                    req.progress("written", msg[3])
                 except Exception as e:  # noqa: BLE001 - a progress bar must not stop the replies
                     log.error("progress callback failed: %r", e)
-        elif kind == "done":
+            return
+        req.export.abandon()
+        if kind == "done":
             req.future.set_result([WrittenObject(k, n, c) for k, n, c in msg[2]])
         else:
             req.future.set_exception(_error_from(msg[2], msg[3]))
@@ -432,6 +510,7 @@ class Sidecar:
             self.dead = self.dead or why
             pending, self._pending = self._pending, {}
         for req in pending.values():
+            req.export.abandon()
             req.future.set_exception(SaveFailedError(f"{why}; the save's objects were not all confirmed"))
 
     def _send_slabs(self, pool: ShmStagingPool) -> None:
@@ -451,21 +530,22 @@ class Sidecar:
         """Have the child write and sync ``plans``; blocks (socket waits release the GIL)."""
         rid = next(self._ids)
         fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
+        caps = store.backend.capabilities
+        export = _Export(shared_pool(), max(_EXPORT_OBJECTS * caps.object_size, caps.concurrency * caps.preferred_io_size))
         with self._lock:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")
-            self._pending[rid] = _Request(fut, progress)
-        export = _Export(shared_pool())
+            self._pending[rid] = _Request(fut, progress, export)
         # The environment travels too: backends read theirs when opened (credentials, an emulator's
         # address), and the trainer's may have changed since the child started.
         spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"),
                 tuple(sorted(os.environ.items())))
         try:
-            self._chan.send(("open", rid, spec, len(plans), progress is not None))
+            self._chan.send(("open", rid, spec, len(plans)))
             for i, plan in enumerate(plans):
                 if ready is not None:
                     ready[i].result()
-                desc = export.describe(plan)
+                desc = export.describe(i, plan)
                 with self._send_order:
                     self._send_slabs(export.pool)
                     self._chan.send(("object", rid, i, plan.key, desc))
@@ -594,9 +674,9 @@ class _Writer:
                 self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
                 os.close(fds[0])
             elif kind == "open":
-                _k, rid, spec, n, want_progress = msg
+                _k, rid, spec, n = msg
                 objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
-                task = submit(self._run(rid, spec, objects, want_progress))
+                task = submit(self._run(rid, spec, objects))
                 self.requests[rid] = (objects, task)
                 task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
             elif kind == "object":
@@ -641,16 +721,16 @@ class _Writer:
                 extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes)))
         return ObjectPlan(key, extents)
 
-    async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]], want_progress: bool) -> None:
-        def progress(_event: str, n: int) -> None:
-            self.chan.send(("progress", rid, n))
-
+    async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:
         try:
             eng = self._engine(spec)
 
             async def one(i: int) -> WrittenObject:
                 key, desc = await asyncio.wrap_future(objects[i])
-                return await eng.write_object(self._plan(key, desc), progress if want_progress else None)
+                done = await eng.write_object(self._plan(key, desc))
+                # Each object reported as written: its copies in shared memory can be reused.
+                self.chan.send(("wrote", rid, i, sum(d[4] for d in desc)))
+                return done
 
             written = await gather_or_cancel(one(i) for i in range(len(objects)))
             await eng.retrying(f"sync {spec[0]}", eng.backend.sync)

@@ -100,14 +100,21 @@ def test_sidecar_and_in_process_saves_write_the_same_checkpoint(tmp_path: Path, 
     _assert_same_tree(ckptio.restore(tmp_path / "sidecar", 3), expected)
 
 
-def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tiled", [False, True])
+def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path, tiled: bool) -> None:
+    """JAX shards (not staged by a copy) are copied into shared memory by the background thread;
+    tiled, one shard's copy serves the tiles of many small objects and is reused once they are written."""
     jnp = pytest.importorskip("jax.numpy")
-    state = {"w": jnp.arange(200_000, dtype=jnp.float32).reshape(400, 500), "b": jnp.ones(33, jnp.bfloat16)}
+    state = {"w": jnp.arange(200_000, dtype=jnp.float32).reshape(400, 500), "b": jnp.ones(33, jnp.bfloat16),
+             "v": jnp.arange(50_000, dtype=jnp.int32)}
+    opts = {"object_size": 128 << 10, "tile_bytes": 32 << 10} if tiled else {}
     for name in ("thread", "sidecar"):
-        mngr = ckptio.CheckpointManager(tmp_path / name, engine_config=EngineConfig(writer=name))
+        mngr = ckptio.CheckpointManager(tmp_path / name, engine_config=EngineConfig(writer=name), backend_options=opts)
         mngr.save(1, state)
         mngr.wait_until_finished()
         mngr.close()
+    if tiled:
+        assert _normalized_manifest(tmp_path / "sidecar" / "1")["version"] == 3
     assert _normalized_manifest(tmp_path / "thread" / "1") == _normalized_manifest(tmp_path / "sidecar" / "1")
     out = ckptio.restore(tmp_path / "sidecar", 1)
     assert out["w"].tobytes() == np.asarray(state["w"]).tobytes() and out["b"].tobytes() == np.asarray(state["b"]).tobytes()
@@ -131,6 +138,22 @@ def test_dcp_async_save_through_the_sidecar(tmp_path: Path, monkeypatch: pytest.
     out = {"w": torch.zeros(100, 1000), "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
     dcp.load(out, storage_reader=Reader(tmp_path / "a"))
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"]) and out["step"] == 4
+
+
+def test_orbax_manager_through_the_sidecar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jax = pytest.importorskip("jax")
+    import ckptio.orbax
+
+    monkeypatch.setenv(sidecar.ENV, "sidecar")
+    state = {"w": jax.numpy.arange(60_000, dtype=jax.numpy.float32).reshape(200, 300), "b": jax.numpy.ones(9)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    with ocp.CheckpointManager(tmp_path / "o") as mngr:
+        mngr.save(1, args=ckptio.orbax.Save(state))
+        mngr.wait_until_finished()
+        assert sidecar.current_pid() is not None
+        out = mngr.restore(1, args=ckptio.orbax.Restore(abstract))
+    assert all(np.asarray(out[k]).tobytes() == np.asarray(state[k]).tobytes() for k in state)
 
 
 def test_a_backend_object_keeps_the_in_process_writer(tmp_path: Path) -> None:
