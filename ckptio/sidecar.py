@@ -30,39 +30,39 @@ Data not already in shared memory (JAX arrays, which are staged without a
 copy; ``copy=False`` saves; tensors DCP staged in its own buffers) is copied
 into a slab by the trainer's background thread, object by object, with a
 copy that releases the GIL. For unaligned sources this is the copy that the
-local backend's O_DIRECT bounce buffer made in-process.
+local backend's O_DIRECT bounce buffer made in-process. Such copies are
+bounded to a few objects in flight and reused as objects are written.
+
+Modules: this one chooses the writer and drives the child from the trainer;
+:mod:`ckptio.shm` is the shared-memory pool; :mod:`ckptio.sidecar_child` is
+the child and the wire both ends speak.
 """
 
 from __future__ import annotations
 
-import asyncio
-import bisect
+import atexit
 import concurrent.futures
-import ctypes
 import dataclasses
 import itertools
 import logging
-import mmap
 import os
 import pickle
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ckptio.backends._copy import copy_bytes
-from ckptio.backends._posix import address
 
-from .engine import Engine, EngineConfig, Progress, WrittenObject, gather_or_cancel, run_sync, submit
+from .engine import EngineConfig, Progress, WrittenObject, run_sync
 from .errors import SaveFailedError
-from .layout import ObjectPlan, PlannedExtent
+from .layout import ObjectPlan
+from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
+from .sidecar_child import Channel
 from .staging import StagingPool
 from .tiling import TileCopy
 
@@ -77,15 +77,9 @@ log = logging.getLogger("ckptio.sidecar")
 ENV = "CKPTIO_WRITER"
 WRITERS = ("thread", "sidecar")
 
-_SLAB = 64 << 20  # the smallest shared-memory file: few descriptors, one per 64 MiB of staging
-#: Slab ids are unique in the process, across pools: a sidecar maps each id once.
-_slab_ids = itertools.count(1)
-_BIG = 64 << 10
 #: Copies into shared memory in flight per save, in objects (see _Export): enough to keep a
 #: local disk's writes going (4 and 8 writes in flight measured alike), far less than a state.
-_EXPORT_OBJECTS = 4  # buffers this large start on a page (O_DIRECT writes them without a bounce)
-_SMALL_ALIGN = 64
-_PR_SET_PDEATHSIG = 1
+_EXPORT_OBJECTS = 4
 
 
 # -- choosing the writer ------------------------------------------------------
@@ -157,149 +151,6 @@ def write_and_sync(
         run_sync(store.engine.retrying(f"sync {where or store.url}", store.backend.sync))
         return written
     return _sidecar().write(store, plans, progress, ready, where or store.url)
-
-
-# -- shared-memory staging ----------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class _Slab:
-    id: int
-    fd: int
-    size: int
-    mm: mmap.mmap
-    addr: int
-    used: int = 0
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class ShmStagingPool(StagingPool):
-    """A :class:`StagingPool` whose buffers live in shared memory another process can map.
-
-    Buffers are carved out of memfd slabs of at least 64 MiB (large buffers page-aligned,
-    small ones 64-byte aligned) and reused by size like any pool's; slab memory is
-    returned only by :meth:`close`. :meth:`locate` tells which slab and offset a buffer
-    (or a view into one) lives at.
-    """
-
-    def __init__(self, slab_bytes: int = _SLAB) -> None:
-        super().__init__(None)
-        self.slab_bytes = slab_bytes
-        self._slabs: list[_Slab] = []  # by address
-        self._starts: list[int] = []
-        self._current: _Slab | None = None
-        self._alloc_lock = threading.Lock()
-
-    def _allocate(self, nbytes: int) -> np.ndarray:
-        if nbytes == 0:
-            return np.empty(0, np.uint8)
-        align = mmap.PAGESIZE if nbytes >= _BIG else _SMALL_ALIGN
-        with self._alloc_lock:
-            slab = self._current
-            if slab is None or _round_up(slab.used, align) + nbytes > slab.size:
-                slab = self._new_slab(max(self.slab_bytes, _round_up(nbytes, mmap.PAGESIZE)))
-            start = _round_up(slab.used, align)
-            slab.used = start + nbytes
-            cur = self._current
-            if cur is None or slab.size - slab.used > cur.size - cur.used:
-                self._current = slab  # small buffers go where the most room is left
-            return np.frombuffer(slab.mm, np.uint8, count=nbytes, offset=start)
-
-    def _new_slab(self, size: int) -> _Slab:
-        fd = os.memfd_create(f"ckptio-stage-{os.getpid()}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        slab = _Slab(next(_slab_ids), fd, size, mm, address(memoryview(mm)))
-        i = bisect.bisect(self._starts, slab.addr)
-        self._slabs.insert(i, slab)
-        self._starts.insert(i, slab.addr)
-        return slab
-
-    def slabs(self) -> list[tuple[int, int, int]]:
-        """``(id, fd, size)`` of every slab, for handing them to another process."""
-        with self._alloc_lock:
-            return [(s.id, s.fd, s.size) for s in self._slabs]
-
-    def locate(self, view: memoryview) -> tuple[int, int] | None:
-        """``(slab id, offset)`` of a C-contiguous buffer lying wholly in one slab, else None."""
-        if not view.nbytes:
-            return None
-        a = address(view)
-        with self._alloc_lock:
-            i = bisect.bisect_right(self._starts, a) - 1
-            if i >= 0:
-                s = self._slabs[i]
-                if a + view.nbytes <= s.addr + s.size:
-                    return s.id, a - s.addr
-        return None
-
-    def close(self) -> None:
-        """Forget every buffer and close the slabs' descriptors (the memory goes with the last view)."""
-        self.clear()
-        with self._alloc_lock:
-            for s in self._slabs:
-                os.close(s.fd)
-            self._slabs, self._starts, self._current = [], [], None
-
-
-_pool: ShmStagingPool | None = None
-_pool_lock = threading.Lock()
-
-
-def shared_pool() -> ShmStagingPool:
-    """This process's shared-memory staging pool (made on first use; freed by :func:`shutdown`)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ShmStagingPool()
-        return _pool
-
-
-# -- the wire: length-prefixed pickles, a descriptor riding on a header ---------
-
-
-class _Channel:
-    """Messages over a private Unix socket between the trainer and its own sidecar (pickle is
-    safe here: both ends are the same code in two processes of one job)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._send_lock = threading.Lock()
-
-    def send(self, msg: Any, fd: int | None = None) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        head = struct.pack("!Q", len(data))
-        with self._send_lock:
-            if fd is None:
-                self.sock.sendall(head + data)
-                return
-            sent = socket.send_fds(self.sock, [head], [fd])
-            self.sock.sendall(head[sent:] + data)
-
-    def recv(self) -> tuple[Any, list[int]] | None:
-        """The next message and the descriptors that came with it; None at EOF."""
-        head, fds, _flags, _addr = socket.recv_fds(self.sock, 8, 1)
-        if not head:
-            return None
-        head += self._exactly(8 - len(head))
-        return pickle.loads(self._exactly(struct.unpack("!Q", head)[0])), list(fds)
-
-    def _exactly(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if not k:
-                raise EOFError("the other end closed the socket mid-message")
-            got += k
-        return bytes(buf)
 
 
 # -- the trainer's side -------------------------------------------------------
@@ -437,7 +288,7 @@ class Sidecar:
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._chan = _Channel(ours)
+        self._chan = Channel(ours)
         self._theirs = theirs
         self._pending: dict[int, _Request] = {}
         self._lock = threading.Lock()
@@ -594,7 +445,7 @@ def _spawn(sock: socket.socket) -> subprocess.Popen[bytes]:
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     env[ENV] = "thread"
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from ckptio.sidecar import _child_main; _child_main(*map(int, sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from ckptio.sidecar_child import child_main; child_main(*map(int, sys.argv[1:]))",
          str(sock.fileno()), str(os.getpid())],
         pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, env=env,
     )
@@ -625,15 +476,12 @@ def current_pid() -> int | None:
 
 def shutdown() -> None:
     """Stop this process's sidecar and free its shared memory (also run at exit)."""
-    global _current, _pool
+    global _current
     with _current_lock:
         sc, _current = _current, None
     if sc is not None and sc.owner_pid == os.getpid():
         sc.close()
-    with _pool_lock:
-        pool, _pool = _pool, None
-    if pool is not None:
-        pool.close()
+    close_shared_pool()
     dcp_staging = sys.modules.get("ckptio.dcp.staging")
     if dcp_staging is not None:  # DCP's staging keeps its own free buffers, views into the slabs
         dcp_staging.SHARED_BUFFERS.clear()
@@ -641,114 +489,10 @@ def shutdown() -> None:
 
 def _forget_after_fork() -> None:
     # A forked child (a data-loader worker) shares neither the sidecar nor its slabs' bookkeeping.
-    global _current, _pool
-    _current, _pool = None, None
+    global _current
+    _current = None
+    forget_shared_pool()
 
-
-import atexit  # noqa: E402
 
 atexit.register(shutdown)
 os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-# -- the child's side ---------------------------------------------------------
-
-
-class _Writer:
-    """The child: maps the trainer's slabs and runs each request on ckptio's IO loop."""
-
-    def __init__(self, chan: _Channel) -> None:
-        self.chan = chan
-        self.slabs: dict[int, mmap.mmap] = {}
-        self.engines: dict[bytes, Engine] = {}
-        self.requests: dict[int, tuple[list[concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = {}
-
-    def serve(self) -> None:
-        while True:
-            got = self.chan.recv()
-            if got is None:
-                os._exit(0)  # the trainer is gone (or done with us): nothing here is worth finishing
-            msg, fds = got
-            kind = msg[0]
-            if kind == "slab":
-                self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
-                os.close(fds[0])
-            elif kind == "open":
-                _k, rid, spec, n = msg
-                objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
-                task = submit(self._run(rid, spec, objects))
-                self.requests[rid] = (objects, task)
-                task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
-            elif kind == "object":
-                _k, rid, i, key, desc = msg
-                req = self.requests.get(rid)
-                if req is not None and not req[0][i].done():
-                    req[0][i].set_result((key, desc))
-            elif kind == "abort":
-                req = self.requests.get(msg[1])
-                if req is not None:
-                    for f in req[0]:
-                        if not f.done():
-                            f.set_exception(SaveFailedError(f"aborted by the trainer: {msg[2]}"))
-            for fd in fds if kind != "slab" else ():
-                os.close(fd)
-
-    def _engine(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]]) -> Engine:
-        """The engine of one (URL, options, config, environment): made once, reused by later saves."""
-        key = pickle.dumps(spec)
-        eng = self.engines.get(key)
-        if eng is None:
-            from ckptio.backends import open_backend
-
-            url, options, config, env = spec
-            os.environ.clear()
-            os.environ.update(env)  # what the backend would have seen, opened in the trainer
-            eng = self.engines[key] = Engine(open_backend(url, **options), config)
-        return eng
-
-    def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
-        extents = []
-        for item, shard, shard_offset, offset, length, src in desc:
-            slab = self.slabs[src[1]]
-            if src[0] == "shm":
-                view = memoryview(slab)[src[2] : src[2] + length]
-                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length))
-            else:
-                _s, _id, off, itemsize, shape, offs, sizes = src
-                n = int(np.prod(shape, dtype=np.int64)) * itemsize
-                # Whole elements as opaque void items: the child needs no ml_dtypes to cut a tile.
-                arr = np.frombuffer(slab, np.dtype(f"V{itemsize}"), count=n // itemsize, offset=off).reshape(shape)
-                extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes)))
-        return ObjectPlan(key, extents)
-
-    async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:
-        try:
-            eng = self._engine(spec)
-
-            async def one(i: int) -> WrittenObject:
-                key, desc = await asyncio.wrap_future(objects[i])
-                done = await eng.write_object(self._plan(key, desc))
-                # Each object reported as written: its copies in shared memory can be reused.
-                self.chan.send(("wrote", rid, i, sum(d[4] for d in desc)))
-                return done
-
-            written = await gather_or_cancel(one(i) for i in range(len(objects)))
-            await eng.retrying(f"sync {spec[0]}", eng.backend.sync)
-            self.chan.send(("done", rid, [(w.key, w.size, w.crcs) for w in written]))
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the trainer
-            try:
-                blob: bytes | None = pickle.dumps(e)
-            except Exception:  # noqa: BLE001
-                blob = None
-            self.chan.send(("failed", rid, blob, f"{type(e).__name__}: {e}"))
-
-
-def _child_main(fd: int, parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the trainer died before the signal was armed
-        os._exit(0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when a save stops
-    logging.basicConfig(level=logging.WARNING, format="ckptio-sidecar %(levelname)s %(name)s: %(message)s")
-    _Writer(_Channel(socket.socket(fileno=fd))).serve()
-
