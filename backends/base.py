@@ -126,6 +126,9 @@ class Capabilities:
     #: plain C order, for host-local disks, where the restore is nearly always the same layout
     #: and a tiled one pays a copy through scratch (measured: ~20 % slower, ckptio bench --reshard).
     tile_bytes: int = 0
+    #: The storage lives in this process's memory: another process (a ckptio.sidecar writer)
+    #: opening the same URL would see other objects, so writes stay in this process.
+    process_local: bool = False
 
 
 def check_key(key: str) -> str:

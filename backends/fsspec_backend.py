@@ -211,6 +211,7 @@ class FsspecBackend(Backend):
             list_consistent=True,  # S3 (since 2020), GCS, Azure: strong read-after-write and list
             hashed_names=traits.object_store if cfg.hashed_names is None else cfg.hashed_names,
             tile_bytes=(1 << 20) if traits.object_store else 0,
+            process_local=traits.process_local,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -44,7 +44,8 @@ class MemoryBackend(Backend):
             self._objects = _STORES.setdefault(self._url, {})
         self._lock = threading.Lock()
         self.capabilities = Capabilities(
-            durable_on_close=True, preferred_io_size=1 << 20, object_size=64 << 20, concurrency=8
+            durable_on_close=True, preferred_io_size=1 << 20, object_size=64 << 20, concurrency=8,
+            process_local=True,
         )
 
     @classmethod

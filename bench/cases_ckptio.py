@@ -131,7 +131,7 @@ class CkptioTorch(CkptioNumpy):
     description = "ckptio.CheckpointManager.save/restore (torch tensors)"
 
 
-def _dcp_cases() -> None:
+def _dcp_cases() -> type[Case]:
     """ckptio under DCP: the same DCP calls as the ``dcp`` anchors, with ckptio's Writer/Reader."""
     from .anchors_torch import DCPAsyncSave, DCPSave
 
@@ -168,11 +168,13 @@ def _dcp_cases() -> None:
         sweep_max_tensors = 0
         description = "dcp.async_save(storage_writer=ckptio.dcp.Writer) (its pooled stager); Reader"
 
+    return CkptioDCPAsync
 
-_dcp_cases()
+
+_dcp_async = _dcp_cases()
 
 
-def _orbax_cases() -> None:
+def _orbax_cases() -> type[Case]:
     """ckptio under Orbax: the same ``ocp.CheckpointManager`` as the anchors, with ckptio's handler."""
     from .anchors_jax import _OrbaxBase
 
@@ -203,5 +205,34 @@ def _orbax_cases() -> None:
         def info(self) -> dict[str, Any]:
             return {"compressor": None}
 
+    return CkptioOrbax
 
-_orbax_cases()
+
+_orbax = _orbax_cases()
+
+
+def _sidecar_cases() -> None:
+    """Each ckptio case again with its object writes in a writer process (``CKPTIO_WRITER=sidecar``).
+
+    Not in the default run: ``--cases 'ckptio*'`` puts each case beside its sidecar twin, so one
+    ``--train`` run shows what the writer process buys the training thread. The variable is set in
+    the case's own worker process, so it reaches every front-end (native, DCP, Orbax) alike.
+    """
+    import os
+
+    for base in [CkptioNumpy, CkptioJax, CkptioTorch, _dcp_async, _orbax]:
+
+        def setup(self: Any, _base: type[Case] = base) -> None:
+            os.environ["CKPTIO_WRITER"] = "sidecar"
+            _base.setup(self)
+
+        register(type(f"{base.__name__}Sidecar", (base,), {
+            "name": f"{base.name}-sidecar",
+            "in_default_run": False,
+            "description": f"{base.description}; object writes in a sidecar process",
+            "setup": setup,
+            "__doc__": f"{base.name} with CKPTIO_WRITER=sidecar.",
+        }))
+
+
+_sidecar_cases()

@@ -61,6 +61,7 @@ _LABELS = {
     "save_rss_mib": "save +RSS MiB",
     "restore_rss_mib": "restore +RSS MiB",
     "train_slowdown": "train step ×",
+    "train_blocked_ms": "train blocked ms",
 }
 
 
@@ -76,6 +77,8 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
         out["restore_gibps"] = nbytes / GIB / sample["restore_s"]
     if sample.get("train_busy_s") and sample.get("train_idle_s"):
         out["train_slowdown"] = sample["train_busy_s"] / sample["train_idle_s"]
+    if sample.get("train_blocked_s") is not None:
+        out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
     for key, fig in (("save_rss_bytes", "save_rss_mib"), ("restore_rss_bytes", "restore_rss_mib"),
                      ("save_held_bytes", "save_held_mib")):
         if sample.get(key) is not None:
@@ -191,7 +194,7 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                 out: TextIO | None = None) -> None:
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
-    extra = [f for f in ("train_slowdown",) if any(f in r.get("summary", {}) for r in results)]
+    extra = [f for f in ("train_slowdown", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
     headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
                "held MiB", "save ×raw", "restore ×raw"]
     rows = []
@@ -215,7 +218,9 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
     ]
     if extra:
         notes.append("train step ×: a GIL-bound host step's time while the save finishes in the background ÷ idle "
-                     "(1 = unaffected; synchronous saves: none, the stall is the cost)")
+                     "(1 = unaffected; synchronous saves: none, the stall is the cost); train blocked ms: per step, "
+                     "the time that thread neither ran nor waited for a core (the GIL, mostly: the save's own share "
+                     "of the slowdown on a loaded host)")
     print_table(header, headers, rows, notes, out)
 
 

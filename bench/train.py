@@ -32,6 +32,15 @@ def step() -> int:
     return acc
 
 
+def _runq_s() -> float:
+    """Seconds this thread has waited for a core so far (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _timed_step() -> float:
     t = time.perf_counter()
     step()
@@ -51,8 +60,11 @@ def during(wait: Callable[[], Any]) -> dict[str, Any]:
     """Run ``wait`` (a save's ``result``) in a thread and training steps here until it returns.
 
     Returns ``{"train_busy_s": mean step time, "train_max_s": the longest step,
-    "train_steps": n}``; re-raises what ``wait`` raised. The mean, not the median: a step
-    now and then held up for a whole GIL switch interval is exactly the cost to see.
+    "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
+    the median: a step now and then held up for a whole GIL switch interval is exactly the
+    cost to see. ``train_blocked_s`` is the mean per step of the time the thread neither ran
+    nor waited for a core: waiting for the GIL, mostly. That part is the save's own doing
+    even on a loaded host, where the rest of a slowdown is other processes' CPU.
     """
     failure: list[BaseException] = []
 
@@ -64,10 +76,14 @@ def during(wait: Callable[[], Any]) -> dict[str, Any]:
 
     thread = threading.Thread(target=waiter, name="bench-save-wait", daemon=True)
     thread.start()
+    cpu0, runq0 = time.thread_time(), _runq_s()
     times = [_timed_step()]  # at least one: the step the save's background work started under
     while thread.is_alive():
         times.append(_timed_step())
+    cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
     thread.join()
     if failure:
         raise failure[0]
-    return {"train_busy_s": statistics.fmean(times), "train_max_s": max(times), "train_steps": len(times)}
+    blocked = max(0.0, sum(times) - cpu - runq) / len(times)
+    return {"train_busy_s": statistics.fmean(times), "train_max_s": max(times), "train_steps": len(times),
+            "train_blocked_s": blocked}

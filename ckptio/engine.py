@@ -66,6 +66,11 @@ class EngineConfig:
     #: meets; 0 keeps every shard in plain C order. None: the backend's
     #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
     tile_bytes: int | None = None
+    #: Who writes a save's objects: "thread" (this process's IO loop) or "sidecar" (a writer
+    #: process per host fed from shared-memory staging, ckptio.sidecar, so that nothing of a
+    #: background save runs under the training process's GIL). None: the ``CKPTIO_WRITER``
+    #: environment variable, else "thread".
+    writer: str | None = None
 
 
 # -- the shared event-loop thread -------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 from ckptio.backends import Backend
 
 from .distributed import Coordinator, default_coordinator
+from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
 from .restore import restore_step
@@ -70,6 +71,7 @@ class CheckpointManager:
         self.save_interval_steps = max(1, save_interval_steps)
         self.coordinator = coordinator or default_coordinator()
         self._pool = StagingPool()
+        sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()
         self._retention_error: BaseException | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _gc
+from . import _gc, sidecar
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
 from .engine import Progress, WrittenObject, run_sync
 from .errors import ManifestError, SaveFailedError
@@ -31,7 +31,7 @@ from .manifest import ROWS_VERSION, TILED_VERSION, Manifest, item_row, item_to_j
 from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
-from .tiling import tile_boxes
+from .tiling import TileCopy, tile_boxes
 from .tree import flatten_named
 
 __all__ = ["SaveHandle", "merge_records", "start_save"]
@@ -106,12 +106,7 @@ def _pieces(staged: dict[str, Any], packs: list[LeafPack] = ()) -> tuple[list[Pi
 
 def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...]) -> Callable[[memoryview], None]:
     """Copies one tile of a staged C-order shard into the buffer the writer hands it."""
-    box = tuple(slice(o, o + n) for o, n in zip(offs, sizes))
-
-    def fill(dest: memoryview) -> None:
-        np.copyto(np.asarray(dest).view(shard.dtype).reshape(sizes), shard[box], casting="no")
-
-    return fill
+    return TileCopy(shard, offs, sizes)
 
 
 def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> None:
@@ -321,8 +316,9 @@ def _start_save(
     where = store.where(step_dir)
     t0 = time.perf_counter()
     # The save's buffers: snapshots of mutable leaves (with ``copy``) and packs of small ones (always:
-    # a pack is one copy of bytes that are tiny next to the per-leaf work it saves).
-    area = StagingArea(pool)
+    # a pack is one copy of bytes that are tiny next to the per-leaf work it saves). A writer process
+    # reads staged bytes from shared memory: they are staged there, no later copy.
+    area = StagingArea(sidecar.staging_pool(store, pool))
     try:
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
         tile_bytes = store.engine.config.tile_bytes
@@ -366,8 +362,7 @@ def _start_save(
 
     def background() -> None:
         try:
-            written = run_sync(store.engine.write_objects(plans, progress, ready))
-            run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
+            written = sidecar.write_and_sync(store, plans, progress, ready, where)
             with _gc.paused():
                 record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs)
             if split:

@@ -91,6 +91,10 @@ class StagingPool:
             if bufs:
                 self._held -= nbytes
                 return bufs.pop()
+        return self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        """A new buffer (a shared-memory pool, ckptio.sidecar, allocates elsewhere)."""
         return aligned_empty(nbytes)
 
     def give_back(self, buffers: Sequence[np.ndarray]) -> None:

@@ -113,6 +113,10 @@ class CheckpointStore:
             raise ValueError("the checkpoint URL is empty (give a path or a URL such as gs://bucket/run)")
         self.url = raw.rstrip("/") or "/"
         self.backend = backend if backend is not None else open_backend(self.url, **(backend_options or {}))
+        #: How another process opens the same backend (ckptio.sidecar): only a backend this store
+        #: opened from its URL can be; one handed in (a wrapper, a test double) cannot.
+        self.backend_options = dict(backend_options or {})
+        self.reopenable = backend is None
         self.engine = Engine(self.backend, engine_config)
         self.naming = naming or _default_naming(self.backend)
         self._manifests: dict[tuple[str, int, float], Manifest] = {}

@@ -17,13 +17,14 @@ never waits for the strided copy.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["DEFAULT_TILE_BYTES", "tile_boxes", "tile_for", "tiles_meeting"]
+__all__ = ["DEFAULT_TILE_BYTES", "TileCopy", "tile_boxes", "tile_for", "tiles_meeting"]
 
 #: Tiles of about 1 MiB (what shared-storage backends declare in ``Capabilities.tile_bytes``): a
 #: column block of a row-saved shard reads at most one tile width too much on either side, and a
@@ -97,3 +98,21 @@ def tiles_meeting(
         sizes = tuple(min(t, n - o) for t, n, o in zip(tile, shape, offs))
         out.append((offs, sizes, _start(shape, tile, idx)))
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TileCopy:
+    """Copies one tile (the box ``offs`` + ``sizes``) of a staged C-order shard into the buffer
+    the writer hands it.
+
+    A value, not a closure, so that a writer in another process (ckptio.sidecar) can be told
+    which shard and box to cut instead of being handed code.
+    """
+
+    shard: np.ndarray
+    offs: Shape
+    sizes: Shape
+
+    def __call__(self, dest: memoryview) -> None:
+        box = tuple(slice(o, o + n) for o, n in zip(self.offs, self.sizes))
+        np.copyto(np.asarray(dest).view(self.shard.dtype).reshape(self.sizes), self.shard[box], casting="no")

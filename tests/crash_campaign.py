@@ -30,11 +30,12 @@ LEASE_S = "2"  # short leases, so that the final gc may judge every killed save 
 
 CHILD = r"""
 import sys, numpy as np, ckptio
+from ckptio import sidecar
 sys.path.insert(0, {here!r})
 from crash_campaign import state_for
 mngr = ckptio.CheckpointManager({root!r}, max_to_keep=2, keep_period=7)
 step = (mngr.latest_step() or 0) + 1
-print("ready", flush=True)
+print("ready", sidecar.current_pid() or 0, flush=True)  # the writer process, with CKPTIO_WRITER=sidecar
 while True:
     try:
         mngr.save(step, state_for(step))
@@ -98,14 +99,30 @@ def check(root: str) -> tuple[int, int | None, list[int]]:
     return len(steps), (steps[-1] if steps else None), steps
 
 
-def _start(code: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "CKPTIO_LEASE_S": LEASE_S}
+def _start(code: str, writer: str = "thread") -> tuple[subprocess.Popen[bytes], int]:
+    """A child and the pid its ready line names (its sidecar's, or 0)."""
+    env = {**os.environ, "CKPTIO_LEASE_S": LEASE_S, "CKPTIO_WRITER": writer}
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert child.stdout is not None
-    if child.stdout.readline().strip() != b"ready":
+    words = child.stdout.readline().split()
+    if words[:1] != [b"ready"]:
         child.kill()
         raise AssertionError(f"child did not start: {child.stderr.read().decode()[-2000:] if child.stderr else ''}")
-    return child
+    return child, int(words[1]) if len(words) > 1 else 0
+
+
+def _gone(pid: int, seconds: float = 30.0) -> bool:
+    """``pid`` has exited (a zombie counts: it runs nothing) within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def account(root: str) -> dict[str, int]:
@@ -134,7 +151,9 @@ def run_sync_manifest(mngr: object, step: int) -> object:
     return run_sync(mngr.store.read_manifest(str(step)))  # type: ignore[attr-defined]
 
 
-def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5) -> dict:
+def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, writer: str = "thread") -> dict:
+    """``writer="sidecar"``: the saver writes through its writer process, which is one more
+    thing to kill -- and which must never outlive its saver."""
     rnd = random.Random(seed)
     here = os.path.dirname(os.path.abspath(__file__))
     dst = root.rstrip("/") + "-copy"
@@ -142,17 +161,23 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5) 
              "cp": CP_CHILD.format(root=root, dst=dst)}
     newest_seen: list[int | None] = []
     periodic: set[int] = set()
-    kills = {name: 0 for name in codes}
+    kills = {name: 0 for name in [*codes, *(["sidecar"] if writer == "sidecar" else [])]}
     for _ in range(trials):
-        children = {name: _start(code) for name, code in codes.items()}
+        started = {name: _start(code, writer) for name, code in codes.items()}
+        children = {name: c for name, (c, _pid) in started.items()}
+        pids = {name: c.pid for name, c in children.items()}
+        if writer == "sidecar":
+            pids["sidecar"] = started["saver"][1]
         time.sleep(rnd.uniform(0.0, max_delay))
-        doomed = rnd.sample(sorted(children), rnd.randint(1, len(children)))
+        doomed = rnd.sample(sorted(pids), rnd.randint(1, len(pids)))
         for name in doomed:  # the kills land at once, in a random order
-            os.kill(children[name].pid, signal.SIGKILL)
+            os.kill(pids[name], signal.SIGKILL)
             kills[name] += 1
         for child in children.values():  # the survivors are stopped too (then killed: no clean exit path)
             child.kill()
             child.wait()
+        if writer == "sidecar":
+            assert _gone(pids["sidecar"]), f"the sidecar {pids['sidecar']} outlived its killed saver"
         _count, newest, steps = check(root)
         check(dst)
         newest_seen.append(newest)
@@ -188,10 +213,11 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--root", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--writer", choices=["thread", "sidecar"], default="thread")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ckptio-crash-")
     t0 = time.time()
-    print(run_campaign(args.trials, root, args.seed), f"{time.time() - t0:.0f}s", root)
+    print(run_campaign(args.trials, root, args.seed, writer=args.writer), f"{time.time() - t0:.0f}s", root)
     return 0
 
 

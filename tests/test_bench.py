@@ -140,6 +140,7 @@ def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, cas
         assert sample["train_idle_s"] > 0
         assert (sample.get("train_steps", 0) >= 1) == background, sample
         assert (sample.get("train_busy_s", 0) > 0) == background, sample
+        assert (sample.get("train_blocked_s", -1) >= 0) == background, sample
     assert ("train_slowdown" in report.summarize(result)) == background
 
 

@@ -24,13 +24,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-__all__ = ["DEFAULT_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
+__all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
 
 
 class HostBuffers:
-    """Flat uint8 host buffers by size (pinned ones apart), reused across saves; thread-safe."""
+    """Flat uint8 host buffers by size (pinned ones apart), reused across saves; thread-safe.
 
-    def __init__(self) -> None:
+    ``shared=True``: unpinned buffers live in shared memory (:func:`ckptio.sidecar.shared_pool`),
+    so that a sidecar writer process reads them as staged, without another copy.
+    """
+
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
         self._free: dict[tuple[int, bool], list[Any]] = {}
         self._lock = threading.Lock()
         #: Buffers allocated and reused so far (for tests and benchmarks).
@@ -45,6 +50,10 @@ class HostBuffers:
                 self.reused += 1
                 return free.pop()
             self.allocated += 1
+        if self.shared and not pinned:
+            from ckptio import sidecar
+
+            return torch.from_numpy(sidecar.shared_pool().take(nbytes))
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def lend(self, owner: Any, buf: Any, pinned: bool) -> None:
@@ -68,6 +77,8 @@ class HostBuffers:
 #: The pool every Writer uses unless given another: shared, so that a new
 #: ``Writer(url_of_step)`` per save still reuses the previous saves' buffers.
 DEFAULT_BUFFERS = HostBuffers()
+#: The same for writers whose objects a sidecar process writes (``EngineConfig(writer="sidecar")``).
+SHARED_BUFFERS = HostBuffers(shared=True)
 
 
 def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any:

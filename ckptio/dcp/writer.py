@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import sidecar
 from ..engine import EngineConfig, run_sync
 from ..intents import Lease, new_id
 from ..layout import Naming, Piece, pack
@@ -62,7 +63,7 @@ from ..urls import file_in_the_way
 from . import _overwrite, _transforms
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._location import Located
-from .staging import HostBuffers, stage_state_dict
+from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict
 
 __all__ = ["Writer"]
 
@@ -134,6 +135,7 @@ class Writer(Located, StorageWriter, AsyncStager):
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
+        sidecar.prestart(engine_config)
         self.buffers = buffers
         self.overwrite = bool(overwrite)
         self.cache_staged_state_dict = bool(cache_staged_state_dict)
@@ -158,7 +160,10 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`)."""
-        return stage_state_dict(state_dict, self.buffers)
+        buffers = self.buffers
+        if buffers is None and sidecar.writer_of(self.engine_config) == "sidecar":
+            buffers = SHARED_BUFFERS  # staged straight into memory the writer process maps
+        return stage_state_dict(state_dict, buffers)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies synchronously."""
@@ -241,8 +246,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             object_size=store.backend.capabilities.object_size,
             key_for=lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n),
         )
-        written = run_sync(store.engine.write_objects(plans))
-        run_sync(store.backend.sync())
+        written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
         extents: dict[int, list[tuple[str, int, int, int, tuple[int, ...]]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):

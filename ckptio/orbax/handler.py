@@ -21,6 +21,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ckptio import sidecar
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.layout import Naming
 from ckptio.restore import restore_checkpoint
@@ -69,6 +70,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         sweep_grace_seconds: float = 3600.0,
     ) -> None:
         self._config = StorageConfig(storage, naming, engine_config, backend_options, sweep_grace_seconds)
+        sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         # (Orbax root, item) pairs this handler finalised: swept once more on close, after
         # Orbax's last retention pass, which runs after our finalize.
         self._swept: set[tuple[str, str]] = set()

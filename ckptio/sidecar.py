@@ -1,0 +1,498 @@
+"""The optional writer process per host ("sidecar"): a save's object writes out of the trainer.
+
+With ``EngineConfig(writer="sidecar")`` (or ``CKPTIO_WRITER=sidecar``) the
+bytes of a save are staged into shared memory (:class:`ShmStagingPool`:
+memfd slabs, the same single staging copy as in-process), and a child
+process runs the engine on them: tile cuts, block checksums, the backend's
+writes and its sync. The trainer's background thread only describes each
+object (key, extents as slab offsets) once its bytes are staged, then blocks
+on the socket -- which releases the GIL -- and does the cheap rest itself:
+the host record, the fragment, the gather and the commit. Collectives never
+leave the trainer process.
+
+Contracts:
+
+- **No partial commit.** The manifest is written by the trainer only after
+  the sidecar confirmed every object (and its sync); a sidecar that dies or
+  fails fails the save, which then takes the ordinary failure path (lease
+  left to go stale, gc collects the objects).
+- **Restarted on the next save.** A dead sidecar is replaced by a fresh one
+  the next time a save needs it.
+- **Never outlives its trainer.** The child sets ``PR_SET_PDEATHSIG`` (SIGKILL)
+  tied to the trainer thread that spawned it and exits on EOF of its socket;
+  a trainer that exits normally closes the socket at exit and reaps the child.
+- **No leaked shared memory.** Slabs are anonymous ``memfd_create`` files
+  handed to the child over the socket (SCM_RIGHTS): they have no name in
+  ``/dev/shm`` and vanish with the last process mapping them, whoever dies
+  how. So there is nothing to reclaim after a SIGKILL.
+
+Data not already in shared memory (JAX arrays, which are staged without a
+copy; ``copy=False`` saves; tensors DCP staged in its own buffers) is copied
+into a slab by the trainer's background thread, object by object, with a
+copy that releases the GIL. For unaligned sources this is the copy that the
+local backend's O_DIRECT bounce buffer made in-process. Such copies are
+bounded to a few objects in flight and reused as objects are written.
+
+Modules: this one chooses the writer and drives the child from the trainer;
+:mod:`ckptio.shm` is the shared-memory pool; :mod:`ckptio.sidecar_child` is
+the child and the wire both ends speak.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptio.backends._copy import copy_bytes
+
+from .engine import EngineConfig, Progress, WrittenObject, run_sync
+from .errors import SaveFailedError
+from .layout import ObjectPlan
+from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
+from .sidecar_child import Channel
+from .staging import StagingPool
+from .tiling import TileCopy
+
+if TYPE_CHECKING:
+    from .store import CheckpointStore
+
+__all__ = ["ENV", "ShmStagingPool", "current_pid", "prestart", "shared_pool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
+
+log = logging.getLogger("ckptio.sidecar")
+
+#: Environment variable that picks the writer when ``EngineConfig.writer`` is None.
+ENV = "CKPTIO_WRITER"
+WRITERS = ("thread", "sidecar")
+
+#: Copies into shared memory in flight per save, in objects (see _Export): enough to keep a
+#: local disk's writes going (4 and 8 writes in flight measured alike), far less than a state.
+_EXPORT_OBJECTS = 4
+
+
+# -- choosing the writer ------------------------------------------------------
+
+
+def writer_of(config: EngineConfig | None) -> str:
+    """The writer an engine config asks for: "thread" or "sidecar" (ValueError naming a bad value)."""
+    w = (config.writer if config is not None else None) or os.environ.get(ENV) or "thread"
+    if w not in WRITERS:
+        src = "EngineConfig.writer" if config is not None and config.writer else ENV
+        raise ValueError(f"{src}={w!r}: the writer must be one of {', '.join(WRITERS)}")
+    return w
+
+
+def prestart(config: EngineConfig | None) -> None:
+    """Start this process's sidecar now if ``config`` asks for one (a manager or writer being made),
+    so that its start-up (~0.5 s of imports) is not paid inside the first save."""
+    if writer_of(config) == "sidecar" and hasattr(os, "memfd_create"):
+        _sidecar()
+
+
+_warned: set[str] = set()
+
+
+def wanted(store: CheckpointStore) -> bool:
+    """True if ``store``'s saves go through the sidecar.
+
+    Only a backend the store opened from its URL can be opened again in the
+    child, and only storage outside this process's memory is the same there; a
+    backend object handed in (a wrapper, a test double) or a process-local one
+    (``mem://``) keeps the in-process writer, with a warning once per URL.
+    """
+    if writer_of(store.engine.config) != "sidecar":
+        return False
+    if not store.reopenable or store.backend.capabilities.process_local or not hasattr(os, "memfd_create"):
+        if store.url not in _warned:
+            _warned.add(store.url)
+            # Asked for by this store's config: worth a warning; by the environment: a note.
+            log.log(logging.WARNING if store.engine.config.writer else logging.DEBUG,
+                    "%s: the sidecar writer needs a backend opened from its URL, storage outside this process "
+                    "(not mem://) and Linux memfd; writing in this process instead", store.url)
+        return False
+    return True
+
+
+def staging_pool(store: CheckpointStore, pool: StagingPool | None) -> StagingPool | None:
+    """The pool a save of ``store`` stages into: ``pool`` in-process, else this process's shared
+    one (and the sidecar is started now, so that it is up by the time the first object is)."""
+    if not wanted(store):
+        return pool
+    _sidecar()
+    return shared_pool()
+
+
+def write_and_sync(
+    store: CheckpointStore,
+    plans: Sequence[ObjectPlan],
+    progress: Progress | None = None,
+    ready: Sequence[concurrent.futures.Future[None]] | None = None,
+    where: str | None = None,
+) -> list[WrittenObject]:
+    """Write every object of ``plans`` and make them durable (the backend's sync); blocks.
+
+    In-process (the default) this is the engine on its IO loop, as before the sidecar
+    existed. With the sidecar, ``ready[i]`` (when given) still gates object ``i``.
+    """
+    if not wanted(store):
+        written = run_sync(store.engine.write_objects(plans, progress, ready))
+        run_sync(store.engine.retrying(f"sync {where or store.url}", store.backend.sync))
+        return written
+    return _sidecar().write(store, plans, progress, ready, where or store.url)
+
+
+# -- the trainer's side -------------------------------------------------------
+
+
+class _Export:
+    """Puts every extent of a save into shared memory: copies what is not there already.
+
+    Copies (JAX arrays, ``copy=False`` saves) are bounded to ``budget`` bytes in flight:
+    an object's copies go back to the pool once the sidecar reports it written, so a
+    JAX state needs a few objects' worth of shared memory, not a copy of itself.
+    """
+
+    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
+        self.pool = pool
+        self.budget = max(1, budget)
+        self.held = 0
+        self.over = False  # the save ended (failed): nobody waits for the budget any more
+        self._cond = threading.Condition()
+        self._users: dict[int, tuple[np.ndarray, set[int]]] = {}  # id(buffer) -> buffer, objects using it
+        self._by_object: dict[int, set[int]] = {}
+        self._shards: dict[int, tuple[np.ndarray, int, tuple[int, int]]] = {}  # id(shard) -> shard, buffer, place
+
+    def _need(self, plan: ObjectPlan) -> int:
+        """Bytes ``plan``'s extents will be copied into (0 for bytes already in shared memory)."""
+        need = 0
+        for e in plan.extents:
+            if isinstance(e.fill, TileCopy):
+                shard = e.fill.shard
+                if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
+                    need += shard.nbytes
+            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
+                need += e.length
+        return need
+
+    def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
+        buf = self.pool.take(n)
+        fill(memoryview(buf))
+        with self._cond:
+            self._users[id(buf)] = (buf, {user})
+            self._by_object.setdefault(user, set()).add(id(buf))
+        loc = self.pool.locate(memoryview(buf))
+        assert loc is not None
+        return id(buf), loc
+
+    def _place(self, view: memoryview, user: int) -> tuple[int, int]:
+        loc = self.pool.locate(view)
+        if loc is not None:
+            return loc
+        # copy_bytes releases the GIL for anything but small copies.
+        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
+
+    def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
+        """``(item, shard, shard_offset, offset, length, source, cuts)`` per extent of object ``i``."""
+        need = self._need(plan)
+        with self._cond:  # a copy larger than the budget waits until nothing else is held
+            self._cond.wait_for(lambda: self.over or not need or not self.held or self.held + need <= self.budget)
+            self.held += need
+        out = []
+        for e in plan.extents:
+            src: tuple[Any, ...]
+            if isinstance(e.fill, TileCopy):
+                shard = e.fill.shard
+                known = self._shards.get(id(shard))
+                if known is None:  # the shard's reference keeps its id from being reused meanwhile
+                    view = _bytes_of(shard)
+                    loc = self.pool.locate(view)
+                    bid = -1
+                    if loc is None:
+                        bid, loc = self._copy_into_slab(view.nbytes, lambda dst, v=view: copy_bytes(dst, v), i)
+                    known = self._shards[id(shard)] = (shard, bid, loc)
+                elif known[1] in self._users:
+                    with self._cond:
+                        self._users[known[1]][1].add(i)
+                        self._by_object.setdefault(i, set()).add(known[1])
+                slab, off = known[2]
+                src = ("tile", slab, off, shard.dtype.itemsize, shard.shape, e.fill.offs, e.fill.sizes)
+            elif e.fill is not None:  # some other lazy extent: fill it here, straight into a slab
+                src = ("shm", *self._copy_into_slab(e.length, e.fill, i)[1])
+            else:
+                assert e.data is not None
+                src = ("shm", *self._place(e.data, i))
+            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts))
+        return out
+
+    def written(self, i: int) -> None:
+        """Object ``i`` is written: the copies no other object still needs go back to the pool."""
+        freed = []
+        with self._cond:
+            for bid in self._by_object.pop(i, ()):
+                buf, users = self._users[bid]
+                users.discard(i)
+                if not users:
+                    del self._users[bid]
+                    freed.append(buf)
+            self._shards = {k: v for k, v in self._shards.items() if v[1] < 0 or v[1] in self._users}
+            self.held -= sum(b.nbytes for b in freed)
+            self._cond.notify_all()
+        self.pool.give_back(freed)
+
+    def abandon(self) -> None:
+        """The save has ended (its reply came, or the sidecar died): stop waiting for the budget."""
+        with self._cond:
+            self.over = True
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """Give back every copy still held (the save is over, written or not)."""
+        with self._cond:
+            bufs = [b for b, _u in self._users.values()]
+            self._users, self._by_object, self._shards, self.held = {}, {}, {}, 0
+            self._cond.notify_all()
+        self.pool.give_back(bufs)
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    future: concurrent.futures.Future[list[WrittenObject]]
+    progress: Progress | None
+    export: _Export
+
+
+class Sidecar:
+    """One writer process and the trainer-side thread that spawned it and reads its replies.
+
+    The thread spawns the child (so the child's parent-death signal is tied to a thread
+    that lives exactly as long as the connection), then reads replies until EOF, then
+    reaps the child and fails whatever was still pending.
+    """
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._chan = Channel(ours)
+        self._theirs = theirs
+        self._pending: dict[int, _Request] = {}
+        self._lock = threading.Lock()
+        self._send_order = threading.Lock()  # a slab reaches the child before the objects in it
+        self._ids = itertools.count(1)
+        self._sent: set[int] = set()  # slabs the child has mapped
+        self.dead: str | None = None  # why, once the child is gone
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._spawned = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptio-sidecar", daemon=True)
+        self._thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        self._spawned.wait()
+        return self.proc.pid if self.proc is not None else None
+
+    def _run(self) -> None:
+        try:
+            self.proc = _spawn(self._theirs)
+        except BaseException as e:  # noqa: BLE001 - reported through every pending save
+            self._die(f"could not start the ckptio writer process: {type(e).__name__}: {e}")
+            return
+        finally:
+            self._theirs.close()
+            self._spawned.set()
+        log.info("ckptio writer process started (pid %d)", self.proc.pid)
+        reason = ""
+        try:
+            while True:
+                got = self._chan.recv()
+                if got is None:
+                    break
+                self._dispatch(got[0])
+        except (OSError, EOFError) as e:
+            log.debug("ckptio writer process: connection lost: %r", e)
+        except BaseException as e:  # a reply this side cannot handle: no later reply could be trusted
+            log.exception("ckptio writer process: reading its replies failed")
+            reason = f" after its replies could not be read ({type(e).__name__}: {e})"
+            self.proc.kill()
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._die(f"the ckptio writer process (pid {self.proc.pid}) exited with status {code}{reason}")
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind, rid = msg[0], msg[1]
+        with self._lock:
+            req = self._pending.get(rid) if kind == "wrote" else self._pending.pop(rid, None)
+        if req is None:
+            return
+        if kind == "wrote":
+            req.export.written(msg[2])
+            if req.progress is not None:
+                try:
+                    req.progress("written", msg[3])
+                except Exception as e:  # noqa: BLE001 - a progress bar must not stop the replies
+                    log.error("progress callback failed: %r", e)
+            return
+        req.export.abandon()
+        if kind == "done":
+            req.future.set_result([WrittenObject(k, n, c) for k, n, c in msg[2]])
+        else:
+            req.future.set_exception(_error_from(msg[2], msg[3]))
+
+    def _die(self, why: str) -> None:
+        with self._lock:
+            self.dead = self.dead or why
+            pending, self._pending = self._pending, {}
+        for req in pending.values():
+            req.export.abandon()
+            req.future.set_exception(SaveFailedError(f"{why}; the save's objects were not all confirmed"))
+
+    def _send_slabs(self, pool: ShmStagingPool) -> None:
+        for sid, fd, size in pool.slabs():
+            if sid not in self._sent:
+                self._chan.send(("slab", sid, size), fd)
+                self._sent.add(sid)
+
+    def write(
+        self,
+        store: CheckpointStore,
+        plans: Sequence[ObjectPlan],
+        progress: Progress | None,
+        ready: Sequence[concurrent.futures.Future[None]] | None,
+        where: str,
+    ) -> list[WrittenObject]:
+        """Have the child write and sync ``plans``; blocks (socket waits release the GIL)."""
+        rid = next(self._ids)
+        fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
+        caps = store.backend.capabilities
+        export = _Export(shared_pool(), max(_EXPORT_OBJECTS * caps.object_size, caps.concurrency * caps.preferred_io_size))
+        with self._lock:
+            if self.dead is not None:
+                raise SaveFailedError(f"{where}: {self.dead}")
+            self._pending[rid] = _Request(fut, progress, export)
+        # The environment travels too: backends read theirs when opened (credentials, an emulator's
+        # address), and the trainer's may have changed since the child started.
+        spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"),
+                tuple(sorted(os.environ.items())))
+        try:
+            self._chan.send(("open", rid, spec, len(plans)))
+            for i, plan in enumerate(plans):
+                if ready is not None:
+                    ready[i].result()
+                desc = export.describe(i, plan)
+                with self._send_order:
+                    self._send_slabs(export.pool)
+                    self._chan.send(("object", rid, i, plan.key, desc))
+            return fut.result()
+        except BaseException as e:
+            if not fut.done():
+                # The staged buffers go back to the pool after this: the child must be done with them.
+                try:
+                    self._chan.send(("abort", rid, f"{type(e).__name__}: {e}"))
+                except OSError:
+                    pass
+                concurrent.futures.wait([fut])
+            if isinstance(e, OSError) and self.dead is not None:
+                raise SaveFailedError(f"{where}: {self.dead}") from e
+            raise
+        finally:
+            export.release()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the child (EOF on its socket) and wait for the reader thread to reap it."""
+        self._spawned.wait(timeout)
+        try:
+            self._chan.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._chan.sock.close()
+
+
+def _error_from(blob: bytes | None, text: str) -> BaseException:
+    """The child's exception, re-raised here when it unpickles; else a SaveFailedError with its text."""
+    if blob is not None:
+        try:
+            e = pickle.loads(blob)
+            if isinstance(e, BaseException):
+                return e
+        except Exception:  # noqa: BLE001 - an exception type that does not round-trip
+            pass
+    return SaveFailedError(f"ckptio writer process: {text}")
+
+
+def _spawn(sock: socket.socket) -> subprocess.Popen[bytes]:
+    # The child imports this very ckptio, wherever it came from (a worktree on sys.path included).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    env[ENV] = "thread"
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ckptio.sidecar_child import child_main; child_main(*map(int, sys.argv[1:]))",
+         str(sock.fileno()), str(os.getpid())],
+        pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, env=env,
+    )
+
+
+_current: Sidecar | None = None
+_current_lock = threading.Lock()
+
+
+def _sidecar() -> Sidecar:
+    """This process's sidecar, started (again) if there is none or the last one died."""
+    global _current
+    with _current_lock:
+        sc = _current
+        if sc is None or sc.dead is not None or sc.owner_pid != os.getpid():
+            if sc is not None and sc.owner_pid == os.getpid():
+                log.warning("%s; starting a new one", sc.dead)
+                sc.close()
+            _current = sc = Sidecar()
+        return sc
+
+
+def current_pid() -> int | None:
+    """The pid of this process's live sidecar, if one is running (for tests and tools)."""
+    sc = _current
+    return sc.pid if sc is not None and sc.dead is None and sc.owner_pid == os.getpid() else None
+
+
+def shutdown() -> None:
+    """Stop this process's sidecar and free its shared memory (also run at exit)."""
+    global _current
+    with _current_lock:
+        sc, _current = _current, None
+    if sc is not None and sc.owner_pid == os.getpid():
+        sc.close()
+    close_shared_pool()
+    dcp_staging = sys.modules.get("ckptio.dcp.staging")
+    if dcp_staging is not None:  # DCP's staging keeps its own free buffers, views into the slabs
+        dcp_staging.SHARED_BUFFERS.clear()
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a data-loader worker) shares neither the sidecar nor its slabs' bookkeeping.
+    global _current
+    _current = None
+    forget_shared_pool()
+
+
+atexit.register(shutdown)
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,171 @@
+"""The sidecar writer process (see ckptio.sidecar), and the wire both ends speak.
+
+The child maps the trainer's shared-memory slabs, and for each save runs
+ckptio's engine on the objects the trainer describes: it cuts tiles, computes
+block checksums, writes and syncs, and reports each object written, then the
+whole save's checksums (or its failure). It exits when its socket reaches EOF
+and, through ``PR_SET_PDEATHSIG``, when the trainer thread that spawned it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import threading
+from typing import Any
+
+import numpy as np
+
+from .engine import Engine, WrittenObject, gather_or_cancel, submit
+from .errors import SaveFailedError
+from .layout import ObjectPlan, PlannedExtent
+from .tiling import TileCopy
+
+__all__ = ["Channel", "child_main"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Channel:
+    """Messages over a private Unix socket between the trainer and its own sidecar (pickle is
+    safe here: both ends are the same code in two processes of one job)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: Any, fd: int | None = None) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        head = struct.pack("!Q", len(data))
+        with self._send_lock:
+            if fd is None:
+                self.sock.sendall(head + data)
+                return
+            sent = socket.send_fds(self.sock, [head], [fd])
+            self.sock.sendall(head[sent:] + data)
+
+    def recv(self) -> tuple[Any, list[int]] | None:
+        """The next message and the descriptors that came with it; None at EOF."""
+        head, fds, _flags, _addr = socket.recv_fds(self.sock, 8, 1)
+        if not head:
+            return None
+        head += self._exactly(8 - len(head))
+        return pickle.loads(self._exactly(struct.unpack("!Q", head)[0])), list(fds)
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the other end closed the socket mid-message")
+            got += k
+        return bytes(buf)
+
+
+class _Writer:
+    """The child: maps the trainer's slabs and runs each request on ckptio's IO loop."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self.slabs: dict[int, mmap.mmap] = {}
+        self.engines: dict[bytes, Engine] = {}
+        self.requests: dict[int, tuple[list[concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = {}
+
+    def serve(self) -> None:
+        while True:
+            got = self.chan.recv()
+            if got is None:
+                os._exit(0)  # the trainer is gone (or done with us): nothing here is worth finishing
+            msg, fds = got
+            kind = msg[0]
+            if kind == "slab":
+                self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
+                os.close(fds[0])
+            elif kind == "open":
+                _k, rid, spec, n = msg
+                objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
+                task = submit(self._run(rid, spec, objects))
+                self.requests[rid] = (objects, task)
+                task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
+            elif kind == "object":
+                _k, rid, i, key, desc = msg
+                req = self.requests.get(rid)
+                if req is not None and not req[0][i].done():
+                    req[0][i].set_result((key, desc))
+            elif kind == "abort":
+                req = self.requests.get(msg[1])
+                if req is not None:
+                    for f in req[0]:
+                        if not f.done():
+                            f.set_exception(SaveFailedError(f"aborted by the trainer: {msg[2]}"))
+            for fd in fds if kind != "slab" else ():
+                os.close(fd)
+
+    def _engine(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]]) -> Engine:
+        """The engine of one (URL, options, config, environment): made once, reused by later saves."""
+        key = pickle.dumps(spec)
+        eng = self.engines.get(key)
+        if eng is None:
+            from ckptio.backends import open_backend
+
+            url, options, config, env = spec
+            os.environ.clear()
+            os.environ.update(env)  # what the backend would have seen, opened in the trainer
+            eng = self.engines[key] = Engine(open_backend(url, **options), config)
+        return eng
+
+    def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
+        extents = []
+        for item, shard, shard_offset, offset, length, src, cuts in desc:
+            slab = self.slabs[src[1]]
+            if src[0] == "shm":
+                view = memoryview(slab)[src[2] : src[2] + length]
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length, cuts=cuts))
+            else:
+                _s, _id, off, itemsize, shape, offs, sizes = src
+                n = int(np.prod(shape, dtype=np.int64)) * itemsize
+                # Whole elements as opaque void items: the child needs no ml_dtypes to cut a tile.
+                arr = np.frombuffer(slab, np.dtype(f"V{itemsize}"), count=n // itemsize, offset=off).reshape(shape)
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes)))
+        return ObjectPlan(key, extents)
+
+    async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:
+        try:
+            eng = self._engine(spec)
+
+            async def one(i: int) -> WrittenObject:
+                key, desc = await asyncio.wrap_future(objects[i])
+                done = await eng.write_object(self._plan(key, desc))
+                # Each object reported as written: its copies in shared memory can be reused.
+                self.chan.send(("wrote", rid, i, sum(d[4] for d in desc)))
+                return done
+
+            written = await gather_or_cancel(one(i) for i in range(len(objects)))
+            await eng.retrying(f"sync {spec[0]}", eng.backend.sync)
+            self.chan.send(("done", rid, [(w.key, w.size, w.crcs) for w in written]))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the trainer
+            try:
+                blob: bytes | None = pickle.dumps(e)
+            except Exception:  # noqa: BLE001
+                blob = None
+            self.chan.send(("failed", rid, blob, f"{type(e).__name__}: {e}"))
+
+
+def child_main(fd: int, parent: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the trainer died before the signal was armed
+        os._exit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when a save stops
+    logging.basicConfig(level=logging.WARNING, format="ckptio-sidecar %(levelname)s %(name)s: %(message)s")
+    _Writer(Channel(socket.socket(fileno=fd))).serve()
+
