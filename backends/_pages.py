@@ -14,9 +14,9 @@ numpy's ``np.empty`` (THP, madvise)      0.44 s, and 2.3 s when the kernel had t
 against ~0.42 s for the disk to deliver that GiB. So destinations come from
 :func:`fresh_pages` (private, 4 KiB pages: no transparent-huge-page lottery;
 ``mmap.mmap(-1, n)``'s default is a *shared* mapping, i.e. shmem, the slowest
-row), and a reader calls :func:`populate` on its buffers after it has queued
-the disk's readahead, so the faults run while the disk works instead of inside
-the copy that waits for it.
+row), and the engine calls :func:`populate` on a worker thread for each piece
+of a read while the piece before it is read, so the faults run while the disk
+works instead of inside the copy that waits for it.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ import numpy as np
 
 from ._copy import flat_bytes
 
-__all__ = ["FRESH_MIN", "fresh_pages", "populate"]
+__all__ = ["FRESH_MIN", "POPULATE_MIN", "fresh_pages", "populate"]
 
 log = logging.getLogger(__name__)
 
 #: Buffers at least this large get their own mapping; smaller ones come from numpy's
 #: allocator (a mapping per small leaf would cost more in system calls than it saves).
 FRESH_MIN = 1 << 16
-#: Below this, populating costs a system call for a handful of faults.
-_POPULATE_MIN = 1 << 20
+#: Below this, populating costs a system call (and the engine a thread hop) for a handful of faults.
+POPULATE_MIN = 1 << 20
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python's mmap module before 3.13
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
@@ -93,7 +93,7 @@ def populate(buffers: Sequence[memoryview]) -> None:
         return
     for b in buffers:
         n = b.nbytes
-        if n < _POPULATE_MIN or b.readonly:
+        if n < POPULATE_MIN or b.readonly:
             continue
         if not b.c_contiguous:
             continue

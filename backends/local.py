@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ._copy import byte_views, copy_bytes, flat_bytes
-from ._pages import populate
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
 from ._threads import background_pool
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
@@ -391,9 +390,6 @@ class LocalBackend(Backend):
                 if self.config.readahead_hint and rng.length >= (1 << 20):
                     os.posix_fadvise(fd, rng.start, rng.length, os.POSIX_FADV_SEQUENTIAL)
                     os.posix_fadvise(fd, rng.start, rng.length, os.POSIX_FADV_WILLNEED)
-                # Fault the destination in with one call, not page by page inside the copy
-                # (backends/_pages.py); the other read threads keep the disk busy meanwhile.
-                populate(buffers)
                 if self.config.direct_reads and self._use_direct(rng.length):
                     self._read_direct(key, fd, rng, buffers)
                 else:

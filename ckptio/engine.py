@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ckptio.backends._copy import flat_bytes
+from ckptio.backends._pages import POPULATE_MIN, populate
 from ckptio.backends._threads import background_pool
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
@@ -271,18 +272,36 @@ class Engine:
 
     async def _read_verified(self, req: ReadRequest) -> None:
         """Read ``req`` piece by piece; each piece's checksums run in a thread while the next
-        piece is read. Returns once every piece is read and verified (raises IntegrityError)."""
+        piece is read, and the piece after that is faulted in. Returns once every piece is
+        read and verified (raises IntegrityError)."""
         loop = asyncio.get_running_loop()
         checking: list[asyncio.Future[None]] = []
+        pieces = split_request(req, self._piece_size(req))
+        # First-touch page faults were a cold restore's largest CPU cost (backends/_pages.py):
+        # a worker faults each piece's destination in while the piece before it is read, so
+        # the read copies into memory that is already there (and a backend that fills
+        # buffers on the event loop, such as GCS, takes no faults holding the GIL).
+        faulting = self._populate(pieces[0])
         try:
-            for piece in split_request(req, self._piece_size(req)):
+            for i, piece in enumerate(pieces):
+                await faulting
+                if i + 1 < len(pieces):
+                    faulting = self._populate(pieces[i + 1])
                 await self.retrying(
                     f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
                 )
                 checking.append(loop.run_in_executor(self._cpu, self._verify_checks, piece))
             await asyncio.gather(*checking)
         finally:  # a failed read must not leave checks running over buffers a retry refills
-            await asyncio.gather(*checking, return_exceptions=True)
+            await asyncio.gather(faulting, *checking, return_exceptions=True)
+
+    def _populate(self, piece: ReadRequest) -> asyncio.Future[None]:
+        """Fault ``piece``'s destination in on a worker thread (small pieces: nothing to gain)."""
+        if piece.rng.length < POPULATE_MIN:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return asyncio.get_running_loop().run_in_executor(self._cpu, populate, piece.buffers)
 
     def _verify_checks(self, req: ReadRequest) -> None:
         flat = _Concat(req.buffers)
