@@ -272,20 +272,25 @@ class Engine:
 
     async def _read_verified(self, req: ReadRequest) -> None:
         """Read ``req`` piece by piece; each piece's checksums run in a thread while the next
-        piece is read, and the piece after that is faulted in. Returns once every piece is
-        read and verified (raises IntegrityError)."""
+        piece is read. Returns once every piece is read and verified (raises IntegrityError)."""
         loop = asyncio.get_running_loop()
         checking: list[asyncio.Future[None]] = []
         pieces = split_request(req, self._piece_size(req))
         # First-touch page faults were a cold restore's largest CPU cost (backends/_pages.py):
-        # a worker faults each piece's destination in while the piece before it is read, so
-        # the read copies into memory that is already there (and a backend that fills
-        # buffers on the event loop, such as GCS, takes no faults holding the GIL).
+        # a worker faults each piece's destination in with one call, so the read copies into
+        # memory that is there (and a backend that fills buffers on the event loop, such as
+        # GCS, takes no faults holding the GIL). Into final destinations it runs a piece
+        # ahead, while the piece before is read (~5 % faster here). A request with copy-out
+        # reads into scratch that lives only until then: faulting that in early raised a
+        # resharded restore's peak RSS by half, so its pieces are faulted in just before.
+        ahead = not req.after
         faulting = self._populate(pieces[0])
         try:
             for i, piece in enumerate(pieces):
+                if i and not ahead:
+                    faulting = self._populate(piece)
                 await faulting
-                if i + 1 < len(pieces):
+                if ahead and i + 1 < len(pieces):
                     faulting = self._populate(pieces[i + 1])
                 await self.retrying(
                     f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
@@ -296,12 +301,13 @@ class Engine:
             await asyncio.gather(faulting, *checking, return_exceptions=True)
 
     def _populate(self, piece: ReadRequest) -> asyncio.Future[None]:
-        """Fault ``piece``'s destination in on a worker thread (small pieces: nothing to gain)."""
-        if piece.rng.length < POPULATE_MIN:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
-        return asyncio.get_running_loop().run_in_executor(self._cpu, populate, piece.buffers)
+        """Fault ``piece``'s buffers in on a worker thread (small pieces: nothing to gain)."""
+        loop = asyncio.get_running_loop()
+        if piece.rng.length >= POPULATE_MIN:
+            return loop.run_in_executor(self._cpu, populate, piece.buffers)
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        return done
 
     def _verify_checks(self, req: ReadRequest) -> None:
         flat = _Concat(req.buffers)

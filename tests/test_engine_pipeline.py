@@ -193,11 +193,12 @@ def test_local_writes_run_on_lowered_threads_and_reuse_their_bounce_buffer(tmp_p
     assert len(set(buffers)) <= backend.config.threads and len(buffers) == len(seen)
 
 
+@pytest.mark.parametrize("copy_out", [False, True], ids=["destination", "scratch"])
 def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_is_caught(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, copy_out: bool
 ) -> None:
-    """Pieces of 1 MiB or more go through the populate-ahead path: each piece's destination is
-    populated before its read starts, and every piece is still verified."""
+    """Pieces of 1 MiB or more are populated before they are read (a piece ahead into final
+    destinations, just before into scratch with copy-out), and every piece is still verified."""
     from ckptio import engine as engine_mod
     from ckptio.backends._pages import fresh_pages, populate
 
@@ -219,9 +220,12 @@ def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_
     data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
     engine = Engine(backend, EngineConfig(block_size=bs, read_piece_size=1 << 20))  # type: ignore[arg-type]
 
+    copied: list[bool] = []
+
     def request(out: np.ndarray) -> ReadRequest:
+        after = [lambda: copied.append(bool((out == data).all()))] if copy_out else []
         return ReadRequest("obj", ByteRange(0, size), [memoryview(out)],
-                           [(0, size, block_crcs(memoryview(data), bs), "x")], block_size=bs)
+                           [(0, size, block_crcs(memoryview(data), bs), "x")], after, block_size=bs)
 
     async def go() -> np.ndarray:
         await backend.inner.write("obj", [memoryview(data)])
@@ -232,6 +236,7 @@ def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_
     try:
         out = asyncio.run(go())
         assert (out == data).all()
+        assert copied == ([True] if copy_out else [])
         reads = [a for what, a in events if what == "read"]
         assert len(reads) == 4
         for a in reads:  # populated before read: its populate comes earlier in the event list
