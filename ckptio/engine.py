@@ -277,21 +277,19 @@ class Engine:
         checking: list[asyncio.Future[None]] = []
         pieces = split_request(req, self._piece_size(req))
         # First-touch page faults were a cold restore's largest CPU cost (backends/_pages.py):
-        # a worker faults each piece's destination in with one call, so the read copies into
-        # memory that is there (and a backend that fills buffers on the event loop, such as
-        # GCS, takes no faults holding the GIL). Into final destinations it runs a piece
-        # ahead, while the piece before is read (~5 % faster here). A request with copy-out
-        # reads into scratch that lives only until then: faulting that in early raised a
-        # resharded restore's peak RSS by half, so its pieces are faulted in just before.
-        ahead = not req.after
-        faulting = self._populate(pieces[0])
+        # a worker faults each piece's destination in with one call while the piece before it
+        # is read, so the read copies into memory that is already there (and a backend that
+        # fills buffers on the event loop, such as GCS, takes no faults holding the GIL).
+        # Not for a request with copy-out: it reads into scratch that lives only until then,
+        # and populating that cost peak RSS (+25-50 % in ``ckptio bench --reshard``) and time
+        # (numpy's scratch takes huge pages on first touch, cheaper than 4 KiB populated ones).
+        final = not req.after
+        faulting = self._populate(pieces[0], final)
         try:
             for i, piece in enumerate(pieces):
-                if i and not ahead:
-                    faulting = self._populate(piece)
                 await faulting
-                if ahead and i + 1 < len(pieces):
-                    faulting = self._populate(pieces[i + 1])
+                if i + 1 < len(pieces):
+                    faulting = self._populate(pieces[i + 1], final)
                 await self.retrying(
                     f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
                 )
@@ -300,10 +298,10 @@ class Engine:
         finally:  # a failed read must not leave checks running over buffers a retry refills
             await asyncio.gather(faulting, *checking, return_exceptions=True)
 
-    def _populate(self, piece: ReadRequest) -> asyncio.Future[None]:
-        """Fault ``piece``'s buffers in on a worker thread (small pieces: nothing to gain)."""
+    def _populate(self, piece: ReadRequest, wanted: bool) -> asyncio.Future[None]:
+        """Fault ``piece``'s buffers in on a worker thread when ``wanted`` and large enough to gain."""
         loop = asyncio.get_running_loop()
-        if piece.rng.length >= POPULATE_MIN:
+        if wanted and piece.rng.length >= POPULATE_MIN:
             return loop.run_in_executor(self._cpu, populate, piece.buffers)
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
