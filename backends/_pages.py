@@ -26,7 +26,7 @@ import ctypes.util
 import logging
 import mmap
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ def fresh_pages(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=np.uint8)
 
 
-def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load_madvise() -> Callable[[int, int, int], int] | None:
     """libc's madvise when the kernel has MADV_POPULATE_WRITE, else None (a no-op populate)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -71,11 +71,12 @@ def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     try:
         addr = np.frombuffer(probe, np.uint8).ctypes.data
         if fn(addr, _PAGE, _MADV_POPULATE_WRITE) != 0:
-            log.debug("MADV_POPULATE_WRITE unavailable (errno %d): pages fault in on first touch", ctypes.get_errno())
+            log.debug("MADV_POPULATE_WRITE unavailable (errno %d): pages fault in on first touch",
+                      ctypes.get_errno())
             return None
     finally:
         probe.close()
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
 _madvise = _load_madvise()
@@ -93,9 +94,7 @@ def populate(buffers: Sequence[memoryview]) -> None:
         return
     for b in buffers:
         n = b.nbytes
-        if n < POPULATE_MIN or b.readonly:
-            continue
-        if not b.c_contiguous:
+        if n < POPULATE_MIN or b.readonly or not b.c_contiguous:
             continue
         start = np.frombuffer(flat_bytes(b), np.uint8).ctypes.data
         # Whole pages inside the buffer only: a neighbour page may be a guard page or read-only.

@@ -27,7 +27,8 @@ def test_populate_keeps_every_byte() -> None:
     mapped[:] = data
     heap = data.copy()
     floats = heap[: (2 << 20)].view(np.float32).reshape(512, -1)  # a multi-dimensional, non-byte view
-    populate([memoryview(mapped)[5:], memoryview(heap), memoryview(floats), memoryview(b"read-only" * 200_000)])
+    read_only = memoryview(b"read-only" * 200_000)
+    populate([memoryview(mapped)[5:], memoryview(heap), memoryview(floats), read_only])
     assert np.array_equal(mapped, data) and np.array_equal(heap, data)
 
 
