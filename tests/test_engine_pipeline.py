@@ -191,3 +191,65 @@ def test_local_writes_run_on_lowered_threads_and_reuse_their_bounce_buffer(tmp_p
     assert all(n == min(19, mine + 3) for n in seen)
     # One bounce buffer per write thread, kept across writes (at most one per thread).
     assert len(set(buffers)) <= backend.config.threads and len(buffers) == len(seen)
+
+
+@pytest.mark.parametrize("copy_out", [False, True], ids=["destination", "scratch"])
+def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_is_caught(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, copy_out: bool
+) -> None:
+    """Pieces of 1 MiB or more of a final destination are populated before they are read (scratch
+    with copy-out is not: it faults in as it is read), and every piece is still verified."""
+    from ckptio import engine as engine_mod
+    from ckptio.backends._pages import fresh_pages, populate
+
+    events: list[tuple[str, int]] = []
+
+    def spy(buffers: list[memoryview]) -> None:
+        events.append(("populate", np.frombuffer(buffers[0], np.uint8).ctypes.data))
+        populate(buffers)
+
+    monkeypatch.setattr(engine_mod, "populate", spy)
+
+    class _Recording(_Wrapped):
+        async def read_into(self, key: str, rng: ByteRange, buffers: list[memoryview]) -> None:
+            events.append(("read", np.frombuffer(buffers[0], np.uint8).ctypes.data))
+            await self.inner.read_into(key, rng, buffers)
+
+    backend = _Recording(LocalBackend(str(tmp_path)))
+    bs, size = 64 << 10, 4 << 20
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    engine = Engine(backend, EngineConfig(block_size=bs, read_piece_size=1 << 20))  # type: ignore[arg-type]
+
+    copied: list[bool] = []
+
+    def request(out: np.ndarray) -> ReadRequest:
+        after = [lambda: copied.append(bool((out == data).all()))] if copy_out else []
+        return ReadRequest("obj", ByteRange(0, size), [memoryview(out)],
+                           [(0, size, block_crcs(memoryview(data), bs), "x")], after, block_size=bs)
+
+    async def go() -> np.ndarray:
+        await backend.inner.write("obj", [memoryview(data)])
+        out = fresh_pages(size)
+        await engine.read([request(out)])
+        return out
+
+    try:
+        out = asyncio.run(go())
+        assert (out == data).all()
+        assert copied == ([True] if copy_out else [])
+        reads = [a for what, a in events if what == "read"]
+        assert len(reads) == 4
+        if copy_out:
+            assert not [e for e in events if e[0] == "populate"]
+        for a in reads if not copy_out else []:  # populated first: its populate comes earlier
+            assert events.index(("populate", a)) < events.index(("read", a))
+        path = os.path.join(str(tmp_path), "obj")
+        with open(path, "r+b") as f:  # one flipped byte in the third piece
+            f.seek(2 * (1 << 20) + 12345)
+            b = f.read(1)
+            f.seek(2 * (1 << 20) + 12345)
+            f.write(bytes([b[0] ^ 0x01]))
+        with pytest.raises(IntegrityError):
+            asyncio.run(engine.read([request(fresh_pages(size))]))
+    finally:
+        engine.close()
