@@ -6,8 +6,9 @@ the GIL), each file fsync'd, then the directory; read back by 4 threads with
 ``preadv`` into freshly allocated buffers. It keeps its index in memory, so
 it pays no metadata or commit cost at all: a ceiling, not a format.
 
-Its buffers come from anonymous ``mmap`` (4 KiB pages), as ckptio's own
-restore buffers do, not from ``np.empty``: numpy asks for transparent huge
+Its buffers come from private anonymous ``mmap`` (4 KiB pages), as ckptio's own
+restore buffers do (a shared mapping faults in markedly slower, which flattered
+every reader that did not use one), not from ``np.empty``: numpy asks for transparent huge
 pages on large arrays, and with THP ``defrag=madvise`` (this VM) faulting
 them in swung between 0.5 and 5.5 GiB/s from one round to the next with the
 host's memory fragmentation (measured: 32 x 32 MiB, three rounds), which
@@ -40,7 +41,8 @@ def _fresh(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < (1 << 16):
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).reshape(shape)
 
 
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
