@@ -328,6 +328,7 @@ def _replicated_jax(jax: Any, target: Any, item: ArrayItem, canonical_dtypes: di
 
 #: Whole arrays up to this size (one extent, one checksum block) are read in bulk.
 _BULK_ITEM_BYTES = 1 << 20
+_BULK_GAP = 64 << 10  # skipped bytes (padding, another host's data) read rather than split
 
 
 def _bulk(
@@ -376,8 +377,6 @@ def _bulk(
 
     return requests, finish
 
-
-_BULK_GAP = 64 << 10  # skipped bytes (padding, another host's data) read rather than split
 
 
 def _target_boxes(item: ArrayItem, target: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,7 +83,7 @@ def _plan_staging(
     return structure, staged, packer.finish() if packer is not None else []
 
 
-def _pieces(staged: dict[str, Any], packs: list[LeafPack] = ()) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:  # type: ignore[assignment]
+def _pieces(staged: dict[str, Any], packs: Sequence[LeafPack] = ()) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
     """Every shard as byte pieces (one per tile of a tiled shard; one per pack, numbered -1, -2, ...),
     and each shard's or pack's buffer (to fill before its objects are written)."""
     out, arrays = [], {}
@@ -138,7 +138,7 @@ PACKED: Any = object()
 
 def _host_record(
     staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool,
-    packs: list[LeafPack] = (),  # type: ignore[assignment]
+    packs: Sequence[LeafPack] = (),
 ) -> dict[str, Any]:
     """This host's part of the manifest, with object numbers local to the host."""
     extents: dict[tuple[str, int], list[list[Any]]] = {}
