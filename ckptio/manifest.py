@@ -454,8 +454,10 @@ def item_row(dtype: Any, shape: list[int], obj: int, offset: int, crcs: list[int
     row ``[dtype, shape, object, offset, crcs]`` (plus ``{host, origin, scalar}`` where not the
     defaults 0, numpy, false) that a format-4 manifest may hold in place of the item's JSON object."""
     row = [dtype, shape, obj, offset, crcs]
+    if host == 0 and origin == "numpy" and not scalar:  # the commonest row, built per member of a pack
+        return row
     extra = {k: v for k, v, d in (("host", host, 0), ("origin", origin, "numpy"), ("scalar", scalar, False)) if v != d}
-    return [*row, extra] if extra else row
+    return [*row, extra]
 
 
 def row_item(raw: list[Any], where: str, n_objects: int, block_size: int) -> ArrayItem:

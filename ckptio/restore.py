@@ -38,7 +38,7 @@ from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError, IntegrityError
 from .manifest import ArrayItem, Extent, Manifest, ValueItem
 from .reshard import Region, coverage_gaps, plan_region
-from .staging import Sharded, index_to_box, torch_to_numpy
+from .staging import Sharded, index_to_box, plain_cpu_tensor, torch_to_numpy
 from .store import CheckpointStore
 from .tree import flatten_named, is_prng_key, prng_impl_name, unflatten, wrap_prng_key
 
@@ -303,9 +303,7 @@ def _inplace_view(target: Any, item: ArrayItem) -> np.ndarray | None:
     if isinstance(target, np.ndarray):
         ok = target.flags.c_contiguous and target.flags.writeable
         return target if ok and target.dtype == item.dtype and target.shape == item.shape else None
-    torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(target, torch.Tensor) or type(target).__name__ not in ("Tensor", "Parameter")
-            or target.device.type != "cpu" or not target.is_contiguous()):
+    if not plain_cpu_tensor(target):
         return None
     view = torch_to_numpy(target.detach())
     return view if view.dtype == item.dtype and view.shape == item.shape else None

@@ -117,10 +117,7 @@ def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: li
         dtype = _DTYPE_CODES.get(arr.dtype)
         if dtype is None:
             dtype = _DTYPE_CODES[arr.dtype] = encode_dtype(arr.dtype)
-        if origin == "numpy" and rank == 0:
-            items[name] = [dtype, list(arr.shape), n, at + start, [crc]]
-        else:
-            items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
+        items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
         start = end
 
 
@@ -213,14 +210,12 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
     # Boxes already in each array item, kept across hosts: rebuilding them per host made
     # merging quadratic in the host count (1024 hosts x 8 shards per array).
     boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    rows = False
     for host, rec in enumerate(records):
         base = len(objects)
         objects.extend(rec["objects"])
         for name, it in rec["items"].items():
             if type(it) is list:  # a compact row: a whole array in one extent
                 it[2] += base
-                rows = True
                 if items.setdefault(name, it) is it:
                     continue
                 it = row_object(it)  # the same item from two hosts: compared in full below
@@ -250,7 +245,7 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
                     if box not in seen:
                         seen.add(box)
                         mine["shards"].append(s)
-    tiled = False
+    tiled = rows = False
     for name, it in items.items():
         if type(it) is list:
             rows = True

@@ -169,17 +169,21 @@ class StagingArea:
 
     def snapshot(self, arr: np.ndarray) -> np.ndarray:
         """A buffer of ``arr``'s shape and dtype that :meth:`fill` will copy ``arr`` into."""
-        buf = self.pool.take(arr.nbytes) if self.pool is not None else aligned_empty(arr.nbytes)
-        self.owned.append(buf)
+        buf = self._buffer(arr.nbytes)
         out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
         self._pending[id(out)] = (out, arr)
         return out
 
     def pack(self, arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
         """A uint8 buffer that :meth:`fill` will copy ``arrays`` into, back to back."""
+        buf = self._buffer(nbytes)
+        self._pending[id(buf)] = (buf, arrays)
+        return buf
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer this save owns until :meth:`release`."""
         buf = self.pool.take(nbytes) if self.pool is not None else aligned_empty(nbytes)
         self.owned.append(buf)
-        self._pending[id(buf)] = (buf, arrays)
         return buf
 
     def fill(self, out: np.ndarray) -> None:
@@ -225,12 +229,12 @@ class LeafPack:
     ends: list[int]  # each member's end offset in ``buffer``
     buffer: np.ndarray  # uint8, filled by the StagingArea
 
-    @property
-    def nbytes(self) -> int:
-        return self.ends[-1] if self.ends else 0
 
-
-_PLAIN_TENSORS = ("Tensor", "Parameter")  # not DTensor, not tensor subclasses with their own storage
+def plain_cpu_tensor(x: Any) -> bool:
+    """A contiguous CPU ``torch.Tensor`` or ``Parameter``, whose numpy view is its own bytes (not a
+    DTensor, nor a tensor subclass with storage of its own)."""
+    return (_is_torch_tensor(x) and type(x).__name__ in ("Tensor", "Parameter") and x.device.type == "cpu"
+            and x.is_contiguous())
 
 
 class LeafPacker:
@@ -255,8 +259,7 @@ class LeafPacker:
         """Pack ``leaf`` if it is a small whole array this host writes; False: stage it alone."""
         if type(leaf) is np.ndarray:
             arr, origin = leaf, "numpy"
-        elif (_is_torch_tensor(leaf) and leaf.device.type == "cpu" and type(leaf).__name__ in _PLAIN_TENSORS
-              and leaf.is_contiguous()):
+        elif plain_cpu_tensor(leaf):
             arr, origin = torch_to_numpy(leaf.detach()), "torch"
         elif (self._jax_ok and _is_jax_array(leaf) and leaf.is_fully_replicated
               and 0 < math.prod(leaf.shape) * leaf.dtype.itemsize <= self.max_leaf):
