@@ -83,7 +83,10 @@ class PlannedExtent:
             self.length = self.data.nbytes
 
 
-_ZEROS = memoryview(bytes(1 << 16))  # padding source; alignments up to 64 KiB
+_ZEROS = memoryview(bytes(1 << 16))
+#: Where a pack of small arrays may start in an object: every member, packed back to back
+#: with others of its dtype, is then aligned for its dtype, and restores view it in place.
+PACK_ALIGN = 64  # padding source; alignments up to 64 KiB
 
 
 @dataclasses.dataclass(slots=True)
@@ -233,6 +236,8 @@ def pack(
             close()
         if align > 1 and n >= align and size % align:
             size += align - size % align  # small pieces stay packed tight; big ones start aligned
+        elif p.cuts is not None and size % PACK_ALIGN:
+            size += PACK_ALIGN - size % PACK_ALIGN  # a pack's members (one dtype) then sit aligned too
         current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts))
         size += n
     close()

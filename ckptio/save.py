@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,18 +68,24 @@ class SaveHandle:
 
 def _plan_staging(
     state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0, packer: LeafPacker | None = None,
+    deferred: list[Callable[[], None]] | None = None,
 ) -> tuple[Any, dict[str, Any], list[LeafPack]]:
     """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled.
 
     With a ``packer``, the small whole arrays this host writes go into its packs instead.
+    With ``deferred``, parts of the structure are left to its calls (``tree.flatten_named``).
     """
-    names, values, structure = flatten_named(state)
-    staged: dict[str, Any] = {}
-    for name, leaf in zip(names, values):
-        if packer is not None and packer.take(name, leaf):
-            staged[name] = PACKED  # holds its place: every host lists its items in tree order
-        else:
-            staged[name] = stage_leaf(name or "<root>", leaf, host=rank, area=area, tile_bytes=tile_bytes)
+    names, values, structure = flatten_named(state, deferred=deferred)
+    if packer is None:
+        rest: Iterable[int] = range(len(names))
+        staged: dict[str, Any] = {}
+    else:
+        rest = packer.take_many(names, values)
+        # Every item holds its place (a packed one as PACKED): every host lists its items in tree order.
+        staged = dict.fromkeys(names, PACKED)
+    for i in rest:
+        name = names[i]
+        staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes)
     return structure, staged, packer.finish() if packer is not None else []
 
 
@@ -113,10 +119,13 @@ def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: li
     """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member), as
     compact rows (``manifest.item_row``)."""
     start = 0
-    for name, arr, origin, end, crc in zip(pack.names, pack.arrays, pack.origins, pack.ends, crcs):
-        dtype = _DTYPE_CODES.get(arr.dtype)
-        if dtype is None:
-            dtype = _DTYPE_CODES[arr.dtype] = encode_dtype(arr.dtype)
+    if not pack.arrays:
+        return
+    dtype = _DTYPE_CODES.get(pack.arrays[0].dtype)
+    if dtype is None:
+        dtype = _DTYPE_CODES[pack.arrays[0].dtype] = encode_dtype(pack.arrays[0].dtype)
+    origin = pack.origin
+    for name, arr, end, crc in zip(pack.names, pack.arrays, pack.ends, crcs):
         items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
         start = end
 
@@ -321,11 +330,12 @@ def _start_save(
             tile_bytes = store.backend.capabilities.tile_bytes
         caps = store.backend.capabilities
         packer = None
+        deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the writer thread
         if coord.rank == 0:  # only host 0 writes plain (replicated) arrays
             packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
                                 caps.object_size)
         structure, staged, packs = _plan_staging(state, coord.rank, area if copy else None,
-                                                 min(tile_bytes, caps.object_size), packer)
+                                                 min(tile_bytes, caps.object_size), packer, deferred)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
@@ -357,6 +367,9 @@ def _start_save(
 
     def background() -> None:
         try:
+            with _gc.paused():
+                for build in deferred:
+                    build()
             written = sidecar.write_and_sync(store, plans, progress, ready, where)
             with _gc.paused():
                 record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs)
@@ -430,8 +443,13 @@ def _start_save(
         area.release()
         _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
         raise
-    threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True).start()
+    writer = threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True)
     try:
+        # Packs first, before the writer starts: copying thousands of small arrays holds the GIL,
+        # and the writer's per-member checksums would contend for it inside the step's stall.
+        for p in packs:
+            area.fill(p.buffer)
+        writer.start()
         for plan, fut in zip(plans, ready):
             for e in plan.extents:
                 area.fill(arrays[(e.item, e.shard)])
@@ -442,6 +460,8 @@ def _start_save(
         for fut in ready:
             if not fut.done():
                 fut.set_exception(SaveFailedError(f"{where}: staging failed: {e!r}"))
+        if writer.ident is None:
+            writer.start()  # it fails the save, tells the other hosts and releases the buffers
         raise
     handle.stage_seconds = time.perf_counter() - t0
     log.info("%s: staged %d objects (%.3fs)", where, len(plans), handle.stage_seconds)

@@ -100,6 +100,51 @@ def test_restored_small_arrays_are_independent_writeable_and_aligned(tmp_path: P
     _same(state["c"], out["c"])
 
 
+def test_packs_hold_one_dtype_so_every_member_is_aligned_in_its_object(tmp_path: Path) -> None:
+    # Interleaved odd-sized dtypes: each dtype's members go to a pack of their own, back to back,
+    # so every member's offset is a multiple of its itemsize and restores view it in place.
+    state = {f"p{i}": np.arange(1 + i % 7, dtype=[np.uint8, np.float64, np.int16][i % 3]) for i in range(300)}
+    ckptio.save(tmp_path, state, step=1).result()
+    doc = _manifest_doc(tmp_path, 1)
+    for name, arr in state.items():
+        _dtype, _shape, _obj, offset, _crcs = doc["items"][name]
+        assert offset % arr.dtype.itemsize == 0, name
+    _same(state, ckptio.restore(tmp_path))
+
+
+def test_non_contiguous_small_leaves_are_packed_in_c_order(tmp_path: Path) -> None:
+    base = np.arange(60, dtype=np.int32).reshape(6, 10)
+    state = {"fortran": np.asfortranarray(base[:3, :4]), "strided": base[::2, ::3], "t": base.T,
+             "plain": base[0].copy()}
+    assert not state["strided"].flags.c_contiguous and not state["t"].flags.c_contiguous
+    ckptio.save(tmp_path, state, step=1).result()
+    assert all(type(it) is list for it in _manifest_doc(tmp_path, 1)["items"].values())  # all packed
+    out = ckptio.restore(tmp_path)
+    for k, v in state.items():
+        assert out[k].shape == v.shape and np.array_equal(out[k], v), k
+
+
+def test_a_wide_state_changed_after_save_returns_is_saved_as_it_was(tmp_path: Path) -> None:
+    # The structure of a wide dict is built off the step's path, from what save() captured.
+    state = {f"w{i}": np.full(4, i, np.int64) for i in range(1000)}
+    want = {k: v.copy() for k, v in state.items()}
+    with ckptio.CheckpointManager(tmp_path) as mngr:
+        handle = mngr.save(1, state)
+        state["w0"][:] = -1
+        state["extra"] = np.zeros(3)
+        del state["w1"]
+        state["w2"] = np.ones(2)
+        handle.result()
+    _same(want, ckptio.restore(tmp_path, 1))
+
+
+def test_wide_dicts_with_keys_that_need_escaping_keep_their_names(tmp_path: Path) -> None:
+    state = {"a/b": np.arange(3), "50%": np.arange(2), **{f"k{i}": np.arange(i % 4 + 1) for i in range(20)}}
+    ckptio.save(tmp_path, state, step=1).result()
+    assert {"a%2Fb", "50%25"} <= _manifest_doc(tmp_path, 1)["items"].keys()
+    _same(state, ckptio.restore(tmp_path))
+
+
 def test_a_flipped_byte_in_one_small_array_is_caught_naming_it(tmp_path: Path) -> None:
     state = {f"p{i}": np.full(100, i, np.float32) for i in range(50)}
     ckptio.save(tmp_path, state, step=1).result()
