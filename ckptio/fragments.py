@@ -38,6 +38,7 @@ import numpy as np
 
 from ckptio.backends.base import check_key, join_key
 
+from . import _json
 from .checksum import crc32c
 from .errors import IntegrityError, ManifestError
 from .manifest import (
@@ -342,7 +343,7 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
         if len(data) != ref.size or crc32c(data) != ref.crc32c:
             raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
         try:
-            doc = json.loads(unseal(data, here))
+            doc = _json.loads(unseal(data, here))
         except (ValueError, RecursionError) as e:
             raise ManifestError(f"{here}: not valid JSON: {e}") from e
         if not isinstance(doc, dict) or doc.get("format") != _FRAGMENT_FORMAT or doc.get("step") != manifest.step:

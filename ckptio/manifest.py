@@ -27,17 +27,19 @@ import bisect
 import dataclasses
 import heapq
 import itertools
-import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ckptio.backends.base import check_key
 
+from . import _json
 from .checksum import crc32c
 from .dtypes import decode_dtype, encode_dtype
 from .errors import IntegrityError, ManifestError
+from .packtable import Items, table_from_doc
 
 __all__ = [
     "FORMAT",
@@ -45,6 +47,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "TOMBSTONE_NAME",
     "ROWS_VERSION",
+    "PACKS_VERSION",
     "VERSION",
     "ArrayItem",
     "array_item",
@@ -68,10 +71,12 @@ FORMAT = "ckptio"
 #: tiled shards (ckptio.tiling): written only when some shard is tiled, so that a reader that
 #: predates tiles refuses the checkpoint instead of reading tile streams as C order.
 #: 4 is 1 (one manifest) whose items may be compact rows (:func:`item_row`): small whole arrays,
-#: a few dozen bytes each instead of ~200, for states of 100k leaves.
-VERSION = 4
+#: a few dozen bytes each instead of ~200, for states of 100k leaves. 5 is 4 with ``packs``: the
+#: small whole arrays of each pack as one columnar table (ckptio.packtable), not as items.
+VERSION = 5
 TILED_VERSION = 3
 ROWS_VERSION = 4
+PACKS_VERSION = 5
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
@@ -187,7 +192,8 @@ class Manifest:
     block_size: int
     num_hosts: int
     tree: Any
-    items: dict[str, ArrayItem | ValueItem]
+    #: By name; a format-5 manifest's are a ``packtable.Items`` (its packed arrays made on first use).
+    items: Mapping[str, ArrayItem | ValueItem]
     objects: list[str]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Format 2: the per-host fragments the root names (None for format 1).
@@ -232,7 +238,7 @@ class Manifest:
             raise ManifestError(f"{where}: manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
         body = unseal(data, where)
         try:
-            doc = json.loads(body)
+            doc = _json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from e
         except RecursionError:
@@ -286,7 +292,18 @@ class Manifest:
                 items[name] = array_item(raw, here, len(objects), block_size)
             else:
                 raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
+        if "packs" in doc:
+            items = _with_packs(items, doc["packs"], version, where, len(objects), block_size)
         return cls(block_size=block_size, items=items, objects=objects, **head_fields(doc, items, where))
+
+
+def _with_packs(items: dict[str, ArrayItem | ValueItem], raw: Any, version: int, where: str, n_objects: int,
+                block_size: int) -> Items:
+    """``items`` and the members of a format-5 manifest's pack tables, validated."""
+    if version < PACKS_VERSION or type(raw) is not list or len(raw) > _MAX_COUNT:
+        raise ManifestError(f"{where}: 'packs' must be a list of pack tables (format {PACKS_VERSION})")
+    tables = [table_from_doc(t, f"{where}: pack {i}", n_objects, block_size) for i, t in enumerate(raw)]
+    return Items(items, tables, where)
 
 
 def head_fields(doc: dict[str, Any], items: dict[str, Any], where: str) -> dict[str, Any]:
@@ -303,15 +320,16 @@ def head_fields(doc: dict[str, Any], items: dict[str, Any], where: str) -> dict[
             "metadata": metadata}
 
 
-def _check_tree(tree: Any, items: dict[str, Any], where: str) -> None:
-    from .tree import tree_leaf_paths
+def _check_tree(tree: Any, items: Mapping[str, Any], where: str) -> None:
+    from .tree import tree_leaf_names
 
     try:
-        missing = [p for p in tree_leaf_paths(tree) if p not in items]
+        names = set(tree_leaf_names(tree))
+        missing = names.difference(items.plain, items.packed_names()) if isinstance(items, Items) else names.difference(items)
     except (AttributeError, ValueError, TypeError) as e:
         raise ManifestError(f"{where}: malformed tree: {e}") from e
     if missing:
-        raise ManifestError(f"{where}: tree names items the manifest lacks: {missing[:5]}")
+        raise ManifestError(f"{where}: tree names items the manifest lacks: {sorted(missing)[:5]}")
 
 
 _SEAL_HEAD, _SEAL_TAIL = b'{"crc32c":"', b'","manifest":'
@@ -324,7 +342,7 @@ def seal(doc: dict[str, Any]) -> bytes:
     The checksum covers the exact bytes of the body, so a flipped byte that
     still parses as JSON (a digit of a shape, say) is caught too.
     """
-    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    body = _json.dumps(doc)
     return b"%s%08x%s%s}" % (_SEAL_HEAD, crc32c(body), _SEAL_TAIL, body)
 
 

@@ -21,6 +21,7 @@ typed key.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import sys
@@ -37,6 +38,7 @@ from .cast import cast_checked, is_numeric
 from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError, IntegrityError
 from .manifest import ArrayItem, Extent, Manifest, ValueItem
+from .packtable import Items, PackTable
 from .reshard import Region, coverage_gaps, plan_region
 from .staging import Sharded, index_to_box, plain_cpu_tensor, torch_to_numpy
 from .store import CheckpointStore
@@ -233,8 +235,10 @@ def restore_checkpoint(
 ) -> Any:
     """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree."""
     where = store.where(step_dir)
+    # A whole restore of a format-5 manifest reads its pack tables in bulk, as columns.
+    tables = manifest.items.tables if target is None and isinstance(manifest.items, Items) else []
     if target is None:
-        wanted = {name: None for name in manifest.items}
+        wanted = dict.fromkeys(manifest.items.plain if tables else manifest.items)
         structure = manifest.tree
     else:
         names, values, structure = flatten_named(target, is_leaf=_is_target_leaf)
@@ -284,10 +288,13 @@ def restore_checkpoint(
             if gaps:
                 raise CheckpointNotFoundError(f"{where}: item {name!r}: {gaps} elements of the target slice are not saved")
             requests += plan_region(name, item, r, manifest.objects, manifest.block_size)
-    bulk_requests, bulk_finish = _bulk(small, manifest.objects, manifest.block_size, store.engine.config.max_read_size)
-    run_sync(store.engine.read(requests + bulk_requests, progress))
+    max_read = store.engine.config.max_read_size
+    bulk_requests, bulk_finish = _bulk(small, manifest.objects, manifest.block_size, max_read)
+    table_requests, table_finish = _table_reads(tables, manifest.objects, manifest.block_size, max_read)
+    run_sync(store.engine.read(requests + bulk_requests + table_requests, progress))
     results = {name: finish() for name, finish in finishers.items()}
     results.update(bulk_finish())
+    results.update(table_finish())
     for name, (view, tgt) in into.items():
         np.copyto(view, results[name])
         results[name] = tgt
@@ -375,6 +382,54 @@ def _bulk(
 
     return requests, finish
 
+
+
+def _table_reads(
+    tables: list[PackTable], objects: list[str], block_size: int, max_read: int,
+) -> tuple[list[ReadRequest], Callable[[], dict[str, Any]]]:
+    """Every member of format-5 pack tables: one read per pack (or per ``max_read`` bytes of it)
+    into one buffer, each member verified against its own checksum, each restored array a view
+    of that buffer. A pack holds one dtype back to back, so every member is aligned for it.
+
+    Returns the requests and the function that builds the leaves once they are read.
+    """
+    requests: list[ReadRequest] = []
+    spans: list[tuple[PackTable, int, int, np.ndarray, int]] = []
+    for t in tables:
+        ends, i = t.ends, 0
+        while i < len(ends):
+            base = ends[i - 1] if i else 0
+            j = max(bisect.bisect_right(ends, base + max_read, i), i + 1)  # members [i, j) in one read
+            buf = fresh_pages(ends[j - 1] - base)
+            checks = [(start - base, end - start, [crc], name) for start, end, crc, name
+                      in zip([base, *ends[i : j - 1]], ends[i:j], t.crcs[i:j], t.names[i:j])]
+            requests.append(ReadRequest(objects[t.object], ByteRange(t.offset + base, t.offset + ends[j - 1]),
+                                        [memoryview(buf)], checks, [], block_size))
+            spans.append((t, i, j, buf, base))
+            i = j
+
+    def finish() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for t, i, j, buf, base in spans:
+            out.update(zip(t.names[i:j], _members(t, i, j, buf, base)))
+        return out
+
+    return requests, finish
+
+
+def _members(t: PackTable, i: int, j: int, buf: np.ndarray, base: int) -> list[Any]:
+    """Members ``[i, j)`` of ``t`` as arrays over ``buf`` (which holds its bytes from ``base`` on)."""
+    dtype, shapes = t.dtype, t.shapes[i:j]
+    # fresh_pages: page-aligned, or numpy's allocator (16 bytes, every dtype's alignment at most).
+    assert buf.ctypes.data % dtype.alignment == 0
+    if shapes[0] and shapes.count(shapes[0]) == len(shapes) and not t.scalars:
+        # One shape throughout (a layer's worth of equal vectors): the rows of one 2-D view.
+        return list(np.ndarray((j - i, *shapes[0]), dtype, buf, 0))
+    out: list[Any] = []
+    for m, shape in enumerate(shapes, i):
+        arr = np.ndarray(shape, dtype, buf, (t.ends[m - 1] if m else 0) - base)
+        out.append(arr[()] if m in t.scalars else arr)
+    return out
 
 
 def _target_boxes(item: ArrayItem, target: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

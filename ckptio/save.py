@@ -27,7 +27,8 @@ from .layout import ObjectPlan, Piece, pack
 from .dtypes import encode_dtype
 from .checksum import crc32c
 from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
-from .manifest import ROWS_VERSION, TILED_VERSION, Manifest, item_row, item_to_json, row_object, seal
+from .manifest import PACKS_VERSION, ROWS_VERSION, TILED_VERSION, Manifest, item_row, item_to_json, row_object, seal
+from .packtable import table_doc
 from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
@@ -119,15 +120,24 @@ def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: li
     """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member), as
     compact rows (``manifest.item_row``)."""
     start = 0
-    if not pack.arrays:
-        return
-    dtype = _DTYPE_CODES.get(pack.arrays[0].dtype)
-    if dtype is None:
-        dtype = _DTYPE_CODES[pack.arrays[0].dtype] = encode_dtype(pack.arrays[0].dtype)
+    dtype = _dtype_code(pack.arrays[0].dtype)
     origin = pack.origin
     for name, arr, end, crc in zip(pack.names, pack.arrays, pack.ends, crcs):
         items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
         start = end
+
+
+def _pack_table(pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> dict[str, Any]:
+    """The format-5 table (``packtable``) of a pack written at offset ``at`` of object ``n``."""
+    return table_doc(_dtype_code(pack.arrays[0].dtype), n, at, pack.names, [list(a.shape) for a in pack.arrays],
+                     pack.ends, crcs, rank, pack.origin, [])
+
+
+def _dtype_code(dtype: np.dtype) -> Any:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = encode_dtype(dtype)
+    return code
 
 
 def _expanded(record: dict[str, Any]) -> dict[str, Any]:
@@ -144,21 +154,29 @@ PACKED: Any = object()
 
 def _host_record(
     staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool,
-    packs: Sequence[LeafPack] = (),
+    packs: Sequence[LeafPack] = (), tables: bool = False,
 ) -> dict[str, Any]:
-    """This host's part of the manifest, with object numbers local to the host."""
+    """This host's part of the manifest, with object numbers local to the host.
+
+    Its packs' members are compact rows among the items or, with ``tables`` (format 5; a
+    single-host save, whose record is the whole manifest), one table per pack.
+    """
     extents: dict[tuple[str, int], list[list[Any]]] = {}
     packed: dict[str, Any] = {}
+    pack_tables: list[dict[str, Any]] = []
     for n, (plan, w) in enumerate(zip(plans, written)):
         for e, crcs in zip(plan.extents, w.crcs):
             if e.cuts is None:
                 extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
+            elif tables:
+                pack_tables.append(_pack_table(packs[-1 - e.shard], n, e.offset, crcs, rank))
             else:
                 _pack_items(packed, packs[-1 - e.shard], n, e.offset, crcs, rank)
     items: dict[str, Any] = {}
     for name, item in staged.items():
         if item is PACKED:
-            items[name] = packed[name]
+            if not tables:
+                items[name] = packed[name]
         elif isinstance(item, StagedArray):
             items[name] = {
                 "kind": "array",
@@ -175,7 +193,10 @@ def _host_record(
             }
         elif include_values:
             items[name] = item_to_json(item, name)
-    return {"ok": True, "objects": [p.key for p in plans], "items": items}
+    record = {"ok": True, "objects": [p.key for p in plans], "items": items}
+    if pack_tables:
+        record["packs"] = pack_tables
+    return record
 
 
 async def _write_fragment(
@@ -216,12 +237,16 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
     """Every host's record in one manifest document (format 1; 3 with tiled shards; 4 with compact rows)."""
     objects: list[str] = []
     items: dict[str, Any] = {}
+    tables: list[dict[str, Any]] = []
     # Boxes already in each array item, kept across hosts: rebuilding them per host made
     # merging quadratic in the host count (1024 hosts x 8 shards per array).
     boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for host, rec in enumerate(records):
         base = len(objects)
         objects.extend(rec["objects"])
+        for table in rec.get("packs", ()):  # only a single host's record has tables
+            table["object"] += base
+            tables.append(table)
         for name, it in rec["items"].items():
             if type(it) is list:  # a compact row: a whole array in one extent
                 it[2] += base
@@ -265,6 +290,8 @@ def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str)
                 "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
             )
         tiled = tiled or (it["kind"] == "array" and any("tile" in sh for sh in it["shards"]))
+    if tables:
+        return {**head, "version": PACKS_VERSION, "objects": objects, "items": items, "packs": tables}
     version = ROWS_VERSION if rows else TILED_VERSION if tiled else head.get("version", 1)
     return {**head, "version": version, "objects": objects, "items": items}
 
@@ -372,7 +399,8 @@ def _start_save(
                     build()
             written = sidecar.write_and_sync(store, plans, progress, ready, where)
             with _gc.paused():
-                record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs)
+                record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs,
+                                      tables=coord.size == 1)
             if split:
                 record = _expanded(record)  # fragments hold full items
                 record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))

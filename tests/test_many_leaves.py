@@ -9,7 +9,6 @@ arrays that the caller could trip over.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio.manifest import MANIFEST_NAME, ROWS_VERSION, unseal
+from ckptio.manifest import PACKS_VERSION
+from manifests import manifest_doc, packed
 
 _DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.uint16, np.int64, np.bool_,
            np.complex64, ml_dtypes.float8_e4m3fn]
@@ -60,8 +60,7 @@ def _same(a: object, b: object, where: str = "") -> None:
         assert type(b) is type(a) and b == a, where
 
 
-def _manifest_doc(root: Path, step: int) -> dict:
-    return json.loads(unseal((root / str(step) / MANIFEST_NAME).read_bytes(), "m"))
+_manifest_doc = manifest_doc
 
 
 def test_a_hundred_thousand_mixed_leaves_round_trip_bit_exact(tmp_path: Path) -> None:
@@ -69,9 +68,8 @@ def test_a_hundred_thousand_mixed_leaves_round_trip_bit_exact(tmp_path: Path) ->
     ckptio.save(tmp_path, state, step=1).result()
     _same(state, ckptio.restore(tmp_path))
     doc = _manifest_doc(tmp_path, 1)
-    assert doc["version"] == ROWS_VERSION
-    rows = [it for it in doc["items"].values() if isinstance(it, list)]
-    assert len(rows) > 60_000  # the small arrays are compact rows
+    assert doc["version"] == PACKS_VERSION
+    assert len(packed(doc)) > 60_000  # the small arrays are members of pack tables
     assert isinstance(doc["items"]["big/w"], dict)  # the big one is a full item
     # Into numpy targets of the same shapes: every leaf lands where it belongs.
     target = {k: {n: np.empty_like(v) if isinstance(v, np.ndarray) else v for n, v in layer.items()}
@@ -105,10 +103,9 @@ def test_packs_hold_one_dtype_so_every_member_is_aligned_in_its_object(tmp_path:
     # so every member's offset is a multiple of its itemsize and restores view it in place.
     state = {f"p{i}": np.arange(1 + i % 7, dtype=[np.uint8, np.float64, np.int16][i % 3]) for i in range(300)}
     ckptio.save(tmp_path, state, step=1).result()
-    doc = _manifest_doc(tmp_path, 1)
+    members = packed(_manifest_doc(tmp_path, 1))
     for name, arr in state.items():
-        _dtype, _shape, _obj, offset, _crcs = doc["items"][name]
-        assert offset % arr.dtype.itemsize == 0, name
+        assert members[name]["offset"] % arr.dtype.itemsize == 0, name
     _same(state, ckptio.restore(tmp_path))
 
 
@@ -118,7 +115,7 @@ def test_non_contiguous_small_leaves_are_packed_in_c_order(tmp_path: Path) -> No
              "plain": base[0].copy()}
     assert not state["strided"].flags.c_contiguous and not state["t"].flags.c_contiguous
     ckptio.save(tmp_path, state, step=1).result()
-    assert all(type(it) is list for it in _manifest_doc(tmp_path, 1)["items"].values())  # all packed
+    assert packed(_manifest_doc(tmp_path, 1)).keys() == state.keys()  # all packed
     out = ckptio.restore(tmp_path)
     for k, v in state.items():
         assert out[k].shape == v.shape and np.array_equal(out[k], v), k
@@ -141,7 +138,7 @@ def test_a_wide_state_changed_after_save_returns_is_saved_as_it_was(tmp_path: Pa
 def test_wide_dicts_with_keys_that_need_escaping_keep_their_names(tmp_path: Path) -> None:
     state = {"a/b": np.arange(3), "50%": np.arange(2), **{f"k{i}": np.arange(i % 4 + 1) for i in range(20)}}
     ckptio.save(tmp_path, state, step=1).result()
-    assert {"a%2Fb", "50%25"} <= _manifest_doc(tmp_path, 1)["items"].keys()
+    assert {"a%2Fb", "50%25"} <= packed(_manifest_doc(tmp_path, 1)).keys()
     _same(state, ckptio.restore(tmp_path))
 
 
@@ -149,7 +146,7 @@ def test_a_flipped_byte_in_one_small_array_is_caught_naming_it(tmp_path: Path) -
     state = {f"p{i}": np.full(100, i, np.float32) for i in range(50)}
     ckptio.save(tmp_path, state, step=1).result()
     doc = _manifest_doc(tmp_path, 1)
-    _dtype, _shape, obj, offset, _crcs = doc["items"]["p17"]
+    obj, offset = packed(doc)["p17"]["object"], packed(doc)["p17"]["offset"]
     path = tmp_path / doc["objects"][obj]
     with open(path, "r+b") as f:
         f.seek(offset + 123)
@@ -168,8 +165,7 @@ def test_torch_and_numpy_small_leaves_pack_together_and_come_back_as_their_kind(
     state = {"t": torch.arange(7, dtype=torch.bfloat16), "n": np.arange(5, dtype=np.int16),
              "p": torch.nn.Parameter(torch.ones(3)), "s": np.float32(2.5)}
     ckptio.save(tmp_path, state, step=1).result()
-    doc = _manifest_doc(tmp_path, 1)
-    assert doc["items"]["t"][5] == {"origin": "torch"}  # a row, with its origin
+    assert packed(_manifest_doc(tmp_path, 1))["t"]["origin"] == "torch"  # its pack's origin
     target = {"t": torch.zeros(7, dtype=torch.bfloat16), "n": np.zeros(5, np.int16),
               "p": torch.zeros(3), "s": np.float32(0)}
     out = ckptio.restore(tmp_path, target=target)
@@ -178,15 +174,15 @@ def test_torch_and_numpy_small_leaves_pack_together_and_come_back_as_their_kind(
     assert out["s"] == np.float32(2.5)
 
 
-def test_a_reader_that_predates_rows_refuses_the_checkpoint(tmp_path: Path) -> None:
-    """Format 4 (rows) is refused by a ckptio that reads at most 3, instead of misreading items."""
+def test_a_reader_that_predates_pack_tables_refuses_the_checkpoint(tmp_path: Path) -> None:
+    """Format 5 (pack tables) is refused by a ckptio that reads at most 4, instead of missing items."""
     from ckptio import manifest
 
     ckptio.save(tmp_path, {"a": np.arange(4.0)}, step=1).result()
     old = manifest.VERSION
-    manifest.VERSION = 3
+    manifest.VERSION = 4
     try:
-        with pytest.raises(ckptio.ManifestError, match="version 4 is not supported"):
+        with pytest.raises(ckptio.ManifestError, match="version 5 is not supported"):
             ckptio.restore(tmp_path)
     finally:
         manifest.VERSION = old
@@ -225,8 +221,7 @@ def test_many_small_jax_leaves_pack_and_come_back_on_their_shardings(tmp_path: P
     state["sharded"] = jax.device_put(np.arange(8 * 64, dtype=np.float32).reshape(8 * len(devices), -1)[: 8 * len(devices)],
                                       NamedSharding(mesh, PartitionSpec("x")))
     ckptio.save(tmp_path, state, step=1).result()
-    doc = _manifest_doc(tmp_path, 1)
-    assert doc["items"]["l5"][5] == {"origin": "jax"}
+    assert packed(_manifest_doc(tmp_path, 1))["l5"]["origin"] == "jax"
     target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     out = ckptio.restore(tmp_path, target=target)
     for name, want in state.items():

@@ -15,6 +15,7 @@ import pytest
 import ckptio
 from ckptio.dtypes import ML_DTYPES
 from ckptio.manifest import MANIFEST_NAME, seal, unseal
+from manifests import as_rows
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -243,10 +244,64 @@ def test_malformed_manifest_is_refused_naming_it(tmp_path, edit, match):
 def test_malformed_item_row_is_refused_naming_it(tmp_path, edit, match):
     """A small whole array is a compact row in the manifest; every field of it is checked."""
     ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
-    _edit_manifest(tmp_path, lambda d: edit(d["items"]["a"]))
+    _edit_manifest(tmp_path, lambda d: edit(as_rows(d)["items"]["a"]))  # as format 4 wrote it
     with pytest.raises(ckptio.ManifestError, match=match) as e:
         ckptio.restore(tmp_path, step=1)
     assert MANIFEST_NAME in str(e.value) and "'a'" in str(e.value)
+
+
+def test_a_format_4_checkpoint_of_rows_still_restores(tmp_path):
+    state = {"a": np.arange(10.0), "b": {"c": np.arange(6, dtype=np.int8).reshape(2, 3)}, "big": np.ones(70000)}
+    ckptio.save(tmp_path, state, step=1).result()
+    _edit_manifest(tmp_path, as_rows)
+    out = ckptio.restore(tmp_path, step=1)
+    for got, want in ((out["a"], state["a"]), (out["b"]["c"], state["b"]["c"]), (out["big"], state["big"])):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def _table(d):
+    (t,) = d["packs"]
+    return t
+
+
+def _dup(d):
+    d["items"]["a"] = {"kind": "value", "type": "none"}
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda t: t.__setitem__("dtype", "|O8"), "allow-list"),
+        (lambda t: t.__setitem__("shapes", [[10**9]]), "member 'a' of shape"),
+        (lambda t: t.__setitem__("shapes", [["10"]]), "'shapes'"),
+        (lambda t: t.__setitem__("shapes", [[]]), "member 'a' of shape"),
+        (lambda t: t.__setitem__("object", 7), "'object'"),
+        (lambda t: t.__setitem__("offset", -1), "'offset'"),
+        (lambda t: t.__setitem__("crcs", []), "'crcs'"),
+        (lambda t: t.__setitem__("crcs", [2**40]), "'crcs'"),
+        (lambda t: t.__setitem__("ends", [2**20 + 8]), "member 'a' spans"),
+        (lambda t: t.__setitem__("ends", [True]), "'ends'"),
+        (lambda t: t.__setitem__("origin", "pickle"), "origin"),
+        (lambda t: t.__setitem__("colour", 1), "malformed pack table"),
+        (lambda t: t.pop("names"), "malformed pack table"),
+        (lambda t: t.__setitem__("names", [5]), "'names'"),
+        (lambda t: t.__setitem__("scalars", [0]), "'scalars'"),
+    ],
+)
+def test_malformed_pack_table_is_refused_naming_it(tmp_path, edit, match):
+    """Small whole arrays are members of a pack table (format 5); every column of it is checked."""
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    _edit_manifest(tmp_path, lambda d: edit(_table(d)))
+    with pytest.raises(ckptio.ManifestError, match=match) as e:
+        ckptio.restore(tmp_path, step=1)
+    assert MANIFEST_NAME in str(e.value) and "pack 0" in str(e.value)
+
+
+def test_a_packed_name_listed_twice_is_refused(tmp_path):
+    ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
+    _edit_manifest(tmp_path, _dup)
+    with pytest.raises(ckptio.ManifestError, match="item 'a' is listed twice"):
+        ckptio.restore(tmp_path, step=1)
 
 
 def test_garbage_manifest(tmp_path):
@@ -263,7 +318,7 @@ def test_flipped_byte_in_manifest_is_detected(tmp_path):
     ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
     path = tmp_path / "1" / MANIFEST_NAME
     data = bytearray(path.read_bytes())
-    i = data.index(b'"a":["<f8",[10]') + len('"a":["<f8",[')  # a compact row (manifest.item_row)
+    i = data.index(b'"shapes":[[10]]') + len('"shapes":[[')  # a pack table's member (ckptio.packtable)
     data[i] = ord("2")  # still valid JSON, wrong shape
     path.write_bytes(bytes(data))
     with pytest.raises(ckptio.IntegrityError, match="manifest"):

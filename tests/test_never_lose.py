@@ -27,6 +27,7 @@ from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 from ckptio.names import parse_object
 from ckptio.store import CheckpointStore
+from manifests import as_rows
 
 
 def state(step: int) -> dict[str, Any]:
@@ -367,7 +368,7 @@ def test_declared_shape_is_not_allocated_before_objects_are_checked(tmp_path: Pa
 
     save(tmp_path, 1)
     path = tmp_path / "1" / MANIFEST_NAME
-    doc = json.loads(unseal(path.read_bytes(), "m"))
+    doc = as_rows(json.loads(unseal(path.read_bytes(), "m")))  # a packed member as a format-4 row
     item = doc["items"]["w"]
     if isinstance(item, list):  # a small array's compact row: edited in its full form
         item = doc["items"]["w"] = row_object(item)
