@@ -59,6 +59,9 @@ class Piece:
     #: A pack of small arrays (staging.LeafPack): each member's end offset. Checksummed per
     #: member, never split across objects.
     cuts: list[int] | None = None
+    #: The piece starts at a multiple of this in its object (a pack: its dtype's alignment, so
+    #: that every member, back to back with others of its dtype, is aligned for it).
+    align: int = 1
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -83,10 +86,7 @@ class PlannedExtent:
             self.length = self.data.nbytes
 
 
-_ZEROS = memoryview(bytes(1 << 16))
-#: Where a pack of small arrays may start in an object: every member, packed back to back
-#: with others of its dtype, is then aligned for its dtype, and restores view it in place.
-PACK_ALIGN = 64  # padding source; alignments up to 64 KiB
+_ZEROS = memoryview(bytes(1 << 16))  # padding source; alignments up to 64 KiB
 
 
 @dataclasses.dataclass(slots=True)
@@ -236,8 +236,8 @@ def pack(
             close()
         if align > 1 and n >= align and size % align:
             size += align - size % align  # small pieces stay packed tight; big ones start aligned
-        elif p.cuts is not None and size % PACK_ALIGN:
-            size += PACK_ALIGN - size % PACK_ALIGN  # a pack's members (one dtype) then sit aligned too
+        elif size % p.align:
+            size += p.align - size % p.align
         current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts))
         size += n
     close()

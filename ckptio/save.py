@@ -95,7 +95,7 @@ def _pieces(staged: dict[str, Any], packs: Sequence[LeafPack] = ()) -> tuple[lis
     and each shard's or pack's buffer (to fill before its objects are written)."""
     out, arrays = [], {}
     for k, pack in enumerate(packs):
-        out.append(Piece("", -1 - k, memoryview(pack.buffer), cuts=pack.ends))
+        out.append(Piece("", -1 - k, memoryview(pack.buffer), cuts=pack.ends, align=pack.arrays[0].dtype.alignment))
         arrays[("", -1 - k)] = pack.buffer
     for name, item in staged.items():
         if isinstance(item, StagedArray):

@@ -360,8 +360,11 @@ class LeafPacker:
         self.packs.append(LeafPack(pack.names, pack.arrays, key[1], pack.ends, buf))
 
     def finish(self) -> list[LeafPack]:
+        """Every pack, the widest dtypes first: written back to back in that order, each pack of
+        a power-of-two itemsize then starts aligned for it with no padding before it."""
         for key in list(self._open):
             self._close(key)
+        self.packs.sort(key=lambda p: -p.arrays[0].dtype.itemsize)
         return self.packs
 
 

@@ -328,7 +328,12 @@ def tree_leaf_names(structure: Any) -> list[str]:
         if kind == "leaf":
             out.append(body)
             continue
-        for child in body.values() if kind == "dict" else body:
+        children = list(body.values()) if kind == "dict" else body
+        leaves = [c["leaf"] for c in children if type(c) is dict and len(c) == 1 and "leaf" in c]
+        if len(leaves) == len(children):  # a node of leaves only (a wide state's), in one pass
+            out += leaves
+            continue
+        for child in children:
             if type(child) is dict and len(child) == 1 and type(child.get("leaf")) is str:
                 out.append(child["leaf"])
             else:
