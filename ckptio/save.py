@@ -234,7 +234,8 @@ def _validated(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> dict[str, Any]:
-    """Every host's record in one manifest document (format 1; 3 with tiled shards; 4 with compact rows)."""
+    """Every host's record in one manifest document (format 1; 3 with tiled shards; 4 with compact rows;
+    5 with pack tables, from a single host)."""
     objects: list[str] = []
     items: dict[str, Any] = {}
     tables: list[dict[str, Any]] = []

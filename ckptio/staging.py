@@ -272,8 +272,10 @@ class LeafPacker:
         The loop over plain numpy leaves is this method's own: at 100k leaves a call
         per leaf is a visible part of the training step's stall.
         """
-        if not self._open and self._bulk(names, leaves):
-            return []
+        if not self._open:
+            rest = self._bulk(names, leaves)
+            if rest is not None:
+                return rest
         rest: list[int] = []
         opened = self._open
         limit = self.max_leaf
@@ -293,34 +295,43 @@ class LeafPacker:
                 rest.append(i)
         return rest
 
-    def _bulk(self, names: Sequence[str], leaves: Sequence[Any]) -> bool:
-        """Pack every leaf at once if all are small numpy arrays of one dtype (a flat state of
-        100k arrays); False, having packed nothing, otherwise."""
-        if not leaves or type(leaves[0]) is not np.ndarray:
-            return False
-        dtype = leaves[0].dtype
+    def _bulk(self, names: Sequence[str], leaves: Sequence[Any]) -> list[int] | None:
+        """Pack a state of numpy arrays only with array operations, per dtype (at 100k leaves the
+        per-leaf loop is most of the step's stall); the indices left to stage alone, or None
+        (having packed nothing) if some leaf is not a numpy array."""
+        ndarray = np.ndarray
         for leaf in leaves:
-            if type(leaf) is not np.ndarray:
-                return False
-        if [leaf.dtype for leaf in leaves].count(dtype) != len(leaves):
-            return False
+            if type(leaf) is not ndarray:
+                return None
+        dtypes = [leaf.dtype for leaf in leaves]
         sizes = np.array([leaf.nbytes for leaf in leaves], np.int64)
-        if sizes.min() <= 0 or sizes.max() > self.max_leaf:
-            return False
-        try:
-            check_dtype(dtype, names[0])
-        except TypeError:
-            return False
+        small = (sizes > 0) & (sizes <= self.max_leaf)
+        kinds = {dt: k for k, dt in enumerate(dict.fromkeys(dtypes))}
+        codes = np.fromiter(map(kinds.__getitem__, dtypes), np.int64, len(leaves)) if len(kinds) > 1 else None
+        taken = np.zeros(len(leaves), bool)
+        for dtype, k in kinds.items():
+            try:
+                check_dtype(dtype, "")
+            except TypeError:
+                continue  # stage_leaf raises the error that names the leaf
+            mask = small if codes is None else small & (codes == k)
+            members = np.flatnonzero(mask)
+            if members.size:
+                self._pack_run(members, sizes[members], names, leaves)
+                taken |= mask
+        return np.flatnonzero(~taken).tolist()
+
+    def _pack_run(self, members: np.ndarray, sizes: np.ndarray, names: Sequence[str], leaves: Sequence[Any]) -> None:
+        """Pack ``leaves[members]`` (of one dtype, in order) greedily into packs of at most ``max_pack``."""
         cum = np.cumsum(sizes)
         start, base = 0, 0
-        while start < len(leaves):  # greedy, as take: a pack closes before the member that overflows it
+        while start < len(members):  # as take: a pack closes before the member that overflows it
             stop = max(int(np.searchsorted(cum, base + self.max_pack, "right")), start + 1)
+            chosen = members[start:stop].tolist()
             ends = (cum[start:stop] - base).tolist()
-            arrays = list(leaves[start:stop])
-            buf = self.area.pack(arrays, ends[-1])
-            self.packs.append(LeafPack(list(names[start:stop]), arrays, "numpy", ends, buf))
+            arrays = [leaves[i] for i in chosen]
+            self.packs.append(LeafPack([names[i] for i in chosen], arrays, "numpy", ends, self.area.pack(arrays, ends[-1])))
             start, base = stop, int(cum[stop - 1])
-        return True
 
     def take(self, name: str, leaf: Any) -> bool:
         """Pack ``leaf`` if it is a small whole array this host writes; False: stage it alone."""

@@ -109,6 +109,32 @@ def test_packs_hold_one_dtype_so_every_member_is_aligned_in_its_object(tmp_path:
     _same(state, ckptio.restore(tmp_path))
 
 
+def test_a_numpy_only_state_of_mixed_dtypes_packs_in_bulk_bit_exact(tmp_path: Path) -> None:
+    # Only numpy arrays (the packer's array-at-a-time path): every dtype, 0-d, zero-size and
+    # too-big arrays among them, in a nested tree.
+    rng = np.random.default_rng(1)
+    state: dict = {}
+    for i in range(3000):
+        dt = np.dtype(_DTYPES[i % len(_DTYPES)])
+        shape = (0,) if i % 97 == 0 else () if i % 31 == 0 else (1 + i % 9,)
+        raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+        state.setdefault(f"l{i // 50}", {})[f"p{i % 50}"] = raw.view(dt).reshape(shape)
+    state["big"] = rng.standard_normal(70_000)  # 547 KiB: staged alone
+    ckptio.save(tmp_path, state, step=1).result()
+    members = packed(_manifest_doc(tmp_path, 1))
+    assert "big" not in members and "l0/p0" not in members  # zero-size: an item of its own
+    assert len(members) > 2900
+    _same(state, ckptio.restore(tmp_path))
+
+
+def test_an_unsavable_dtype_among_many_numpy_leaves_is_refused_naming_it(tmp_path: Path) -> None:
+    state = {f"p{i}": np.arange(3, dtype=np.float32) for i in range(100)}
+    state["p57"] = np.array([object()], dtype=object)
+    with pytest.raises(TypeError, match="p57"):
+        ckptio.save(tmp_path, state, step=1)
+    assert not (tmp_path / "1").exists() or not any((tmp_path / "1").iterdir())
+
+
 def test_non_contiguous_small_leaves_are_packed_in_c_order(tmp_path: Path) -> None:
     base = np.arange(60, dtype=np.int32).reshape(6, 10)
     state = {"fortran": np.asfortranarray(base[:3, :4]), "strided": base[::2, ::3], "t": base.T,
