@@ -69,21 +69,23 @@ class SaveHandle:
 
 def _plan_staging(
     state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0, packer: LeafPacker | None = None,
-    deferred: list[Callable[[], None]] | None = None,
+    deferred: list[Callable[[], None]] | None = None, placeholders: bool = True,
 ) -> tuple[Any, dict[str, Any], list[LeafPack]]:
     """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled.
 
-    With a ``packer``, the small whole arrays this host writes go into its packs instead.
-    With ``deferred``, parts of the structure are left to its calls (``tree.flatten_named``).
+    With a ``packer``, the small whole arrays this host writes go into its packs instead, each
+    holding its place in the staged items as PACKED with ``placeholders`` (a host of many lists
+    its items in tree order, rows included). With ``deferred``, parts of the structure are left
+    to its calls (``tree.flatten_named``).
     """
     names, values, structure = flatten_named(state, deferred=deferred)
+    staged: dict[str, Any] = {}
     if packer is None:
         rest: Iterable[int] = range(len(names))
-        staged: dict[str, Any] = {}
     else:
         rest = packer.take_many(names, values)
-        # Every item holds its place (a packed one as PACKED): every host lists its items in tree order.
-        staged = dict.fromkeys(names, PACKED)
+        if placeholders:
+            staged = dict.fromkeys(names, PACKED)
     for i in rest:
         name = names[i]
         staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes)
@@ -363,7 +365,8 @@ def _start_save(
             packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
                                 caps.object_size)
         structure, staged, packs = _plan_staging(state, coord.rank, area if copy else None,
-                                                 min(tile_bytes, caps.object_size), packer, deferred)
+                                                 min(tile_bytes, caps.object_size), packer, deferred,
+                                                 placeholders=coord.size > 1)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
