@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from ._copy import byte_views, copy_bytes, flat_bytes
 from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from ._threads import background_pool
+from ._threads import background_pool, start_workers
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,9 @@ class LocalBackend(Backend):
         pool = self._pool
         if pool is None:
             with self._pool_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="ckptio-posix")
+                if self._pool is None:  # threads started now, not one per submit inside a burst of reads
+                    pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="ckptio-posix")
+                    self._pool = start_workers(pool, self.config.threads)
                 pool = self._pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from ckptio.backends._copy import flat_bytes
 from ckptio.backends._pages import POPULATE_MIN, populate
-from ckptio.backends._threads import background_pool
+from ckptio.backends._threads import background_pool, start_workers
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
@@ -173,7 +173,8 @@ class Engine:
         self.backend = backend
         self.config = config or EngineConfig()
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
-        self._cpu = concurrent.futures.ThreadPoolExecutor(self.config.checksum_threads, "ckptio-crc")
+        self._cpu: concurrent.futures.ThreadPoolExecutor | None = None  # a read's checks: _read_pool()
+        self._cpu_lock = threading.Lock()
         self._cpu_save = background_pool(self.config.checksum_threads, "ckptio-crc-w", self.config.save_nice)
         self._state: dict[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, ByteBudget]] = {}
 
@@ -184,8 +185,20 @@ class Engine:
             self._state[loop] = (asyncio.Semaphore(self.concurrency), ByteBudget(self.config.byte_budget))
         return self._state[loop]
 
+    def _read_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that verify (and populate, copy out) what reads bring in; started on the
+        first read, all at once, before any read is issued (backends/_threads.start_workers)."""
+        pool = self._cpu
+        if pool is None:
+            with self._cpu_lock:
+                if self._cpu is None:
+                    n = self.config.checksum_threads
+                    self._cpu = start_workers(concurrent.futures.ThreadPoolExecutor(n, "ckptio-crc"), n)
+                pool = self._cpu
+        return pool
+
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool(), fn, *args)
 
     async def _in_save_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu_save, fn, *args)
@@ -298,7 +311,7 @@ class Engine:
                 await self.retrying(
                     f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
                 )
-                checking.append(loop.run_in_executor(self._cpu, self._verify_checks, piece))
+                checking.append(loop.run_in_executor(self._read_pool(), self._verify_checks, piece))
             await asyncio.gather(*checking)
         finally:  # a failed read must not leave checks running over buffers a retry refills
             await asyncio.gather(faulting, *checking, return_exceptions=True)
@@ -307,7 +320,7 @@ class Engine:
         """Fault ``piece``'s buffers in on a worker thread when ``wanted`` and large enough to gain."""
         loop = asyncio.get_running_loop()
         if wanted and piece.rng.length >= POPULATE_MIN:
-            return loop.run_in_executor(self._cpu, populate, piece.buffers)
+            return loop.run_in_executor(self._read_pool(), populate, piece.buffers)
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
         return done
@@ -353,6 +366,7 @@ class Engine:
         the whole restore returns.
         """
         merged = self.coalesce(requests)
+        self._read_pool()  # its threads up before the first read, not started one by one amid them
         for r in requests:
             r.buffers, r.after = [], []
         await gather_or_cancel(self._read_and_drop(r, progress) for r in merged)
@@ -364,7 +378,8 @@ class Engine:
             req.buffers, req.after = [], []
 
     def close(self) -> None:
-        self._cpu.shutdown(wait=False)
+        if self._cpu is not None:
+            self._cpu.shutdown(wait=False)
         self._cpu_save.shutdown(wait=False)
 
 
