@@ -39,7 +39,7 @@ from . import _json
 from .checksum import crc32c
 from .dtypes import decode_dtype, encode_dtype
 from .errors import IntegrityError, ManifestError
-from .packtable import Items, table_from_doc
+from .packtable import Items, split_items, table_from_doc
 
 __all__ = [
     "FORMAT",
@@ -324,8 +324,8 @@ def _check_tree(tree: Any, items: Mapping[str, Any], where: str) -> None:
     from .tree import tree_leaf_names
 
     try:
-        names = set(tree_leaf_names(tree))
-        missing = names.difference(items.plain, items.packed_names()) if isinstance(items, Items) else names.difference(items)
+        plain, tables = split_items(items)
+        missing = set(tree_leaf_names(tree)).difference(plain, *(t.names for t in tables))
     except (AttributeError, ValueError, TypeError) as e:
         raise ManifestError(f"{where}: malformed tree: {e}") from e
     if missing:

@@ -37,7 +37,7 @@ import numpy as np
 from .dtypes import decode_dtype
 from .errors import ManifestError
 
-__all__ = ["PackTable", "Items", "table_doc", "table_from_doc"]
+__all__ = ["PackTable", "Items", "split_items", "table_doc", "table_from_doc"]
 
 _KEYS = frozenset({"object", "offset", "dtype", "host", "origin", "names", "shapes", "ends", "crcs", "scalars"})
 _ORIGINS = ("numpy", "jax", "torch")
@@ -174,10 +174,6 @@ class Items(Mapping[str, Any]):
                 seen.add(name)
         self._made: dict[str, Any] = {}
 
-    def packed_names(self) -> Mapping[str, int]:
-        """The packed items' names (a mapping, for fast set operations)."""
-        return self._index
-
     def locate(self, name: str) -> tuple[PackTable, int] | None:
         """The table and member number of a packed item; None for any other name."""
         g = self._index.get(name)
@@ -210,3 +206,9 @@ class Items(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Items({len(self.plain)} listed, {len(self._index)} in {len(self.tables)} packs)"
+
+
+def split_items(items: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[PackTable]]:
+    """Any manifest's items as ``(those listed one by one, its pack tables)``: for readers that
+    take the columns in bulk (a format-5 manifest) and the rest item by item."""
+    return (items.plain, items.tables) if isinstance(items, Items) else (items, [])

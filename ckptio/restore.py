@@ -38,7 +38,7 @@ from .cast import cast_checked, is_numeric
 from .engine import Progress, ReadRequest, run_sync
 from .errors import CheckpointNotFoundError, IntegrityError
 from .manifest import ArrayItem, Extent, Manifest, ValueItem
-from .packtable import Items, PackTable
+from .packtable import PackTable, split_items
 from .reshard import Region, coverage_gaps, plan_region
 from .staging import Sharded, index_to_box, plain_cpu_tensor, torch_to_numpy
 from .store import CheckpointStore
@@ -235,10 +235,11 @@ def restore_checkpoint(
 ) -> Any:
     """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree."""
     where = store.where(step_dir)
-    # A whole restore of a format-5 manifest reads its pack tables in bulk, as columns.
-    tables = manifest.items.tables if target is None and isinstance(manifest.items, Items) else []
+    tables: list[PackTable] = []
     if target is None:
-        wanted = dict.fromkeys(manifest.items.plain if tables else manifest.items)
+        # A whole restore reads a format-5 manifest's pack tables in bulk, as columns.
+        plain, tables = split_items(manifest.items)
+        wanted = dict.fromkeys(plain)
         structure = manifest.tree
     else:
         names, values, structure = flatten_named(target, is_leaf=_is_target_leaf)
@@ -383,7 +384,6 @@ def _bulk(
     return requests, finish
 
 
-
 def _table_reads(
     tables: list[PackTable], objects: list[str], block_size: int, max_read: int,
 ) -> tuple[list[ReadRequest], Callable[[], dict[str, Any]]]:
@@ -398,7 +398,7 @@ def _table_reads(
     for t in tables:
         ends, i = t.ends, 0
         while i < len(ends):
-            base = ends[i - 1] if i else 0
+            base = t.span(i)[0]
             j = max(bisect.bisect_right(ends, base + max_read, i), i + 1)  # members [i, j) in one read
             buf = fresh_pages(ends[j - 1] - base)
             checks = [(start - base, end - start, [crc], name) for start, end, crc, name
@@ -427,7 +427,7 @@ def _members(t: PackTable, i: int, j: int, buf: np.ndarray, base: int) -> list[A
         return list(np.ndarray((j - i, *shapes[0]), dtype, buf, 0))
     out: list[Any] = []
     for m, shape in enumerate(shapes, i):
-        arr = np.ndarray(shape, dtype, buf, (t.ends[m - 1] if m else 0) - base)
+        arr = np.ndarray(shape, dtype, buf, t.span(m)[0] - base)
         out.append(arr[()] if m in t.scalars else arr)
     return out
 

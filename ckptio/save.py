@@ -360,13 +360,14 @@ def _start_save(
             tile_bytes = store.backend.capabilities.tile_bytes
         caps = store.backend.capabilities
         packer = None
+        single_host = coord.size == 1  # its record is the whole manifest: pack tables, no placeholders
         deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the writer thread
         if coord.rank == 0:  # only host 0 writes plain (replicated) arrays
             packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
                                 caps.object_size)
         structure, staged, packs = _plan_staging(state, coord.rank, area if copy else None,
                                                  min(tile_bytes, caps.object_size), packer, deferred,
-                                                 placeholders=coord.size > 1)
+                                                 placeholders=not single_host)
         if coord.rank == 0:
             run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
         elif run_sync(store.is_committed(step_dir)):
@@ -404,7 +405,7 @@ def _start_save(
             written = sidecar.write_and_sync(store, plans, progress, ready, where)
             with _gc.paused():
                 record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs,
-                                      tables=coord.size == 1)
+                                      tables=single_host)
             if split:
                 record = _expanded(record)  # fragments hold full items
                 record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))

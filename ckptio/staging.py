@@ -250,6 +250,12 @@ class _OpenPack:
         self.ends: list[int] = []
         self.size = 0
 
+    def add(self, name: str, arr: np.ndarray) -> None:
+        self.names.append(name)
+        self.arrays.append(arr)
+        self.size += arr.nbytes
+        self.ends.append(self.size)
+
 
 class LeafPacker:
     """Collects the small leaves of a state into :class:`LeafPack` s of at most ``max_pack`` bytes,
@@ -286,10 +292,7 @@ class LeafPacker:
                 if 0 < n <= limit:
                     pack = opened.get((leaf.dtype, "numpy"))
                     if pack is not None and pack.size + n <= self.max_pack:
-                        pack.names.append(names[i])
-                        pack.arrays.append(leaf)
-                        pack.size += n
-                        pack.ends.append(pack.size)
+                        pack.add(names[i], leaf)
                         continue
             if not self.take(names[i], leaf):
                 rest.append(i)
@@ -359,10 +362,7 @@ class LeafPacker:
         elif pack.size + n > self.max_pack:
             self._close(key)
             pack = self._open[key] = _OpenPack()
-        pack.names.append(name)
-        pack.arrays.append(arr)
-        pack.size += n
-        pack.ends.append(pack.size)
+        pack.add(name, arr)
         return True
 
     def _close(self, key: tuple[np.dtype, str]) -> None:

@@ -702,14 +702,13 @@ def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
 def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
     """The least size of each object of ``manifest``: the end of its last extent (0 if it holds none)."""
     from .manifest import ArrayItem
-
-    from .packtable import Items
+    from .packtable import split_items
 
     ends = [0] * len(manifest.objects)  # by object number: one list index per extent (100k-leaf states)
-    items = manifest.items
-    for t in items.tables if isinstance(items, Items) else ():  # a pack table: one extent
+    plain, tables = split_items(manifest.items)
+    for t in tables:  # a pack table: one extent
         ends[t.object] = max(ends[t.object], t.offset + t.ends[-1])
-    for item in (items.plain if isinstance(items, Items) else items).values():
+    for item in plain.values():
         if isinstance(item, ArrayItem):
             for shard in item.shards:
                 for e in shard.extents:
