@@ -6,7 +6,11 @@ usage: interop_rss.py WORKDIR [--gib 2] [--tensors 16]
 2. each conversion in its own process, which reports its peak RSS (``ru_maxrss``: imports
    included) and its RSS right after importing its framework (the baseline):
    dcp -> ckptio, ckptio -> dcp, ckptio -> orbax, orbax -> ckptio
-3. (not measured) spot checks, bit-exact: a tensor through every hop, loaded by stock code.
+3. (not measured) spot checks, bit-exact: two tensors after every hop, loaded by ckptio or stock
+   DCP, against digests taken when they were made.
+
+At most two checkpoints exist at once (each is deleted once no later hop reads it): the
+test suite runs on machines with a few GiB of disk to spare.
 
 Prints one JSON line: ``{"gib": ..., "conversions": [{"name", "peak_rss_mib", "baseline_rss_mib",
 "seconds", "gib_per_s"}, ...]}``.
@@ -14,8 +18,10 @@ Prints one JSON line: ``{"gib": ..., "conversions": [{"name", "peak_rss_mib", "b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import resource
 import subprocess
 import sys
@@ -41,6 +47,18 @@ def make(work: str, gib: float, n: int) -> None:
         sd[f"t{i:02d}"] = t.view(torch.float32)
     sd["step"] = 1000
     dcp.save(sd, checkpoint_id=os.path.join(work, "dcp"), no_dist=True)
+    digests = {k: _digest(sd[k].numpy()) for k in CHECKED}
+    with open(os.path.join(work, "digests.json"), "w") as f:
+        json.dump({"shape": [rows, cols], "digests": digests}, f)
+
+
+CHECKED = ("t00", "t07")
+
+
+def _digest(a: object) -> str:
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).data).hexdigest()
 
 
 def child(name: str, src: str, dst: str) -> None:
@@ -71,34 +89,35 @@ def child(name: str, src: str, dst: str) -> None:
     )
 
 
-def check(work: str) -> None:
-    import numpy as np
-    import torch
-    import torch.distributed.checkpoint as dcp
+def check(work: str, fmt: str, path: str) -> None:
+    """The checked tensors of the ``fmt`` checkpoint at ``path`` are bit-exact the ones made."""
+    with open(os.path.join(work, "digests.json")) as f:
+        made = json.load(f)
+    for name in CHECKED:
+        if fmt == "dcp":
+            import torch
+            import torch.distributed.checkpoint as dcp
 
-    import ckptio
-    from ckptio.staging import torch_to_numpy
+            from ckptio.staging import torch_to_numpy
 
-    rows = None
-    for name in ("t00", "t07"):
-        a = ckptio.restore(os.path.join(work, "ckptio"), target={name: None})[name]
-        b = ckptio.restore(os.path.join(work, "ckptio2"), target={name: None})[name]
-        rows = a.shape
-        sd = {name: torch.zeros(rows, dtype=torch.float32)}
-        dcp.load(sd, checkpoint_id=os.path.join(work, "dcp2"), no_dist=True)
-        orig = {name: torch.zeros(rows, dtype=torch.float32)}
-        dcp.load(orig, checkpoint_id=os.path.join(work, "dcp"), no_dist=True)
-        o = torch_to_numpy(orig[name])
-        for what, x in (("ckptio", a), ("orbax->ckptio", b), ("ckptio->dcp", torch_to_numpy(sd[name]))):
-            assert np.asarray(x).tobytes() == o.tobytes(), (name, what)
-    print(json.dumps({"check": "ok"}))
+            sd = {name: torch.zeros(made["shape"], dtype=torch.float32)}
+            dcp.load(sd, checkpoint_id=path, no_dist=True)
+            got = torch_to_numpy(sd[name])
+        else:
+            import ckptio
+
+            got = ckptio.restore(path, target={name: None})[name]
+        assert _digest(got) == made["digests"][name], (path, name)
+    print(json.dumps({"check": path}))
 
 
+#: (conversion, source, destination, what to delete after it); orbax's copy is checked by the
+#: hop that reads it back.
 STEPS = [
-    ("dcp-to-ckptio", "dcp", "ckptio"),
-    ("ckptio-to-dcp", "ckptio", "dcp2"),
-    ("ckptio-to-orbax", "ckptio", "orbax"),
-    ("orbax-to-ckptio", "orbax", "ckptio2"),
+    ("dcp-to-ckptio", "dcp", "ckptio", ("dcp",)),
+    ("ckptio-to-dcp", "ckptio", "dcp2", ("dcp2",)),
+    ("ckptio-to-orbax", "ckptio", "orbax", ("ckptio",)),
+    ("orbax-to-ckptio", "orbax", "ckptio2", ("orbax", "ckptio2")),
 ]
 
 
@@ -110,7 +129,7 @@ def main() -> None:
         make(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
         return
     if sys.argv[1] == "--check":
-        check(sys.argv[2])
+        check(*sys.argv[2:5])
         return
     work = sys.argv[1]
     args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
@@ -118,7 +137,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, __file__, "--make", work, str(gib), str(n)], check=True, env=env)
     rows = []
-    for name, src, dst in STEPS:
+    for name, src, dst, done in STEPS:
         out = subprocess.run(
             [sys.executable, __file__, "--child", name, os.path.join(work, src), os.path.join(work, dst)],
             check=True,
@@ -128,7 +147,12 @@ def main() -> None:
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    subprocess.run([sys.executable, __file__, "--check", work], check=True, env=env, capture_output=True)
+        if dst != "orbax":
+            fmt = "dcp" if dst.startswith("dcp") else "ckptio"
+            subprocess.run([sys.executable, __file__, "--check", work, fmt, os.path.join(work, dst)],
+                           check=True, env=env, stdout=subprocess.DEVNULL)
+        for d in done:
+            shutil.rmtree(os.path.join(work, d))
     print(json.dumps({"gib": gib, "tensors": n, "conversions": rows}))
 
 
