@@ -29,6 +29,7 @@ from ckptio.backends.base import Backend, ByteRange, RetryableError
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
 from .errors import IntegrityError
 from .layout import ObjectPlan
+from .scratch import ScratchPool, ScratchSlice
 
 __all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync"]
 
@@ -155,11 +156,13 @@ class ReadRequest:
     """Read ``rng`` of ``key`` into ``buffers``, verify ``checks``, then run ``after`` (in a thread).
 
     ``checks`` are ``(offset within the request, length, expected block crcs, item)``.
+    ``buffers`` may name scratch (:class:`ckptio.scratch.ScratchSlice`) that gets its
+    memory only when the read starts.
     """
 
     key: str
     rng: ByteRange
-    buffers: list[memoryview]
+    buffers: list[memoryview | ScratchSlice]
     checks: list[tuple[int, int, list[int], str]]
     after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     #: The checkpoint's checksum block size (from its manifest, not this engine's config).
@@ -338,11 +341,16 @@ class Engine:
         for offset, length, crcs, item in req.checks:
             verify_blocks(joined.slice(offset, length), crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
 
-    async def read_one(self, req: ReadRequest, progress: Progress | None = None) -> None:
+    async def read_one(
+        self, req: ReadRequest, progress: Progress | None = None, scratch: ScratchPool | None = None
+    ) -> None:
+        """Read, verify and copy out one request; its scratch comes from ``scratch`` once a
+        read slot and the byte budget are granted."""
         sem, budget = self._limits()
         async with sem:
             held = await budget.acquire(req.rng.length)
             try:
+                req.buffers = (scratch or ScratchPool()).resolve(req.buffers)
                 for attempt in (0, 1):
                     try:
                         await self._read_verified(req)
@@ -369,11 +377,12 @@ class Engine:
         self._read_pool()  # its threads up before the first read, not started one by one amid them
         for r in requests:
             r.buffers, r.after = [], []
-        await gather_or_cancel(self._read_and_drop(r, progress) for r in merged)
+        scratch = ScratchPool()  # reused across this call's copy-outs, dropped with it
+        await gather_or_cancel(self._read_and_drop(r, progress, scratch) for r in merged)
 
-    async def _read_and_drop(self, req: ReadRequest, progress: Progress | None) -> None:
+    async def _read_and_drop(self, req: ReadRequest, progress: Progress | None, scratch: ScratchPool) -> None:
         try:
-            await self.read_one(req, progress)
+            await self.read_one(req, progress, scratch)
         finally:
             req.buffers, req.after = [], []
 

@@ -12,7 +12,9 @@ numpy copy scatters the overlap into place.
 
 A tiled shard (ckptio.tiling) always goes through scratch, tile by tile: only
 the tiles that meet the region, so a column block of row-saved shards reads
-about what it asks for.
+about what it asks for. Scratch (ckptio.scratch) gets its memory when its
+read starts and gives it back once copied out, so tiles reuse a few warm
+buffers instead of faulting in fresh pages each.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ckptio.backends.base import ByteRange
 
 from .engine import ReadRequest
 from .manifest import ArrayItem, Box, Extent, ShardRecord, overlap
+from .scratch import Scratch, ScratchSlice
 from .tiling import tiles_meeting
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid", "shards_meeting"]
@@ -130,7 +133,8 @@ def _check(e: Extent, ra: int, rb: int, bs: int, at: int, item: str) -> tuple[in
 
 
 def _request(
-    objects: list[str], e: Extent, ra: int, rb: int, bs: int, buffers: list[memoryview], checks: list, after: list
+    objects: list[str], e: Extent, ra: int, rb: int, bs: int, buffers: list[memoryview | ScratchSlice], checks: list,
+    after: list,
 ) -> ReadRequest:
     start = e.offset + (ra - e.shard_offset)
     return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after, bs)
@@ -177,16 +181,18 @@ def _direct(
         for sa, sb in partial:  # partial blocks at either end: through scratch
             if sa >= sb:
                 continue
-            scratch = np.empty(sb - sa, np.uint8)
+            scratch = Scratch(sb - sa)
             ca, cb = max(a, sa), min(b, sb)
             copy = _copier(dest, at + (ca - a), scratch, ca - sa, cb - ca)
-            reqs.append(_request(objects, e, sa, sb, bs, [memoryview(scratch)], [_check(e, sa, sb, bs, 0, name)], [copy]))
+            reqs.append(_request(objects, e, sa, sb, bs, [scratch.slice(0, sb - sa)], [_check(e, sa, sb, bs, 0, name)],
+                                 [copy]))
     return reqs
 
 
-def _copier(dest: np.ndarray, d: int, src: np.ndarray, s: int, n: int) -> Callable[[], None]:
+def _copier(dest: np.ndarray, d: int, src: Scratch, s: int, n: int) -> Callable[[], None]:
     def copy() -> None:
-        dest[d : d + n] = src[s : s + n]
+        dest[d : d + n] = src.array()[s : s + n]
+        src.release()
 
     return copy
 
@@ -196,16 +202,21 @@ def _through_scratch(
     place: Callable[[np.ndarray], None],
 ) -> list[ReadRequest]:
     """Read shard bytes ``[lo, hi)`` (rounded out to checksum blocks) into a scratch buffer of
-    their own; once every piece is in and verified, ``place`` gets those bytes to copy out."""
+    their own (ckptio.scratch: memory from the read's start until the copy-out); once every
+    piece is in and verified, ``place`` gets those bytes to copy out."""
     pieces = _pieces(shard, lo, hi, bs)
     base = pieces[0][3]
-    scratch = np.empty(pieces[-1][4] - base, np.uint8)
+    scratch = Scratch(pieces[-1][4] - base)
     reqs = [
-        _request(objects, e, ra, rb, bs, [memoryview(scratch[ra - base : rb - base])], [_check(e, ra, rb, bs, 0, name)], [])
+        _request(objects, e, ra, rb, bs, [scratch.slice(ra - base, rb - base)], [_check(e, ra, rb, bs, 0, name)], [])
         for e, _a, _b, ra, rb in pieces
     ]
-    wanted = scratch[lo - base : hi - base]
-    reqs[-1].after.append(_after_all(len(reqs), lambda: place(wanted), reqs))
+
+    def copy_out() -> None:
+        place(scratch.array()[lo - base : hi - base])
+        scratch.release()
+
+    reqs[-1].after.append(_after_all(len(reqs), copy_out, reqs))
     return reqs
 
 

@@ -164,3 +164,50 @@ def test_a_flipped_byte_in_a_partly_read_tile_is_caught_and_other_tiles_still_re
     ok = (slice(0, 64), slice(0, 32))  # other tiles: still readable and verified
     out = ckptio.restore(tmp_path, target={"w": ckptio.Sharded(full.shape, full.dtype, [(ok, None)])})
     assert out["w"].pieces[0][1].tobytes() == full[ok].tobytes()
+
+
+def test_scratch_is_taken_when_a_read_starts_and_reused_after_its_copy_out(tmp_path, monkeypatch):
+    """A column block of 16 tiles, two reads at a time: fresh scratch for the reads in flight only,
+    not one buffer per tile made at planning (each a page fault per page)."""
+    from ckptio.scratch import ScratchPool
+
+    url = f"mem://scratch-{tmp_path.name}"
+    n = 2048
+    full = np.arange(n * n, dtype=np.float32).reshape(n, n)
+    rows = [(slice(i * n // 16, (i + 1) * n // 16), slice(None)) for i in range(16)]
+    small = ckptio.EngineConfig(tile_bytes=64 << 10, block_size=64 << 10)
+    ckptio.save(url, {"w": ckptio.Sharded(full.shape, full.dtype, [(ix, full[ix]) for ix in rows])}, step=1,
+                engine_config=small).result()
+    takes = {"fresh": 0, "reused": 0}
+    real_take = ScratchPool.take
+
+    def counting_take(self: ScratchPool, nbytes: int) -> np.ndarray:
+        takes["reused" if self._free.get(nbytes) else "fresh"] += 1
+        return real_take(self, nbytes)
+
+    monkeypatch.setattr(ScratchPool, "take", counting_take)
+    index = (slice(None), slice(5 * n // 16, 6 * n // 16))  # one tile of each row block
+    out = ckptio.restore(url, target={"w": ckptio.Sharded(full.shape, full.dtype, [(index, None)])},
+                         engine_config=ckptio.EngineConfig(concurrency=2))
+    assert out["w"].pieces[0][1].tobytes() == full[index].tobytes()
+    assert takes["fresh"] + takes["reused"] == 16
+    assert takes["fresh"] <= 4, takes
+
+
+def test_scratch_memory_exists_only_between_its_read_and_its_release():
+    from ckptio.scratch import Scratch, ScratchPool
+
+    pool = ScratchPool()
+    s = Scratch(8)
+    with pytest.raises(RuntimeError, match="before any read"):
+        s.array()
+    a, b = pool.resolve([s.slice(0, 4), s.slice(4, 8)])  # two requests' views of one scratch
+    a[:] = b"abcd"
+    b[:] = b"efgh"
+    assert s.array().tobytes() == b"abcdefgh"
+    mem = s.array()
+    s.release()
+    s.release()  # a second release gives nothing back twice
+    with pytest.raises(RuntimeError, match="after its release"):
+        s.array()
+    assert pool.take(8) is mem and pool.take(8) is not mem
