@@ -28,22 +28,31 @@ __all__ = ["Scratch", "ScratchPool", "ScratchSlice"]
 
 class ScratchPool:
     """Free scratch buffers by size, for reuse by later reads (thread-safe: copy-outs release
-    from worker threads while the event loop takes)."""
+    from worker threads while the event loop takes).
 
-    def __init__(self) -> None:
+    It keeps at most ``keep_bytes`` free; the rest is freed at once, as without a pool: a run
+    of large scratch (32 MiB row runs of a C-order shard) must not pile up in it.
+    """
+
+    def __init__(self, keep_bytes: int = 64 << 20) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
+        self._kept = 0
+        self._keep = keep_bytes
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
+                self._kept -= nbytes
                 return free.pop()
         return np.empty(nbytes, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            self._free.setdefault(buf.nbytes, []).append(buf)
+            if self._kept + buf.nbytes <= self._keep:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._kept += buf.nbytes
 
     def resolve(self, buffers: Sequence[memoryview | ScratchSlice]) -> list[memoryview]:
         """``buffers`` with every :class:`ScratchSlice` made a view of its scratch's memory
