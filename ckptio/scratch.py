@@ -23,36 +23,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .staging import StagingPool
+
 __all__ = ["Scratch", "ScratchPool", "ScratchSlice"]
 
 
-class ScratchPool:
-    """Free scratch buffers by size, for reuse by later reads (thread-safe: copy-outs release
-    from worker threads while the event loop takes).
+class ScratchPool(StagingPool):
+    """Free scratch buffers by size, for reuse by later reads: a :class:`StagingPool` (thread-safe:
+    copy-outs give back from worker threads while the event loop takes) of numpy memory.
 
     It keeps at most ``keep_bytes`` free; the rest is freed at once, as without a pool: a run
     of large scratch (32 MiB row runs of a C-order shard) must not pile up in it.
     """
 
     def __init__(self, keep_bytes: int = 64 << 20) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._kept = 0
-        self._keep = keep_bytes
-        self._lock = threading.Lock()
+        super().__init__(max_bytes=keep_bytes)
 
-    def take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                self._kept -= nbytes
-                return free.pop()
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        # numpy's allocator, as scratch had before the pool: it is read into, never written
+        # with direct IO, so a page-aligned mapping of its own would buy nothing.
         return np.empty(nbytes, np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self._kept + buf.nbytes <= self._keep:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self._kept += buf.nbytes
 
     def resolve(self, buffers: Sequence[memoryview | ScratchSlice]) -> list[memoryview]:
         """``buffers`` with every :class:`ScratchSlice` made a view of its scratch's memory
@@ -92,7 +82,7 @@ class Scratch:
         with self._lock:
             buf, pool, self._buf, self._pool = self._buf, self._pool, None, None
         if buf is not None and pool is not None:
-            pool.give(buf)
+            pool.give_back([buf])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

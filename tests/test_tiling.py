@@ -213,6 +213,6 @@ def test_scratch_memory_exists_only_between_its_read_and_its_release():
     assert pool.take(8) is mem and pool.take(8) is not mem
     small = ScratchPool(keep_bytes=8)
     kept, dropped = small.take(8), small.take(8)
-    small.give(kept)
-    small.give(dropped)  # over keep_bytes: freed, not kept
+    small.give_back([kept])
+    small.give_back([dropped])  # over keep_bytes: freed, not kept
     assert small.take(8) is kept and small.take(8) is not dropped
