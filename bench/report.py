@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from . import train
 from .spec import FIGURES
 
 __all__ = [
@@ -62,6 +63,7 @@ _LABELS = {
     "restore_rss_mib": "restore +RSS MiB",
     "train_slowdown": "train step ×",
     "train_blocked_ms": "train blocked ms",
+    "train_lost_ms": "train lost ms/save",
 }
 
 
@@ -75,8 +77,10 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
     if sample.get("restore_s"):
         out["restore_s"] = sample["restore_s"]
         out["restore_gibps"] = nbytes / GIB / sample["restore_s"]
-    if sample.get("train_busy_s") and sample.get("train_idle_s"):
-        out["train_slowdown"] = sample["train_busy_s"] / sample["train_idle_s"]
+    if (x := train.slowdown(sample)) is not None:
+        out["train_slowdown"] = x
+        out["train_slowdown_wall"] = sample["train_busy_s"] / sample["train_idle_s"]
+        out["train_lost_ms"] = train.lost_s(sample) * 1e3  # type: ignore[operator]
     if sample.get("train_blocked_s") is not None:
         out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
     for key, fig in (("save_rss_bytes", "save_rss_mib"), ("restore_rss_bytes", "restore_rss_mib"),
@@ -194,7 +198,7 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                 out: TextIO | None = None) -> None:
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
-    extra = [f for f in ("train_slowdown", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
+    extra = [f for f in ("train_slowdown", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
     headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
                "held MiB", "save ×raw", "restore ×raw"]
     rows = []
@@ -217,8 +221,10 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
         "held: RSS after the save is durable over the RSS before the first save (buffers kept between saves).",
     ]
     if extra:
-        notes.append("train step ×: a GIL-bound host step's time while the save finishes in the background ÷ idle "
-                     "(1 = unaffected; synchronous saves: none, the stall is the cost); train blocked ms: per step, "
+        notes.append("train step ×: a GIL-bound host step's wall time per CPU second while the save finishes in "
+                     "the background ÷ the same idle (1 = unaffected; wall per CPU cancels the VM's core-speed "
+                     "drift; synchronous saves: none, the stall is the cost); train lost ms/save: the step "
+                     "thread's time the save cost, over all its steps; train blocked ms: per step, "
                      "the time that thread neither ran nor waited for a core (the GIL, mostly: the save's own share "
                      "of the slowdown on a loaded host)")
     print_table(header, headers, rows, notes, out)

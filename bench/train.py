@@ -9,6 +9,16 @@ dispatch is an idle accelerator. :func:`step` is such a thread's work in
 miniature (pure Python, ~1 ms); ``ckptio bench --train`` times it with the
 process otherwise idle and again while each asynchronous save finishes in
 the background, and reports the ratio ("train step ×": 1.0 = unaffected).
+
+Each step's wall time is compared with its own CPU time. A shared VM's core
+speed drifts by ±30 % within seconds (measured: one idle thread's step took
+2.0-3.5 ms from one 0.3 s window to the next), far more than the 5 % a save
+may cost, so a plain "step during ÷ step before" of two different windows
+measures the drift: a save that only sleeps scored 0.89-1.30x. What a save
+does to the training thread -- GIL waits, waits for a core -- is wall time
+the thread spends not running; the ratio of wall to CPU time cancels the
+drift (the sleeping save: 0.98-1.01x). The plain ratio is kept as
+``train_busy_s / train_idle_s`` for reference.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["during", "idle_step_s", "step"]
+__all__ = ["during", "idle", "idle_step_s", "step"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
 
@@ -47,20 +57,50 @@ def _timed_step() -> float:
     return time.perf_counter() - t
 
 
-def idle_step_s(duration_s: float = 0.3) -> float:
-    """Mean step time with nothing else running (at least 20 steps)."""
+def idle(duration_s: float = 0.3) -> dict[str, float]:
+    """Step times with nothing else running (at least 20 steps).
+
+    Returns ``{"train_idle_s": mean wall time per step, "train_idle_cpu_s": mean CPU time}``.
+    """
     times: list[float] = []
+    cpu0 = time.thread_time()
     end = time.perf_counter() + duration_s
     while len(times) < 20 or time.perf_counter() < end:
         times.append(_timed_step())
-    return statistics.fmean(times)
+    cpu = time.thread_time() - cpu0
+    return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times)}
+
+
+def idle_step_s(duration_s: float = 0.3) -> float:
+    """Mean step time with nothing else running (at least 20 steps)."""
+    return idle(duration_s)["train_idle_s"]
+
+
+def slowdown(sample: dict[str, Any]) -> float | None:
+    """A save's "train step ×": wall per CPU second of a step during the save ÷ the same when idle.
+
+    None when the sample has no steps timed during a save (a synchronous save).
+    """
+    busy, busy_cpu = sample.get("train_busy_s"), sample.get("train_cpu_s")
+    idle_wall, idle_cpu = sample.get("train_idle_s"), sample.get("train_idle_cpu_s")
+    if not (busy and busy_cpu and idle_wall and idle_cpu):
+        return None
+    return (busy / busy_cpu) / (idle_wall / idle_cpu)
+
+
+def lost_s(sample: dict[str, Any]) -> float | None:
+    """Training-thread time one save cost: steps x (wall - CPU x the idle wall-per-CPU ratio)."""
+    if slowdown(sample) is None:
+        return None
+    per_cpu_idle = sample["train_idle_s"] / sample["train_idle_cpu_s"]
+    return sample["train_steps"] * (sample["train_busy_s"] - sample["train_cpu_s"] * per_cpu_idle)
 
 
 def during(wait: Callable[[], Any]) -> dict[str, Any]:
     """Run ``wait`` (a save's ``result``) in a thread and training steps here until it returns.
 
-    Returns ``{"train_busy_s": mean step time, "train_max_s": the longest step,
-    "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
+    Returns ``{"train_busy_s": mean step time, "train_cpu_s": its mean CPU time,
+    "train_max_s": the longest step, "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
     the median: a step now and then held up for a whole GIL switch interval is exactly the
     cost to see. ``train_blocked_s`` is the mean per step of the time the thread neither ran
     nor waited for a core: waiting for the GIL, mostly. That part is the save's own doing
@@ -85,5 +125,5 @@ def during(wait: Callable[[], Any]) -> dict[str, Any]:
     if failure:
         raise failure[0]
     blocked = max(0.0, sum(times) - cpu - runq) / len(times)
-    return {"train_busy_s": statistics.fmean(times), "train_max_s": max(times), "train_steps": len(times),
-            "train_blocked_s": blocked}
+    return {"train_busy_s": statistics.fmean(times), "train_cpu_s": cpu / len(times), "train_max_s": max(times),
+            "train_steps": len(times), "train_blocked_s": blocked}

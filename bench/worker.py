@@ -112,7 +112,7 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
     gc.collect()
     group.barrier()
     if job.train:
-        sample["train_idle_s"] = train.idle_step_s()
+        sample.update(train.idle())
     emit({"event": "phase", "round": r, "phase": "save"})
     with PeakRSS() as rss:
         t0 = time.perf_counter()

@@ -137,11 +137,27 @@ def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, cas
     target.close()
     assert result["status"] == "ok", result.get("error")
     for sample in result["samples"]:
-        assert sample["train_idle_s"] > 0
+        assert sample["train_idle_s"] > 0 and sample["train_idle_cpu_s"] > 0
+        assert (sample.get("train_cpu_s", 0) > 0) == background, sample
         assert (sample.get("train_steps", 0) >= 1) == background, sample
         assert (sample.get("train_busy_s", 0) > 0) == background, sample
         assert (sample.get("train_blocked_s", -1) >= 0) == background, sample
     assert ("train_slowdown" in report.summarize(result)) == background
+
+
+def test_train_slowdown_cancels_core_speed_drift() -> None:
+    """A core 30 % slower during the save than when idle, with no time lost to the save: 1.0x,
+    nothing lost; the same steps with a fifth of their wall time spent off the core: 1.25x."""
+    from ckptio.bench import train
+
+    idle = {"train_idle_s": 1e-3, "train_idle_cpu_s": 1e-3}
+    drift = {**idle, "train_busy_s": 1.3e-3, "train_cpu_s": 1.3e-3, "train_steps": 100}
+    assert train.slowdown(drift) == pytest.approx(1.0)
+    assert train.lost_s(drift) == pytest.approx(0.0, abs=1e-12)
+    waits = {**drift, "train_busy_s": 1.625e-3}
+    assert train.slowdown(waits) == pytest.approx(1.25)
+    assert train.lost_s(waits) == pytest.approx(100 * 0.325e-3)
+    assert train.slowdown(idle) is None and train.lost_s(idle) is None  # a synchronous save
 
 
 def test_train_during_reraises_the_save_failure() -> None:
