@@ -125,22 +125,37 @@ class CheckpointManager:
         return handle
 
     def _after_save(self, handle: SaveHandle) -> None:
-        if handle.state.value != "committed" or self.coordinator.rank != 0:
-            return
+        if handle.state.value != "committed" or self.coordinator.rank != 0 or self.max_to_keep is None:
+            return  # nothing to delete: no manifest is read (a keep-everything run keeps thousands)
         try:
-            # Only intact steps count as kept, and only intact steps are deleted: a damaged
-            # step never makes retention delete a good one, and is left for inspection.
-            for step in self._doomed(run_sync(self.store.intact_steps())):
+            for step in run_sync(self._retention_victims(self.max_to_keep)):
                 run_sync(self.store.delete(str(step)))
         except BaseException as e:  # surfaced by wait_until_finished; the checkpoint itself is fine
             log.error("%s: retention failed: %r", self.url, e)
             self._retention_error = e
 
+    async def _retention_victims(self, keep: int) -> list[int]:
+        """:meth:`_doomed` of every intact step, reading only the manifests that can matter.
+
+        Only intact steps count as kept, and only intact steps are deleted: a damaged step
+        never makes retention delete a good one, and is left for inspection. The newest
+        ``keep`` intact steps stay; of the older directories, periodic steps stay without
+        their manifests being read, and the rest are deleted if intact.
+        """
+        kept = await self.store.intact_steps(newest=keep)
+        if len(kept) < keep:
+            return []
+        older = [s for s in await self.store.step_dirs() if s < kept[0] and not self._periodic(s)]
+        return await self.store.intact_steps(among=older) if older else []
+
+    def _periodic(self, step: int) -> bool:
+        return bool(self.keep_period) and step % self.keep_period == 0
+
     def _doomed(self, steps: list[int]) -> list[int]:
         """Steps retention deletes: beyond the newest ``max_to_keep``, unless kept by ``keep_period``."""
         if self.max_to_keep is None:
             return []
-        periodic = {s for s in steps if self.keep_period and s % self.keep_period == 0}
+        periodic = {s for s in steps if self._periodic(s)}
         others = [s for s in steps if s not in periodic]
         newest = set(steps[-self.max_to_keep :])
         return [s for s in others if s not in newest]

@@ -28,7 +28,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from typing import Any
 
 from ckptio.backends import Backend, open_backend
@@ -164,24 +165,48 @@ class CheckpointStore:
         live = await self.live_saves(step_dir)
         return StepStatus(step, "in-flight" if live else "incomplete")
 
-    async def intact_steps(self, newest: int | None = None) -> list[int]:
+    async def intact_steps(self, newest: int | None = None, among: Iterable[int] | None = None) -> list[int]:
         """Committed steps whose manifest validates, ascending; damaged ones are logged and left out.
 
-        With ``newest``, stop once that many intact steps (from the newest down) are found.
+        With ``newest``, stop once that many intact steps (from the newest down) are found:
+        "the latest step" reads one manifest, however many steps the root holds. With
+        ``among``, look at those step directories only.
         """
         out: list[int] = []
-        for step in reversed(await self.committed_steps()):
-            try:
-                await self.read_manifest(str(step), shards=False)
-            except (ManifestError, IntegrityError) as e:
-                log.warning("%s: step %d is damaged and skipped: %s", self.url, step, e)
-                continue
-            except CheckpointNotFoundError:
-                continue  # deleted meanwhile
-            out.append(step)
-            if newest is not None and len(out) >= newest:
-                break
+        async with aclosing(self._newest_first(newest or self.engine.concurrency, among)) as walk:
+            async for step, found in walk:
+                if isinstance(found, (ManifestError, IntegrityError)):
+                    log.warning("%s: step %d is damaged and skipped: %s", self.url, step, found)
+                elif isinstance(found, Manifest):
+                    out.append(step)
+                    if newest is not None and len(out) >= newest:
+                        break
         return sorted(out)
+
+    async def _newest_first(
+        self, first: int, among: Iterable[int] | None = None
+    ) -> AsyncIterator[tuple[int, Manifest | Exception]]:
+        """Every step directory, newest first, with its validated root manifest or the reason it
+        has none: CheckpointNotFoundError (not committed, or being deleted) or ManifestError /
+        IntegrityError (damaged).
+
+        Manifests are read ``first`` at a time, then the engine's concurrency at a time, so a
+        caller that stops at the newest intact step costs a listing and one manifest's checks --
+        not two stats of every step the root has ever kept, in the stall of every save.
+        """
+        steps = sorted(among if among is not None else await self.step_dirs(), reverse=True)
+        i, batch = 0, max(1, first)
+        while i < len(steps):
+            chunk = steps[i : i + batch]
+            found = await asyncio.gather(*(self._read_root(str(s), explain=False) for s in chunk),
+                                         return_exceptions=True)
+            for step, got in zip(chunk, found):
+                if isinstance(got, BaseException) and not isinstance(
+                    got, (CheckpointNotFoundError, ManifestError, IntegrityError)
+                ):
+                    raise got
+                yield step, got  # type: ignore[misc]
+            i, batch = i + batch, max(batch, self.engine.concurrency)
 
     async def read_manifest(self, step_dir: str, *, shards: bool = True) -> Manifest:
         """The validated manifest of a committed checkpoint.
@@ -216,7 +241,9 @@ class CheckpointStore:
         await _bounded(self.engine.concurrency * 2, (one(i) for i in numbers))
         return load_fragments(root, datas, step_dir, where, complete=wanted is None)
 
-    async def _read_root(self, step_dir: str) -> Manifest:
+    async def _read_root(self, step_dir: str, *, explain: bool = True) -> Manifest:
+        """The validated root manifest of ``step_dir``; ``explain=False`` skips the listing that
+        tells "not committed" from "absent" in the error (a scan of steps knows the directory)."""
         where = self.where(step_dir)
         key = join_key(step_dir, MANIFEST_NAME)
         try:
@@ -232,6 +259,8 @@ class CheckpointStore:
                 except (IntegrityError, ManifestError):  # corrupted in flight? one more read tells
                     data = await self.engine.retrying(f"read manifest of {where}", lambda: self.backend.read(key))
         except FileNotFoundError:
+            if not explain:
+                raise CheckpointNotFoundError(f"checkpoint {where} is not committed") from None
             if step_dir and int(step_dir) in await self.step_dirs():
                 raise CheckpointNotFoundError(
                     f"checkpoint {where} is not committed (it has no manifest): its save did not finish "
@@ -280,16 +309,21 @@ class CheckpointStore:
             return "", await self.read_manifest("", shards=shards)
         skipped = set(skip)
         damage: Exception | None = None
-        for s in reversed(await self.committed_steps()):
-            if s in skipped:
-                continue
-            try:
-                return str(s), await self.read_manifest(str(s), shards=shards)
-            except (ManifestError, IntegrityError) as e:
-                log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
-                damage = damage or e
-            except CheckpointNotFoundError as e:
-                log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
+        async with aclosing(self._newest_first(1)) as walk:
+            async for s, found in walk:
+                if s in skipped or isinstance(found, CheckpointNotFoundError):
+                    continue
+                try:
+                    if isinstance(found, Exception):
+                        raise found
+                    if shards and not found.complete:
+                        found = await self.load_fragments(str(s), found, None)
+                    return str(s), found
+                except (ManifestError, IntegrityError) as e:
+                    log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
+                    damage = damage or e
+                except CheckpointNotFoundError as e:
+                    log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
         if damage is not None:  # nothing intact, but something damaged: say what, not "nothing"
             raise damage
         raise CheckpointNotFoundError(f"no intact committed checkpoint under {self.url}")

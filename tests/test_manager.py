@@ -130,3 +130,50 @@ def test_pack_coalesces_small_and_splits_big():
     assert [e.offset for e in plan.extents] == [0, 4096, 4096 + 8192]
     assert b"".join(bytes(b) for b in plan.buffers) == bytes(100) + bytes(3996) + b"\x01" * 8192 + bytes(10)
     assert plan.size == 4096 + 8192 + 10
+
+
+def _counted_manager(root, **kw):
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+
+    counting = CountingBackend(open_backend(str(root)))
+    return counting, ckptio.CheckpointManager(root, backend=counting, **kw)
+
+
+def _calls(counting) -> int:
+    return sum(counting.calls(m) for m in ("stat", "read_into", "list", "list_children"))
+
+
+@pytest.mark.parametrize("max_to_keep", [None, 3])
+def test_a_saves_bookkeeping_does_not_grow_with_the_steps_kept(tmp_path, max_to_keep):
+    """"Is this step newer than the latest?" and retention read a bounded number of manifests: the
+    60th save of a keep-everything run costs the same metadata calls as the 6th."""
+    counting, mngr = _counted_manager(tmp_path, max_to_keep=max_to_keep)
+    cost = {}
+    with mngr:
+        for step in range(60):
+            before = _calls(counting)
+            mngr.save(step, {"w": np.full(16, step, np.float32)}).result()
+            cost[step] = _calls(counting) - before
+        before = _calls(counting)
+        assert mngr.latest_step() == 59
+        latest_cost = _calls(counting) - before
+    assert cost[59] <= cost[5], cost
+    assert latest_cost <= 3  # one listing, the manifest's stat and the tombstone's
+    assert mngr.all_steps() == (list(range(60)) if max_to_keep is None else [57, 58, 59])
+
+
+def test_retention_deletes_intact_older_steps_and_leaves_damaged_ones(tmp_path):
+    with ckptio.CheckpointManager(tmp_path) as mngr:
+        for step in range(1, 5):
+            mngr.save(step, {"w": np.full(16, step, np.float32)}).result()
+    data = bytearray((tmp_path / "2" / MANIFEST_NAME).read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "2" / MANIFEST_NAME).write_bytes(bytes(data))
+    with ckptio.CheckpointManager(tmp_path, max_to_keep=2, keep_period=3) as mngr:
+        mngr.save(5, {"w": np.full(16, 5, np.float32)}).result()
+        # 4 and 5 are the newest two; 3 is periodic; 1 is intact and older: deleted;
+        # 2 is damaged: never deleted by retention, left for inspection.
+        assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [2, 3, 4, 5]
+        assert mngr.all_steps() == [2, 3, 4, 5]
+        assert (mngr.restore(3)["w"] == 3).all()
