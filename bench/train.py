@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["during", "idle", "idle_step_s", "step"]
+__all__ = ["during", "idle", "lost_s", "slowdown", "step"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
 
@@ -69,11 +69,6 @@ def idle(duration_s: float = 0.3) -> dict[str, float]:
         times.append(_timed_step())
     cpu = time.thread_time() - cpu0
     return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times)}
-
-
-def idle_step_s(duration_s: float = 0.3) -> float:
-    """Mean step time with nothing else running (at least 20 steps)."""
-    return idle(duration_s)["train_idle_s"]
 
 
 def slowdown(sample: dict[str, Any]) -> float | None:

@@ -142,10 +142,11 @@ class CheckpointManager:
         ``keep`` intact steps stay; of the older directories, periodic steps stay without
         their manifests being read, and the rest are deleted if intact.
         """
-        kept = await self.store.intact_steps(newest=keep)
+        dirs = await self.store.step_dirs()
+        kept = await self.store.intact_steps(newest=keep, among=dirs)
         if len(kept) < keep:
             return []
-        older = [s for s in await self.store.step_dirs() if s < kept[0] and not self._periodic(s)]
+        older = [s for s in dirs if s < kept[0] and not self._periodic(s)]
         return await self.store.intact_steps(among=older) if older else []
 
     def _periodic(self, step: int) -> bool:

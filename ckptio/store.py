@@ -217,7 +217,10 @@ class CheckpointStore:
         A format-2 checkpoint comes with every fragment loaded, or with
         ``shards=False`` as its root alone (see :meth:`load_fragments`).
         """
-        root = await self._read_root(step_dir)
+        return await self._with_shards(step_dir, await self._read_root(step_dir), shards)
+
+    async def _with_shards(self, step_dir: str, root: Manifest, shards: bool) -> Manifest:
+        """``root`` with every fragment of a format-2 checkpoint loaded when ``shards``."""
         if shards and not root.complete:
             return await self.load_fragments(step_dir, root, None)
         return root
@@ -316,9 +319,7 @@ class CheckpointStore:
                 try:
                     if isinstance(found, Exception):
                         raise found
-                    if shards and not found.complete:
-                        found = await self.load_fragments(str(s), found, None)
-                    return str(s), found
+                    return str(s), await self._with_shards(str(s), found, shards)
                 except (ManifestError, IntegrityError) as e:
                     log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
                     damage = damage or e
