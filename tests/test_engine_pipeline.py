@@ -142,6 +142,27 @@ def test_engine_issues_one_read_per_piece(tmp_path: object) -> None:
     assert backend.reads == [256 << 10] * 4
 
 
+def test_reads_with_copy_out_merge_only_up_to_one_piece() -> None:
+    """Adjacent reads through scratch (a tiled shard's tiles) stop merging at one piece, so their
+    copy-outs run as each piece-sized read is verified instead of all at the end of one 64 MiB
+    read; adjacent plain reads still merge up to ``max_read_size``."""
+    engine = Engine(LocalBackend("/nonexistent-ckptio-test"), EngineConfig(read_piece_size=4 << 20))
+    mib = 1 << 20
+
+    def tiles(copy_out: bool) -> list[ReadRequest]:
+        return [ReadRequest("obj", ByteRange(i * mib, (i + 1) * mib), [memoryview(bytearray(mib))], [],
+                            [lambda: None] if copy_out else []) for i in range(32)]
+
+    try:
+        scattered = engine.coalesce(tiles(True))
+        plain = engine.coalesce(tiles(False))
+    finally:
+        engine.close()
+    assert [r.rng.length for r in scattered] == [4 * mib] * 8
+    assert sum(len(r.after) for r in scattered) == 32  # every copy-out still runs, once
+    assert [r.rng.length for r in plain] == [32 * mib]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_background_pool_threads_run_at_a_lower_priority() -> None:
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
