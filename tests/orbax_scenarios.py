@@ -443,6 +443,34 @@ def retention_hashed_mem(root: str) -> None:
     assert (data, manifests) == (3 * one, 3), keys  # steps 8, 9 and the other run's 88
     assert "88/" + MANIFEST_NAME in keys and "77/" + MANIFEST_NAME not in keys, keys
 
+    # The orphan sweep lists the whole storage root: it runs at the first save, then once per
+    # sweep_interval_seconds, and on close -- while every save still deletes what retention dropped.
+    full_sweeps: list[str] = []
+    real_sweep = ckptio.store.CheckpointStore.sweep
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        full_sweeps.append(self.url)
+        return await real_sweep(self, *args, **kwargs)
+
+    ckptio.store.CheckpointStore.sweep = counted  # type: ignore[method-assign]
+    try:
+        for interval, during in ((600.0, 1), (0.0, 6)):
+            storage = f"mem://orbax-sweep-interval-{int(interval)}"
+            registry = ckptio.orbax.handler_registry(storage, naming=HashedNaming(), sweep_interval_seconds=interval)
+            full_sweeps.clear()
+            with ocp.CheckpointManager(os.path.join(root, f"interval-{int(interval)}"), options=opts,
+                                       handler_registry=registry) as mngr:
+                for i in range(6):
+                    mngr.save(i, args=ocp.args.Composite(state=ckptio.orbax.Save(small_state(i))))
+                    mngr.wait_until_finished()
+                    data, manifests, _ = mem_usage(f"{storage}/state")
+                    assert manifests <= 3 and data == manifests * one, (interval, i, data, manifests)
+                assert len(full_sweeps) == during, (interval, full_sweeps)
+            assert len(full_sweeps) == during + 1, (interval, full_sweeps)  # and one more on close
+            assert mem_usage(f"{storage}/state")[:2] == (2 * one, 2), interval
+    finally:
+        ckptio.store.CheckpointStore.sweep = real_sweep  # type: ignore[method-assign]
+
 @scenario
 def retention_gcs(root: str) -> None:
     """max_to_keep=2 with the data on gs:// (fake-gcs-server; hashed names are the default there)."""

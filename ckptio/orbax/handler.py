@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -58,6 +59,8 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
             default: the backend's.
         engine_config, backend_options: passed to ckptio's store.
         sweep_grace_seconds: uncommitted objects younger than this survive the orphan sweep.
+        sweep_interval_seconds: the orphan sweep (a listing of the whole storage root) runs at
+            the first save, then at most this often, and on close (see :class:`StorageConfig`).
     """
 
     def __init__(
@@ -68,12 +71,15 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         engine_config: EngineConfig | None = None,
         backend_options: dict[str, Any] | None = None,
         sweep_grace_seconds: float = 3600.0,
+        sweep_interval_seconds: float = 600.0,
     ) -> None:
-        self._config = StorageConfig(storage, naming, engine_config, backend_options, sweep_grace_seconds)
+        self._config = StorageConfig(storage, naming, engine_config, backend_options, sweep_grace_seconds,
+                                     sweep_interval_seconds)
         sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         # (Orbax root, item) pairs this handler finalised: swept once more on close, after
         # Orbax's last retention pass, which runs after our finalize.
         self._swept: set[tuple[str, str]] = set()
+        self._orphans_swept_at: dict[tuple[str, str], float] = {}  # monotonic time of the last orphan sweep
         self._lock = threading.Lock()
 
     @property
@@ -118,15 +124,23 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         path = epath.Path(url_of(directory))
         key = (url_of(path.parent.parent), final_name(path.name))
+        now = time.monotonic()
         with self._lock:
             self._swept.add(key)
-        self._sweep(*key)
+            last = self._orphans_swept_at.get(key)
+            orphans = last is None or now - last >= self._config.sweep_interval_seconds
+            if orphans:
+                self._orphans_swept_at[key] = now
+        self._sweep(*key, orphans=orphans)
 
-    def _sweep(self, root: str, item: str) -> None:
+    def _sweep(self, root: str, item: str, *, orphans: bool = True) -> None:
         try:
-            sweep_external(root, item, self._config)
+            sweep_external(root, item, self._config, orphans=orphans)
         except Exception as e:  # never fail a save over garbage collection; the next sweep retries
             log.warning("ckptio.orbax: sweeping %s for item %r failed: %r", root, item, e)
+            if orphans:
+                with self._lock:
+                    self._orphans_swept_at.pop((root, item), None)  # due again at the next save
 
     def close(self) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ the pointer: the objects would leak. Two mechanisms close that gap:
   deletion path, background deletion included. Orbax 0.12.8 has no public
   way to pass a deleter, so this replaces the manager's private
   ``_checkpoint_deleter`` (checked, with a warning if a later Orbax renames it).
-* The handler's orphan sweep after each save and on close (see
+* The handler's sweep after each save and on close (see
   :class:`~ckptio.orbax.CkptioCheckpointHandler`) works with any manager,
   but lags one save behind: Orbax deletes old steps after the handler's
   ``finalize``.
