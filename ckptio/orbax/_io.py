@@ -352,20 +352,22 @@ def _referenced_steps(root: epath.Path, item: str) -> set[int]:
     root_url = url_of(root)
     store = CheckpointStore(root_url)
 
-    async def read_all() -> list[dict[str, Any] | None]:
+    async def read_all() -> list[dict[str, Any] | None | BaseException]:
         slots = asyncio.Semaphore(store.engine.concurrency)
 
         async def one(d: str) -> dict[str, Any] | None:
             async with slots:
                 return await _pointer_at(store, d, f"{root_url}/{d}/{POINTER_NAME}")
 
-        # A malformed pointer raises CheckpointNotFoundError: keep everything until someone looks.
-        return await asyncio.gather(*(one(d) for d in item_dirs))
+        return await asyncio.gather(*(one(d) for d in item_dirs), return_exceptions=True)
 
     try:
-        pointers = run_sync(read_all())
+        pointers = run_sync(read_all())  # every read finished before the store closes
     finally:
         run_sync(store.close())
+    for p in pointers:
+        if isinstance(p, BaseException):  # a malformed pointer: keep everything until someone looks
+            raise p
     return {p["step"] for p in pointers if p is not None}
 
 
