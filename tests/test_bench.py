@@ -198,3 +198,22 @@ def test_fadvise_drop_empties_the_page_cache_of_a_checkpoint(tmp_path: Path) -> 
     assert drop_cache("fadvise", tmp_path) == "fadvise"
     after = resident_fraction(tmp_path)
     assert after is not None and after < 0.05 <= before
+
+
+def test_reshard_summary_compares_the_column_block_with_both_same_layout_restores() -> None:
+    from ckptio.bench.reshard import render_reshard, reshard_summary
+
+    def row(layout: str, saved: str, restored: str, seconds: float, read: int) -> dict[str, Any]:
+        return {"layout": layout, "saved": saved, "restored": restored, "save_s": 1.0, "restore_s": seconds,
+                "vs_same_layout": 1.0, "bytes_read": read, "bytes_needed": 64, "peak_rss_extra": None,
+                "bit_exact": True}
+
+    res = {"array": [16, 16], "bytes": 1024, "blocks": 16, "cache_drop": "none", "rounds": 1, "rows": [
+        row("tiled", "row blocks", "row block", 0.2, 64),
+        row("tiled", "row blocks", "column block", 0.15, 96),
+        row("C order", "row blocks", "row block", 0.1, 64),
+    ]}
+    line = reshard_summary(res)
+    assert line is not None and "read 1.50x" in line and "0.75x the tiled" in line and "1.50x the C-order" in line
+    assert line in render_reshard(res)
+    assert reshard_summary({**res, "rows": res["rows"][:2]}) is None  # no C-order run: no headline
