@@ -497,12 +497,14 @@ class CheckpointStore:
             pass
         except (ManifestError, IntegrityError, RecursionError) as e:
             log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
+        marker = (manifest.checkpoint_id if manifest is not None else "").encode()
         if manifest is not None and not manifest.complete:
             try:  # format 2: the objects are named in the fragments
                 manifest = await self.load_fragments(step_dir, manifest, None)
             except (ManifestError, IntegrityError) as e:
+                # The root alone names no data objects: find them by name, under every hashed prefix.
                 log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only", where, e)
-        marker = (manifest.checkpoint_id if manifest is not None else "").encode()
+                manifest = None
         try:
             await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, marker))
         except FileExistsError:

@@ -28,12 +28,14 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from ckptio.backends import open_backend  # noqa: E402
 from ckptio.backends.memory import MemoryBackend  # noqa: E402
+from hosts import on_hosts  # noqa: E402
 from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptio  # noqa: E402
 import ckptio.orbax  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
+from ckptio.fragments import FRAGMENT_PREFIX  # noqa: E402
 from ckptio.layout import HashedNaming  # noqa: E402
 from ckptio.manifest import MANIFEST_NAME, Manifest  # noqa: E402
 
@@ -430,6 +432,19 @@ def retention_hashed_mem(root: str) -> None:
     ckptio.save(f"{storage}/state", small_state(77), 77, metadata=owned, naming=HashedNaming()).result()
     foreign = {"ckptio.orbax": {"orbax_root": path + "-other-run"}}
     ckptio.save(f"{storage}/state", small_state(88), 88, metadata=foreign, naming=HashedNaming()).result()
+    # A two-host (format 2) leftover of this run with a damaged fragment: ownership is in the root
+    # manifest, so the sweep deletes it (a fragment it need not read must not pin it forever).
+    rows = np.arange(64, dtype=np.float32).reshape(8, 8)
+    on_hosts(2, lambda rank, coord: ckptio.save(
+        f"{storage}/state", {"w": ckptio.Sharded(rows.shape, rows.dtype, [((slice(4 * rank, 4 * rank + 4),),
+                                                                             rows[4 * rank:4 * rank + 4])])},
+        66, metadata=owned, naming=HashedNaming(), coordinator=coord).result())
+    bucket = MemoryBackend(f"{storage}/state")
+    fragments = [i.key for i in run_sync(bucket.list("66/")) if FRAGMENT_PREFIX in i.key]
+    assert len(fragments) == 2, fragments
+    damaged = bytearray(run_sync(bucket.read(fragments[0])))
+    damaged[len(damaged) // 2] ^= 0xFF
+    run_sync(bucket.write(fragments[0], [memoryview(bytes(damaged))]))
     opts = ocp.CheckpointManagerOptions(max_to_keep=2)
     with ocp.CheckpointManager(
         path, options=opts, handler_registry=ckptio.orbax.handler_registry(storage, naming=HashedNaming())
@@ -438,10 +453,11 @@ def retention_hashed_mem(root: str) -> None:
             mngr.save(i, args=ocp.args.Composite(state=ckptio.orbax.Save(small_state(i))))
             mngr.wait_until_finished()
             data, manifests, _ = mem_usage(f"{storage}/state")
-            assert manifests <= 4 and data == manifests * one, (i, data, manifests)
+            assert manifests <= 4 and data == manifests * one, (i, data, manifests, one, mem_usage(f"{storage}/state")[2])
     data, manifests, keys = mem_usage(f"{storage}/state")
     assert (data, manifests) == (3 * one, 3), keys  # steps 8, 9 and the other run's 88
     assert "88/" + MANIFEST_NAME in keys and "77/" + MANIFEST_NAME not in keys, keys
+    assert not any(k.startswith("66/") for k in keys), keys
 
     # The orphan sweep lists the whole storage root: it runs at the first save, then once per
     # sweep_interval_seconds, and on close -- while every save still deletes what retention dropped.

@@ -16,6 +16,7 @@ import ckptio
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
+from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, unseal
 from ckptio.store import CheckpointStore
 
@@ -43,8 +44,9 @@ def host_state(rank: int) -> dict[str, Any]:
     }
 
 
-def save_on_hosts(url: str, step: int = 3) -> None:
-    on_hosts(HOSTS, lambda rank, coord: ckptio.save(url, host_state(rank), step=step, coordinator=coord).result())
+def save_on_hosts(url: str, step: int = 3, naming: Any = None) -> None:
+    on_hosts(HOSTS, lambda rank, coord: ckptio.save(url, host_state(rank), step=step, coordinator=coord,
+                                                    naming=naming).result())
 
 
 def root_doc(root: Path, step: int = 3) -> dict[str, Any]:
@@ -104,6 +106,27 @@ def test_a_damaged_fragment_is_named_with_its_step(tmp_path: Path) -> None:
     mine = {"params": {"w": ckptio.Sharded((ROWS, COLS), np.float32, [((rows_of(0), slice(None)), None)])}}
     assert ckptio.restore(tmp_path, step=3, target=mine)["params"]["w"].pieces[0][1].tobytes() == \
         full("w")[rows_of(0)].tobytes()  # what does not need the damaged fragment still restores
+
+
+@pytest.mark.parametrize("fault", ["flipped", "missing"])
+def test_deleting_with_a_damaged_fragment_still_finds_hashed_objects(tmp_path: Path, fault: str) -> None:
+    # Hashed names put the data under <h>/<step>/, outside the step directory; the root manifest
+    # names none of them. A fragment that cannot be read must not leave them behind.
+    for step in (3, 4):
+        save_on_hosts(str(tmp_path), step, naming=HashedNaming())
+    kept = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file() and "4" in p.parts}
+    assert any(p.parts[0].startswith("h") for p in kept)
+    path = tmp_path / root_doc(tmp_path)["fragments"][1]["key"]
+    if fault == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    run_sync(CheckpointStore(tmp_path).delete("3"))
+    left = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()}
+    assert left == kept, sorted(map(str, left - kept))
+    assert ckptio.restore(tmp_path, step=4)["params"]["w"].tobytes() == full("w").tobytes()
 
 
 def test_tools_see_the_whole_format2_checkpoint(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ import jax
 from etils import epath
 
 from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess, broadcast_from_root
-from ckptio.engine import EngineConfig, run_sync
+from ckptio.engine import EngineConfig, gather_or_cancel, run_sync
 from ckptio.errors import CheckpointNotFoundError, SaveFailedError
 from ckptio.layout import Naming
 from ckptio.manifest import Manifest
@@ -156,6 +156,16 @@ def orbax_root_of_manifest(manifest: Manifest) -> str | None:
     return root if isinstance(root, str) else None
 
 
+def _owner_of(store: CheckpointStore, step_dir: str) -> str | None:
+    """The Orbax root that the committed checkpoint ``step_dir`` of ``store`` was saved for.
+
+    Reads the root manifest alone (validated, and bound to ``step_dir``): it holds the
+    metadata. A multi-host checkpoint's fragments are not read -- ownership does not depend
+    on them, and a damaged fragment must not pin a checkpoint Orbax has let go of forever.
+    """
+    return orbax_root_of_manifest(run_sync(store.read_manifest(step_dir, shards=False)))
+
+
 def locate_for_save(item_dir: Any, config: StorageConfig) -> Location:
     if config.url is None:
         return Location(url_of(item_dir), None)
@@ -258,7 +268,7 @@ def _prepare_external(item_dir: Any, loc: Location, store: CheckpointStore, coor
         try:
             stale = run_sync(store.is_committed(loc.step_dir))
             if stale:
-                owner = orbax_root_of_manifest(run_sync(store.read_manifest(loc.step_dir)))
+                owner = _owner_of(store, loc.step_dir)
                 if owner != orbax_root_of(item_dir):  # checked before a pointer could name it
                     raise FileExistsError(
                         f"{store.where(loc.step_dir)} already holds step {loc.step} of the Orbax directory "
@@ -319,7 +329,7 @@ def delete_external(item_dir: Any, config: StorageConfig | None = None) -> bool:
     store = (config or StorageConfig()).store(loc.url)
     try:
         try:
-            owner = orbax_root_of_manifest(run_sync(store.read_manifest(loc.step_dir)))
+            owner = _owner_of(store, loc.step_dir)
         except CheckpointNotFoundError:
             owner = orbax_root_of(item_dir)  # uncommitted or half-deleted: finishing is safe
         if owner != orbax_root_of(item_dir):
@@ -352,22 +362,21 @@ def _referenced_steps(root: epath.Path, item: str) -> set[int]:
     root_url = url_of(root)
     store = CheckpointStore(root_url)
 
-    async def read_all() -> list[dict[str, Any] | None | BaseException]:
+    async def read_all() -> list[dict[str, Any] | None]:
         slots = asyncio.Semaphore(store.engine.concurrency)
 
         async def one(d: str) -> dict[str, Any] | None:
             async with slots:
                 return await _pointer_at(store, d, f"{root_url}/{d}/{POINTER_NAME}")
 
-        return await asyncio.gather(*(one(d) for d in item_dirs), return_exceptions=True)
+        # A malformed pointer raises (keep everything until someone looks); the other reads are
+        # cancelled and awaited first, so none is still running when the store closes.
+        return await gather_or_cancel(one(d) for d in item_dirs)
 
     try:
-        pointers = run_sync(read_all())  # every read finished before the store closes
+        pointers = run_sync(read_all())
     finally:
         run_sync(store.close())
-    for p in pointers:
-        if isinstance(p, BaseException):  # a malformed pointer: keep everything until someone looks
-            raise p
     return {p["step"] for p in pointers if p is not None}
 
 
@@ -391,7 +400,7 @@ def sweep_external(root: Any, item: str, config: StorageConfig, *, orphans: bool
         for s in run_sync(store.step_dirs()):
             if s in referenced or not run_sync(store.is_committed(str(s))):
                 continue  # uncommitted: a save in flight, or a crashed one (the orphan sweep's)
-            owner = orbax_root_of_manifest(run_sync(store.read_manifest(str(s))))
+            owner = _owner_of(store, str(s))
             if owner != root_url:  # another run's checkpoint in a shared storage root: not ours to judge
                 log.debug("%s/%s: step %s belongs to %r, not %r", config.url, item, s, owner, root_url)
                 continue
