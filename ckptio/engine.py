@@ -109,8 +109,17 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
-async def gather_or_cancel(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """Run all concurrently; on the first failure cancel the rest, wait for them, and raise it."""
+async def gather_or_cancel(coros: Iterable[Awaitable[T]], *, limit: int | None = None) -> list[T]:
+    """Run all concurrently (at most ``limit`` at a time); on the first failure cancel the rest,
+    wait for them, and raise it -- so none is still running when the caller closes what they use."""
+    if limit is not None:
+        slots = asyncio.Semaphore(max(1, limit))
+
+        async def bounded(c: Awaitable[T]) -> T:
+            async with slots:
+                return await c
+
+        coros = [bounded(c) for c in coros]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))

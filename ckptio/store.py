@@ -35,7 +35,7 @@ from typing import Any
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo, join_key
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, gather_or_cancel
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, unseal
@@ -241,7 +241,7 @@ class CheckpointStore:
             except FileNotFoundError:
                 raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
 
-        await _bounded(self.engine.concurrency * 2, (one(i) for i in numbers))
+        await gather_or_cancel((one(i) for i in numbers), limit=self.engine.concurrency * 2)
         return load_fragments(root, datas, step_dir, where, complete=wanted is None)
 
     async def _read_root(self, step_dir: str, *, explain: bool = True) -> Manifest:
@@ -354,7 +354,7 @@ class CheckpointStore:
             listed = await self.engine.retrying(f"list {directory!r}", lambda: self.backend.list(directory + "/"))
             sizes.update((i.key, i.size) for i in listed if i.key in wanted)
 
-        await _bounded(self.engine.concurrency * 2, (one(d, ks) for d, ks in by_dir.items()))
+        await gather_or_cancel((one(d, ks) for d, ks in by_dir.items()), limit=self.engine.concurrency * 2)
         return sizes
 
     async def check_objects(self, manifest: Manifest, where: str) -> None:
@@ -552,7 +552,7 @@ class CheckpointStore:
             prefix = f"{p}/{step_dir}/"
             out.extend(await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix)))
 
-        await _bounded(self.engine.concurrency * 2, (one(p) for p in prefixes))
+        await gather_or_cancel((one(p) for p in prefixes), limit=self.engine.concurrency * 2)
         return out
 
     async def _delete_keys(self, keys: Iterable[str]) -> None:
@@ -562,7 +562,7 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
 
-        await _bounded(self.engine.concurrency * 2, (one(k) for k in keys))
+        await gather_or_cancel((one(k) for k in keys), limit=self.engine.concurrency * 2)
 
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
         """Delete what crashed saves left: ckptio's objects that no intact manifest names.
@@ -756,16 +756,6 @@ def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
     for key, end in zip(manifest.objects, ends):
         need[key] = max(need[key], end)  # a key listed twice keeps its larger need
     return need
-
-
-async def _bounded(limit: int, coros: Iterable[Any]) -> None:
-    sem = asyncio.Semaphore(limit)
-
-    async def one(c: Any) -> None:
-        async with sem:
-            await c
-
-    await asyncio.gather(*(one(c) for c in coros))
 
 
 def _default_naming(backend: Backend) -> Naming:

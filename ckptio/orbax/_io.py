@@ -363,15 +363,12 @@ def _referenced_steps(root: epath.Path, item: str) -> set[int]:
     store = CheckpointStore(root_url)
 
     async def read_all() -> list[dict[str, Any] | None]:
-        slots = asyncio.Semaphore(store.engine.concurrency)
-
-        async def one(d: str) -> dict[str, Any] | None:
-            async with slots:
-                return await _pointer_at(store, d, f"{root_url}/{d}/{POINTER_NAME}")
-
         # A malformed pointer raises (keep everything until someone looks); the other reads are
         # cancelled and awaited first, so none is still running when the store closes.
-        return await gather_or_cancel(one(d) for d in item_dirs)
+        return await gather_or_cancel(
+            (_pointer_at(store, d, f"{root_url}/{d}/{POINTER_NAME}") for d in item_dirs),
+            limit=store.engine.concurrency,
+        )
 
     try:
         pointers = run_sync(read_all())
