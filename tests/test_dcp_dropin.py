@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -83,6 +84,33 @@ def test_save_twice_to_one_path_overwrite_true_replaces_and_cleans(url):
     assert first and second and not first & second
     assert _objects(url) == second
     assert ckptio.restore(url)["w"].tolist() == b["w"].tolist()  # and it is a native checkpoint too
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_replacing_a_multi_host_checkpoint_deletes_every_object_its_fragments_name(url, damaged):
+    # Format 2: the root manifest names no objects; the replaced checkpoint's are in its fragments.
+    from hosts import on_hosts
+
+    rows = np.arange(64.0).reshape(8, 8)
+    on_hosts(2, lambda rank, coord: ckptio.save(url, {"w": ckptio.Sharded(
+        rows.shape, rows.dtype, [((slice(4 * rank, 4 * rank + 4),), rows[4 * rank:4 * rank + 4])])},
+        coordinator=coord).result())
+    first = _objects(url)
+    assert len([k for k in first if "fragment" in k]) == 2 and len(first) == 4
+    store = CheckpointStore(url)
+    if damaged:  # a fragment that proves nothing: its checkpoint's objects are left to gc
+        key = sorted(k for k in first if "fragment" in k)[0]
+        data = bytearray(run_sync(store.backend.read(key)))
+        data[len(data) // 2] ^= 1
+        run_sync(store.backend.write(key, [memoryview(bytes(data))]))
+    b = {"w": -torch.arange(1000.0), "step": 2}
+    dcp.save(b, storage_writer=Writer(url))
+    assert torch.equal(_load(url, b)["w"], b["w"])
+    if damaged:
+        assert first < _objects(url)
+        run_sync(store.sweep(0))  # gc proves them orphans: no manifest names them any more
+    run_sync(store.close())
+    assert _objects(url) == _manifest_objects(url) and not first & _objects(url)
 
 
 def test_save_twice_overwrite_false_raises_dcps_error_and_keeps_the_first(url):

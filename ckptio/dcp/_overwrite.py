@@ -43,6 +43,7 @@ import logging
 
 from ckptio.backends.base import join_key
 
+from ..engine import gather_or_cancel
 from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import parse_object
@@ -100,6 +101,8 @@ async def _old_manifest(store: CheckpointStore, step_dir: str) -> Manifest | Non
         data = await store.engine.retrying(f"read {key!r}", lambda: store.backend.read(key))
         old = Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
         check_binding(old, step_dir, where)
+        if not old.complete:  # format 2: the objects are named in the fragments
+            old = await store.load_fragments(step_dir, old, None)
     except FileNotFoundError:
         return None
     except (ManifestError, IntegrityError, RecursionError) as e:
@@ -138,25 +141,24 @@ async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest) -> 
 
 
 async def _delete_replaced(store: CheckpointStore, step_dir: str, old: Manifest, new: Manifest) -> list[str]:
-    """Delete ``old``'s objects that are provably ckptio's, of this step, of no live save, not named by ``new``."""
-    keep = set(new.objects)
+    """Delete ``old``'s objects (and fragments) that are provably ckptio's, of this step, of no live save,
+    not named by ``new``."""
+    keep = set(new.keys())
     live = await store.live_saves(step_dir)
     doomed = []
-    for k in old.objects:
+    for k in old.keys():  # objects, and a format-2 checkpoint's fragments
         name = parse_object(k)
         if k in keep or name is None or name.step_dir != step_dir or name.save_id in live:
             continue
         doomed.append(k)
-    sem = asyncio.Semaphore(store.engine.concurrency * 2)
 
     async def one(k: str) -> None:
-        async with sem:
-            try:
-                await store.engine.retrying(f"delete {k!r}", lambda: store.backend.delete(k))
-            except FileNotFoundError:
-                pass
+        try:
+            await store.engine.retrying(f"delete {k!r}", lambda: store.backend.delete(k))
+        except FileNotFoundError:
+            pass
 
-    await asyncio.gather(*(one(k) for k in doomed))
+    await gather_or_cancel((one(k) for k in doomed), limit=store.engine.concurrency * 2)
     if doomed:
         log.info("%s: replaced; deleted the old checkpoint's %d objects", store.where(step_dir), len(doomed))
     return doomed
