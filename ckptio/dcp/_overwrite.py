@@ -43,7 +43,6 @@ import logging
 
 from ckptio.backends.base import join_key
 
-from ..engine import gather_or_cancel
 from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import parse_object
@@ -151,14 +150,7 @@ async def _delete_replaced(store: CheckpointStore, step_dir: str, old: Manifest,
         if k in keep or name is None or name.step_dir != step_dir or name.save_id in live:
             continue
         doomed.append(k)
-
-    async def one(k: str) -> None:
-        try:
-            await store.engine.retrying(f"delete {k!r}", lambda: store.backend.delete(k))
-        except FileNotFoundError:
-            pass
-
-    await gather_or_cancel((one(k) for k in doomed), limit=store.engine.concurrency * 2)
+    await store._delete_keys(doomed)  # the store's own deleter: bounded, a missing key is fine
     if doomed:
         log.info("%s: replaced; deleted the old checkpoint's %d objects", store.where(step_dir), len(doomed))
     return doomed

@@ -26,7 +26,6 @@ ckptio engine runs on its own IO loop thread, so we block on it (``run_sync``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -362,16 +361,13 @@ def _referenced_steps(root: epath.Path, item: str) -> set[int]:
     root_url = url_of(root)
     store = CheckpointStore(root_url)
 
-    async def read_all() -> list[dict[str, Any] | None]:
+    try:
         # A malformed pointer raises (keep everything until someone looks); the other reads are
         # cancelled and awaited first, so none is still running when the store closes.
-        return await gather_or_cancel(
+        pointers = run_sync(gather_or_cancel(
             (_pointer_at(store, d, f"{root_url}/{d}/{POINTER_NAME}") for d in item_dirs),
             limit=store.engine.concurrency,
-        )
-
-    try:
-        pointers = run_sync(read_all())
+        ))
     finally:
         run_sync(store.close())
     return {p["step"] for p in pointers if p is not None}
