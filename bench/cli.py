@@ -12,13 +12,13 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
-from .harness import run_job, select_cases
+from .harness import run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
 from .targets import GCSTarget, Target, open_target
@@ -69,6 +69,10 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--train", action="store_true",
                    help="keep a GIL-bound training-step loop running in the saving process while each "
                         "asynchronous save finishes, and report how much slower its steps get")
+    g.add_argument("--interleave", action="store_true",
+                   help="run the cases side by side one round at a time (every case's round 1, then every "
+                        "round 2, ...), so storage that drifts over minutes drifts under all of them alike; "
+                        "every case's worker and checkpoints exist at once (memory: ~3x --size per case)")
     g.add_argument("--timeout", type=float, default=None, help="seconds per case (default: from the size)")
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", action="store_true", help="also sweep tensor counts and process counts")
@@ -151,13 +155,14 @@ class _Runner:
         self.target, self.cache_drop, self.rounds = target, cache_drop, rounds
         self.verify, self.timeout, self.progress, self.train = verify, timeout, progress, train
 
-    def __call__(self, cls: type[Case], spec: StateSpec, world_size: int = 1, rounds: int | None = None) -> dict[str, Any]:
-        rounds = rounds or self.rounds
+    def _job(self, cls: type[Case], spec: StateSpec, world_size: int, rounds: int,
+             gated: bool = False) -> tuple[Job, float, Callable[[dict[str, Any]], None], Callable[[], int]]:
+        """The case's job, its timeout, its event handler (progress) and a count of its rounds done."""
         gib = spec.total_bytes / (1 << 30)
         timeout = self.timeout or (300 + 120 * gib * rounds) * (1 + spec.count / 20_000)
-        root = self.target.case_root(cls.name)
-        job = Job(case=cls.name, root=root, state=spec, rounds=rounds, cache_drop=self.cache_drop,
-                  verify=self.verify, world_size=world_size, train=self.train)
+        job = Job(case=cls.name, root=self.target.case_root(cls.name), state=spec, rounds=rounds,
+                  cache_drop=self.cache_drop, verify=self.verify, world_size=world_size, train=self.train,
+                  gated=gated)
         label = cls.name + (f" ×{world_size}p" if world_size > 1 else "") + (
             f" n={spec.count}" if spec.count != 32 else "")
         self.progress.add(rounds)
@@ -168,15 +173,33 @@ class _Runner:
             done += ev.get("event") == "round_done"
             self.progress.event(label, ev)
 
-        try:
-            result = run_job(job, self.target, timeout, on_event)
-        finally:
-            self.target.cleanup_case(root)
+        return job, timeout, on_event, lambda: done
+
+    def _finish(self, cls: type[Case], result: dict[str, Any], rounds: int, done: int) -> dict[str, Any]:
         self.progress.finish_job(rounds, done)
         result.update(case=cls.name, kind=cls.kind, framework=cls.framework, description=cls.description,
                       durability=cls.durability)
         report.summarize(result)
         return result
+
+    def __call__(self, cls: type[Case], spec: StateSpec, world_size: int = 1, rounds: int | None = None) -> dict[str, Any]:
+        rounds = rounds or self.rounds
+        job, timeout, on_event, done = self._job(cls, spec, world_size, rounds)
+        try:
+            result = run_job(job, self.target, timeout, on_event)
+        finally:
+            self.target.cleanup_case(job.root)
+        return self._finish(cls, result, rounds, done())
+
+    def interleaved(self, classes: Sequence[type[Case]], spec: StateSpec) -> list[dict[str, Any]]:
+        """Every case at once, one round at a time in turn (``--interleave``, see run_interleaved)."""
+        made = [self._job(cls, spec, 1, self.rounds, gated=True) for cls in classes]
+        try:
+            results = run_interleaved([m[0] for m in made], self.target, [m[1] for m in made], [m[2] for m in made])
+        finally:
+            for m in made:
+                self.target.cleanup_case(m[0].root)
+        return [self._finish(cls, res, self.rounds, m[3]()) for cls, res, m in zip(classes, results, made)]
 
 
 def _list_cases(scheme: str) -> int:
@@ -193,7 +216,7 @@ def _header(doc: dict[str, Any]) -> str:
     c = doc["config"]
     st = c["state"]
     return (f"ckptio bench — {format_bytes(st['total_bytes'])} as {st['count']} × {st['dtype']}, "
-            f"{c['rounds']} rounds, target {c['target'].get('dir') or c['target'].get('scheme')}, "
+            f"{c['rounds']} rounds{' interleaved' if c.get('interleave') else ''}, target {c['target'].get('dir') or c['target'].get('scheme')}, "
             f"cold reads: {doc['cache_drop']['method']}")
 
 
@@ -230,6 +253,34 @@ def _unknown_cases(globs: Sequence[str] | None) -> list[str]:
     return [g for g in globs or () if not any(fnmatch.fnmatchcase(n, g) for n in names)]
 
 
+def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: StateSpec, rounds: int,
+                                       base: str | None) -> None:
+    """--interleave keeps every case's state (and its checkpoints) at once: say so when that looks too big."""
+    # Per case: its state, its staging or restored copy and some slack (~3x); rounds+1 steps on disk.
+    need_mem = 3 * spec.total_bytes * len(classes)
+    avail = _mem_available()
+    if avail is not None and need_mem > avail:
+        print(f"warning: --interleave keeps {len(classes)} cases in memory at once (~{format_bytes(need_mem)}), "
+              f"{format_bytes(avail)} available: pick fewer --cases", file=sys.stderr)
+    if base is not None:
+        need_disk = spec.total_bytes * (rounds + 1) * len(classes)
+        free = shutil.disk_usage(base).free
+        if free < need_disk:
+            print(f"warning: --interleave keeps every case's checkpoints at once (~{format_bytes(need_disk)}), "
+                  f"{format_bytes(free)} free under {base}", file=sys.stderr)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     spec = StateSpec(total_bytes=parse_size(args.size), count=args.arrays, dtype=args.dtype)
     target = _open_target(args)
@@ -249,13 +300,17 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
             "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify, "train": args.train,
-                       "target": target.describe(), "cases": [c.name for c in sel.run]},
+                       "interleave": args.interleave, "target": target.describe(), "cases": [c.name for c in sel.run]},
             "env": environment(base),
             "cache_drop": {"method": method, "reason": reason},
         }
         run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train)
         progress.reserve(len(sel.run) * args.rounds)
-        doc["cases"] = [run(cls, spec) for cls in sel.run]
+        if args.interleave:
+            _warn_if_interleaving_will_not_fit(sel.run, spec, args.rounds, base)
+            doc["cases"] = run.interleaved(sel.run, spec)
+        else:
+            doc["cases"] = [run(cls, spec) for cls in sel.run]
         doc["cases"] += [{"case": n, "status": "skipped", "reason": why} for n, why in sel.skipped.items()]
         if args.sweep:
             from .sweep import plan_sweep, run_sweep
@@ -334,6 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown and not args.from_json:
         print(f"ckptio bench: error: no case is called {', '.join(map(repr, unknown))} "
               "(`ckptio bench --list` shows the cases)", file=sys.stderr)
+        return 2
+    if args.interleave and args.fake_gcs:
+        print("ckptio bench: error: --interleave cannot be combined with --fake-gcs: each case gets a fresh "
+              "fake server, and only one can run at a time", file=sys.stderr)
         return 2
     try:
         mtbf_s = parse_duration(args.mtbf)

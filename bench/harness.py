@@ -27,7 +27,7 @@ from .spec import Job
 from .targets import Target
 from .worker import EVENT_PREFIX
 
-__all__ = ["Selection", "run_job", "select_cases"]
+__all__ = ["Selection", "run_interleaved", "run_job", "select_cases"]
 
 Event = dict[str, Any]
 
@@ -103,70 +103,159 @@ def _kill(procs: Sequence[subprocess.Popen[str]]) -> None:
         p.wait()
 
 
+class _Running:
+    """One job's worker process(es), started; its rank 0's events arrive on ``events``."""
+
+    def __init__(self, job: Job, target: Target) -> None:
+        self.job = job
+        self.scratch = tempfile.mkdtemp(prefix="ckptio-bench-job-")
+        job_path = os.path.join(self.scratch, "job.json")
+        self.result_path = os.path.join(self.scratch, "result.json")
+        with open(job_path, "w") as f:
+            json.dump(job.to_json(), f)
+        env = dict(os.environ)
+        env.setdefault("JAX_PLATFORMS", "cpu")  # no accelerator probing in a storage benchmark
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env.update(target.worker_env())
+        if job.world_size > 1:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(job.world_size))
+        self.procs: list[subprocess.Popen[str]] = []
+        self.logs: list[str] = []
+        self.events: queue.Queue[Event | None] = queue.Queue()
+        self.ended = False  # rank 0's event stream closed
+        self.expired = False  # its deadline passed first
+        self.t0 = time.monotonic()
+        try:
+            for rank in range(job.world_size):
+                log = os.path.join(self.scratch, f"stderr.{rank}")
+                self.logs.append(log)
+                with open(log, "w") as err:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "ckptio.bench.worker", job_path, self.result_path],
+                        stdin=subprocess.PIPE if job.gated else subprocess.DEVNULL,
+                        stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                        stderr=err, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        start_new_session=True,
+                    ))
+        except BaseException:
+            _kill(self.procs)
+            raise
+        assert self.procs[0].stdout is not None
+        threading.Thread(target=_pump, args=(self.procs[0].stdout, self.events), daemon=True).start()
+
+    def go(self) -> None:
+        """Let every rank of a gated job start its next round."""
+        for p in self.procs:
+            try:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            except (OSError, ValueError):
+                pass  # a worker that already exited: its result (or its absence) says why
+
+    def pump(self, deadline: float, on_event: Callable[[Event], None], until: str | None = None) -> bool:
+        """Pass events on until one is ``until`` (True), the workers end or ``deadline`` passes (False)."""
+        while not self.ended:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.expired = True
+                return False
+            try:
+                ev = self.events.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if all(p.poll() is not None for p in self.procs):
+                    self.ended = True
+                continue
+            if ev is None:
+                self.ended = True
+                break
+            on_event(ev)
+            if until is not None and ev.get("event") == until:
+                return True
+        return False
+
+    def finish(self, deadline: float, timed_out: bool) -> dict[str, Any]:
+        """Wait for the workers (killing what is left at ``deadline``); the job's result dict."""
+        try:
+            for p in self.procs:
+                if p.stdin is not None:
+                    try:
+                        p.stdin.close()  # a gated worker still waiting for its turn ends now
+                    except OSError:
+                        pass  # it has exited already
+            if not timed_out:
+                try:
+                    for p in self.procs:
+                        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            _kill(self.procs)
+        result = _read_result(self.result_path)
+        if result is None:
+            codes = [p.returncode for p in self.procs]
+            why = (f"timed out after {deadline - self.t0:.0f} s" if timed_out
+                   else f"worker exited with {codes}, no result")
+            result = {"case": self.job.case, "status": "error", "error": why, "samples": [],
+                      "stderr_tail": "\n".join(_tail(lg) for lg in self.logs)[-4000:]}
+        elif result.get("status") == "error":
+            result["stderr_tail"] = _tail(self.logs[0], 2000)
+        result["wall_s"] = time.monotonic() - self.t0
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        return result
+
+
 def run_job(job: Job, target: Target, timeout_s: float,
             on_event: Callable[[Event], None] = lambda e: None) -> dict[str, Any]:
     """Run ``job`` in ``job.world_size`` fresh processes; always returns a result dict."""
-    scratch = tempfile.mkdtemp(prefix="ckptio-bench-job-")
-    job_path, result_path = os.path.join(scratch, "job.json"), os.path.join(scratch, "result.json")
-    with open(job_path, "w") as f:
-        json.dump(job.to_json(), f)
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")  # no accelerator probing in a storage benchmark
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.update(target.worker_env())
-    if job.world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(job.world_size))
-    procs: list[subprocess.Popen[str]] = []
-    logs: list[str] = []
-    t0 = time.monotonic()
-    timed_out = False
+    running = _Running(job, target)
+    deadline = running.t0 + timeout_s
     try:
-        for rank in range(job.world_size):
-            log = os.path.join(scratch, f"stderr.{rank}")
-            logs.append(log)
-            with open(log, "w") as err:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "ckptio.bench.worker", job_path, result_path],
-                    stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                    stderr=err, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    start_new_session=True,
-                ))
-        q: queue.Queue[Event | None] = queue.Queue()
-        assert procs[0].stdout is not None
-        threading.Thread(target=_pump, args=(procs[0].stdout, q), daemon=True).start()
-        while True:
-            left = timeout_s - (time.monotonic() - t0)
-            if left <= 0:
-                timed_out = True
-                break
-            try:
-                ev = q.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if all(p.poll() is not None for p in procs):
-                    break
-                continue
-            if ev is None:
-                break
-            on_event(ev)
-        if not timed_out:
-            try:
-                for p in procs:
-                    p.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-    finally:
-        _kill(procs)
-    result = _read_result(result_path)
-    if result is None:
-        codes = [p.returncode for p in procs]
-        why = f"timed out after {timeout_s:.0f} s" if timed_out else f"worker exited with {codes}, no result"
-        result = {"case": job.case, "status": "error", "error": why, "samples": [],
-                  "stderr_tail": "\n".join(_tail(lg) for lg in logs)[-4000:]}
-    elif result.get("status") == "error":
-        result["stderr_tail"] = _tail(logs[0], 2000)
-    result["wall_s"] = time.monotonic() - t0
-    shutil.rmtree(scratch, ignore_errors=True)
-    return result
+        running.pump(deadline, on_event)
+    except BaseException:
+        _kill(running.procs)
+        raise
+    return running.finish(deadline, timed_out=running.expired)
+
+
+def run_interleaved(jobs: Sequence[Job], target: Target, timeouts: Sequence[float],
+                    on_events: Sequence[Callable[[Event], None]]) -> list[dict[str, Any]]:
+    """Run ``jobs`` side by side, one round at a time: every job's round 0, then every round 1, ...
+
+    Storage speed drifts over minutes (burst credits, neighbours on a shared disk), so
+    cases run one after another are compared under different disks. Interleaved, each
+    case's round ``r`` runs next to every other case's round ``r``, and a ratio of their
+    medians compares them under the same drift. Every job's workers are alive at once
+    (their states are all in memory) but only one job works at a time: each is set up
+    before any round starts, and a job finishing its last round exits before the next one's
+    round begins. The jobs must have ``gated`` set; each gets its own timeout for its whole
+    run, as in :func:`run_job`. Always returns one result dict per job, in order.
+    """
+    if not all(j.gated for j in jobs):
+        raise ValueError("run_interleaved needs gated jobs (Job.gated=True)")
+    running: list[_Running] = []
+    try:
+        for job in jobs:
+            running.append(_Running(job, target))
+        deadlines = [r.t0 + t for r, t in zip(running, timeouts)]
+        # No round starts until every job is set up (its state generated: seconds of CPU and
+        # memory bandwidth that would otherwise land on the first rounds of the others).
+        for r, deadline, on_event in zip(running, deadlines, on_events):
+            r.pump(deadline, on_event, until="ready")
+        for rnd in range(max((j.rounds for j in jobs), default=0)):
+            for r, deadline, on_event in zip(running, deadlines, on_events):
+                if r.ended or r.expired or rnd >= r.job.rounds:
+                    continue
+                r.go()
+                if rnd + 1 < r.job.rounds:
+                    r.pump(deadline, on_event, until="ready")  # back at its gate: idle again
+                else:
+                    r.pump(deadline, on_event)  # its last round: let it close and exit first
+        return [r.finish(deadline, timed_out=r.expired) for r, deadline in zip(running, deadlines)]
+    except BaseException:
+        for r in running:
+            _kill(r.procs)
+        raise
 
 
 def _read_result(path: str) -> dict[str, Any] | None:

@@ -101,6 +101,9 @@ class Job:
     world_size: int = 1
     #: Run training steps while each asynchronous save finishes (see bench/train.py).
     train: bool = False
+    #: Wait for a line on stdin before each round (``ckptio bench --interleave``: the harness
+    #: lets one job's round run at a time, in turn, see :func:`bench.harness.run_interleaved`).
+    gated: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

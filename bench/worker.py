@@ -159,6 +159,13 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
     return sample
 
 
+def _my_turn(emit: Callable[[dict[str, Any]], None], r: int) -> bool:
+    """Say this gated job is idle and ready for round ``r``, then block until the harness lets it
+    run (False: it never will)."""
+    emit({"event": "ready", "round": r})
+    return bool(sys.stdin.readline())
+
+
 def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, Any] | None:
     """Run ``job`` in this process; the result dict on rank 0, None on other ranks."""
     result: dict[str, Any] = {"case": job.case, "world_size": job.world_size, "samples": []}
@@ -189,7 +196,12 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
         gc.collect()
         base_rss = current_rss()
         for r in range(job.rounds):
+            if job.gated and not _my_turn(emit, r):
+                raise RuntimeError("the harness stopped this job before its round "
+                                   f"{r} (its stdin closed)")
+            started = time.time()
             sample = _combine(group.gather(_one_round(case, job, group, r, expected, emit, base_rss)))
+            sample["started_at"] = started  # wall clock: shows the order of interleaved rounds
             result["samples"].append(sample)
             emit({"event": "round_done", "round": r})
             if sample.get("verified") is False:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from ckptio.bench.advise import young_daly
-from ckptio.bench.harness import run_job
+from ckptio.bench.harness import run_interleaved, run_job
 from ckptio.bench.spec import FIGURES, Job, StateSpec, parse_duration, parse_size
 from ckptio.bench.system import drop_cache, resident_fraction
 from ckptio.bench.targets import LocalTarget
@@ -122,6 +122,36 @@ def test_a_failing_case_is_an_error_row_not_a_crash(tmp_path: Path) -> None:
     job = Job(case="no-such-case", root=target.case_root("x"), state=StateSpec(1 << 16, 2), rounds=1)
     result = run_job(job, target, timeout_s=60)
     assert result["status"] == "error" and "no-such-case" in result["error"]
+    target.close()
+
+
+def test_interleaved_jobs_take_their_rounds_in_turn(tmp_path: Path) -> None:
+    """--interleave: round r of every case runs after round r-1 of every case and before round r+1
+    of any; every job still completes (verified), and a failing job is an error row, not a hang."""
+    target = LocalTarget(str(tmp_path))
+    cases = ["raw-disk", "ckptio", "no-such-case", "memcpy"]
+    jobs = [Job(case=c, root=target.case_root(c), state=StateSpec(1 << 20, 4), rounds=3, cache_drop="none",
+                gated=True) for c in cases]
+    events: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    results = run_interleaved(jobs, target, [120.0] * len(jobs), [evs.append for evs in events])
+    target.close()
+    assert [r["case"] for r in results] == cases
+    bad = results[2]
+    assert bad["status"] == "error" and "no-such-case" in bad["error"]
+    good = [r for r in results if r is not bad]
+    for r in good:
+        assert r["status"] == "ok", r.get("error")
+        assert [s["round"] for s in r["samples"]] == [0, 1, 2]
+    order = sorted((s["started_at"], s["round"], r["case"]) for r in good for s in r["samples"])
+    assert [(rnd, case) for _, rnd, case in order] == [(rnd, c) for rnd in range(3) for c in ("raw-disk", "ckptio", "memcpy")]
+    assert [e["round"] for e in events[1] if e.get("event") == "round_done"] == [0, 1, 2]
+
+
+def test_run_interleaved_refuses_jobs_that_would_not_wait_for_their_turn(tmp_path: Path) -> None:
+    target = LocalTarget(str(tmp_path))
+    job = Job(case="ckptio", root=target.case_root("ckptio"), state=StateSpec(1 << 16, 2), rounds=1)
+    with pytest.raises(ValueError, match="gated"):
+        run_interleaved([job], target, [60.0], [lambda e: None])
     target.close()
 
 

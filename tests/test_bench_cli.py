@@ -85,3 +85,9 @@ def test_the_plot_title_fits_in_the_figure(tmp_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_interleave_refuses_the_per_case_fake_gcs_server(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--interleave", "--fake-gcs", "--cases", "ckptio", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--interleave" in err and "--fake-gcs" in err and "Traceback" not in err
