@@ -49,8 +49,10 @@ _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 def fresh_pages(nbytes: int) -> np.ndarray:
     """An uninitialised, writable uint8 buffer of ``nbytes``; page-aligned private anonymous
     memory in 4 KiB pages when large (see the module docstring for why not ``np.empty``)."""
-    if nbytes < FRESH_MIN or not _PRIVATE:
+    if nbytes < FRESH_MIN:
         return np.empty(nbytes, np.uint8)
+    if not _PRIVATE:  # no mmap flags on this platform: its default mapping, page-aligned all the same
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=np.uint8)
 
 

@@ -478,6 +478,7 @@ def _start_save(
         raise
     writer = threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True)
     try:
+        area.prefault()
         # Packs first, before the writer starts: copying thousands of small arrays holds the GIL,
         # and the writer's per-member checksums would contend for it inside the step's stall.
         for p in packs:
