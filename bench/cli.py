@@ -253,32 +253,16 @@ def _unknown_cases(globs: Sequence[str] | None) -> list[str]:
     return [g for g in globs or () if not any(fnmatch.fnmatchcase(n, g) for n in names)]
 
 
-def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: StateSpec, rounds: int,
-                                       base: str | None) -> None:
-    """--interleave keeps every case's state (and its checkpoints) at once: say so when that looks too big."""
-    # Per case: its state, its staging or restored copy and some slack (~3x); rounds+1 steps on disk.
-    need_mem = 3 * spec.total_bytes * len(classes)
-    avail = _mem_available()
-    if avail is not None and need_mem > avail:
-        print(f"warning: --interleave keeps {len(classes)} cases in memory at once (~{format_bytes(need_mem)}), "
+def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: StateSpec) -> None:
+    """--interleave keeps every case's state in memory at once: say so when that looks too big."""
+    import psutil
+
+    # Per case: its state, its staging or restored copy and some slack (~3x).
+    need = 3 * spec.total_bytes * len(classes)
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        print(f"warning: --interleave keeps {len(classes)} cases in memory at once (~{format_bytes(need)}), "
               f"{format_bytes(avail)} available: pick fewer --cases", file=sys.stderr)
-    if base is not None:
-        need_disk = spec.total_bytes * (rounds + 1) * len(classes)
-        free = shutil.disk_usage(base).free
-        if free < need_disk:
-            print(f"warning: --interleave keeps every case's checkpoints at once (~{format_bytes(need_disk)}), "
-                  f"{format_bytes(free)} free under {base}", file=sys.stderr)
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -292,10 +276,12 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         sel = select_cases(args.cases, args.skip, target.scheme)
         base = getattr(target, "base", None)
         if base is not None:
-            need = spec.total_bytes * (args.rounds + 1)
+            # A case keeps rounds+1 steps; interleaved, every case's steps exist at once.
+            need = spec.total_bytes * (args.rounds + 1) * (len(sel.run) if args.interleave else 1)
             free = shutil.disk_usage(base).free
             if free < need:
-                print(f"warning: {format_bytes(free)} free under {base}, a case needs ~{format_bytes(need)}",
+                who = "the interleaved cases need" if args.interleave else "a case needs"
+                print(f"warning: {format_bytes(free)} free under {base}, {who} ~{format_bytes(need)}",
                       file=sys.stderr)
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
@@ -307,7 +293,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train)
         progress.reserve(len(sel.run) * args.rounds)
         if args.interleave:
-            _warn_if_interleaving_will_not_fit(sel.run, spec, args.rounds, base)
+            _warn_if_interleaving_will_not_fit(sel.run, spec)
             doc["cases"] = run.interleaved(sel.run, spec)
         else:
             doc["cases"] = [run(cls, spec) for cls in sel.run]

@@ -62,18 +62,14 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[in
     return tuple(offs), tuple(sizes)
 
 
-_ALIGNED_MIN = 1 << 16  # smaller buffers are not worth a mapping of their own
-
-
 def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 buffer, page-aligned when large (anonymous mmap): direct IO
     then moves it without a bounce copy. Small buffers come from numpy's allocator.
 
     Large ones are *private* mappings (``fresh_pages``): ``mmap.mmap(-1, n)``'s default is
     a shared one, i.e. shmem, whose first touch -- a first save's whole staging copy --
-    costs the most per page (backends/_pages.py)."""
-    if nbytes < _ALIGNED_MIN:
-        return np.empty(nbytes, np.uint8)
+    costs the most per page (backends/_pages.py). Below ``FRESH_MIN`` a mapping of its own
+    is not worth it."""
     return fresh_pages(nbytes)
 
 
