@@ -153,13 +153,14 @@ class _Running:
             except (OSError, ValueError):
                 pass  # a worker that already exited: its result (or its absence) says why
 
-    def pump(self, deadline: float, on_event: Callable[[Event], None], until: str | None = None) -> bool:
-        """Pass events on until one is ``until`` (True), the workers end or ``deadline`` passes (False)."""
+    def pump(self, deadline: float, on_event: Callable[[Event], None], until: str | None = None) -> None:
+        """Pass events on until one is ``until``, the workers end (``ended``) or ``deadline`` passes
+        (``expired``)."""
         while not self.ended:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.expired = True
-                return False
+                return
             try:
                 ev = self.events.get(timeout=min(left, 1.0))
             except queue.Empty:
@@ -171,11 +172,11 @@ class _Running:
                 break
             on_event(ev)
             if until is not None and ev.get("event") == until:
-                return True
-        return False
+                return
 
-    def finish(self, deadline: float, timed_out: bool) -> dict[str, Any]:
+    def finish(self, deadline: float) -> dict[str, Any]:
         """Wait for the workers (killing what is left at ``deadline``); the job's result dict."""
+        timed_out = self.expired
         try:
             for p in self.procs:
                 if p.stdin is not None:
@@ -215,7 +216,7 @@ def run_job(job: Job, target: Target, timeout_s: float,
     except BaseException:
         _kill(running.procs)
         raise
-    return running.finish(deadline, timed_out=running.expired)
+    return running.finish(deadline)
 
 
 def run_interleaved(jobs: Sequence[Job], target: Target, timeouts: Sequence[float],
@@ -251,7 +252,7 @@ def run_interleaved(jobs: Sequence[Job], target: Target, timeouts: Sequence[floa
                     r.pump(deadline, on_event, until="ready")  # back at its gate: idle again
                 else:
                     r.pump(deadline, on_event)  # its last round: let it close and exit first
-        return [r.finish(deadline, timed_out=r.expired) for r, deadline in zip(running, deadlines)]
+        return [r.finish(deadline) for r, deadline in zip(running, deadlines)]
     except BaseException:
         for r in running:
             _kill(r.procs)
