@@ -133,7 +133,7 @@ class CkptioTorch(CkptioNumpy):
 
 def _dcp_cases() -> type[Case]:
     """ckptio under DCP: the same DCP calls as the ``dcp`` anchors, with ckptio's Writer/Reader."""
-    from .anchors_torch import DCPAsyncSave, DCPSave
+    from .anchors_torch import DCPAsyncProcessSave, DCPAsyncSave, DCPSave
 
     class _CkptioDCP:
         requires = ("ckptio", "torch")
@@ -167,6 +167,12 @@ def _dcp_cases() -> type[Case]:
         max_world = 1
         sweep_max_tensors = 0
         description = "dcp.async_save(storage_writer=ckptio.dcp.Writer) (its pooled stager); Reader"
+
+    @register
+    class CkptioDCPAsyncProcess(CkptioDCPAsync, DCPAsyncProcessSave):  # type: ignore[misc]
+        name = "ckptio-dcp-async-process"
+        in_default_run = False
+        description = "dcp.async_save(storage_writer=ckptio.dcp.Writer), process executor; Reader"
 
     return CkptioDCPAsync
 

@@ -74,6 +74,7 @@ def _assert_every_figure(result: dict[str, Any]) -> None:
             assert sample[key] is not None, (result["case"], key)
         assert sample["stall_s"] <= sample["save_s"] + 1e-9
         assert sample["verified"] is True
+        assert sample["restore_sys_s"] >= 0 and sample["restore_user_s"] >= 0  # the process's CPU in the restore
 
 
 @pytest.mark.parametrize("name", EXPECTED_ANCHORS)
@@ -173,6 +174,29 @@ def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, cas
         assert (sample.get("train_busy_s", 0) > 0) == background, sample
         assert (sample.get("train_blocked_s", -1) >= 0) == background, sample
     assert ("train_slowdown" in report.summarize(result)) == background
+
+
+@pytest.mark.skipif(not _have("torch"), reason="needs torch")
+@pytest.mark.parametrize("case", ["dcp-async-process", "ckptio-dcp-async-process"])
+def test_dcp_process_executor_cases_save_restore_and_end_their_process(tmp_path: Path, case: str) -> None:
+    """The opt-in DCP process-executor cases: DCP's background process writes a checkpoint that
+    restores bit-exact, and that process does not outlive the worker (which exits without teardown)."""
+    import psutil
+
+    from ckptio.bench import report
+
+    before = {p.pid for p in psutil.process_iter()}
+    target = LocalTarget(str(tmp_path))
+    job = Job(case=case, root=target.case_root(case), state=StateSpec(4 << 20, 4), rounds=2, cache_drop="none")
+    result = run_job(job, target, timeout_s=180)
+    target.close()
+    _assert_every_figure({**result, "summary": report.summarize(result)})
+    assert all(s["async_save"] for s in result["samples"])
+    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
+            and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
+    # It sees its pipe close when the worker exits and ends itself, a moment later.
+    _, alive = psutil.wait_procs(left, timeout=30)
+    assert not alive, f"DCP's checkpoint process outlived the bench worker: {alive}"
 
 
 def test_train_slowdown_cancels_core_speed_drift() -> None:
