@@ -66,6 +66,8 @@ class DCPAsyncSave(_DCPBase):
 
     name = "dcp-async"
     description = "dcp.async_save(FileSystemWriter(thread_count=4)), thread executor; dcp.load"
+    #: DCP's ``AsyncCheckpointerType`` value: where its background write runs.
+    executor = "thread"
 
     def setup(self) -> None:
         super().setup()
@@ -79,7 +81,11 @@ class DCPAsyncSave(_DCPBase):
             )
 
     def save(self, step: int) -> Pending | None:
-        out = self._dcp.async_save(self.state, storage_writer=self._writer(step))
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        out = self._dcp.async_save(
+            self.state, storage_writer=self._writer(step), async_checkpointer_type=AsyncCheckpointerType(self.executor)
+        )
         # Newer torch returns an AsyncSaveResponse when staging is itself async.
         return getattr(out, "upload_completion", out)
 
@@ -98,20 +104,13 @@ class DCPAsyncProcessSave(DCPAsyncSave):
     name = "dcp-async-process"
     in_default_run = False
     description = "dcp.async_save(FileSystemWriter(thread_count=4)), process executor; dcp.load"
+    executor = "process"
 
     def setup(self) -> None:
         # DCP's background process rendezvouses over TCP on MASTER_ADDR (the host's name when
         # unset): keep it on loopback.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         super().setup()
-
-    def save(self, step: int) -> Pending | None:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        out = self._dcp.async_save(
-            self.state, storage_writer=self._writer(step), async_checkpointer_type=AsyncCheckpointerType.PROCESS
-        )
-        return getattr(out, "upload_completion", out)
 
 
 @register
