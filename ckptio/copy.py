@@ -110,7 +110,24 @@ def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir:
         raise ValueError(f"rekeying {dst.where(dst_dir)} maps two objects to one key")
     # A copy to another step directory is that step's checkpoint (same id: still the same bytes).
     step = int(dst_dir) if dst_dir != step_dir and dst_dir.isdigit() else manifest.step
-    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None)  # written whole: format 1
+    # Written whole (format 1), under a fence of its own (the destination's commit picks one).
+    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None, fence=None)
+
+
+def _renamed_writers(manifest: Manifest, revoked: set[str]) -> Manifest:
+    """``manifest`` with the objects of ``revoked`` save ids under a fresh save id.
+
+    A destination that revoked a save id (an earlier copy of it was paused past its lease
+    and gc took its objects) never lets a commit name that id again (ckptio.fence); this copy
+    writes those objects afresh under a new one.
+    """
+    fresh = {sid: new_id() for sid in revoked}
+    keys = []
+    for key in manifest.objects:
+        head, _, last = key.rpartition("/")
+        sid, dot, rest = last.partition(".")
+        keys.append(join_key(head, fresh[sid] + dot + rest) if sid in fresh else key)
+    return dataclasses.replace(manifest, objects=keys)
 
 
 async def copy_objects(
@@ -200,6 +217,12 @@ async def copy_checkpoint(
     # The copy keeps the source's object names: its intent covers their save ids, so a gc of the
     # destination spares them (a resumed copy's earlier objects included) until the commit.
     writers = {n.save_id for k in out.objects if (n := parse_object(k)) is not None}
+    revoked = await dst.fences.revoked(where_to) & writers
+    if revoked:
+        log.warning("%s: save ids %s were revoked there; copying their objects under a new id",
+                    dst.where(where_to), sorted(revoked))
+        out = _renamed_writers(out, revoked)
+        writers = {n.save_id for k in out.objects if (n := parse_object(k)) is not None}
     async with async_lease(dst, where_to, new_id(), covers=writers):
         stats = await copy_objects(src, dst, manifest, out, progress=progress)
         try:

@@ -8,6 +8,8 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "SaveFailedError",
+    "SaveRevokedError",
+    "UnconfirmedCommitError",
     "UnsupportedLeafError",
 ]
 
@@ -41,3 +43,19 @@ class UnsupportedLeafError(CkptioError, TypeError):
 
 class SaveFailedError(CkptioError):
     """A save did not commit (on this host or another); the previous checkpoints are untouched."""
+
+
+class SaveRevokedError(SaveFailedError):
+    """A save stalled past its lease and a deleter revoked it: it rolled its commit back (ckptio.fence)."""
+
+
+class UnconfirmedCommitError(CheckpointNotFoundError):
+    """A manifest whose fence does not say "commit": its commit is in flight, died, or was revoked.
+
+    ``manifest``: the (validated) manifest; ``outcome``: what its fence says (None: unclaimed).
+    """
+
+    def __init__(self, message: str, *, manifest: object = None, outcome: bytes | None = None) -> None:
+        super().__init__(message)
+        self.manifest = manifest
+        self.outcome = outcome

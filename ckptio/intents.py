@@ -13,21 +13,16 @@ import asyncio
 import contextlib
 import logging
 import threading
-import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 from .engine import run_sync
+from .names import new_id
 from .store import CheckpointStore
 
 __all__ = ["Lease", "async_lease", "new_id"]
 
 log = logging.getLogger("ckptio.intents")
-
-
-def new_id() -> str:
-    """A fresh save id (the 12 hex digits every object and intent name carries)."""
-    return uuid.uuid4().hex[:12]
 
 
 class Lease:

@@ -143,7 +143,9 @@ class CheckpointManager:
         their manifests being read, and the rest are deleted if intact.
         """
         dirs = await self.store.step_dirs()
-        kept = await self.store.intact_steps(newest=keep, among=dirs)
+        # A kept step must be whole (a listing per step): a newer step that lost an object must not
+        # count, or retention would delete the older step a restore then needs.
+        kept = await self.store.intact_steps(newest=keep, among=dirs, whole=True)
         if len(kept) < keep:
             return []
         older = [s for s in dirs if s < kept[0] and not self._periodic(s)]
@@ -171,8 +173,9 @@ class CheckpointManager:
             raise err
 
     def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None) -> Any:
-        """Restore ``step`` (default: the newest committed) as ``target`` asks (see ``ckptio.restore``)."""
-        return restore_step(self.store, step, target, progress=progress)
+        """Restore ``step`` (default: the newest restorable committed) as ``target`` asks (see
+        ``ckptio.restore``); with several hosts, every host must call it (one collective decision)."""
+        return restore_step(self.store, step, target, progress=progress, coordinator=self.coordinator)
 
     def delete(self, step: int) -> None:
         """Delete one committed checkpoint (coordinator only)."""

@@ -28,6 +28,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,6 +88,7 @@ _MAX_DIM = 1 << 62
 _MAX_COUNT = 50_000_000
 _U32 = 1 << 32
 _MAX_INT_DIGITS = 4000
+_FENCE_ID = re.compile(r"[0-9a-f]{12}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -200,6 +202,9 @@ class Manifest:
     fragments: list[Any] | None = None
     #: False for a format-2 root loaded with only some (or none) of its fragments' shards.
     complete: bool = True
+    #: The commit's fence id (ckptio.fence): the manifest counts only once that fence says
+    #: "commit". None in manifests written before fencing (trusted on their own).
+    fence: str | None = None
 
     def keys(self) -> list[str]:
         """Every key this checkpoint owns besides its manifest: objects (loaded) and fragments."""
@@ -224,6 +229,7 @@ class Manifest:
             "objects": self.objects,
             "items": {name: item_to_json(item, name) for name, item in self.items.items()},
             "metadata": self.metadata,
+            **({"fence": self.fence} if self.fence else {}),
         }
 
     def to_json(self) -> bytes:
@@ -315,7 +321,10 @@ def head_fields(doc: dict[str, Any], items: dict[str, Any], where: str) -> dict[
     if not isinstance(metadata, dict):
         raise ManifestError(f"{where}: 'metadata' must be a JSON object")
     _check_tree(doc["tree"], items, where)
-    return {"step": step, "checkpoint_id": str(doc.get("checkpoint_id", "")), "created": float(doc.get("created", 0.0)),
+    fence = doc.get("fence")
+    if fence is not None and not (isinstance(fence, str) and _FENCE_ID.fullmatch(fence)):
+        raise ManifestError(f"{where}: 'fence' must be 12 hex digits, got {str(fence)[:40]!r}")
+    return {"fence": fence, "step": step, "checkpoint_id": str(doc.get("checkpoint_id", "")), "created": float(doc.get("created", 0.0)),
             "num_hosts": _int(doc.get("num_hosts", 1), "num_hosts", where, lo=1), "tree": doc["tree"],
             "metadata": metadata}
 

@@ -9,6 +9,8 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 * a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
   first object and rewritten as a heartbeat while the save is in flight;
 * the manifest (``ckptio.manifest.json``) and the tombstone (``ckptio.deleting``);
+* a commit's fence (``[<step>/]ckptio.fence.<fence id>``) and a deleter's revocation of a dead
+  save (``ckptio.revoked/<step>.<save id>``, ``-`` for the root), see :mod:`ckptio.fence`;
 * a peer replica's marker (``<step>/ckptio.replica-of.h<host>``, see :mod:`ckptio.tiers.peer`):
   the named partner's objects of that step are all in this replica store.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 
 from ckptio.backends.base import join_key
 
@@ -29,10 +32,18 @@ __all__ = [
     "REPLICA_MARK_PREFIX",
     "ReplicaMark",
     "intent_key",
+    "new_id",
     "is_hashed_component",
     "parse_intent",
     "parse_object",
     "parse_replica_mark",
+    "FENCE_PREFIX",
+    "REVOKED_DIR",
+    "revoked_prefix",
+    "fence_key",
+    "parse_fence",
+    "parse_revoked",
+    "revoked_key",
     "replica_mark_key",
     "step_of_key",
 ]
@@ -105,6 +116,11 @@ def parse_replica_mark(key: str) -> ReplicaMark | None:
     return mark if replica_mark_key(mark.step_dir, mark.host) == key else None
 
 
+def new_id() -> str:
+    """A fresh save (or fence) id: the 12 hex digits every object, intent and fence name carries."""
+    return uuid.uuid4().hex[:12]
+
+
 def intent_key(step_dir: str, save_id: str) -> str:
     """Where a save announces itself: beside the manifest it will commit."""
     return join_key(step_dir, INTENT_PREFIX + save_id)
@@ -129,3 +145,40 @@ def step_of_key(key: str) -> str | None:
     if parts[0].isdigit():
         return None  # a bare number as a file name: not a layout ckptio writes
     return ""
+
+
+#: Revocations (see :mod:`ckptio.fence`) live in one folder at the root, not in the step directories:
+#: a revocation is kept forever (a revoked save may wake at any time), while a step's directory
+#: goes with its step.
+REVOKED_DIR = "ckptio.revoked"
+FENCE_PREFIX = "ckptio.fence."
+_REVOKED = re.compile(rf"{REVOKED_DIR}/(?P<step>{_STEP}|-)\.(?P<sid>{_SID})")
+_FENCE = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.fence\.(?P<sid>{_SID})")
+
+
+def revoked_prefix(step_dir: str) -> str:
+    """The prefix of every revocation of ``step_dir`` (``-``: the root; one listing finds them all)."""
+    return f"{REVOKED_DIR}/{step_dir or '-'}."
+
+
+def revoked_key(step_dir: str, save_id: str) -> str:
+    """Where a deleter revokes ``save_id``'s objects of ``step_dir``: created once, never removed."""
+    return revoked_prefix(step_dir) + save_id
+
+
+def fence_key(step_dir: str, fence_id: str) -> str:
+    """The key whose single creation decides whether the commit ``fence_id`` of ``step_dir`` stands
+    (beside the manifest: it goes with its step)."""
+    return join_key(step_dir, FENCE_PREFIX + fence_id)
+
+
+def parse_revoked(key: str) -> ObjectName | None:
+    """The step directory and save id of a revocation's key; None for any other key."""
+    m = _REVOKED.fullmatch(key)
+    return None if m is None else ObjectName("" if m["step"] == "-" else m["step"], m["sid"])
+
+
+def parse_fence(key: str) -> ObjectName | None:
+    """The step directory and fence id of a fence's key; None for any other key."""
+    m = _FENCE.fullmatch(key)
+    return None if m is None else ObjectName(m["step"] or "", m["sid"])

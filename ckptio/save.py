@@ -388,7 +388,7 @@ def _start_save(
     ready: list[concurrent.futures.Future[None]] = [concurrent.futures.Future() for _ in plans]
     handle = SaveHandle(where, step)
     head = {
-        "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "created": time.time(),
+        "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "fence": new_id(), "created": time.time(),
         "block_size": store.engine.config.block_size, "num_hosts": coord.size, "tree": structure,
         "metadata": metadata or {},
     }

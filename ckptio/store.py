@@ -36,10 +36,15 @@ from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo, join_key
 
 from .engine import Engine, EngineConfig, gather_or_cancel
-from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from .errors import (
+    CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, UnconfirmedCommitError,
+)
+from .fence import COMMIT, REVOKED, Fences, writers_of
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, unseal
-from .names import INTENT_PREFIX, intent_key, is_hashed_component, parse_intent, parse_object, step_of_key
+from .names import (
+    INTENT_PREFIX, fence_key, intent_key, parse_fence, is_hashed_component, new_id, parse_intent, parse_object, step_of_key,
+)
 
 __all__ = [
     "CheckpointStore", "StepStatus", "SweepReport", "step_dir_of", "sweeps_temporaries_by_prefix", "MAX_STEP",
@@ -67,7 +72,8 @@ class StepStatus:
     """One step directory as ``ckptio ls`` shows it.
 
     ``state``: ``committed`` (intact), ``damaged`` (a manifest that does not
-    validate or is not bound to this step), ``deleting`` (tombstoned),
+    validate or is not bound to this step, or an object or fragment it names
+    is missing or short), ``unreadable`` (permission denied), ``deleting`` (tombstoned),
     ``in-flight`` (a live save's intent, no manifest) or ``incomplete``
     (neither: a crashed save's leftovers, for the sweep).
     """
@@ -119,6 +125,7 @@ class CheckpointStore:
         self.backend_options = dict(backend_options or {})
         self.reopenable = backend is None
         self.engine = Engine(self.backend, engine_config)
+        self.fences = Fences(self.backend, self.engine)
         self.naming = naming or _default_naming(self.backend)
         self._manifests: dict[tuple[str, int, float], Manifest] = {}
         #: How long this store's saves' intents stay live without a heartbeat.
@@ -157,25 +164,44 @@ class CheckpointStore:
         if await self._exists(join_key(step_dir, TOMBSTONE_NAME)):
             return StepStatus(step, "deleting")
         try:
-            return StepStatus(step, "committed", manifest=await self.read_manifest(step_dir, shards=False))
+            manifest = await self.read_manifest(step_dir, shards=False)
         except (ManifestError, IntegrityError) as e:
             return StepStatus(step, "damaged", problem=str(e))
+        except PermissionError as e:
+            return StepStatus(step, "unreadable", problem=str(e))
         except CheckpointNotFoundError:
             pass
+        else:
+            try:
+                await self.check_whole(step_dir, manifest)
+            except (FileNotFoundError, IntegrityError) as e:
+                return StepStatus(step, "damaged", problem=str(e), manifest=manifest)
+            return StepStatus(step, "committed", manifest=manifest)
         live = await self.live_saves(step_dir)
         return StepStatus(step, "in-flight" if live else "incomplete")
 
-    async def intact_steps(self, newest: int | None = None, among: Iterable[int] | None = None) -> list[int]:
+    async def intact_steps(
+        self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
+    ) -> list[int]:
         """Committed steps whose manifest validates, ascending; damaged ones are logged and left out.
 
         With ``newest``, stop once that many intact steps (from the newest down) are found:
         "the latest step" reads one manifest, however many steps the root holds. With
-        ``among``, look at those step directories only.
+        ``among``, look at those step directories only. With ``whole``, a step counts only if
+        every object (format 2: every fragment) its root manifest names is there with its size
+        (:meth:`check_whole`: a listing, no data read).
         """
         out: list[int] = []
         async with aclosing(self._newest_first(newest or self.engine.concurrency, among)) as walk:
             async for step, found in walk:
-                if isinstance(found, (ManifestError, IntegrityError)):
+                if isinstance(found, Manifest) and whole:
+                    try:
+                        await self.check_whole(str(step), found)
+                    except (FileNotFoundError, IntegrityError) as e:
+                        found = e
+                if isinstance(found, (ManifestError, IntegrityError, PermissionError)) or (
+                    isinstance(found, FileNotFoundError) and not isinstance(found, CheckpointNotFoundError)
+                ):
                     log.warning("%s: step %d is damaged and skipped: %s", self.url, step, found)
                 elif isinstance(found, Manifest):
                     out.append(step)
@@ -187,8 +213,8 @@ class CheckpointStore:
         self, first: int, among: Iterable[int] | None = None
     ) -> AsyncIterator[tuple[int, Manifest | Exception]]:
         """Every step directory, newest first, with its validated root manifest or the reason it
-        has none: CheckpointNotFoundError (not committed, or being deleted) or ManifestError /
-        IntegrityError (damaged).
+        has none: CheckpointNotFoundError (not committed, or being deleted), ManifestError /
+        IntegrityError (damaged) or PermissionError (unreadable).
 
         Manifests are read ``first`` at a time, then the engine's concurrency at a time, so a
         caller that stops at the newest intact step costs a listing and one manifest's checks --
@@ -202,7 +228,7 @@ class CheckpointStore:
                                          return_exceptions=True)
             for step, got in zip(chunk, found):
                 if isinstance(got, BaseException) and not isinstance(
-                    got, (CheckpointNotFoundError, ManifestError, IntegrityError)
+                    got, (CheckpointNotFoundError, ManifestError, IntegrityError, PermissionError)
                 ):
                     raise got
                 yield step, got  # type: ignore[misc]
@@ -276,11 +302,24 @@ class CheckpointStore:
             return cached
         manifest = Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
         check_binding(manifest, step_dir, f"{where}/{MANIFEST_NAME}")
+        await self._check_fence(step_dir, manifest)
         if len(self._manifests) > 64:
             self._manifests.clear()
         if step_dir:  # a root checkpoint may be replaced in place (ckptio.dcp overwrite): never cached
             self._manifests[(step_dir, info.size, info.mtime)] = manifest
         return manifest
+
+    async def _check_fence(self, step_dir: str, manifest: Manifest) -> None:
+        """UnconfirmedCommitError unless ``manifest``'s commit stands (its fence says "commit")."""
+        if not manifest.fence:
+            return  # written before fencing: the manifest alone commits
+        outcome = await self.fences.outcome(step_dir, manifest.fence)
+        if outcome == COMMIT:
+            return
+        why = ("its save was revoked (paused past its lease; a deleter took its objects)" if outcome == REVOKED
+               else "its commit is not confirmed (in flight, or its saver died mid-commit)")
+        raise UnconfirmedCommitError(f"checkpoint {self.where(step_dir)} is not committed: {why}",
+                                     manifest=manifest, outcome=outcome)
 
     async def _exists(self, key: str) -> bool:
         try:
@@ -319,9 +358,16 @@ class CheckpointStore:
                 try:
                     if isinstance(found, Exception):
                         raise found
+                    await self.check_whole(str(s), found)
                     return str(s), await self._with_shards(str(s), found, shards)
-                except (ManifestError, IntegrityError) as e:
+                except (ManifestError, IntegrityError, PermissionError) as e:
                     log.warning("%s: the newest step %d is damaged, trying an older one: %s", self.url, s, e)
+                    damage = damage or e
+                except FileNotFoundError as e:
+                    if isinstance(e, CheckpointNotFoundError):
+                        log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
+                        continue
+                    log.warning("%s: the newest step %d lost data, trying an older one: %s", self.url, s, e)
                     damage = damage or e
                 except CheckpointNotFoundError as e:
                     log.warning("%s: step %d vanished while looking for the latest: %s", self.url, s, e)
@@ -356,6 +402,12 @@ class CheckpointStore:
 
         await gather_or_cancel((one(d, ks) for d, ks in by_dir.items()), limit=self.engine.concurrency * 2)
         return sizes
+
+    async def check_whole(self, step_dir: str, manifest: Manifest) -> None:
+        """FileNotFoundError / IntegrityError unless every key ``manifest`` names is there, as long as
+        its records need: a format-1 checkpoint's objects, a format-2 root's fragments (each
+        fragment's objects are checked when it is loaded). Costs listings, not reads."""
+        await self.check_objects(manifest, f"checkpoint {self.where(step_dir)}")
 
     async def check_objects(self, manifest: Manifest, where: str) -> None:
         """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
@@ -428,9 +480,16 @@ class CheckpointStore:
         there with its recorded size: a gc, an ``rm -rf`` or a lost write
         must fail the save, never commit a checkpoint that cannot restore.
         FileExistsError if the checkpoint exists. ``data``: the manifest's bytes when they are
-        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments).
+        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments); they carry their own
+        fence id, else (``data`` None) the commit gets a fresh one.
+
+        The commit is fenced (:mod:`ckptio.fence`): after the manifest is created it stands only
+        if no deleter revoked a save whose objects it names; otherwise the manifest is removed
+        and SaveRevokedError raised. A reader never counts the manifest before that.
         """
         where = self.where(step_dir)
+        if data is None:  # encoded here: under a fence of this commit's own
+            manifest = dataclasses.replace(manifest, fence=new_id())
         check_binding(manifest, step_dir, where)
         if not self.host_local:
             await self.check_objects(manifest, f"commit of {where}")
@@ -447,12 +506,40 @@ class CheckpointStore:
             # A retried create may meet its own first attempt, which won but lost its reply:
             # the manifest is unique to this save (id, time), so equal bytes mean we won.
             try:
-                if await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)) == data:
-                    return
+                ours = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)) == data
             except FileNotFoundError:
-                pass
-            raise FileExistsError(f"checkpoint {where} is already committed") from None
+                ours = False
+            if not ours:
+                raise FileExistsError(f"checkpoint {where} is already committed") from None
+        await self._confirm(step_dir, key, manifest, data)
         await self._remember(step_dir, key, manifest, len(data))
+
+    async def _confirm(self, step_dir: str, key: str, manifest: Manifest, data: bytes) -> None:
+        """Steps 3-5 of a fenced commit (:mod:`ckptio.fence`): the commit stands, or it is rolled back."""
+        if not manifest.fence:
+            return
+        revoked = await self.fences.revoked(step_dir) & writers_of(manifest.keys())
+        stood = await self.fences.claim(step_dir, manifest.fence, REVOKED if revoked else COMMIT)
+        if stood == COMMIT:
+            try:
+                ours = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)) == data
+            except FileNotFoundError:
+                ours = False
+            if ours:
+                return
+            # Revoked, deleted with its step and fence, and only then did our claim land: the fence
+            # we created names no manifest. Remove it; the step is not ours any more.
+            await self._delete_keys([fence_key(step_dir, manifest.fence)])
+            raise SaveRevokedError(f"commit of {self.where(step_dir)} rolled back: the save stalled past its "
+                                   f"lease ({self.lease_s:g} s) and its step was deleted meanwhile")
+        # Our manifest can never count (its fence says revoked): out of the way of a re-save. The
+        # objects are the deleter's to remove (revoked, so no commit can name them again).
+        await self._delete_keys([key])
+        who = f"save {sorted(revoked)[0]}" if revoked else "this save"
+        raise SaveRevokedError(
+            f"commit of {self.where(step_dir)} rolled back: {who} stalled past its lease "
+            f"({self.lease_s:g} s) and a deleter (gc, retention) revoked it and took its objects"
+        )
 
     async def _remember(self, step_dir: str, key: str, manifest: Manifest, size: int) -> None:
         """Cache the manifest just committed, as :meth:`_read_root` would after reading it back: the
@@ -475,6 +562,19 @@ class CheckpointStore:
             log.warning("%s: an earlier deletion of this step was interrupted; finishing it before saving", where)
             await self.delete(step_dir)
         elif await self._exists(join_key(step_dir, MANIFEST_NAME)):
+            try:
+                await self._read_root(step_dir)
+            except UnconfirmedCommitError as e:
+                if e.outcome != REVOKED:
+                    raise FileExistsError(
+                        f"checkpoint {where} has a manifest whose commit is not confirmed: a save of this "
+                        "step is committing, or died mid-commit (`ckptio gc` settles it once its lease ends)"
+                    ) from None
+                log.warning("%s: removing the manifest of a revoked save before saving", where)
+                await self.delete(step_dir)
+                return
+            except (ManifestError, IntegrityError, CheckpointNotFoundError):
+                pass
             raise FileExistsError(f"checkpoint {where} is already committed")
 
     # -- deletion --------------------------------------------------------
@@ -505,6 +605,7 @@ class CheckpointStore:
                 # The root alone names no data objects: find them by name, under every hashed prefix.
                 log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only", where, e)
                 manifest = None
+        committed = manifest is not None and await self._settle_fence(step_dir, manifest)
         try:
             await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, marker))
         except FileExistsError:
@@ -521,14 +622,33 @@ class CheckpointStore:
             name = parse_object(info.key)
             if name is not None and name.step_dir == step_dir and name.save_id not in live:
                 keys.add(info.key)
+        # Objects a standing commit names belong to a finished save; any other writer is revoked
+        # first, so that if it is only paused it can never commit them (ckptio.fence).
+        await self.fences.revoke(step_dir, writers_of(keys) - (writers_of(owned) if committed else set()))
         await self._delete_keys(sorted(keys))
         dead_intents = [i.key for i in listing
                         if (n := parse_intent(i.key)) is not None and n.save_id not in live]
         await self._delete_keys(dead_intents)
         await self._delete_keys([key])
+        # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
+        # gone and fails: ckptio.fence, step 5).
+        fences = {i.key for i in listing if parse_fence(i.key) is not None and parse_fence(i.key).step_dir == step_dir}
+        if manifest is not None and manifest.fence:
+            fences.add(fence_key(step_dir, manifest.fence))
+        await self._delete_keys(sorted(fences))
         await self._delete_keys([tomb])
         self._manifests = {k: v for k, v in self._manifests.items() if k[0] != step_dir}
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _settle_fence(self, step_dir: str, manifest: Manifest) -> bool:
+        """True if ``manifest``'s commit stands; an unclaimed fence is claimed "revoked" first, so a
+        committer paused before confirming can never make what is being deleted count."""
+        if not manifest.fence:
+            return True
+        outcome = await self.fences.outcome(step_dir, manifest.fence)
+        if outcome is None:
+            outcome = await self.fences.claim(step_dir, manifest.fence, REVOKED)
+        return outcome == COMMIT
 
     async def _other_attempts(self, step_dir: str, manifest: Manifest) -> bool:
         """True if intents of saves other than ``manifest``'s writers remain in ``step_dir``."""
@@ -653,6 +773,7 @@ class CheckpointStore:
         """
         keep: set[str] = set()
         protected: set[str] = set()  # step dirs whose objects nobody may sweep now
+        unconfirmed: dict[str, Manifest] = {}  # manifests whose fence does not say "commit"
         for step_dir in sorted(by_step, key=lambda s: (len(s), s)):
             if join_key(step_dir, TOMBSTONE_NAME) in markers:
                 if not dry_run:
@@ -663,6 +784,8 @@ class CheckpointStore:
             if join_key(step_dir, MANIFEST_NAME) in markers:
                 try:
                     keep.update((await self.read_manifest(step_dir)).keys())
+                except UnconfirmedCommitError as e:
+                    unconfirmed[step_dir] = e.manifest  # type: ignore[assignment]
                 except CheckpointNotFoundError:
                     protected.add(step_dir)  # changing under us: leave it to the next sweep
                 except (ManifestError, IntegrityError) as e:
@@ -672,6 +795,7 @@ class CheckpointStore:
         live: dict[str, set[str]] = {}
         for step_dir, infos in by_step.items():
             live[step_dir] = await self.live_saves(step_dir, [i for i in infos if parse_intent(i.key)])
+        dead = await self._dead_commits(unconfirmed, live, protected, now, grace_seconds, dry_run)
         doomed: dict[str, list[ObjectInfo]] = {}
         for step_dir, infos in by_step.items():
             if step_dir in protected:
@@ -685,11 +809,10 @@ class CheckpointStore:
                 elif now - info.mtime >= grace_seconds:
                     doomed.setdefault(step_dir, []).append(info)
         for step_dir, infos in doomed.items():
-            # A save may have committed since the listing: its manifest now keeps its objects.
-            if join_key(step_dir, MANIFEST_NAME) not in markers and await self._exists(join_key(step_dir, MANIFEST_NAME)):
-                continue
             again = await self.live_saves(step_dir)
             gone = [i for i in infos if parse_object(i.key).save_id not in again]  # type: ignore[union-attr]
+            if gone and not dry_run:
+                gone = await self._revoke_before_deleting(step_dir, gone)
             report.objects += [i.key for i in gone]
             report.bytes += sum(i.size for i in gone)
         intents = [i for infos in by_step.values() for i in infos if (n := parse_intent(i.key)) is not None
@@ -699,8 +822,59 @@ class CheckpointStore:
         if not dry_run:
             await self._delete_keys(report.objects)
             await self._delete_keys(report.intents)
+        # A revoked commit's manifest goes after the objects it names: it never counted anyway.
+        gone = [join_key(d, MANIFEST_NAME) for d in dead]
+        gone += [fence_key(d, unconfirmed[d].fence) for d in dead if unconfirmed[d].fence]  # type: ignore[arg-type]
+        report.objects += gone
+        if not dry_run:
+            await self._delete_keys(gone[: len(dead)])
+            await self._delete_keys(gone[len(dead) :])  # fences after manifests (ckptio.fence, step 5)
         report.objects.sort()
         return live, protected
+
+    async def _dead_commits(
+        self, unconfirmed: dict[str, Manifest], live: dict[str, set[str]], protected: set[str], now: float,
+        grace_seconds: float, dry_run: bool,
+    ) -> list[str]:
+        """The steps of ``unconfirmed`` whose commit is dead: revoked, or unconfirmed with every
+        writer's lease ended (they are revoked now, and their fence claimed "revoked"). A commit
+        still in flight, or that turns out to stand, puts its step in ``protected``."""
+        dead: list[str] = []
+        for step_dir, m in unconfirmed.items():
+            writers = writers_of(m.keys())
+            if writers & live.get(step_dir, set()) or now - m.created < grace_seconds or dry_run:
+                protected.add(step_dir)
+                continue
+            await self.fences.revoke(step_dir, writers)
+            if await self._settle_fence(step_dir, m):
+                protected.add(step_dir)  # it confirmed before our claim: committed after all
+            else:
+                dead.append(step_dir)
+        return dead
+
+    async def _revoke_before_deleting(self, step_dir: str, infos: list[ObjectInfo]) -> list[ObjectInfo]:
+        """Revoke the saves that wrote ``infos`` (dead or paused), then return those that may go.
+
+        A commit may have created its manifest since the listing: if it names one of these saves,
+        its fence decides (claimed "revoked" here if still open). Objects of a commit that stands
+        are kept; so is everything in a step whose manifest appeared but cannot be read.
+        """
+        sids = writers_of(i.key for i in infos)
+        await self.fences.revoke(step_dir, sids)
+        key = join_key(step_dir, MANIFEST_NAME)
+        try:
+            m = Manifest.from_json(await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)),
+                                   self.where(step_dir))
+        except FileNotFoundError:
+            return infos
+        except (ManifestError, IntegrityError) as e:
+            log.warning("gc %s: a manifest appeared in step %r and cannot be read; its objects are kept: %s",
+                        self.url, step_dir, e)
+            return []
+        named = writers_of(m.keys()) & sids
+        if named and await self._settle_fence(step_dir, m):
+            return [i for i in infos if parse_object(i.key).save_id not in named]  # type: ignore[union-attr]
+        return infos
 
     async def close(self) -> None:
         self.engine.close()

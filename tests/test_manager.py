@@ -33,7 +33,7 @@ def test_retention_max_to_keep_and_keep_period(tmp_path, url_kind):
         # Deletion by manifest leaves nothing behind: exactly the kept checkpoints' objects.
         keys = [i.key for i in ckptio.engine.run_sync(mngr.store.backend.list(""))]
         assert {k.split("/")[0] for k in keys} == {"4", "8", "9", "10"}
-        assert len(keys) == 4 * 2  # one object + one manifest each
+        assert len(keys) == 4 * 3  # one object, one manifest and its commit's fence each
 
 
 def test_save_interval_and_force(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 import ckptio
 from ckptio.dtypes import ML_DTYPES
+from ckptio.names import FENCE_PREFIX
 from ckptio.manifest import MANIFEST_NAME, seal, unseal
 from manifests import as_rows
 
@@ -126,7 +127,7 @@ def test_reshard_rows_to_columns_and_odd_boxes(tmp_path, block_size):
 def _object_files(root) -> list[str]:
     out = []
     for d, _dirs, files in os.walk(root):
-        out += [os.path.join(d, f) for f in files if f != MANIFEST_NAME]
+        out += [os.path.join(d, f) for f in files if f != MANIFEST_NAME and not f.startswith(FENCE_PREFIX)]
     return sorted(out)
 
 
