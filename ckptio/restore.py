@@ -474,15 +474,25 @@ def _restore_step(
     store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator
 ) -> Any:
     tried: list[int] = []
+    first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
     many = step is None and coord.size > 1
     while True:
-        step_dir, manifest = _pick(store, step, tried, coord) if many else run_sync(
-            store.resolve_manifest(step, skip=tried, shards=False))
+        try:
+            step_dir, manifest = _pick(store, step, tried, coord) if many else run_sync(
+                store.resolve_manifest(step, skip=tried, shards=False))
+        except CheckpointNotFoundError as e:
+            if first is None:
+                raise
+            raise first from e
         failure: BaseException | None = None
         fatal = False  # a failure that another step would not mend (a bad target, an outage)
         out: Any = None
         try:
             out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
+            if not many:
+                raise
+            failure, fatal = e, True
         except _LOST as e:
             failure = _lost(store, step, step_dir, manifest, e)
         except BaseException as e:
@@ -506,6 +516,7 @@ def _restore_step(
             raise failure
         log.warning("%s: step %s does not restore (%s); restoring the next newest step",
                     store.url, step_dir, failure)
+        first = first or failure
         tried.append(int(step_dir))
 
 
