@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from .engine import run_sync
 from .errors import IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, ArrayItem, Manifest
-from .store import CheckpointStore
+from .store import CheckpointStore, check_grace
 from .urls import file_in_the_way, local_path
 from .verify import verify_checkpoint
 
@@ -323,6 +323,14 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _grace(text: str) -> float:
+    """``--grace``: refused as a usage error (one line, exit 2) unless a finite number >= 0."""
+    try:
+        return check_grace(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises a usage CliError instead of printing and exiting (main reports it)."""
 
@@ -366,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("gc", help="delete what crashed saves left (orphan objects, temporaries, dead intents)",
                         parents=[common])
     sp.add_argument("url", metavar="URL")
-    sp.add_argument("--grace", type=float, default=3600.0, help="only objects older than this many seconds")
+    sp.add_argument("--grace", type=_grace, default=3600.0, help="only objects older than this many seconds")
     sp.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     sp.add_argument("--json", action="store_true", help="the report as one JSON object")
     sp.set_defaults(fn=_gc)

@@ -223,7 +223,8 @@ def _check_table(table: np.ndarray, shape: list[int] | tuple[int, ...], n_fragme
         frags, offs, sizes = table[:, 0], table[:, 1 : 1 + ndim], table[:, 1 + ndim :]
         if frags.min() < 0 or frags.max() >= n_fragments:
             raise ManifestError(f"{where}: a shard names a fragment that does not exist")
-        if (offs < 0).any() or (sizes < 0).any() or (ndim and (offs + sizes > np.asarray(shape)).any()):
+        # ``offs > shape - sizes``, not ``offs + sizes > shape``: a huge offset must not wrap around int64.
+        if (offs < 0).any() or (sizes < 0).any() or (ndim and (offs > np.asarray(shape) - sizes).any()):
             raise ManifestError(f"{where}: a shard lies outside the array shape {list(shape)}")
         volume = float(np.prod(sizes.astype(np.float64), axis=1).sum())
     else:

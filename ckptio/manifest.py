@@ -426,6 +426,11 @@ def array_item(
         except ValueError as e:
             raise ManifestError(str(e)) from e
     shape = _dims(raw["shape"], "shape", where)
+    # numpy refuses a shape whose non-zero dimensions span more than an intp of bytes, even with a
+    # zero dimension beside them: such an array is empty on disk but can never be made in memory.
+    if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_DIM:
+        raise ManifestError(f"{where}: shape {str(list(shape))[:120]} of {dtype} spans more than "
+                            f"{_MAX_DIM} bytes")
     shards_raw = raw["shards"]
     if not isinstance(shards_raw, list) or len(shards_raw) > _MAX_COUNT:
         raise ManifestError(f"{where}: 'shards' must be a list")

@@ -4,7 +4,9 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 (retention, gc, the orphan sweep, tiers) deletes only keys that parse here:
 
 * objects: ``[h<hex>/][<step>/][d<NNN>/]<save id>.h<host>-<n>`` -- exactly the
-  shapes :mod:`ckptio.layout` produces (hashed, flat, fan-out), no deeper;
+  shapes :mod:`ckptio.layout`'s namings produce (hashed, flat, fan-out), no deeper,
+  their numbers spelt as the layout spells them at any width (``h00003``, ``h123456``);
+  a custom :class:`~ckptio.layout.Naming`'s keys of any other shape never parse (gc keeps them);
 * a host's manifest fragment: ``[<step>/]ckptio.fragment.<save id>``;
 * a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
   first object and rewritten as a heartbeat while the save is in flight;
@@ -51,9 +53,15 @@ __all__ = [
 #: Save ids are the first 12 hex digits of a uuid4 (see ckptio.save).
 _SID = r"[0-9a-f]{12}"
 _STEP = r"0|[1-9][0-9]{0,18}"
-_HASH = r"h[0-9a-f]{1,4}"
+#: HashedNaming's ``h{slot:0{chars}x}``: ``chars`` hex digits, and ``chars`` is the user's to choose.
+_HASH = r"h[0-9a-f]+"
+#: ``{:05d}`` of a host or an object number: five digits, or more (from 100000 on) without a leading zero.
+#: Only those exact spellings: ``h000001`` or ``h1`` is a lookalike, someone else's.
+_NUM5 = r"(?:[0-9]{5}|[1-9][0-9]{5,})"
+#: FanoutNaming's ``d{:03d}``, likewise: a fan-out past 1000 writes ``d1000`` and on.
+_FANOUT = r"d(?:[0-9]{3}|[1-9][0-9]{3,})"
 _OBJECT = re.compile(
-    rf"(?:(?P<hash>{_HASH})/)?(?:(?P<step>{_STEP})/)?(?:d[0-9]{{3}}/)?(?P<sid>{_SID})\.h[0-9]{{5}}-[0-9]{{5}}"
+    rf"(?:(?P<hash>{_HASH})/)?(?:(?P<step>{_STEP})/)?(?:{_FANOUT}/)?(?P<sid>{_SID})\.h{_NUM5}-{_NUM5}"
 )
 INTENT_PREFIX = "ckptio.intent."
 #: A host's part of a format-2 manifest (see ckptio.fragments), deleted with its step like an object.

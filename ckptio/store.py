@@ -26,10 +26,12 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
+import numbers
 import os
 import time
 from collections.abc import AsyncIterator, Iterable
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from typing import Any
 
 from ckptio.backends import Backend, open_backend
@@ -47,7 +49,8 @@ from .names import (
 )
 
 __all__ = [
-    "CheckpointStore", "StepStatus", "SweepReport", "step_dir_of", "sweeps_temporaries_by_prefix", "MAX_STEP",
+    "CheckpointStore", "StepStatus", "SweepReport", "check_grace", "step_dir_of",
+    "sweeps_temporaries_by_prefix", "MAX_STEP",
 ]
 
 log = logging.getLogger("ckptio.store")
@@ -65,6 +68,21 @@ def step_dir_of(step: int | None) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be an int in [0, 2**62], got {step!r}")
     return str(step)
+
+
+def check_grace(grace_seconds: float) -> float:
+    """``grace_seconds`` if it is a finite number of seconds >= 0; ValueError otherwise.
+
+    A NaN grace compares false with every age (and slips through ``max``), a negative one
+    dooms objects written after the listing began, an infinite one never sweeps an object:
+    each is a typo, not a policy.
+    """
+    if isinstance(grace_seconds, numbers.Real) and not isinstance(grace_seconds, bool):
+        with suppress(OverflowError):  # an int past float's range: refused below
+            grace = float(grace_seconds)
+            if math.isfinite(grace) and grace >= 0:
+                return grace
+    raise ValueError(f"grace_seconds must be a finite number of seconds >= 0, got {grace_seconds!r:.40}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -694,6 +712,7 @@ class CheckpointStore:
         removes dead saves' intents, and the temporary files of killed writes
         (:meth:`Backend.sweep_temporaries`). Never raises for one bad step.
         """
+        grace_seconds = check_grace(grace_seconds)
         report = SweepReport()
         now = time.time()
         report.temporaries = await self.engine.retrying(
@@ -730,6 +749,7 @@ class CheckpointStore:
         if step is None:
             raise ValueError("sweep_step needs a step: a checkpoint saved at the root is swept by sweep()")
         step_dir = step_dir_of(step)
+        grace_seconds = check_grace(grace_seconds)
         report = SweepReport()
         now = time.time()
         listing = await self._step_listing(step_dir, everywhere=True)

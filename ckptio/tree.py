@@ -320,15 +320,18 @@ def _child(node: Any, leaf_for: Callable[[str], Any]) -> Any:
 def tree_leaf_names(structure: Any) -> list[str]:
     """Every leaf path string of a JSON structure, in no particular order (faster than
     :func:`tree_leaf_paths` on wide trees). Raises ValueError, TypeError or AttributeError
-    on a malformed node, as it does."""
+    on a malformed node, as it does: a node :func:`unflatten` could not rebuild included,
+    so a manifest's tree is refused when it is read, not midway through a restore."""
     out: list[str] = []
     stack = [structure]
     while stack:
         (kind, body), = stack.pop().items()
         if kind == "leaf":
+            if type(body) is not str:
+                raise ValueError(f"a leaf's name must be a string, got {str(body)[:40]!r}")
             out.append(body)
             continue
-        children = list(body.values()) if kind == "dict" else body
+        children = _children(kind, body)
         leaves = [c["leaf"] for c in children if type(c) is dict and len(c) == 1 and "leaf" in c]
         if len(leaves) == len(children):  # a node of leaves only (a wide state's), in one pass
             out += leaves
@@ -339,6 +342,17 @@ def tree_leaf_names(structure: Any) -> list[str]:
             else:
                 stack.append(child)
     return out
+
+
+def _children(kind: str, body: Any) -> list[Any]:
+    """The child nodes of a structure node of ``kind``; ValueError for a kind or body unflatten refuses."""
+    if kind == "dict" and isinstance(body, dict):
+        return list(body.values())
+    if isinstance(body, list) and (kind in ("list", "tuple")
+                                   or (kind.startswith(_KEY_KIND) and len(body) == 1)):
+        return body
+    known = kind in ("dict", "list", "tuple") or kind.startswith(_KEY_KIND)
+    raise ValueError(f"{'malformed tree node of kind' if known else 'unknown tree node kind'} {kind[:40]!r}")
 
 
 def tree_leaf_paths(structure: Any) -> Iterator[str]:
