@@ -210,7 +210,8 @@ def test_manager_tiers_retention_and_fallback(tmp_path):
         assert same(m.restore(), state(6)) and m.last_restore.sources == {0: LOCAL}
         assert durable.calls("read_into") == 0
         assert same(m.restore(tiers=(DURABLE,)), state(6)) and m.last_restore.bytes_from[DURABLE] > 0
-        # A look-only restore of an older step changes nothing (a plain one would make it the head).
+        # A look-only restore of an older step changes nothing (a plain one would have the next save
+        # retire the newer steps).
         assert same(m.restore(step=4, retire_newer=False), state(4)) and m.last_restore.sources == {0: DURABLE}
     # The host's fast tier is gone: the newest durable checkpoint.
     import shutil

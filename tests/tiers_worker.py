@@ -6,7 +6,8 @@ TIERS_LOG=1 logs ckptio's INFO lines with timestamps, to follow a run)
 
 Modes:
   save         save --steps to a local-SSD fast tier (ROOT/fast/r<rank>) + the durable tier, wait, exit
-  restore      restore (expecting --expect-step) with reads of the durable tier counted
+  restore      restore (--restore-step, else the newest; expecting --expect-step) with reads of the durable
+               tier counted; reports the tiers after it
   emergency    host-RAM fast tier: save, then the --victims die; the others re-form the job on PORT2
                with their replacements and everyone restores
   replacement  a replacement process of ``emergency`` (joins on PORT2, restores)
@@ -197,7 +198,7 @@ def counted(args: argparse.Namespace) -> CountingBackend:
 def restore_and_report(mgr: TieredCheckpointManager, args: argparse.Namespace, rank: int, world: int,
                        counter: CountingBackend, **extra: object) -> None:
     t0 = time.perf_counter()
-    out = mgr.restore(target=target_for(rank, world, args.arrays))
+    out = mgr.restore(args.restore_step, target=target_for(rank, world, args.arrays))
     seconds = time.perf_counter() - t0
     rep = mgr.last_restore
     assert rep is not None
@@ -206,7 +207,8 @@ def restore_and_report(mgr: TieredCheckpointManager, args: argparse.Namespace, r
     check(out, rep.step, rank, world, args.arrays, args.gen)
     print(json.dumps({
         "rank": rank, "step": rep.step, "sources": {str(k): v for k, v in rep.sources.items()},
-        "bytes_from": rep.bytes_from, "durable_reads": counter.calls("read_into"), "seconds": seconds, **extra,
+        "bytes_from": rep.bytes_from, "durable_reads": counter.calls("read_into"), "seconds": seconds,
+        "tiers": mgr.tier_steps(), **extra,
     }), flush=True)
 
 

@@ -17,7 +17,9 @@ the background.
 A restore is collective: every host reports what it holds, every host
 computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), peers
 send the objects a host lacks, and the core restore reads the rest from the
-host's own fast tier or the durable tier, checking every checksum.
+host's own fast tier or the durable tier, checking every checksum. A restore
+deletes nothing: the steps newer than the one restored are retired by the
+first save after it, when training has moved on from the restored step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ckptio.backends import Backend
@@ -136,6 +139,9 @@ class TieredCheckpointManager:
         self._pending: SaveHandle | None = None
         self._hook_error: BaseException | None = None
         self.last_restore: RestoreReport | None = None
+        # Set by a restore only once it succeeded on every host, cleared only by a retirement that succeeded
+        # on every host: so every host holds the same value, and the next save agrees on retiring or not.
+        self._resumed_from: int | None = None
         pol = self.policy
         if pol.peer_replication and self.size > 1 and pol.partner_offset % self.size == 0:
             raise ValueError(f"partner_offset {pol.partner_offset} makes every host its own partner "
@@ -198,6 +204,12 @@ class TieredCheckpointManager:
         with self._retention_lock:
             return dict(self._replicated)
 
+    @property
+    def resumed_from(self) -> int | None:
+        """The step training resumed from at the last restore, while the next save is still to retire the
+        steps newer than it (None: no restore since the last save, or only ``retire_newer=False`` ones)."""
+        return self._resumed_from
+
     def _load_replicated(self) -> dict[int, int]:
         """The record a previous run of this host left (missing or unreadable: nothing known)."""
         try:
@@ -241,10 +253,20 @@ class TieredCheckpointManager:
         ``save_interval_steps`` or one every host already holds (``force``:
         raise FileExistsError for the latter). A stale copy of ``step`` on
         some hosts only (left by a crash between commits) is deleted first.
+
+        The first save after a :meth:`restore` (that is not off the interval)
+        first retires the steps newer than the restored one from every tier
+        (see :meth:`restore`); should that fail, it raises OSError on every
+        host and the next save tries again.
         """
         self._wait_save()
         if not force and step % self.policy.save_interval_steps != 0:
             return None
+        if self._resumed_from is not None:
+            # Before the check below: a re-saved step number of the abandoned timeline must not count as held.
+            with self._replicators_paused():
+                self._retire_newer(self._resumed_from)
+            self._resumed_from = None
         try:
             has: bool | str = run_sync(self.fast.is_committed(str(step)))
         except Exception as e:  # still take part in the gather, so that every host fails alike
@@ -362,29 +384,45 @@ class TieredCheckpointManager:
         is checked against its checksum. :attr:`last_restore` says what came
         from where.
 
-        The step restored becomes the head everywhere: once every host has
-        restored it, the steps newer than it -- an abandoned timeline, after a
-        fallback or a rollback -- are retired from every host's fast tier, its
-        partners' replicas and the durable tier, and dropped from the
-        replication queues, so that training re-saves those step numbers as
-        new checkpoints. ``retire_newer=False``: a look-only restore that
-        changes nothing.
+        A restore deletes nothing: every step in every tier stays, and stays
+        restorable, so a restore of an older step to inspect or evaluate it
+        costs no checkpoint. Once every host has restored the step, training
+        is taken to resume from it (:attr:`resumed_from`): the first save
+        after the restore, before it writes anything, retires the steps newer
+        than it -- an abandoned timeline, after a fallback or a rollback --
+        from every host's fast tier, its partners' replicas and the durable
+        tier, and drops them from the replication queues, so that training
+        re-saves those step numbers as new checkpoints. A later restore
+        replaces the step resumed from (restoring the newest step again
+        leaves nothing to retire). ``retire_newer=False``: a look-only
+        restore, for training that goes on from its own state; the next save
+        retires nothing on its account (an earlier restore's resume stands).
         """
         self._wait_save()
-        # Both replicators hold still (after their current round) until the restore is over: a replica
-        # being replaced must not be read, and no copy of a step the restore abandons may land meanwhile.
+        # A replica must not be read while a peer round replaces it, nor the holdings change while the
+        # hosts plan from them.
+        with self._replicators_paused():
+            restored, out = self._restore(step, target, tiers, progress)
+        if retire_newer:
+            self._resumed_from = restored
+        return out
+
+    @contextmanager
+    def _replicators_paused(self) -> Iterator[None]:
+        """Both replicators hold still (after their current round) inside (collective, like their rounds)."""
         workers = [w for w in (self.peer_worker, self.durable_worker) if w is not None]
         for w in workers:
             w.pause()
         try:
-            return self._restore(step, target, tiers, progress, retire_newer)
+            yield
         finally:
             for w in workers:
                 w.resume()
 
     def _restore(
-        self, step: int | None, target: Any, tiers: Collection[str], progress: Progress | None, retire_newer: bool
-    ) -> Any:
+        self, step: int | None, target: Any, tiers: Collection[str], progress: Progress | None
+    ) -> tuple[int, Any]:
+        """The step restored (the same on every host, or an error on every host) and what it restored."""
         t0 = time.perf_counter()
         # Nothing before a collective may raise on one host only (the others would wait forever):
         # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
@@ -434,20 +472,19 @@ class TieredCheckpointManager:
         failure: BaseException | None = None
         try:
             out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
-        except BaseException as e:  # every host must learn it before anything is retired
+        except BaseException as e:  # every host must learn it before the step counts as resumed from
             failure = e
         finally:
             store.engine.close()
-        # Retire the abandoned timeline only once every host holds the head in memory: a restore that
-        # failed anywhere changes nothing anywhere. Host 0 decides; the others get one word.
+        # The step counts as resumed from only once every host holds it in memory: a restore that failed
+        # anywhere leaves the next save's retirement as it was, everywhere. Host 0 decides; the others
+        # get one word.
         oks = self._control.gather(failure is None)
         all_ok = self._control.broadcast(all(oks) if oks is not None else None)
         if failure is not None:
             raise failure
         if not all_ok:
-            raise RuntimeError(f"restore of step {plan.step} failed on another host; nothing was retired")
-        if retire_newer:
-            self._retire_newer(plan.step)
+            raise RuntimeError(f"restore of step {plan.step} failed on another host")
         writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
         self.last_restore = RestoreReport(
             step=plan.step, checkpoint_id=manifest.checkpoint_id,
@@ -458,13 +495,14 @@ class TieredCheckpointManager:
         )
         log.info("restored step %d on host %d in %.3fs: %s", plan.step, self.rank, self.last_restore.seconds,
                  self.last_restore.bytes_from)
-        return out
+        return plan.step, out
 
     def _retire_newer(self, head: int) -> None:
-        """Collective, with the replicators paused: make ``head`` the newest step in every tier.
+        """Collective, with the replicators paused: make ``head`` (the step resumed from) the newest step.
 
-        Each host deletes its own fast-tier and replica steps newer than ``head``
-        and drops them from its replication queues; host 0 deletes the durable
+        Run by the first save after a restore, on every host alike. Each host
+        deletes its own fast-tier and replica steps newer than ``head`` and
+        drops them from its replication queues; host 0 deletes the durable
         tier's. Deletion goes through the stores (ckptio's names only, never a live save's objects).
         """
         error: str | None = None
@@ -491,9 +529,9 @@ class TieredCheckpointManager:
         errors = self._control.gather(error)
         verdict = self._control.broadcast(join_errors([e for e in errors if e]) if errors is not None else None)
         if verdict:
-            # A leftover newer step is still refused as "already committed" by the next save of that number,
-            # so say so now, on every host alike.
-            raise OSError(f"restored step {head}, but retiring the newer steps failed: {verdict}")
+            # A leftover newer step would be skipped as "already committed" by the save of that number,
+            # so nothing is saved: on every host alike, and the next save tries again.
+            raise OSError(f"training resumed from step {head}, but retiring the newer steps failed: {verdict}")
         log.info("step %d is the head: newer steps retired on host %d", head, self.rank)
 
     # -- closing ------------------------------------------------------------

@@ -164,6 +164,8 @@ class ReplicationWorker:
         self._closing = False
         self._pause_requests = 0
         self._parked = False
+        self._resumes = 0  # resume() calls so far
+        self._parked_at = -1  # _resumes when the thread last parked
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"ckptio-{name}-replicator", daemon=True)
         self._thread.start()
@@ -216,21 +218,26 @@ class ReplicationWorker:
     def pause(self) -> None:
         """Park the thread after its current round (collective: every host pauses its worker alike).
 
-        While parked no round runs, so the caller (a restore) sees the tiers hold still.
+        While parked no round runs, so the caller (a restore, a save retiring
+        steps) sees the tiers hold still.
         """
         with self._cond:
             self._pause_requests += 1
             self._cond.notify_all()
-            while not self._parked and self._thread.is_alive():
+            # A park from before the last resume does not count, though the thread may not have woken from
+            # it yet: the other hosts' threads may have, and wait in their next decision for this one's.
+            while not (self._parked and self._parked_at == self._resumes) and self._thread.is_alive():
                 self._cond.wait()
 
     def resume(self) -> None:
         with self._cond:
             self._pause_requests = max(0, self._pause_requests - 1)
+            self._resumes += 1
             self._cond.notify_all()
 
     def drop_newer(self, step: int) -> list[int]:
-        """Forget queued and owed steps newer than ``step`` (a restore abandoned them); only while paused."""
+        """Forget queued and owed steps newer than ``step`` (training resumed from an older step); only
+        while paused."""
         with self._cond:
             assert self._parked or not self._thread.is_alive(), "drop_newer needs a paused worker"
             dropped = [s for s in self._pending if s > step] + [s for s in self._owed if s > step]
@@ -241,7 +248,7 @@ class ReplicationWorker:
                 self.pins.remove(s)
             self._cond.notify_all()
         if dropped:
-            log.info("%s replication: steps %s dropped (a restore made an older step the head)", self.name, dropped)
+            log.info("%s replication: steps %s dropped (training resumed from an older step)", self.name, dropped)
         return dropped
 
     def close(self) -> None:
@@ -374,8 +381,11 @@ class ReplicationWorker:
             if decision["do"] == "park":
                 with self._cond:
                     self._parked, self._busy = True, False
+                    self._parked_at = self._resumes
                     self._cond.notify_all()
-                    while self._pause_requests:
+                    # Every resume ends the park, even if a new pause came before this thread woke: the
+                    # other hosts' threads left theirs, and only a new collective decision parks them all.
+                    while self._pause_requests and self._parked_at == self._resumes:
                         self._cond.wait()
                     self._parked = False
                 continue
