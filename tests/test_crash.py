@@ -1,5 +1,6 @@
-"""kill -9 during saves, retention, gc and cp: only committed checkpoints are listed, all restore bit-exact,
-nothing committed is lost, and a final gc leaves exactly the kept steps' bytes."""
+"""kill -9 and pauses past the lease during saves, retention, gc, cp and restores: only committed
+checkpoints are listed, all restore bit-exact, nothing committed is lost, and a final gc leaves exactly
+the kept steps' bytes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from crash_campaign import run_campaign  # noqa: E402
 def test_kill_minus_9_campaign(tmp_path):
     result = run_campaign(trials=20, root=str(tmp_path / "ckpt"), seed=1234)
     assert result["trials"] == 20 and result["newest"] >= 2
-    assert all(n > 0 for n in result["kills"].values())  # savers/deleters, gc and cp were all killed
+    assert all(n > 0 for n in result["kills"].values())  # savers/deleters, gc, cp and restorers were all killed
+    assert all(n > 0 for n in result["pauses"].values())  # ... and all paused past the lease, then resumed
     assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
 
 
@@ -35,7 +37,8 @@ def test_kill_minus_9_campaign_of_multihost_format2_saves(tmp_path):
 
     # The kills format 2 adds: after a host's fragment, during and after the root's commit; then one at random.
     plan = ["fragment-after", "commit-during", "commit-after", "random"]
-    result = run_multihost(trials=4, root=str(tmp_path / "ckpt"), seed=3, plan=plan)
+    result = run_multihost(trials=4, root=str(tmp_path / "ckpt"), seed=3, plan=plan, pause_rate=1.0)
+    assert sum(result["pauses"].values()) >= 4, result["pauses"]
     kills = result["kills"]
     assert result["newest"] >= 2 and any(k.startswith("phase:") for k in kills) and any(
         k.startswith("random:") for k in kills), kills
