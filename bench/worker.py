@@ -81,6 +81,25 @@ class _Group:
         return out
 
 
+def _descendants() -> list[dict[str, float]]:
+    """This process's descendants that are running now, each as its pid and start time.
+
+    The worker ends with ``os._exit`` (no atexit teardown), so a process a case's library
+    started (DCP's checkpoint process, multiprocessing's resource tracker) must end itself
+    once the worker is gone. Named here, by pid and start time (a reused pid is another
+    process), a caller can check exactly those processes and no other on the machine.
+    """
+    import psutil
+
+    found: list[dict[str, float]] = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            found.append({"pid": p.pid, "create_time": p.create_time()})
+        except psutil.NoSuchProcess:
+            pass  # it ended between the listing and the look: nothing left to outlive us
+    return found
+
+
 def _combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """A multi-process round: the checkpoint is done when the slowest rank is; memory and CPU add up."""
     if len(per_rank) == 1:
@@ -228,6 +247,8 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
                 case.close()
             except BaseException as e:  # noqa: BLE001 - a close failure must not hide the result
                 result.setdefault("close_error", f"{type(e).__name__}: {e}")
+        # After close: what is still running now is what the worker's exit leaves behind.
+        result["descendants"] = _descendants()
     return result if group is None or group.rank == 0 else None
 
 

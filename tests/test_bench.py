@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -181,22 +182,47 @@ def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, cas
 def test_dcp_process_executor_cases_save_restore_and_end_their_process(tmp_path: Path, case: str) -> None:
     """The opt-in DCP process-executor cases: DCP's background process writes a checkpoint that
     restores bit-exact, and that process does not outlive the worker (which exits without teardown)."""
-    import psutil
-
     from ckptio.bench import report
 
-    before = {p.pid for p in psutil.process_iter()}
     target = LocalTarget(str(tmp_path))
     job = Job(case=case, root=target.case_root(case), state=StateSpec(4 << 20, 4), rounds=2, cache_drop="none")
     result = run_job(job, target, timeout_s=180)
     target.close()
     _assert_every_figure({**result, "summary": report.summarize(result)})
     assert all(s["async_save"] for s in result["samples"])
-    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
-            and "multiprocessing" in " ".join(p.info["cmdline"] or [])]
-    # It sees its pipe close when the worker exits and ends itself, a moment later.
-    _, alive = psutil.wait_procs(left, timeout=30)
-    assert not alive, f"DCP's checkpoint process outlived the bench worker: {alive}"
+    # The worker names its own descendants as it finishes: DCP's checkpoint process among them
+    # (spawned, so multiprocessing's resource tracker too). Only those are checked, never
+    # whatever else the machine happens to start meanwhile (the suite's own tracker, say).
+    started = result["descendants"]
+    assert started, "the worker had no DCP checkpoint process running"
+    # They see their pipes close when the worker exits and end themselves, a moment later.
+    left = _still_running(started, timeout_s=30)
+    assert not left, f"DCP's checkpoint process outlived the bench worker: {left}"
+
+
+def _still_running(procs: list[dict[str, float]], timeout_s: float) -> list[str]:
+    """Which of ``procs`` (pid and start time, as the worker recorded them) still run after
+    waiting up to ``timeout_s``. A zombie has ended: orphaned, it waits on whatever pid 1 is
+    to reap it, which is no part of what is tested. A pid now held by a process that started
+    at another time is someone else's: seconds apart, as the kernel's boot time (which the
+    start time is counted from) can move by a second between the worker's look and ours."""
+    import psutil
+
+    def running(rec: dict[str, float]) -> str | None:
+        try:
+            p = psutil.Process(int(rec["pid"]))
+            if abs(p.create_time() - rec["create_time"]) > 2.0 or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return f"{p.pid} {' '.join(p.cmdline())[:200]!r}"
+        except psutil.NoSuchProcess:
+            return None
+
+    end = time.monotonic() + timeout_s
+    while True:
+        left = [r for r in (running(rec) for rec in procs) if r is not None]
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.1)
 
 
 def test_train_slowdown_cancels_core_speed_drift() -> None:

@@ -189,15 +189,26 @@ def _wait_gone(pid: int, seconds: float = 30.0) -> bool:
     return False
 
 
-def _our_shm(owner: int) -> list[str]:
-    """Shared memory of ``owner``'s staging anywhere: named segments, or its memfds any process holds."""
+def _our_shm(owner: int, *started: int) -> list[str]:
+    """Shared memory of ``owner``'s staging: named segments, or its memfds held by this process, its
+    descendants or the processes named in ``started`` (an orphaned sidecar is no longer our
+    descendant).
+
+    Only those: a slab reaches its owner (this process, or a trainer it started and has reaped)
+    and the sidecar it is passed to, all of them named here; any other process on the machine is
+    none of this test's business.
+    """
+    import psutil
+
     found = [str(p) for p in Path("/dev/shm").glob(f"*ckptio*{owner}*")] if Path("/dev/shm").is_dir() else []
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
-        try:
-            if f"memfd:ckptio-stage-{owner} " in os.readlink(fd):
-                found.append(str(fd))
-        except OSError:
-            pass
+    pids = {os.getpid(), *started, *(c.pid for c in psutil.Process().children(recursive=True))}
+    for pid in sorted(pids):
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                if f"memfd:ckptio-stage-{owner} " in os.readlink(fd):
+                    found.append(str(fd))
+            except OSError:
+                pass  # a process (or descriptor) gone since the listing holds nothing
     return found
 
 
@@ -278,7 +289,7 @@ def test_a_killed_trainer_takes_its_sidecar_and_shared_memory_with_it(tmp_path: 
     proc.kill()
     proc.wait(timeout=30)
     assert _wait_gone(pid), f"sidecar {pid} outlived its killed trainer"
-    assert _our_shm(proc.pid) == []
+    assert _our_shm(proc.pid, pid) == []
     # The next run saves on the same root (the killed saves are a gc's business, not a blocker).
     ckptio.save(tmp_path / "ckpt", {"a": np.arange(3)}, step=1000, engine_config=SIDECAR).result()
     assert ckptio.restore(tmp_path / "ckpt", 1000)["a"].tolist() == [0, 1, 2]
@@ -288,7 +299,7 @@ def test_a_trainer_that_exits_normally_leaves_no_sidecar(tmp_path: Path) -> None
     proc, pid = _trainer(tmp_path, "once")
     assert proc.wait(timeout=60) == 0
     assert _wait_gone(pid), f"sidecar {pid} outlived its trainer's normal exit"
-    assert _our_shm(proc.pid) == []
+    assert _our_shm(proc.pid, pid) == []
 
 
 def test_shutdown_stops_the_sidecar_and_frees_its_memory(tmp_path: Path) -> None:
@@ -298,7 +309,7 @@ def test_shutdown_stops_the_sidecar_and_frees_its_memory(tmp_path: Path) -> None
     sidecar.shutdown()
     assert _wait_gone(pid) and sidecar.current_pid() is None
     gc.collect()  # a slab's memory (and mmap's own descriptor of it) goes with the last view into it
-    assert _our_shm(os.getpid()) == []
+    assert _our_shm(os.getpid(), pid) == []
 
 
 @pytest.mark.slow
