@@ -54,6 +54,7 @@ from collections.abc import Iterable
 from ckptio.backends import Backend
 
 from .engine import Engine, gather_or_cancel
+from .errors import IntegrityError
 from .names import fence_key, parse_object, parse_revoked, revoked_key, revoked_prefix
 
 __all__ = ["COMMIT", "REVOKED", "Fences", "writers_of"]
@@ -99,9 +100,13 @@ class Fences:
         """What the fence ``fence_id`` says (:data:`COMMIT` or :data:`REVOKED`); None if unclaimed."""
         key = fence_key(step_dir, fence_id)
         try:
-            return bytes(await self.engine.retrying(f"read fence {key!r}", lambda: self.backend.read(key)))
+            for _ in range(2):  # corrupted in flight? one more read tells
+                got = bytes(await self.engine.retrying(f"read fence {key!r}", lambda: self.backend.read(key)))
+                if got in (COMMIT, REVOKED):
+                    return got
         except FileNotFoundError:
             return None
+        raise IntegrityError(f"fence {key!r} holds {got[:16]!r}, neither {COMMIT!r} nor {REVOKED!r}", key=key)
 
     async def claim(self, step_dir: str, fence_id: str, outcome: bytes) -> bytes:
         """Claim fence ``fence_id`` with ``outcome``; returns the outcome that stands (the first claim's).

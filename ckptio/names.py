@@ -42,6 +42,7 @@ __all__ = [
     "FENCE_PREFIX",
     "REVOKED_DIR",
     "revoked_prefix",
+    "is_fencing",
     "fence_key",
     "parse_fence",
     "parse_revoked",
@@ -190,3 +191,8 @@ def parse_fence(key: str) -> ObjectName | None:
     """The step directory and fence id of a fence's key; None for any other key."""
     m = _FENCE.fullmatch(key)
     return None if m is None else ObjectName(m["step"] or "", m["sid"])
+
+
+def is_fencing(key: str) -> bool:
+    """True for a commit's fence or a revocation (bookkeeping of :mod:`ckptio.fence`, not data)."""
+    return parse_fence(key) is not None or parse_revoked(key) is not None

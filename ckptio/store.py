@@ -424,8 +424,14 @@ class CheckpointStore:
     async def check_whole(self, step_dir: str, manifest: Manifest) -> None:
         """FileNotFoundError / IntegrityError unless every key ``manifest`` names is there, as long as
         its records need: a format-1 checkpoint's objects, a format-2 root's fragments (each
-        fragment's objects are checked when it is loaded). Costs listings, not reads."""
-        await self.check_objects(manifest, f"checkpoint {self.where(step_dir)}")
+        fragment's objects are checked when it is loaded). Costs listings, not reads. A missing
+        key of a committed checkpoint is damage: IntegrityError names it."""
+        try:
+            await self.check_objects(manifest, f"checkpoint {self.where(step_dir)}")
+        except CheckpointNotFoundError:
+            raise
+        except FileNotFoundError as e:
+            raise IntegrityError(str(e)) from None
 
     async def check_objects(self, manifest: Manifest, where: str) -> None:
         """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
@@ -539,11 +545,7 @@ class CheckpointStore:
         revoked = await self.fences.revoked(step_dir) & writers_of(manifest.keys())
         stood = await self.fences.claim(step_dir, manifest.fence, REVOKED if revoked else COMMIT)
         if stood == COMMIT:
-            try:
-                ours = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)) == data
-            except FileNotFoundError:
-                ours = False
-            if ours:
+            if await self._still_ours(key, manifest.fence, data):
                 return
             # Revoked, deleted with its step and fence, and only then did our claim land: the fence
             # we created names no manifest. Remove it; the step is not ours any more.
@@ -558,6 +560,22 @@ class CheckpointStore:
             f"commit of {self.where(step_dir)} rolled back: {who} stalled past its lease "
             f"({self.lease_s:g} s) and a deleter (gc, retention) revoked it and took its objects"
         )
+
+    async def _still_ours(self, key: str, fence: str, data: bytes) -> bool:
+        """True if the manifest at ``key`` is the one this commit created (it names our fence)."""
+        try:
+            there = await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key))
+        except FileNotFoundError:
+            return False
+        if there == data:
+            return True
+        try:
+            return Manifest.from_json(there, key).fence == fence
+        except (ManifestError, IntegrityError):
+            # Damaged in storage (or in flight): still the key we created, whose deletion would have
+            # come with its fence; readers report the damage.
+            log.warning("%s: the manifest just committed reads back damaged", key)
+            return True
 
     async def _remember(self, step_dir: str, key: str, manifest: Manifest, size: int) -> None:
         """Cache the manifest just committed, as :meth:`_read_root` would after reading it back: the
@@ -616,6 +634,9 @@ class CheckpointStore:
         except (ManifestError, IntegrityError, RecursionError) as e:
             log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
         marker = (manifest.checkpoint_id if manifest is not None else "").encode()
+        committed = manifest is not None and await self._settle_fence(step_dir, manifest)
+        fence_id = manifest.fence if manifest is not None else None
+        finished = writers_of(manifest.keys()) if committed and manifest is not None else set()
         if manifest is not None and not manifest.complete:
             try:  # format 2: the objects are named in the fragments
                 manifest = await self.load_fragments(step_dir, manifest, None)
@@ -623,7 +644,6 @@ class CheckpointStore:
                 # The root alone names no data objects: find them by name, under every hashed prefix.
                 log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only", where, e)
                 manifest = None
-        committed = manifest is not None and await self._settle_fence(step_dir, manifest)
         try:
             await self.engine.retrying(f"tombstone {where}", lambda: self.backend.create_if_absent(tomb, marker))
         except FileExistsError:
@@ -642,7 +662,7 @@ class CheckpointStore:
                 keys.add(info.key)
         # Objects a standing commit names belong to a finished save; any other writer is revoked
         # first, so that if it is only paused it can never commit them (ckptio.fence).
-        await self.fences.revoke(step_dir, writers_of(keys) - (writers_of(owned) if committed else set()))
+        await self.fences.revoke(step_dir, writers_of(keys) - finished)
         await self._delete_keys(sorted(keys))
         dead_intents = [i.key for i in listing
                         if (n := parse_intent(i.key)) is not None and n.save_id not in live]
@@ -651,8 +671,8 @@ class CheckpointStore:
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
         fences = {i.key for i in listing if parse_fence(i.key) is not None and parse_fence(i.key).step_dir == step_dir}
-        if manifest is not None and manifest.fence:
-            fences.add(fence_key(step_dir, manifest.fence))
+        if fence_id:
+            fences.add(fence_key(step_dir, fence_id))
         await self._delete_keys(sorted(fences))
         await self._delete_keys([tomb])
         self._manifests = {k: v for k, v in self._manifests.items() if k[0] != step_dir}

@@ -38,6 +38,7 @@ from ckptio.engine import run_sync  # noqa: E402
 from ckptio.fragments import FRAGMENT_PREFIX  # noqa: E402
 from ckptio.layout import HashedNaming  # noqa: E402
 from ckptio.manifest import MANIFEST_NAME, Manifest  # noqa: E402
+from ckptio.names import is_fencing  # noqa: E402
 
 WORK = sys.argv[1]
 SCENARIOS: dict[str, Callable[[str], None]] = {}
@@ -375,7 +376,7 @@ def mem_usage(url: str) -> tuple[int, int, list[str]]:
         finally:
             await backend.close()
 
-    infos = run_sync(listing())
+    infos = [i for i in run_sync(listing()) if not is_fencing(i.key)]  # commit bookkeeping: not data
     manifests = [i.key for i in infos if i.key.endswith(MANIFEST_NAME)]
     data = sum(i.size for i in infos if not i.key.endswith(MANIFEST_NAME))
     return data, len(manifests), [i.key for i in infos]

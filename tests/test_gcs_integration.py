@@ -35,6 +35,7 @@ import ckptio
 from ckptio.backends.wrappers import CountingBackend
 from ckptio.dtypes import ML_DTYPES
 from ckptio.engine import run_sync
+from ckptio.names import is_fencing
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 from ckptio.store import CheckpointStore
 
@@ -60,15 +61,19 @@ def _api(endpoint: str, path: str, *, method: str = "GET", data: bytes | None = 
         return bytes(r.read())
 
 
-def bucket_keys(endpoint: str, prefix: str, bucket: str = GCS_TEST_BUCKET) -> list[str]:
-    """Every object under ``prefix/`` in the bucket, relative to it, listed through the JSON API."""
+def bucket_keys(endpoint: str, prefix: str, bucket: str = GCS_TEST_BUCKET, *, fencing: bool = False) -> list[str]:
+    """Every object under ``prefix/`` in the bucket, relative to it, listed through the JSON API.
+
+    Commit fences and revocations (ckptio.fence) are left out unless ``fencing``: these tests count
+    data objects and manifests; test_fencing.py and test_manager.py count the fences.
+    """
     names: list[str] = []
     query = {"prefix": prefix + "/"}
     while True:
         doc = json.loads(_api(endpoint, f"/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"))
         names += [i["name"][len(prefix) + 1 :] for i in doc.get("items", ())]
         if not doc.get("nextPageToken"):
-            return sorted(names)
+            return sorted(n for n in names if fencing or not is_fencing(n))
         query["pageToken"] = doc["nextPageToken"]
 
 

@@ -30,6 +30,7 @@ from hosts import on_hosts
 from manifests import as_rows, edit_manifest
 
 import ckptio
+from ckptio.names import is_fencing
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
 from ckptio.layout import FanoutNaming, FlatNaming, HashedNaming, Naming
@@ -51,7 +52,8 @@ def old_file(root: Path, key: str) -> None:
 
 
 def left(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    # Revocations (ckptio.fence) are kept forever by design: not leftovers.
+    return {k for p in root.rglob("*") if p.is_file() and not is_fencing(k := str(p.relative_to(root)))}
 
 
 # -- 3. every key the layouts write parses, at any width ----------------------------------------------

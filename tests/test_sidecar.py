@@ -63,6 +63,7 @@ def _normalized_manifest(step_dir: Path) -> dict[str, Any]:
     doc = json.loads((step_dir / "ckptio.manifest.json").read_text())["manifest"]
     sid = doc.pop("checkpoint_id")
     doc.pop("created")
+    doc.pop("fence", None)  # fresh per commit
     doc["objects"] = [o.replace(sid, "ID") for o in doc["objects"]]
     return doc
 

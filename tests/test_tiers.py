@@ -18,6 +18,7 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 
 import ckptio
+from ckptio.names import fence_key
 from ckptio.copy import copy_checkpoint, copy_objects, rekey
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
@@ -310,5 +311,6 @@ def test_a_killed_copy_within_its_lease_at_the_commit_is_cleaned_by_a_later_roun
         m.wait_until_finished()
         assert m.tier_steps()["durable"] == [2, 4]
     kept = {k.rsplit("/", 1)[-1] for k in run_sync(durable.read_manifest("2")).keys()}
-    assert set(os.listdir(tmp_path / "durable" / "2")) == kept | {MANIFEST_NAME}
+    fence = fence_key("", run_sync(durable.read_manifest("2")).fence)  # the commit's own fence stays with it
+    assert set(os.listdir(tmp_path / "durable" / "2")) == kept | {MANIFEST_NAME, fence}
     assert same(ckptio.restore(str(tmp_path / "durable"), step=2), state(2))
