@@ -17,12 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
+from pathlib import Path
 import threading
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from ckptio.bench.fakegcs import FakeGCS, binary_path, free_port
+
+
+def unique_prefix(tmp_path: Path) -> str:
+    """A bucket prefix for one test: its tmp_path and a token kept in it.
+
+    tmp_path alone is not unique: a passing test's directory is removed at teardown and the
+    next test of the same (truncated) name gets the same path, while the module's fake server
+    still holds the first test's objects under it. The token lives as long as the directory,
+    so reopening the same prefix within a test finds it again.
+    """
+    token = tmp_path / ".gcs-prefix"
+    if not token.exists():
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        token.write_text(uuid.uuid4().hex[:8])
+    return f"{str(tmp_path).strip('/')}-{token.read_text()}"
 
 __all__ = ["AppServer", "FakeGCS", "FaultProxy", "binary_path", "free_port"]
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from ckptio.testing import BackendConformance
 from ckptio.testing import split_views
 from conftest import GCS_TEST_BUCKET
-from fake_gcs import AppServer, FakeGCS, FaultProxy, free_port
+from fake_gcs import AppServer, FakeGCS, FaultProxy, free_port, unique_prefix
 
 from ckptio.backends import ByteRange, RetryableError, open_backend
 from ckptio.backends._gcs_http import RateRamp, parse_retry_after, parse_rfc3339
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 def gcs_url(tmp_path: Path) -> str:
     """A prefix of the module's bucket that no other test uses."""
-    return f"gs://{GCS_TEST_BUCKET}/{str(tmp_path).strip('/')}"
+    return f"gs://{GCS_TEST_BUCKET}/{unique_prefix(tmp_path)}"
 
 
 def payload(n: int, seed: int = 0) -> bytes:

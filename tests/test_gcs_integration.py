@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import GCS_TEST_BUCKET
-from fake_gcs import FakeGCS, FaultProxy
+from fake_gcs import FakeGCS, FaultProxy, unique_prefix
 from hosts import on_hosts
 
 import ckptio
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.gcs
 
 def _prefix(tmp_path: Path) -> str:
     """A prefix of the module's bucket that no other test uses."""
-    return str(tmp_path).strip("/")
+    return unique_prefix(tmp_path)
 
 
 def _url(tmp_path: Path) -> str:
