@@ -217,6 +217,7 @@ def account(root: str) -> dict[str, int]:
     """Bytes on disk under ``root`` against the bytes its kept checkpoints account for."""
     import ckptio
     from ckptio.manifest import MANIFEST_NAME
+    from ckptio.names import REVOKED_DIR, fence_key
 
     mngr = ckptio.CheckpointManager(root)
     owned: set[str] = set()
@@ -224,13 +225,18 @@ def account(root: str) -> dict[str, int]:
         m = run_sync_manifest(mngr, step)
         owned.update(os.path.join(root, k) for k in m.keys())  # objects, and a format-2 step's fragments
         owned.add(os.path.join(root, str(step), MANIFEST_NAME))
+        if m.fence:  # the commit's fence goes with its step (ckptio.fence)
+            owned.add(os.path.join(root, fence_key(str(step), m.fence)))
     mngr.close()
-    on_disk = {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+    # Revocations are kept forever by design (a revoked save may wake at any time): counted apart.
+    revoked = {os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, REVOKED_DIR)) for f in fs}
+    on_disk = {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs} - revoked
     stray = sorted(on_disk - owned)
     assert not stray, f"files no kept checkpoint accounts for: {stray[:10]}"
     assert owned <= on_disk, sorted(owned - on_disk)[:10]
     return {"files": len(on_disk), "bytes_on_disk": sum(os.path.getsize(p) for p in on_disk),
-            "bytes_of_kept_steps": sum(os.path.getsize(p) for p in owned)}
+            "bytes_of_kept_steps": sum(os.path.getsize(p) for p in owned), "revocations": len(revoked),
+            "revocation_bytes": sum(os.path.getsize(p) for p in revoked)}
 
 
 def run_sync_manifest(mngr: object, step: int) -> object:
