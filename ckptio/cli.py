@@ -152,7 +152,8 @@ def _ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
-              "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)"}
+              "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)",
+              "unreadable": "UNREADABLE (permission denied)"}
     print(f"{'step':>10}  {'state':<28} {'size':>10}  {'saved':<19}  what")
     for r in rows:
         if r["committed"]:
