@@ -175,3 +175,26 @@ def test_unreadable_newest_manifest_is_listed_and_skipped(tmp_path: Path, capsys
         assert run_sync(store.intact_steps()) == [1]
     finally:
         run_sync(store.close())
+
+
+def test_hosts_decide_together_when_only_one_host_cannot_restore_the_newest(tmp_path: Path) -> None:
+    """Format 2: host 1's rows of step 2 lost an object only host 1 reads. Host 0 alone would
+    restore step 2; through the manager every host restores step 1, the same step."""
+    for step in (1, 2):
+        save_two_hosts(tmp_path, step)
+    store = CheckpointStore(tmp_path)
+    m = run_sync(store.read_manifest("2"))
+    run_sync(store.close())
+    mine = {e.object for s in m.items["w"].shards if s.host == 1 for e in s.extents}
+    (tmp_path / m.objects[sorted(mine)[0]]).unlink()
+
+    def host(rank: int, coord: Any) -> int:
+        rows = slice(rank * 2, rank * 2 + 2)
+        target = {"w": ckptio.Sharded(SHAPE, np.float32, [((rows, slice(None)), None)]), "b": None, "step": None}
+        with ckptio.CheckpointManager(tmp_path, coordinator=coord) as mngr:
+            out = mngr.restore(target=target)
+        want = state_for(out["step"])
+        assert out["w"].pieces[0][1].tobytes() == np.ascontiguousarray(want["w"][rows]).tobytes()
+        return int(out["step"])
+
+    assert on_hosts(2, host) == [1, 1]
