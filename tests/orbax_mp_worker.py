@@ -122,8 +122,8 @@ def main() -> None:
         check(out, values, "external storage")
     if pid == 0:
         files = [os.path.join(d, f) for d, _, fs in os.walk(ext) for f in fs]
-        data = sum(os.path.getsize(f) for f in files  # data objects only: not the root, not fragments
-                   if not f.endswith(MANIFEST_NAME) and "ckptio.fragment." not in f)
+        data = sum(os.path.getsize(f) for f in files  # data objects only: not the root, fragments or fence
+                   if not f.endswith(MANIFEST_NAME) and "ckptio.fragment." not in f and "ckptio.fence." not in f)
         assert data == sum(v.nbytes for v in values.values()), (data, files)
         assert [f for f in files if f.endswith(MANIFEST_NAME)] == [os.path.join(ext, "state", "2", MANIFEST_NAME)]
 
