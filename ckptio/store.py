@@ -171,10 +171,18 @@ class CheckpointStore:
         return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and int(n) <= MAX_STEP)
 
     async def committed_steps(self) -> list[int]:
-        """Steps with a manifest and no tombstone, ascending (not validated: see :meth:`intact_steps`)."""
-        steps = await self.step_dirs()
-        flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
-        return [s for s, ok in zip(steps, flags) if ok]
+        """Steps with a manifest, no tombstone and a standing commit (a fenced manifest whose fence
+        does not say "commit" is a save in flight, dead or revoked: not committed), ascending.
+
+        A damaged manifest still counts here (see :meth:`intact_steps` for the steps that
+        validate). Manifests are read once and cached, fences with them.
+        """
+        out: list[int] = []
+        async with aclosing(self._newest_first(self.engine.concurrency)) as walk:
+            async for step, found in walk:
+                if not isinstance(found, CheckpointNotFoundError):
+                    out.append(step)
+        return sorted(out)
 
     async def status(self, step_dir: str) -> StepStatus:
         """What ``step_dir`` holds (see :class:`StepStatus`); never raises for a bad manifest."""

@@ -289,6 +289,7 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, 
         if not keep_going:
             raise AssertionError(what)
         violations.append(what)
+        print("VIOLATION", what, file=sys.stderr, flush=True)  # as it happens: a long run may be cut
 
     for trial in range(trials):
         t0 = time.monotonic()
