@@ -45,7 +45,7 @@ from ckptio.backends.base import join_key
 
 from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import parse_object
+from ..names import fence_key, parse_object
 from ..store import CheckpointStore, check_binding
 
 __all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace"]
@@ -150,6 +150,8 @@ async def _delete_replaced(store: CheckpointStore, step_dir: str, old: Manifest,
         if k in keep or name is None or name.step_dir != step_dir or name.save_id in live:
             continue
         doomed.append(k)
+    if old.fence and old.fence != new.fence:  # the replaced commit's fence went with it
+        doomed.append(fence_key(step_dir, old.fence))
     await store._delete_keys(doomed)  # the store's own deleter: bounded, a missing key is fine
     if doomed:
         log.info("%s: replaced; deleted the old checkpoint's %d objects", store.where(step_dir), len(doomed))
