@@ -3,6 +3,7 @@
 >>> h = ckptio.save("/mnt/ssd/run1", state, step=100)   # returns once staged
 >>> h.result()                                          # written and committed
 >>> state = ckptio.restore("/mnt/ssd/run1")             # newest committed step
+>>> state = ckptio.restore("/mnt/ssd/run1", target=ckptio.restore_target(state))  # its types and shardings
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .manager import CheckpointManager
 from .save import SaveHandle
 from .staging import Sharded, StagingPool
 from .states import SaveState
+from .targets import restore_target
 
 __all__ = [
     "CheckpointManager",
@@ -42,6 +44,7 @@ __all__ = [
     "StagingPool",
     "UnsupportedLeafError",
     "restore",
+    "restore_target",
     "save",
     "zarr_store",
 ]

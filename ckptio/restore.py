@@ -17,6 +17,16 @@ would change a value beyond a float's rounding (an int8 target for a value
 of 300, an overflow to inf). A target of another shape is refused: nothing
 is ever reshaped. A typed PRNG key target gets its saved key data back as a
 typed key.
+
+Targets that ask for a *new* leaf rather than naming a buffer to fill (what
+:func:`ckptio.restore_target` makes of a live state):
+
+* a read-only numpy array (a zero-stride ``np.broadcast_to`` view, say): a
+  new numpy array of its shape and dtype
+* a ``torch.Tensor`` on the ``meta`` device: a new CPU tensor
+* a Python scalar (int, float, bool, complex, str, bytes): the saved value as
+  that type, where the checkpoint holds a value of a compatible type (see
+  :func:`_scalar_value`); anything else raises ValueError naming the item
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from ckptio.backends._pages import fresh_pages
 from ckptio.backends.base import ByteRange
 
 from . import _gc
-from .cast import cast_checked, is_numeric
+from .cast import cast_checked, is_inexact, is_numeric
 from .engine import Progress, ReadRequest, run_sync
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -125,8 +135,80 @@ def _regions(name: str, item: ArrayItem, target: Any) -> tuple[list[Region], Fin
             return [Region((0,) * view.ndim, view)], lambda: target
         want = _check(name, item, tuple(t.shape), torch_to_numpy(t.new_empty(0, device="cpu")).dtype)
         dest = _dest(item.shape, item.dtype)
+        if t.device.type == "meta":  # no storage to fill (restore_target's tensors): a new CPU tensor
+            return [Region((0,) * dest.ndim, dest)], lambda: _numpy_to_torch(_cast(name, dest, want), torch)
         return [Region((0,) * dest.ndim, dest)], lambda: target.copy_(_numpy_to_torch(_cast(name, dest, want), torch))
+    if isinstance(target, _PY_SCALARS):
+        return _scalar_regions(name, item, target)
     raise TypeError(f"item {name!r}: unsupported restore target of type {type(target).__name__}")
+
+
+#: Python scalar targets: "restore this value, as this type".
+_PY_SCALARS = (bool, int, float, complex, str, bytes)
+
+
+def _scalar_regions(name: str, item: ArrayItem, target: bool | int | float | complex | str | bytes,
+                    ) -> tuple[list[Region], Finish]:
+    """A Python scalar target against a saved array: only a 0-d one can be a scalar (a fresh
+    flax ``TrainState``'s int ``step`` against the jax array a jitted step saved)."""
+    held = f"{item.dtype}{list(item.shape)}"
+    have = _python_type(item.dtype)
+    # Refused before any byte is read: the shape and dtype alone say whether it can be one.
+    if item.shape != () or have is None or not _scalar_fits(_scalar_type(target), have):
+        raise _scalar_mismatch(name, target, held)
+    dest = _dest((), item.dtype)
+    return [Region((), dest)], lambda: _scalar_value(name, have(dest[()]), held, target)
+
+
+def _python_type(dtype: np.dtype) -> type | None:
+    """The Python type of a 0-d array of ``dtype`` as a value; None for one with none (datetime, void)."""
+    if dtype.kind == "b":
+        return bool
+    if dtype.kind in "iu":
+        return int
+    if dtype.kind == "c":
+        return complex
+    if dtype.kind in "US":  # a saved np.str_ / np.bytes_
+        return str if dtype.kind == "U" else bytes
+    return float if is_inexact(dtype) else None  # ml_dtypes' bfloat16 / float8 are inexact 'V' kinds
+
+
+def _scalar_type(target: Any) -> type:
+    return next(t for t in _PY_SCALARS if isinstance(target, t))  # bool first: a bool is an int too
+
+
+def _scalar_fits(want: type, have: type) -> bool:
+    """A saved ``have`` may restore into a ``want`` target: the same type, or a number that widens
+    (int into float or complex, float into complex); bool never passes for a number."""
+    return have is want or (have is not bool and have in _WIDENS.get(want, ()))
+
+
+_WIDENS: dict[type, tuple[type, ...]] = {float: (int,), complex: (int, float)}
+
+
+def _scalar_mismatch(name: str, target: Any, held: str) -> ValueError:
+    want = _scalar_type(target)
+    also = " or ".join(t.__name__ for t in _WIDENS.get(want, ()))
+    return ValueError(
+        f"item {name!r}: the target is a Python {want.__name__} ({target!r}), but the checkpoint holds {held}; "
+        f"a {want.__name__} target restores a saved {want.__name__}{f' (or an {also} it holds exactly)' if also else ''}"
+    )
+
+
+def _scalar_value(name: str, value: Any, held: str, target: Any) -> Any:
+    """Saved ``value`` as the Python type of scalar ``target``; ValueError naming item ``name``
+    where the types do not match or a widened number would change. A mismatch means the target
+    does not describe this checkpoint, so it is refused rather than cast."""
+    want = _scalar_type(target)
+    ok = _scalar_fits(want, type(value))
+    if ok and type(value) is not want:
+        try:
+            ok = want(value) == value
+        except OverflowError:  # an int too large for a float
+            ok = False
+    if not ok:
+        raise _scalar_mismatch(name, target, f"{held} {value!r}")
+    return want(value)
 
 
 def _sharded_regions(name: str, item: ArrayItem, target: Sharded) -> tuple[list[Region], Finish]:
@@ -269,7 +351,10 @@ def restore_checkpoint(
     for name, tgt in wanted.items():
         item = manifest.items[name]
         if isinstance(item, ValueItem):
-            finishers[name] = lambda v=item.value: v
+            value = item.value
+            if isinstance(tgt, _PY_SCALARS):
+                value = _scalar_value(name, value, "the value", tgt)
+            finishers[name] = lambda v=value: v
             continue
         if manifest.complete and len(item.shards) == 1:
             shard = item.shards[0]
