@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from . import report
 from .advise import advise, render_advice
@@ -36,9 +36,22 @@ def _ints(text: str) -> list[int]:
     return [int(parse_size(t)) if t[-1:].isalpha() else int(t) for t in _csv(text)]
 
 
+def _error(message: str) -> int:
+    """Print ``message`` as the one-line error every ``ckptio`` command prints; the usage exit status."""
+    print(f"ckptio: error: {message}", file=sys.stderr)
+    return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors read like the rest of ``ckptio``'s: one line, no usage dump, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.exit(_error(f"{message} (see `{self.prog} --help`)"))
+
+
 def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     """The ``ckptio bench`` argument parser (the CLI may embed it as a subcommand)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Save/restore throughput, stall and memory of ckptio side by side with the raw disk, "
                     "Orbax, DCP, torch.save and tensorstore, on the same generated state.",
@@ -319,8 +332,7 @@ def _scale(args: argparse.Namespace) -> int:
     try:
         sizes = [parse_scale(x) for x in args.scale]
     except ValueError as e:
-        print(f"ckptio bench: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     results = []
     for hosts, shards in sizes:
         res = run_scale(hosts, shards, args.dir)
@@ -338,8 +350,7 @@ def _tiers(args: argparse.Namespace) -> int:
     try:
         res = run_tiers(args.tiers, args.tiers_mib, args.rounds, args.dir)
     except (ValueError, RuntimeError) as e:
-        print(f"ckptio bench: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     print(render_tiers(res), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -373,18 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")
     unknown = _unknown_cases(args.cases) + _unknown_cases(args.skip)
     if unknown and not args.from_json:
-        print(f"ckptio bench: error: no case is called {', '.join(map(repr, unknown))} "
-              "(`ckptio bench --list` shows the cases)", file=sys.stderr)
-        return 2
+        return _error(f"no case is called {', '.join(map(repr, unknown))} "
+                      "(`ckptio bench --list` shows the cases)")
     if args.interleave and args.fake_gcs:
-        print("ckptio bench: error: --interleave cannot be combined with --fake-gcs: each case gets a fresh "
-              "fake server, and only one can run at a time", file=sys.stderr)
-        return 2
+        return _error("--interleave cannot be combined with --fake-gcs: each case gets a fresh fake server, "
+                      "and only one can run at a time")
     try:
         mtbf_s = parse_duration(args.mtbf)
     except ValueError as e:
-        print(f"ckptio bench: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     if args.from_json:
         with open(args.from_json) as f:
             doc = json.load(f)
@@ -392,8 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             doc = _measure(args, argv)
         except (NotImplementedError, ValueError) as e:
-            print(f"ckptio bench: error: {e}", file=sys.stderr)
-            return 2
+            return _error(str(e))
     results = [r for r in doc["cases"] if r.get("status") != "skipped"]
     skipped = {r["case"]: r.get("reason", "") for r in doc["cases"] if r.get("status") == "skipped"}
     doc["ratios"] = report.compute_ratios(results)

@@ -21,8 +21,10 @@ from typing import Any, NoReturn
 
 from .engine import run_sync
 from .errors import IntegrityError, ManifestError
-from .manifest import MANIFEST_NAME, ArrayItem, Manifest
-from .store import CheckpointStore, check_grace
+from .manifest import MANIFEST_NAME, TOMBSTONE_NAME, ArrayItem, Manifest
+from .names import parse_fence, parse_intent, parse_object
+from .orbax_steps import COMMIT_SUCCESS_NAME, STEP_METADATA_NAME, OrbaxStep
+from .store import MAX_STEP, CheckpointStore, check_binding, check_grace
 from .urls import file_in_the_way, local_path
 from .verify import verify_checkpoint
 
@@ -123,14 +125,92 @@ def _nothing_there(url: str) -> str:
     return f"no ckptio checkpoint under {url}"
 
 
+def _step_dir_url(url: str) -> tuple[str, int] | None:
+    """``(root, step)`` when ``url`` names a step directory of a ckptio root (``ck/30``), else None.
+
+    Pointing at a step directory is the natural first guess, and read as a root of its own it
+    looks damaged (its manifest's objects lie in step 30 of the root above). It is one if its
+    name is a step number and its manifest records that step with every object in it, or, with
+    no manifest (a save in flight or crashed, an Orbax step), it holds what ckptio or Orbax
+    writes into a step directory. A checkpoint saved at a directory named like a step (its
+    manifest records no step) stays a root.
+    """
+    trimmed = url.rstrip("/")
+    prefix, rest = ("", trimmed) if "://" not in trimmed else (trimmed.split("://", 1)[0] + "://",
+                                                               trimmed.split("://", 1)[1])
+    head, sep, name = rest.rpartition("/")
+    if not (name.isdigit() and str(int(name)) == name and int(name) <= MAX_STEP):
+        return None
+    if not sep:
+        if prefix:
+            return None  # a bucket (or memory store) named like a number: there is no root above it
+        head = "."
+    root, step = prefix + (head or "/"), int(name)
+    path = local_path(trimmed)
+    if path is not None and not os.path.isdir(path):
+        return None
+    with _store(trimmed) as store:
+        try:
+            data: bytes | None = run_sync(store.backend.read(MANIFEST_NAME))
+        except FileNotFoundError:
+            data = None
+        except OSError:
+            return None  # unreadable: the command run as given says why, naming the URL
+        if data is not None:
+            try:
+                manifest: Manifest | None = Manifest.from_json(data, url)
+            except (ManifestError, IntegrityError):
+                manifest = None  # damaged: only what else lies here can tell
+            if manifest is not None:
+                try:
+                    check_binding(manifest, name, url)
+                except ManifestError:
+                    return None  # a checkpoint of its own (saved at this URL), or one copied here
+                return root, step
+        children = run_sync(store.backend.list_children(""))
+    marks = {STEP_METADATA_NAME, COMMIT_SUCCESS_NAME, TOMBSTONE_NAME}
+    for c in children:
+        parsed = parse_intent(f"{name}/{c}") or parse_fence(f"{name}/{c}") or parse_object(f"{name}/{c}")
+        if c in marks or (parsed is not None and parsed.step_dir == name):
+            return root, step
+    return None
+
+
+def _at_step(args: argparse.Namespace, attr: str = "url") -> None:
+    """Read a step directory given as ``args.<attr>`` as its root and ``--step`` (:func:`_step_dir_url`)."""
+    url = getattr(args, attr)
+    found = _step_dir_url(url)
+    if found is None:
+        return
+    root, step = found
+    if args.step is not None and args.step != step:
+        raise CliError("usage", f"{url} is step {step} of {root}, but --step {args.step} was given: "
+                                "give the root with --step, or the step directory alone", url=url)
+    setattr(args, attr, root)
+    args.step = step
+
+
+def _refuse_memory(url: str, role: str) -> None:
+    """A ``mem://`` destination lives in this process: whatever is written there is gone at exit."""
+    if "://" in url and url.split("://", 1)[0].lower() == "mem":
+        raise CliError("usage", f"{role} {url} is an in-memory store that vanishes when this command exits: "
+                                "give a path or a bucket", url=url)
+
+
 def _ls(args: argparse.Namespace) -> int:
+    _at_step(args)
     rows = []
     with _store(args.url) as store:
         path = local_path(args.url)
         if path is not None and os.path.isfile(path):
             raise CliError("not-found", _nothing_there(args.url), url=args.url)
         steps: list[int | None] = list(run_sync(store.step_dirs()))
-        if run_sync(store._exists(MANIFEST_NAME)):
+        if args.step is not None:
+            if args.step not in steps:
+                raise CliError("not-found", f"no step {args.step} under {args.url}", url=args.url,
+                               step=args.step)
+            steps = [args.step]
+        elif run_sync(store._exists(MANIFEST_NAME)):
             steps.insert(0, None)  # a checkpoint saved at the URL itself (step None)
         for step in steps:
             st = run_sync(store.status("" if step is None else str(step)))  # a bad step never stops the listing
@@ -143,6 +223,8 @@ def _ls(args: argparse.Namespace) -> int:
                     # Format 2: only the root was read (one read per step, as for format 1); the objects
                     # are named in the hosts' fragments, so their count is unknown here, not 0.
                     row.update(objects=None, fragments=len(m.fragments or []))
+            if st.orbax is not None:
+                row.update(_orbax_row(st.orbax))
             if st.problem:
                 row["problem"] = st.problem
             rows.append(row)
@@ -153,19 +235,53 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
               "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)",
-              "unreadable": "UNREADABLE (permission denied)"}
+              "unfinalized": "NOT FINALIZED (Orbax's)", "unreadable": "UNREADABLE (permission denied)"}
     print(f"{'step':>10}  {'state':<28} {'size':>10}  {'saved':<19}  what")
     for r in rows:
         if r["committed"]:
             size = f"{r['bytes'] / 2**20:.1f} MiB"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-"
-            parts = f"{r['objects']} objects" if r["objects"] is not None else f"{r['fragments']} host fragments"
-            extra = f"{r['items']} items, {parts}, {r['hosts']} host(s)"
+            if "orbax" in r:
+                extra = "Orbax step: " + ", ".join(_orbax_item_text(it) for it in r["orbax"]["items"])
+            else:
+                parts = (f"{r['objects']} objects" if r["objects"] is not None
+                         else f"{r['fragments']} host fragments")
+                extra = f"{r['items']} items, {parts}, {r['hosts']} host(s)"
         else:
             size, when, extra = "-", "-", r.get("problem", "")
         step = "(root)" if r["step"] is None else r["step"]
         print(f"{step:>10}  {labels[r['state']]:<28} {size:>10}  {when:<19}  {extra}")
     return 0
+
+
+def _orbax_row(step: OrbaxStep) -> dict[str, Any]:
+    """An Orbax step's part of its ``ls`` row: its items, and the size and time of the step as a whole."""
+    items: list[dict[str, Any]] = []
+    for it in step.items:
+        doc: dict[str, Any] = {"name": it.name, "handler": it.handler or None}
+        if it.is_ckptio:
+            doc.update(ckptio={"url": it.url, "step": it.step, "state": it.state})
+            if it.manifest is not None:
+                doc["ckptio"].update(items=len(it.manifest.items), bytes=_nbytes(it.manifest),
+                                     hosts=it.manifest.num_hosts)
+            if it.problem:
+                doc["ckptio"]["problem"] = it.problem
+        items.append(doc)
+    created = step.committed_at or max((it.manifest.created for it in step.items if it.manifest is not None),
+                                       default=None)
+    hosts = max((it.manifest.num_hosts for it in step.items if it.manifest is not None), default=None)
+    return {"orbax": {"finalized": step.finalized, "items": items}, "bytes": step.nbytes, "created": created,
+            "hosts": hosts}
+
+
+def _orbax_item_text(item: dict[str, Any]) -> str:
+    """One Orbax item in ``ls``'s last column: ``state (ckptio in place, 2 items, 1.0 MiB)``."""
+    if "ckptio" not in item:
+        return f"{item['name']} ({item['handler'] or 'unknown handler'})"
+    c = item["ckptio"]
+    where = "external" if c["step"] is not None else "in place"
+    size = f", {c['items']} items, {c['bytes'] / 2**20:.1f} MiB" if "items" in c else ""
+    return f"{item['name']} (ckptio {where}{size})"
 
 
 def _nbytes(m: Manifest) -> int:
@@ -182,6 +298,7 @@ def _resolve(store: CheckpointStore, url: str, step: int | None) -> tuple[str, M
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    _at_step(args)
     with _store(args.url) as store:
         _step_dir, m = _resolve(store, args.url, args.step)
     items = {}
@@ -220,6 +337,7 @@ def _verify(args: argparse.Namespace) -> int:
     """Re-read every byte of a checkpoint and check every checksum."""
     from tqdm import tqdm
 
+    _at_step(args)
     with _store(args.url) as store:
         step_dir, m = _resolve(store, args.url, args.step)
         where = store.where(step_dir)
@@ -250,6 +368,8 @@ def _cp(args: argparse.Namespace) -> int:
     from .copy import copy_checkpoint, object_extents
 
     _refuse_a_file(args.dst, "destination")
+    _refuse_memory(args.dst, "destination")
+    _at_step(args, "src")
     with _store(args.src) as src, _store(args.dst) as dst:
         step_dir, m = _resolve(src, args.src, args.step)
         dst_dir = step_dir if args.dst_step is None else str(args.dst_step)
@@ -280,7 +400,20 @@ def _convert(args: argparse.Namespace) -> int:
 
     from .convert import convert, source_bytes
 
-    total = source_bytes(args.src, args.src_format, args.step) if not args.json else None
+    if args.src_format == "ckptio":
+        _at_step(args, "src")
+    _refuse_a_file(args.dst, "destination")
+    _refuse_memory(args.dst, "destination")
+    # Every check that can fail before a byte moves runs before the bar: an error under an empty
+    # bar reads as a conversion that started.
+    if args.src_format == "ckptio":
+        with _store(args.src) as store:
+            total: int | None = _nbytes(_resolve(store, args.src, args.step)[1])
+    else:
+        path = local_path(args.src)
+        if path is not None and not os.path.lexists(path):
+            raise CliError("not-found", f"{args.src} does not exist", url=args.src)
+        total = source_bytes(args.src, args.src_format, args.step) if not args.json else None
     with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="convert") as bar:
         res = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
                       step=args.step, progress=lambda _e, n: bar.update(n))
@@ -363,23 +496,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
     sub.add_parser("bench", help="IO benchmark against the raw disk, Orbax and DCP (see `ckptio bench --help`)",
                    add_help=False)
+    step_dir_note = " {} may also be a step directory (ROOT/N): read as ROOT --step N."
     for name, fn, hlp in (("ls", _ls, "list the steps under URL: state, size, time"),
                           ("inspect", _inspect, "items, shapes, shards of one step"),
                           ("verify", _verify, "re-read everything and check every checksum")):
-        sp = sub.add_parser(name, help=hlp, description=hlp, parents=[common])
+        description = hlp[0].upper() + hlp[1:] + "." + step_dir_note.format("URL")
+        sp = sub.add_parser(name, help=hlp, description=description, parents=[common])
         sp.add_argument("url", metavar="URL")
-        if name != "ls":
+        if name == "ls":
+            sp.add_argument("--step", type=int, default=None,
+                            help="list this step only (default: every step)")
+        else:
             sp.add_argument("--step", type=int, default=None, help="the step (default: the newest intact one)")
         sp.add_argument("--json", action="store_true", help="the answer (or the error) as JSON on stdout")
         sp.set_defaults(fn=fn)
-    sp = sub.add_parser("gc", help="delete what crashed saves left (orphan objects, temporaries, dead intents)",
-                        parents=[common])
+    hlp = "delete what crashed saves left (orphan objects, temporaries, dead intents)"
+    sp = sub.add_parser("gc", help=hlp, parents=[common], description=(
+        f"{hlp[0].upper()}{hlp[1:]} under the root URL. Deletes only keys ckptio writes, never an object a "
+        "committed checkpoint names or a live save announced; a damaged step's objects are kept. "
+        "Orbax step directories are left to Orbax."))
     sp.add_argument("url", metavar="URL")
-    sp.add_argument("--grace", type=_grace, default=3600.0, help="only objects older than this many seconds")
+    sp.add_argument("--grace", type=_grace, default=3600.0,
+                    help="only objects older than this many seconds (default: %(default)g)")
     sp.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
     sp.add_argument("--json", action="store_true", help="the report as one JSON object")
     sp.set_defaults(fn=_gc)
-    sp = sub.add_parser("cp", help="copy a checkpoint between backends (verified, committed last)", parents=[common])
+    hlp = "copy a checkpoint between backends (verified, committed last)"
+    sp = sub.add_parser("cp", help=hlp, parents=[common], description=(
+        "Copy one committed checkpoint from SRC to DST (any two backends): every object is verified "
+        "against its checksums on the way, the manifest is committed at DST last, and a copy that was "
+        "interrupted resumes." + step_dir_note.format("SRC")))
     sp.add_argument("src", metavar="SRC")
     sp.add_argument("dst", metavar="DST")
     sp.add_argument("--step", type=int, default=None, help="step to copy (default: the newest committed)")
@@ -388,11 +534,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=_cp)
     from .convert import FORMATS
 
-    sp = sub.add_parser("convert", help="DCP / Orbax checkpoint directory <-> ckptio, streaming", parents=[common])
+    hlp = "DCP / Orbax checkpoint directory <-> ckptio, streaming"
+    sp = sub.add_parser("convert", help=hlp, parents=[common], description=(
+        "Convert a PyTorch DCP or Orbax PyTree checkpoint directory into a ckptio checkpoint, or a ckptio "
+        "checkpoint out to one, streaming. One side must be ckptio." + step_dir_note.format("A ckptio SRC")))
     sp.add_argument("src", metavar="SRC")
     sp.add_argument("dst", metavar="DST")
-    sp.add_argument("--from", dest="src_format", choices=FORMATS, required=True)
-    sp.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
+    sp.add_argument("--from", dest="src_format", choices=FORMATS, required=True, help="the format of SRC")
+    sp.add_argument("--to", dest="dst_format", choices=FORMATS, required=True,
+                    help="the format to write DST in")
     sp.add_argument("--step", type=int, default=None,
                     help="the ckptio side's step: to read (default: the newest) or to write "
                          "(default: DST itself)")
@@ -447,9 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     url = getattr(args, "url", None) or getattr(args, "src", None)
     try:
         return int(args.fn(args))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 -- a library's BaseException (torch DCP's) is still one line
         if debug:
             raise
         return _report(e, _kind_of(e), url, as_json)

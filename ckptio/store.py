@@ -47,6 +47,7 @@ from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifes
 from .names import (
     INTENT_PREFIX, fence_key, intent_key, parse_fence, is_hashed_component, new_id, parse_intent, parse_object, step_of_key,
 )
+from .orbax_steps import OrbaxStep, orbax_step
 
 __all__ = [
     "CheckpointStore", "StepStatus", "SweepReport", "check_grace", "step_dir_of",
@@ -94,12 +95,18 @@ class StepStatus:
     is missing or short), ``unreadable`` (permission denied), ``deleting`` (tombstoned),
     ``in-flight`` (a live save's intent, no manifest) or ``incomplete``
     (neither: a crashed save's leftovers, for the sweep).
+
+    A step directory that Orbax saved (through ``ckptio.orbax``, or stock) has no manifest
+    of its own: Orbax commits it, and the sweep never touches it. Its ``state`` is Orbax's
+    verdict (``committed``, ``unfinalized``, or ``damaged`` when a ckptio item in it is not
+    intact), with ``orbax`` saying what its items are.
     """
 
     step: int | None
     state: str
     problem: str = ""
     manifest: Manifest | None = None
+    orbax: OrbaxStep | None = None
 
 
 @dataclasses.dataclass
@@ -204,7 +211,12 @@ class CheckpointStore:
                 return StepStatus(step, "damaged", problem=str(e), manifest=manifest)
             return StepStatus(step, "committed", manifest=manifest)
         live = await self.live_saves(step_dir)
-        return StepStatus(step, "in-flight" if live else "incomplete")
+        if live:
+            return StepStatus(step, "in-flight")
+        orbax = await orbax_step(self, step_dir) if step_dir else None
+        if orbax is not None:
+            return StepStatus(step, orbax.state, problem=orbax.problem, orbax=orbax)
+        return StepStatus(step, "incomplete")
 
     async def intact_steps(
         self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False

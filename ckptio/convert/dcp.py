@@ -367,6 +367,16 @@ def ckptio_to_dcp(
             state_dict[p.fqn] = p.value
     planner = StreamingSavePlanner(src, manifest, plans, planner_data, chunk_bytes, progress)
     writer = dcp.FileSystemWriter(dst, single_file_per_rank=False, thread_count=thread_count, overwrite=False)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        # DCP wraps each rank's failure in a BaseException whose text is a traceback; with one rank
+        # (no_dist) the failure itself says what went wrong, and its type says which kind it is.
+        failures = [exc for exc, _trace in e.failures.values()]
+        if len(failures) == 1 and isinstance(failures[0], Exception):
+            raise failures[0] from e
+        raise

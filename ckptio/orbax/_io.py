@@ -41,6 +41,8 @@ from ckptio.engine import EngineConfig, gather_or_cancel, run_sync
 from ckptio.errors import CheckpointNotFoundError, SaveFailedError
 from ckptio.layout import Naming
 from ckptio.manifest import Manifest
+from ckptio.orbax_steps import POINTER_FORMAT, POINTER_NAME, final_name
+from ckptio.orbax_steps import pointer_at as _pointer_at
 from ckptio.save import start_save
 from ckptio.store import CheckpointStore
 
@@ -67,12 +69,6 @@ __all__ = [
 
 log = logging.getLogger("ckptio.orbax")
 
-#: In an Orbax item directory: where the item's ckptio checkpoint lives when it is external.
-POINTER_NAME = "ckptio.orbax.json"
-_POINTER_FORMAT = "ckptio-orbax-pointer"
-_MAX_POINTER_BYTES = 1 << 16
-#: Orbax's suffix of directories not yet committed (orbax.checkpoint._src.path.atomicity_types).
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +132,6 @@ class Location:
         return "" if self.step is None else str(self.step)
 
 
-def final_name(name: str) -> str:
-    """A directory's name once Orbax commits it (``state.orbax-checkpoint-tmp`` -> ``state``)."""
-    i = name.find(_TMP_SUFFIX)
-    return name if i < 0 else name[:i]
-
-
 def orbax_root_of(item_dir: Any) -> str:
     """The Orbax root (the CheckpointManager's directory) above an item directory, absolute."""
     root = url_of(epath.Path(url_of(item_dir)).parent.parent)
@@ -182,37 +172,9 @@ def read_pointer(item_dir: Any) -> dict[str, Any] | None:
         run_sync(store.close())
 
 
-async def _pointer_at(store: CheckpointStore, item_key: str, where: str) -> dict[str, Any] | None:
-    """The pointer in the item directory ``item_key`` of ``store`` ("": its root), or None."""
-    key = f"{item_key}/{POINTER_NAME}" if item_key else POINTER_NAME
-    try:
-        size = (await store.backend.stat(key)).size
-        if size > _MAX_POINTER_BYTES:  # checked before reading: never load a huge file
-            raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {size} bytes")
-        data = await store.engine.retrying(f"read {where}", lambda: store.backend.read(key))
-    except FileNotFoundError:
-        return None
-    try:
-        doc = json.loads(data)
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-        if doc.get("format") != _POINTER_FORMAT or doc.get("version") != 1:
-            raise ValueError(f"unknown format {doc.get('format')!r} version {doc.get('version')!r}")
-        for field in ("storage", "item"):
-            if not isinstance(doc.get(field), str) or not doc[field]:
-                raise ValueError(f"{field!r} is not a non-empty string")
-        if "/" in doc["item"] or doc["item"] in (".", ".."):
-            raise ValueError(f"item {doc['item']!r} is not a directory name")  # it must not escape the root
-        if not isinstance(doc.get("step"), int) or doc["step"] < 0:
-            raise ValueError("'step' is not a non-negative int")
-    except ValueError as e:
-        raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {e}") from None
-    return doc
-
-
 def _write_pointer(item_dir: Any, loc: Location) -> None:
     doc = {
-        "format": _POINTER_FORMAT,
+        "format": POINTER_FORMAT,
         "version": 1,
         "storage": loc.storage,
         "item": loc.item,
