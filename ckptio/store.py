@@ -762,7 +762,7 @@ class CheckpointStore:
         listing = await self.engine.retrying(f"list {self.url}", lambda: self.backend.list(""))
         by_step: dict[str, list[ObjectInfo]] = {}
         for info in listing:
-            name = parse_object(info.key) or parse_intent(info.key)
+            name = parse_object(info.key) or parse_intent(info.key) or parse_fence(info.key)
             if name is not None:
                 by_step.setdefault(name.step_dir, []).append(info)
         markers = {i.key for i in listing if i.key.rpartition("/")[2] in (MANIFEST_NAME, TOMBSTONE_NAME)}
@@ -793,7 +793,7 @@ class CheckpointStore:
         report = SweepReport()
         now = time.time()
         listing = await self._step_listing(step_dir, everywhere=True)
-        infos = [i for i in listing if (n := parse_object(i.key) or parse_intent(i.key)) is not None
+        infos = [i for i in listing if (n := parse_object(i.key) or parse_intent(i.key) or parse_fence(i.key)) is not None
                  and n.step_dir == step_dir]
         markers = {i.key for i in listing if i.key in (join_key(step_dir, MANIFEST_NAME),
                                                        join_key(step_dir, TOMBSTONE_NAME))}
@@ -843,7 +843,10 @@ class CheckpointStore:
                 continue
             if join_key(step_dir, MANIFEST_NAME) in markers:
                 try:
-                    keep.update((await self.read_manifest(step_dir)).keys())
+                    kept = await self.read_manifest(step_dir)
+                    keep.update(kept.keys())
+                    if kept.fence:
+                        keep.add(fence_key(step_dir, kept.fence))
                 except UnconfirmedCommitError as e:
                     unconfirmed[step_dir] = e.manifest  # type: ignore[assignment]
                 except CheckpointNotFoundError:
@@ -885,12 +888,42 @@ class CheckpointStore:
         # A revoked commit's manifest goes after the objects it names: it never counted anyway.
         gone = [join_key(d, MANIFEST_NAME) for d in dead]
         gone += [fence_key(d, unconfirmed[d].fence) for d in dead if unconfirmed[d].fence]  # type: ignore[arg-type]
+        stray = await self._stray_fences(by_step, keep, protected, set(dead), now, grace_seconds)
+        gone += stray
         report.objects += gone
         if not dry_run:
+            await self._delete_keys(stray)
             await self._delete_keys(gone[: len(dead)])
             await self._delete_keys(gone[len(dead) :])  # fences after manifests (ckptio.fence, step 5)
         report.objects.sort()
         return live, protected
+
+    async def _stray_fences(
+        self, by_step: dict[str, list[ObjectInfo]], keep: set[str], protected: set[str], dead: set[str],
+        now: float, grace_seconds: float,
+    ) -> list[str]:
+        """Fences no manifest names any more: a commit rolled back (its fence says "revoked", its
+        manifest is gone) or one whose step was deleted before its claim landed. A fence is created
+        after its manifest, so one that the step's current manifest does not name can never count
+        again; deleting it is safe even under a paused committer (ckptio.fence, step 5)."""
+        out: list[str] = []
+        for step_dir, infos in by_step.items():
+            if step_dir in protected or step_dir in dead:
+                continue
+            fences = [i for i in infos if parse_fence(i.key) is not None and i.key not in keep
+                      and now - i.mtime >= grace_seconds]
+            if not fences:
+                continue
+            key = join_key(step_dir, MANIFEST_NAME)
+            try:  # read again: a commit may have made its manifest since the listing
+                current = Manifest.from_json(
+                    await self.engine.retrying(f"read {key!r}", lambda: self.backend.read(key)), key).fence
+            except FileNotFoundError:
+                current = None
+            except (ManifestError, IntegrityError):
+                continue  # cannot tell which fence is its: leave them all
+            out += [i.key for i in fences if parse_fence(i.key).save_id != current]  # type: ignore[union-attr]
+        return out
 
     async def _dead_commits(
         self, unconfirmed: dict[str, Manifest], live: dict[str, set[str]], protected: set[str], now: float,

@@ -223,3 +223,17 @@ def test_fence_outcomes_are_claimed_once(tmp_path: Path) -> None:
         assert run_sync(store.fences.outcome("3", "aaaaaaaaaaaa")) is None
     finally:
         run_sync(store.close())
+
+
+def test_a_rolled_back_commits_fence_is_swept(tmp_path: Path) -> None:
+    """A commit that lost to a revocation leaves its fence ("revoked") and no manifest: gc takes it."""
+    freezer = Freezer(open_backend(str(tmp_path)), POINTS["before-revocation-check"])
+    handle = ckptio.save(tmp_path, state_for(2), step=2, backend=freezer)
+    assert isinstance(freeze_run_gc(freezer, tmp_path, handle.result), SaveRevokedError)
+    gc_now(tmp_path)
+    left = [p.name for p in (tmp_path / "2").iterdir()] if (tmp_path / "2").exists() else []
+    assert left == [], left
+    ckptio.save(tmp_path, state_for(3), step=3).result()
+    gc_now(tmp_path)  # a committed step's own fence stays
+    assert len(list((tmp_path / "3").glob("ckptio.fence.*"))) == 1
+    check_root(tmp_path, {3})
