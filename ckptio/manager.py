@@ -7,26 +7,64 @@ after each commit and deletes by manifest (see :mod:`ckptio.store`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
-from ckptio.backends import Backend
+from ckptio.backends import Backend, RetryableError
 
+from .best import BestMode, BestN, Metric, metrics_of, with_metrics
 from .distributed import Coordinator, default_coordinator
 from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
+from .errors import IntegrityError
 from .layout import Naming
+from .manifest import Manifest
 from .restore import restore_step
-from .save import SaveHandle, start_save
+from .save import SaveHandle, _join_as_failed, start_save
 from .staging import StagingPool
-from .store import CheckpointStore
+from .store import CheckpointStore, step_dir_of
 from .urls import file_in_the_way
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "SaveFailures"]
+
+OnSaveError = Literal["raise", "warn"]
 
 log = logging.getLogger("ckptio.manager")
+
+
+@dataclasses.dataclass
+class SaveFailures:
+    """The failures a manager has seen, counted in both ``on_save_error`` modes.
+
+    Updated on the caller's thread when the manager waits for a save (the next
+    :meth:`CheckpointManager.save`, :meth:`~CheckpointManager.wait_until_finished`
+    or :meth:`~CheckpointManager.close`).
+
+    Attributes:
+        count: saves that failed (none of them committed anything).
+        since_last_good: the steps whose save failed since the last save that committed
+            (a commit empties it).
+        last_good_step: the newest step this manager saw commit (None: none yet).
+        last_error: the newest failure (its ``__cause__`` chain included).
+        retention: retention runs that failed after their save committed.
+    """
+
+    count: int = 0
+    since_last_good: list[int] = dataclasses.field(default_factory=list)
+    last_good_step: int | None = None
+    last_error: BaseException | None = None
+    retention: int = 0
+
+
+def _is_outage(e: BaseException) -> bool:
+    """True for storage failing, which ``on_save_error="warn"`` lets pass even before a save starts;
+    the caller's mistakes are other types (a bad leaf: TypeError / ValueError; a re-save of a
+    committed step: FileExistsError) and raise in every mode."""
+    return isinstance(e, (OSError, RetryableError)) and not isinstance(e, FileExistsError)
 
 
 class CheckpointManager:
@@ -35,9 +73,23 @@ class CheckpointManager:
     Args:
         url: root URL or path; step ``s`` lives in ``<url>/<s>``.
         max_to_keep: keep at most this many newest checkpoints (None: all),
-            not counting those kept by ``keep_period``.
+            not counting those kept by ``keep_period``; with ``best_fn``, the best this many.
         keep_period: also keep every step divisible by this, forever.
         save_interval_steps: :meth:`should_save` is true every this many steps.
+        best_fn: best-N retention, as Orbax's: ``best_fn(metrics) -> float`` scores the
+            ``metrics`` a step was saved with (kept in its manifest, so a restarted job ranks
+            old steps from their manifests alone), and the best ``max_to_keep`` scored steps
+            are kept. Besides them, the newest committed (whole) step and every ``keep_period``
+            step (not ranked) are always kept. A damaged step is neither counted nor deleted.
+        best_mode: ``"min"`` keeps the lowest scores (a loss), ``"max"`` the highest.
+        keep_checkpoints_without_metrics: with ``best_fn``, steps saved without metrics are
+            never deleted (True); with False they rank after every scored step, newest first.
+        on_save_error: ``"raise"`` (default): a failed save or retention re-raises at the next
+            :meth:`save` / :meth:`wait_until_finished`. ``"warn"``: it is logged with its cause
+            and counted in :attr:`save_failures`, nothing of it is committed, and the next save
+            goes ahead (a storage outage costs saves, not the run). A save refused before it
+            starts for bad input (an unsupported leaf, bad metrics, a re-save of a committed
+            step) raises at once in both modes: no retry fixes the caller's mistake.
     """
 
     def __init__(
@@ -47,6 +99,10 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         keep_period: int | None = None,
         save_interval_steps: int = 1,
+        best_fn: Callable[[Mapping[str, Metric]], float] | None = None,
+        best_mode: BestMode = "min",
+        keep_checkpoints_without_metrics: bool = True,
+        on_save_error: OnSaveError = "raise",
         coordinator: Coordinator | None = None,
         engine_config: EngineConfig | None = None,
         naming: Naming | None = None,
@@ -57,6 +113,14 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if keep_period is not None and keep_period < 1:
             raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if on_save_error not in ("raise", "warn"):
+            raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+        # Flat keywords, as Orbax's options; the best-N ones are grouped in one BestN.
+        self.best = BestN(best_fn, best_mode, keep_checkpoints_without_metrics) if best_fn is not None else None
+        self.on_save_error = on_save_error
+        self.save_failures = SaveFailures()
         # The same refusal as ckptio.save: a root that is a file would otherwise fail later, at the
         # first save, as a bare "no such file" deep in the backend.
         problem = file_in_the_way(url) if backend is None else None
@@ -89,8 +153,10 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True if ``step`` is on the save interval and newer than the latest committed step."""
+        if step % self.save_interval_steps:
+            return False  # no listing for a step off the interval (nor an error from one in an outage)
         latest = self.latest_step()
-        return step % self.save_interval_steps == 0 and (latest is None or step > latest)
+        return latest is None or step > latest
 
     # -- save / restore --------------------------------------------------
 
@@ -100,35 +166,84 @@ class CheckpointManager:
         state: Any,
         *,
         metadata: dict[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
         force: bool = False,
         progress: Progress | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` as ``step`` unless :meth:`should_save` says no (``force`` overrides).
 
-        Waits for the previous save to commit first, then returns once staged.
+        Waits for the previous save to commit first, then returns once staged. ``metrics``
+        (names to ints, finite floats or strings) go in the step's manifest for ``best_fn``;
+        bad ones raise here, before anything is written, whatever ``on_save_error`` says.
+        With ``on_save_error="warn"``, a save that storage fails at its start returns None
+        (counted in :attr:`save_failures`); the handle of one that started still raises from
+        its own ``result()``, but the manager's waits only log and count its failure.
         """
+        metadata = with_metrics(metadata, metrics, self.best.fn if self.best is not None else None)
         self.wait_until_finished()
-        if not force and not self.should_save(step):
-            log.info("%s: step %d not saved (off the save interval, or not newer than the latest step %s)",
-                     self.url, step, self.latest_step())
+        try:
+            if not force and not self.should_save(step):
+                log.info("%s: step %d not saved (off the save interval, or not newer than the latest step %s)",
+                         self.url, step, self.latest_step())
+                return None
+            if force:
+                self._warn_if_doomed(step)
+        except Exception as e:
+            self._outage_or_raise(step, e)
+            # The other hosts go on to this step's collectives: joining them as failed keeps every
+            # later save of the job in step (see save._join_as_failed).
+            _join_as_failed(self.coordinator, f"host {self.coordinator.rank}: {type(e).__name__}: {e}",
+                            self.store.where(step_dir_of(step)))
             return None
-        if force and self.max_to_keep is not None and step in self._doomed(
-            sorted({*run_sync(self.store.intact_steps(newest=self.max_to_keep)), step})
-        ):
-            log.warning("%s: forced save of step %d: retention (max_to_keep=%d) deletes it right after its "
-                        "commit, since %d newer steps exist", self.url, step, self.max_to_keep, self.max_to_keep)
-        handle = start_save(
-            self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
-            progress=progress, on_done=self._after_save,
-        )
+        try:
+            handle = start_save(
+                self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
+                progress=progress, on_done=self._after_save,
+            )
+        except Exception as e:  # start_save has told the other hosts already
+            self._outage_or_raise(step, e)
+            return None
         self._pending = handle
         return handle
 
+    def _warn_if_doomed(self, step: int) -> None:
+        """Logs a forced save that newest-N retention deletes right after its commit."""
+        keep = self.max_to_keep
+        if keep is None or self.best is not None:
+            return  # nothing deleted; or deleted by metrics, which the commit has yet to bring
+        if step in self._doomed(sorted({*run_sync(self.store.intact_steps(newest=keep)), step})):
+            log.warning("%s: forced save of step %d: retention (max_to_keep=%d) deletes it right after its "
+                        "commit, since %d newer steps exist", self.url, step, keep, keep)
+
+    def _failed(self, step: int | None, e: BaseException) -> None:
+        """Counts a failed save; with ``on_save_error="warn"`` logs it with its cause, as the caller
+        then goes on (with "raise" the caller re-raises it, and the traceback tells)."""
+        f = self.save_failures
+        f.count += 1
+        f.last_error = e
+        if step is not None:
+            f.since_last_good.append(step)
+        if self.on_save_error == "warn":
+            log.warning("%s: save of step %s failed; the run goes on (on_save_error='warn'): %d saves failed "
+                        "since the last good one (step %s), %d in all: %r", self.url, step,
+                        len(f.since_last_good), f.last_good_step, f.count, e, exc_info=e)
+
+    def _outage_or_raise(self, step: int, e: Exception) -> None:
+        """For a save that failed before it started: re-raises ``e`` unless it is storage failing and
+        ``on_save_error="warn"`` (then it is counted and logged; the caller goes on)."""
+        if not _is_outage(e):
+            raise e
+        self._failed(step, e)
+        if self.on_save_error == "raise":
+            raise e
+
     def _after_save(self, handle: SaveHandle) -> None:
-        if handle.state.value != "committed" or self.coordinator.rank != 0 or self.max_to_keep is None:
+        keep = self.max_to_keep
+        if handle.state.value != "committed" or self.coordinator.rank != 0 or keep is None:
             return  # nothing to delete: no manifest is read (a keep-everything run keeps thousands)
         try:
-            for step in run_sync(self._retention_victims(self.max_to_keep)):
+            victims = self._best_victims(self.best, keep) if self.best is not None else self._retention_victims(keep)
+            for step in run_sync(victims):
                 run_sync(self.store.delete(str(step)))
         except BaseException as e:  # surfaced by wait_until_finished; the checkpoint itself is fine
             log.error("%s: retention failed: %r", self.url, e)
@@ -151,6 +266,39 @@ class CheckpointManager:
         older = [s for s in dirs if s < kept[0] and not self._periodic(s)]
         return await self.store.intact_steps(among=older) if older else []
 
+    async def _best_victims(self, best: BestN, keep: int) -> list[int]:
+        """Intact steps that are neither among the ``keep`` best whole steps (``best.ranked``) nor
+        kept regardless: the newest whole step, ``keep_period`` steps, steps without metrics
+        (with ``keep_without_metrics``).
+
+        Reads the root manifest of every step but the periodic ones (the metrics are there; no
+        data, no fragment) and lists the objects of each ranked step: a step that lost one is
+        damaged, so it neither takes a best place nor is deleted.
+        """
+        dirs = await self.store.step_dirs()
+        newest = await self.store.intact_steps(newest=1, among=dirs, whole=True)
+        if not newest:
+            return []  # nothing restores: delete nothing
+        roots = await self.store.intact_roots(among=[s for s in dirs if not self._periodic(s)])
+        victims: list[int] = []
+        counted = 0
+        for step in best.ranked({s: metrics_of(m) for s, m in roots.items()}):
+            if not await self._whole(step, roots[step]):
+                continue
+            if counted < keep:
+                counted += 1
+            elif step != newest[0]:
+                victims.append(step)
+        return victims
+
+    async def _whole(self, step: int, root: Manifest) -> bool:
+        try:
+            await self.store.check_whole(str(step), root)
+        except (FileNotFoundError, IntegrityError) as e:
+            log.warning("%s: step %d is damaged: retention neither counts nor deletes it: %s", self.url, step, e)
+            return False
+        return True
+
     def _periodic(self, step: int) -> bool:
         return bool(self.keep_period) and step % self.keep_period == 0
 
@@ -164,13 +312,29 @@ class CheckpointManager:
         return [s for s in others if s not in newest]
 
     def wait_until_finished(self) -> None:
-        """Wait for the save in flight to commit (and its retention to run); re-raise its failure."""
+        """Wait for the save in flight to commit (and its retention to run).
+
+        Its failure, or its retention's, re-raises (``on_save_error="raise"``) or is logged
+        and counted in :attr:`save_failures` (``"warn"``).
+        """
         handle, self._pending = self._pending, None
         if handle is not None:
-            handle.result()
+            try:
+                handle.result()
+            except Exception as e:
+                self._failed(handle.step, e)
+                if self.on_save_error == "raise":
+                    raise
+            else:
+                self.save_failures.since_last_good.clear()
+                self.save_failures.last_good_step = handle.step
         if self._retention_error is not None:
             err, self._retention_error = self._retention_error, None
-            raise err
+            self.save_failures.retention += 1
+            if self.on_save_error == "raise":
+                raise err
+            log.warning("%s: retention failed; the run goes on (on_save_error='warn'), the checkpoint is committed: "
+                        "%r", self.url, err, exc_info=err)
 
     def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None) -> Any:
         """Restore ``step`` (default: the newest restorable committed) as ``target`` asks (see

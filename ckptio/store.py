@@ -229,7 +229,13 @@ class CheckpointStore:
         every object (format 2: every fragment) its root manifest names is there with its size
         (:meth:`check_whole`: a listing, no data read).
         """
-        out: list[int] = []
+        return sorted(await self.intact_roots(newest, among, whole=whole))
+
+    async def intact_roots(
+        self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
+    ) -> dict[int, Manifest]:
+        """:meth:`intact_steps`, each with its validated root manifest (format 2: no fragment read)."""
+        out: dict[int, Manifest] = {}
         async with aclosing(self._newest_first(newest or self.engine.concurrency, among)) as walk:
             async for step, found in walk:
                 if isinstance(found, Manifest) and whole:
@@ -242,10 +248,10 @@ class CheckpointStore:
                 ):
                     log.warning("%s: step %d is damaged and skipped: %s", self.url, step, found)
                 elif isinstance(found, Manifest):
-                    out.append(step)
+                    out[step] = found
                     if newest is not None and len(out) >= newest:
                         break
-        return sorted(out)
+        return out
 
     async def _newest_first(
         self, first: int, among: Iterable[int] | None = None
