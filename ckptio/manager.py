@@ -144,7 +144,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return run_sync(self.store.committed_steps())
+        return run_sync(self.store.standing_steps())
 
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest is intact (a damaged newer one is logged and skipped)."""

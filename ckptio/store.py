@@ -178,6 +178,17 @@ class CheckpointStore:
         return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and int(n) <= MAX_STEP)
 
     async def committed_steps(self) -> list[int]:
+        """Steps with a manifest and no tombstone, ascending: two stats a step, nothing read.
+
+        Neither validated nor fence-checked: a fenced manifest whose commit is still in flight (or
+        died, or was revoked) is listed too. See :meth:`standing_steps` (fences) and
+        :meth:`intact_steps` (fences and validation).
+        """
+        steps = await self.step_dirs()
+        flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
+        return [s for s, ok in zip(steps, flags) if ok]
+
+    async def standing_steps(self) -> list[int]:
         """Steps with a manifest, no tombstone and a standing commit (a fenced manifest whose fence
         does not say "commit" is a save in flight, dead or revoked: not committed), ascending.
 
