@@ -201,7 +201,7 @@ def logging_backend(inner: Any, log: EventLog, kill: tuple[str, int] | None, rnd
     (a phase, and which occurrence of it), the process kills itself there."""
     from ckptio.backends.wrappers import WrapperBackend
     from ckptio.manifest import MANIFEST_NAME
-    from ckptio.names import INTENT_PREFIX
+    from ckptio.names import INTENT_PREFIX, parse_revoked
 
     seen: dict[str, int] = {}
 
@@ -250,6 +250,8 @@ def logging_backend(inner: Any, log: EventLog, kill: tuple[str, int] | None, rnd
                     _suicide(log, "commit-after")
                 return
             await super().create_if_absent(key, data)
+            if parse_revoked(key) is not None:
+                log("revoke", key=key)
 
         async def delete(self, key: str) -> None:
             log("delete", key=key)
@@ -493,11 +495,12 @@ def check_deletions(events: list[dict[str, Any]], deaths: dict[str, float]) -> d
     """Nothing was deleted while the save that wrote it was provably alive.
 
     Alive at ``t`` for a deleting pass that started at ``s``: its intent was announced before
-    ``s`` and not ended (retired or marked dead) by ``t``, its process was not dead by ``t``, and
+    ``s`` and not ended (retired, marked dead, or revoked -- a revoked save can no longer commit,
+    see ckptio.fence) by ``t``, its process was not dead by ``t``, and
     its heartbeats never left a gap of 90 % of the lease in ``[s - lease, t]`` -- so every
     liveness check of the pass saw a fresh intent. ``deaths``: process -> when it stopped.
     """
-    from ckptio.names import parse_intent, parse_object
+    from ckptio.names import parse_intent, parse_object, parse_revoked
 
     deaths = dict(deaths)
     for e in events:  # a process that killed itself, or gave its job up, died before its parent saw it
@@ -517,6 +520,9 @@ def check_deletions(events: list[dict[str, Any]], deaths: dict[str, float]) -> d
                 beats.setdefault(sid, []).append((e["t0"], e["t"]))
             else:
                 ended.setdefault(sid, e["t0"])
+        elif e["op"] == "revoke":
+            sid = parse_revoked(key).save_id  # type: ignore[union-attr]
+            ended[sid] = min(ended.get(sid, e["t"]), e["t"])
         elif e["op"] == "pass":
             pass_start[e["proc"]] = e["t"]
         elif e["op"] == "delete":
