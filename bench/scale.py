@@ -39,7 +39,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
     import ml_dtypes  # noqa: F401  (bfloat16 by name)
 
     from ckptio.engine import WrittenObject
-    from ckptio.fragments import FragmentRef, fragment_doc, fragment_key, summary_of
+    from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
     from ckptio.checksum import crc32c
     from ckptio.layout import FlatNaming, Piece, pack
     from ckptio.save import _host_record
@@ -71,7 +71,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
 
 def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
     from ckptio.engine import run_sync
-    from ckptio.fragments import build_root
+    from ckptio.manifest import build_root
     from ckptio.manifest import Manifest, seal
     from ckptio.store import CheckpointStore
 

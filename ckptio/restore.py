@@ -49,7 +49,7 @@ from .engine import Progress, ReadRequest, run_sync
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from .manifest import ArrayItem, Extent, Manifest, ValueItem
-from .packtable import PackTable, split_items
+from .manifest import PackTable, split_items
 from .reshard import Region, coverage_gaps, plan_region
 from .staging import Sharded, index_to_box, plain_cpu_tensor, torch_to_numpy
 from .store import CheckpointStore

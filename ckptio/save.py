@@ -20,15 +20,17 @@ import numpy as np
 
 from . import _gc, sidecar
 from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
-from .engine import Progress, WrittenObject, run_sync
-from .errors import ManifestError, SaveFailedError
+from .engine import Progress, run_sync
+from .errors import SaveFailedError
 from .intents import Lease, new_id
 from .layout import ObjectPlan, Piece, pack
-from .dtypes import encode_dtype
 from .checksum import crc32c
-from .fragments import FragmentRef, build_root, fragment_doc, fragment_key, summary_of
-from .manifest import PACKS_VERSION, ROWS_VERSION, TILED_VERSION, Manifest, item_row, item_to_json, row_object, seal
-from .packtable import table_doc
+from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of
+from .manifest.builder import PACKED
+from .manifest.builder import expanded as _expanded
+from .manifest.builder import host_record as _host_record
+from .manifest.builder import merged_doc as _merged_doc
+from .manifest.builder import validated as _validated
 from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
@@ -118,89 +120,6 @@ def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...])
     return TileCopy(shard, offs, sizes)
 
 
-def _pack_items(items: dict[str, Any], pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> None:
-    """The items of a pack written at offset ``at`` of object ``n`` (``crcs``: one per member), as
-    compact rows (``manifest.item_row``)."""
-    start = 0
-    dtype = _dtype_code(pack.arrays[0].dtype)
-    origin = pack.origin
-    for name, arr, end, crc in zip(pack.names, pack.arrays, pack.ends, crcs):
-        items[name] = item_row(dtype, list(arr.shape), n, at + start, [crc], rank, origin)
-        start = end
-
-
-def _pack_table(pack: LeafPack, n: int, at: int, crcs: list[int], rank: int) -> dict[str, Any]:
-    """The format-5 table (``packtable``) of a pack written at offset ``at`` of object ``n``."""
-    return table_doc(_dtype_code(pack.arrays[0].dtype), n, at, pack.names, [list(a.shape) for a in pack.arrays],
-                     pack.ends, crcs, rank, pack.origin, [])
-
-
-def _dtype_code(dtype: np.dtype) -> Any:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        code = _DTYPE_CODES[dtype] = encode_dtype(dtype)
-    return code
-
-
-def _expanded(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with its compact rows as full item objects (what fragments are built from)."""
-    items = {name: row_object(it) if type(it) is list else it for name, it in record["items"].items()}
-    return {**record, "items": items}
-
-
-_DTYPE_CODES: dict[np.dtype, Any] = {}
-
-#: A staged item's place when the item itself is in a LeafPack.
-PACKED: Any = object()
-
-
-def _host_record(
-    staged: dict[str, Any], plans: list[ObjectPlan], written: list[WrittenObject], rank: int, include_values: bool,
-    packs: Sequence[LeafPack] = (), tables: bool = False,
-) -> dict[str, Any]:
-    """This host's part of the manifest, with object numbers local to the host.
-
-    Its packs' members are compact rows among the items or, with ``tables`` (format 5; a
-    single-host save, whose record is the whole manifest), one table per pack.
-    """
-    extents: dict[tuple[str, int], list[list[Any]]] = {}
-    packed: dict[str, Any] = {}
-    pack_tables: list[dict[str, Any]] = []
-    for n, (plan, w) in enumerate(zip(plans, written)):
-        for e, crcs in zip(plan.extents, w.crcs):
-            if e.cuts is None:
-                extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
-            elif tables:
-                pack_tables.append(_pack_table(packs[-1 - e.shard], n, e.offset, crcs, rank))
-            else:
-                _pack_items(packed, packs[-1 - e.shard], n, e.offset, crcs, rank)
-    items: dict[str, Any] = {}
-    for name, item in staged.items():
-        if item is PACKED:
-            if not tables:
-                items[name] = packed[name]
-        elif isinstance(item, StagedArray):
-            items[name] = {
-                "kind": "array",
-                "dtype": encode_dtype(item.dtype),
-                "shape": list(item.shape),
-                "scalar": item.scalar,
-                "origin": item.origin,
-                "shards": [
-                    {"offsets": list(o), "shape": list(s), "host": rank,
-                     "extents": sorted(extents.get((name, i), []), key=lambda x: x[2]),
-                     **({"tile": list(t)} if (t := item.tile_of(i)) is not None else {})}
-                    for i, (o, s, _d) in enumerate(item.shards)
-                ],
-            }
-        elif include_values:
-            items[name] = item_to_json(item, name)
-    record = {"ok": True, "objects": [p.key for p in plans], "items": items}
-    if pack_tables:
-        record["packs"] = pack_tables
-    return record
-
-
 async def _write_fragment(
     store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
     record: dict[str, Any], plans: list[ObjectPlan],
@@ -220,83 +139,6 @@ async def _write_fragment(
         if have.get(p.key, -1) < p.size:
             raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
     return summary_of(record, ref, coordinator=host == 0)
-
-
-def merge_records(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> Manifest:
-    """The coordinator's manifest from every host's record (validated like any manifest read)."""
-    return _validated(_merged_doc(records, head, where), where)
-
-
-def _validated(doc: dict[str, Any], where: str) -> Manifest:
-    try:
-        return Manifest.from_doc(doc, where)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where}: the merged manifest is invalid: {e}") from e
-    # (from_doc also checks that every array's shards tile it exactly once.)
-
-
-def _merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) -> dict[str, Any]:
-    """Every host's record in one manifest document (format 1; 3 with tiled shards; 4 with compact rows;
-    5 with pack tables, from a single host)."""
-    objects: list[str] = []
-    items: dict[str, Any] = {}
-    tables: list[dict[str, Any]] = []
-    # Boxes already in each array item, kept across hosts: rebuilding them per host made
-    # merging quadratic in the host count (1024 hosts x 8 shards per array).
-    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    for host, rec in enumerate(records):
-        base = len(objects)
-        objects.extend(rec["objects"])
-        for table in rec.get("packs", ()):  # only a single host's record has tables
-            table["object"] += base
-            tables.append(table)
-        for name, it in rec["items"].items():
-            if type(it) is list:  # a compact row: a whole array in one extent
-                it[2] += base
-                if items.setdefault(name, it) is it:
-                    continue
-                it = row_object(it)  # the same item from two hosts: compared in full below
-            elif it["kind"] == "array":
-                for s in it["shards"]:
-                    for e in s["extents"]:
-                        e[0] += base
-            mine = items.get(name)
-            if mine is None:
-                items[name] = it
-                if it["kind"] == "array":
-                    boxes[name] = {(tuple(s["offsets"]), tuple(s["shape"])) for s in it["shards"]}
-                continue
-            if type(mine) is list and it["kind"] == "array" and not it["shards"]:
-                if (it["dtype"], it["shape"]) != (mine[0], mine[1]):  # another host's view of a host-0 array
-                    raise SaveFailedError(f"{where}: item {name!r} differs between hosts (dtype, shape or kind)")
-                continue
-            if type(mine) is list:
-                mine = items[name] = row_object(mine)
-                boxes[name] = {(tuple(s["offsets"]), tuple(s["shape"])) for s in mine["shards"]}
-            if it["kind"] != mine["kind"] or (it["kind"] == "array" and (it["dtype"], it["shape"]) != (mine["dtype"], mine["shape"])):
-                raise SaveFailedError(f"{where}: item {name!r} differs between hosts (dtype, shape or kind)")
-            if it["kind"] == "array":
-                seen = boxes[name]
-                for s in it["shards"]:  # a replica another host already wrote is left out
-                    box = (tuple(s["offsets"]), tuple(s["shape"]))
-                    if box not in seen:
-                        seen.add(box)
-                        mine["shards"].append(s)
-    tiled = rows = False
-    for name, it in items.items():
-        if type(it) is list:
-            rows = True
-            continue
-        if it["kind"] == "array" and not it["shards"] and math.prod(it["shape"]):
-            raise SaveFailedError(
-                f"{where}: item {name!r} has no shard on any host. Plain arrays count as replicated and are "
-                "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
-            )
-        tiled = tiled or (it["kind"] == "array" and any("tile" in sh for sh in it["shards"]))
-    if tables:
-        return {**head, "version": PACKS_VERSION, "objects": objects, "items": items, "packs": tables}
-    version = ROWS_VERSION if rows else TILED_VERSION if tiled else head.get("version", 1)
-    return {**head, "version": version, "objects": objects, "items": items}
 
 
 def _join_as_failed(coord: Coordinator, error: str, where: str) -> None:

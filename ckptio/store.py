@@ -308,7 +308,7 @@ class CheckpointStore:
 
     async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
         """A format-2 root with the shards that meet ``wanted`` (item -> boxes; None: all) loaded."""
-        from .fragments import fragments_for, load_fragments
+        from .manifest import fragments_for, load_fragments
 
         where = f"{self.where(step_dir)}/{MANIFEST_NAME}"
         refs = root.fragments or []
@@ -1023,7 +1023,7 @@ def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
 def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
     """The least size of each object of ``manifest``: the end of its last extent (0 if it holds none)."""
     from .manifest import ArrayItem
-    from .packtable import split_items
+    from .manifest import split_items
 
     ends = [0] * len(manifest.objects)  # by object number: one list index per extent (100k-leaf states)
     plain, tables = split_items(manifest.items)

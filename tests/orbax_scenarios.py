@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import ckptio  # noqa: E402
 import ckptio.orbax  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
-from ckptio.fragments import FRAGMENT_PREFIX  # noqa: E402
+from ckptio.manifest import FRAGMENT_PREFIX  # noqa: E402
 from ckptio.layout import HashedNaming  # noqa: E402
 from ckptio.manifest import MANIFEST_NAME, Manifest  # noqa: E402
 from ckptio.names import is_fencing  # noqa: E402

@@ -202,7 +202,7 @@ def test_torch_and_numpy_small_leaves_pack_together_and_come_back_as_their_kind(
 
 def test_a_reader_that_predates_pack_tables_refuses_the_checkpoint(tmp_path: Path) -> None:
     """Format 5 (pack tables) is refused by a ckptio that reads at most 4, instead of missing items."""
-    from ckptio import manifest
+    from ckptio.manifest import formats as manifest
 
     ckptio.save(tmp_path, {"a": np.arange(4.0)}, step=1).result()
     old = manifest.VERSION

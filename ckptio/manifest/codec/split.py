@@ -1,0 +1,161 @@
+"""Format 2, read: a root manifest and the per-host fragments it names.
+
+The root (``ckptio.manifest.json``) holds the tree, value items, each array's
+dtype and shape, the fragments (key, size, crc32c) and, per array, a
+*locator*: the boxes of its shards with the fragment holding each, as a
+compressed int64 table shared by every array with the same layout.
+:func:`root_from_doc` reads a root into a :class:`~ckptio.manifest.model.Manifest`
+with no shards yet (``complete=False``); :func:`load_fragments` adds the
+shards and objects of the fragments read. Which fragments to read is the
+question of :mod:`ckptio.manifest.lazy`; writing is :mod:`ckptio.manifest.fragments`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ckptio.backends.base import check_key
+
+from ... import _json
+from ...checksum import crc32c
+from ...errors import IntegrityError, ManifestError
+from ...names import step_of_key
+from ..geometry import check_table
+from ..limits import U32, check_int
+from ..model import ArrayItem, FragmentRef, Manifest, ValueItem
+from ..seal import unseal
+from ..values import decode_value
+from .arrays import array_item
+from .single import head_fields
+
+__all__ = ["FRAGMENT_FORMAT", "load_fragments", "root_from_doc"]
+
+#: The ``format`` of a fragment document.
+FRAGMENT_FORMAT = "ckptio-fragment"
+
+
+def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
+    """A format-2 root as a Manifest with no shards yet (``complete=False``); see :func:`load_fragments`."""
+    block_size = check_int(doc["block_size"], "block_size", where, lo=1)
+    raw_frags = doc["fragments"]
+    if not isinstance(raw_frags, list):
+        raise ManifestError(f"{where}: 'fragments' must be a list")
+    fragments = []
+    for f in raw_frags:
+        try:
+            check_key(f["key"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise ManifestError(f"{where}: bad fragment reference {str(f)[:100]!r}: {e}") from e
+        fragments.append(FragmentRef(f["key"], check_int(f["size"], "fragment size", where),
+                                     check_int(f["crc32c"], "fragment crc32c", where, hi=U32 - 1),
+                                     check_int(f.get("host", 0), "fragment host", where)))
+    locators = doc["locators"]
+    if not isinstance(locators, dict):
+        raise ManifestError(f"{where}: 'locators' must be a JSON object")
+    tables: dict[tuple[str, int], np.ndarray] = {}
+    checked: set[tuple[str, tuple[int, ...]]] = set()
+    items: dict[str, ArrayItem | ValueItem] = {}
+    for name, raw in doc["items"].items():
+        here = f"{where}: item {name!r}"
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{here}: not a JSON object")
+        if raw.get("kind") == "value":
+            items[name] = ValueItem(decode_value(raw, here))
+            continue
+        if raw.get("kind") != "array":
+            raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
+        item = array_item({**raw, "shards": []}, here, 0, block_size, tiling=False)
+        ndim = len(item.shape)
+        lid = raw.get("locator")
+        if (lid, ndim) not in tables:
+            if not isinstance(lid, str) or lid not in locators:
+                raise ManifestError(f"{here}: unknown locator {lid!r}")
+            try:
+                data = zlib.decompress(base64.b64decode(locators[lid], validate=True))
+            except (ValueError, zlib.error) as e:
+                raise ManifestError(f"{here}: locator {lid!r} is not readable: {e}") from e
+            if len(data) % (8 * (1 + 2 * ndim)):
+                raise ManifestError(f"{here}: locator {lid!r} does not match the array's rank")
+            tables[(lid, ndim)] = np.frombuffer(data, dtype=np.int64).reshape(-1, 1 + 2 * ndim)
+        item.locator = tables[(lid, ndim)]
+        if (lid, item.shape) not in checked:  # arrays sharing a layout share the check
+            check_table(item.locator, item.shape, len(fragments), here, exact=False)
+            checked.add((lid, item.shape))
+        items[name] = item
+    return Manifest(block_size=block_size, items=items, objects=[], fragments=fragments, complete=False,
+                    **head_fields(doc, items, where))
+
+
+def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str, where: str,
+                   *, complete: bool) -> Manifest:
+    """``manifest`` (a format-2 root) with the shards and objects of the fragments in ``datas``.
+
+    Each fragment must be the exact bytes the root recorded (size and crc32c), bound to the
+    root's step, and hold the boxes the root's locators assign to it.
+    """
+    if manifest.complete:  # every shard already at hand (format 1, or all fragments read)
+        return manifest
+    assert manifest.fragments is not None
+    objects: list[str] = []
+    shards: dict[str, list[Any]] = {}
+    owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
+    few = len(datas) <= 8
+    for f in sorted(datas):
+        ref, data = manifest.fragments[f], datas[f]
+        here = f"{where}: fragment {ref.key!r}"
+        if len(data) != ref.size or crc32c(data) != ref.crc32c:
+            raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
+        try:
+            doc = _json.loads(unseal(data, here))
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{here}: not valid JSON: {e}") from e
+        if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT or doc.get("step") != manifest.step:
+            raise ManifestError(f"{here}: not a fragment of step {manifest.step}")
+        base = len(objects)
+        for key in doc["objects"]:
+            try:
+                check_key(key)
+            except (ValueError, TypeError) as e:
+                raise ManifestError(f"{here}: bad object key: {e}") from e
+            if step_of_key(key) != step_dir:
+                raise ManifestError(f"{here}: object {key!r} lies outside this checkpoint's step")
+            objects.append(key)
+        for name, rows in doc["items"].items():
+            item = manifest.items.get(name)
+            if not isinstance(item, ArrayItem) or item.locator is None:
+                raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
+            if few:  # a host reading its own fragment: its rows only, not every host's
+                mine = {tuple(r) for r in item.locator[item.locator[:, 0] == f, 1:].tolist()}
+                owned = (lambda box, mine=mine: box in mine)
+            else:
+                owner = owners.get(name)
+                if owner is None:
+                    owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
+                owned = (lambda box, owner=owner, f=f: owner.get(box) == f)
+            for row in rows:
+                if not isinstance(row, list) or len(row) not in (3, 4):
+                    raise ManifestError(f"{here}: malformed shard row of item {name!r}")
+                offsets, shape, extents = row[:3]
+                if not owned((*offsets, *shape)):
+                    continue  # a replica the root assigns to another fragment
+                shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": ref.host, "extents": [
+                    [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < len(doc["objects"]) else -1, *e[1:]]
+                    for e in extents], "tile": row[3] if len(row) == 4 else None})
+    items: dict[str, ArrayItem | ValueItem] = {}
+    for name, item in manifest.items.items():
+        if not isinstance(item, ArrayItem):
+            items[name] = item
+            continue
+        raw = {"dtype": None, "shape": list(item.shape),
+               "shards": shards.get(name, []), "scalar": item.scalar, "origin": item.origin}
+        full = array_item(raw, f"{where}: item {name!r}", len(objects), manifest.block_size,
+                          tiling=complete, dtype=item.dtype)
+        full.locator = item.locator
+        items[name] = full
+    return dataclasses.replace(manifest, items=items, objects=objects, complete=complete)

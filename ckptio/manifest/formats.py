@@ -1,0 +1,55 @@
+"""The table of manifest formats: what each version adds, and which one a writer picks.
+
+=======  =====================================================================
+version  what it adds (each reader of version ``n`` reads every version <= n)
+=======  =====================================================================
+1        one document naming every item, shard, extent and checksum
+2        a small root plus one sealed fragment per host (:mod:`.fragments`):
+         the root holds each array's boxes as a locator, the fragments the extents
+3        tiled shards (:mod:`ckptio.tiling`), in a format 1 or 2 document
+         (a root has ``fragments``): a reader that predates tiles refuses the
+         checkpoint instead of reading tile streams as C order
+4        compact rows in a format-1 document: a small whole array as
+         ``[dtype, shape, object, offset, crcs]``, for states of 100k leaves
+5        ``packs`` in a format-4 document: the small whole arrays of a pack as one
+         columnar table (:mod:`.codec.packs`) instead of as items
+=======  =====================================================================
+
+A writer states the features its document uses and :func:`version_for` picks the
+lowest version that has them all, so a checkpoint stays readable by the oldest
+ckptio that can read it. Readers refuse any version above :data:`VERSION`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FEATURES",
+    "FORMAT",
+    "FRAGMENTS_VERSION",
+    "MANIFEST_NAME",
+    "PACKS_VERSION",
+    "ROWS_VERSION",
+    "TILED_VERSION",
+    "TOMBSTONE_NAME",
+    "VERSION",
+    "version_for",
+]
+
+FORMAT = "ckptio"
+#: The newest format this ckptio reads (the table above).
+VERSION = 5
+FRAGMENTS_VERSION = 2
+TILED_VERSION = 3
+ROWS_VERSION = 4
+PACKS_VERSION = 5
+#: The least version that can express each feature a document may use.
+FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION}
+MANIFEST_NAME = "ckptio.manifest.json"
+#: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
+TOMBSTONE_NAME = "ckptio.deleting"
+
+
+def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False) -> int:
+    """The lowest format version that expresses a document using the given features."""
+    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs}
+    return max((FEATURES[name] for name, on in used.items() if on), default=1)

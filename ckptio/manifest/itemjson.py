@@ -1,0 +1,116 @@
+"""The JSON of items, written in exactly one place.
+
+Every writer of a manifest -- a save's host records, the DCP writer, the
+converters, :meth:`~ckptio.manifest.Manifest.to_doc` -- builds an item's JSON
+here, so its shape (and, byte for byte, its key order: stored manifests are
+compared and checksummed as bytes) is defined once:
+
+* an array item: ``{"kind": "array", "dtype", "shape", "scalar", "origin",
+  "shards": [{"offsets", "shape", "host", "extents": [[object, offset,
+  shard_offset, length, [crc, ...]], ...], "tile"?}, ...]}``;
+* a compact row (format 4): ``[dtype, shape, object, offset, crcs]`` plus
+  ``{host, origin, scalar}`` where not the defaults;
+* a pack table (format 5): see :mod:`ckptio.manifest.codec.packs`;
+* a value item: :func:`ckptio.manifest.values.encode_value`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import decode_dtype, encode_dtype
+from .model import ArrayItem, Extent, ValueItem
+from .values import encode_value
+
+__all__ = [
+    "array_json",
+    "dtype_code",
+    "extent_json",
+    "item_row",
+    "item_to_json",
+    "row_object",
+    "shard_json",
+    "table_doc",
+]
+
+_DTYPE_CODES: dict[np.dtype, Any] = {}
+
+
+def dtype_code(dtype: np.dtype) -> Any:
+    """``encode_dtype(dtype)``, remembered: a state of 100k leaves has a handful of dtypes."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = encode_dtype(dtype)
+    return code
+
+
+def extent_json(e: Extent) -> list[Any]:
+    """An extent as its JSON row ``[object, offset, shard_offset, length, crcs]``."""
+    return [e.object, e.offset, e.shard_offset, e.length, e.crcs]
+
+
+def shard_json(offsets: list[int], shape: list[int], host: int, extents: list[Any],
+               tile: Sequence[int] | None = None) -> dict[str, Any]:
+    """One shard's JSON object (``extents`` already as rows, see :func:`extent_json`).
+
+    Lists are taken as they are (no copy): a reader's error path passes malformed fields through.
+    """
+    doc = {"offsets": offsets, "shape": shape, "host": host, "extents": extents}
+    if tile is not None:
+        doc["tile"] = list(tile)
+    return doc
+
+
+def array_json(dtype: Any, shape: list[int], scalar: bool, origin: str, shards: list[dict[str, Any]]
+               ) -> dict[str, Any]:
+    """An array item's JSON object (``dtype`` encoded, ``shards`` from :func:`shard_json`)."""
+    return {"kind": "array", "dtype": dtype, "shape": shape, "scalar": scalar, "origin": origin, "shards": shards}
+
+
+def item_to_json(item: ArrayItem | ValueItem, name: str) -> dict[str, Any]:
+    """The manifest's JSON form of one item."""
+    if isinstance(item, ValueItem):
+        return encode_value(item.value, name)
+    return array_json(encode_dtype(item.dtype), list(item.shape), item.scalar, item.origin, [
+        shard_json(list(s.offsets), list(s.shape), s.host, [extent_json(e) for e in s.extents], s.tile)
+        for s in item.shards
+    ])
+
+
+def item_row(dtype: Any, shape: list[int], obj: int, offset: int, crcs: list[int], host: int = 0,
+             origin: str = "numpy", scalar: bool = False) -> list[Any]:
+    """A whole array held in one extent (``crcs`` of its checksum blocks) of object ``obj`` as the compact
+    row ``[dtype, shape, object, offset, crcs]`` (plus ``{host, origin, scalar}`` where not the
+    defaults 0, numpy, false) that a format-4 manifest may hold in place of the item's JSON object."""
+    row = [dtype, shape, obj, offset, crcs]
+    if host == 0 and origin == "numpy" and not scalar:  # the commonest row, built per member of a pack
+        return row
+    extra = {k: v for k, v, d in (("host", host, 0), ("origin", origin, "numpy"), ("scalar", scalar, False)) if v != d}
+    return [*row, extra]
+
+
+def row_object(row: list[Any]) -> dict[str, Any]:
+    """A compact row (:func:`item_row`) as the item's full JSON object."""
+    spec, shape, obj, at, crcs = row[:5]
+    extra = row[5] if len(row) == 6 and type(row[5]) is dict else {}
+    try:
+        length = math.prod(shape) * decode_dtype(spec, "").itemsize
+    except (ValueError, TypeError):
+        length = -1  # refused with the dtype
+    offsets = [0] * len(shape) if type(shape) is list else shape
+    shard = shard_json(offsets, shape, extra.get("host", 0), [[obj, at, 0, length, crcs]])
+    return array_json(spec, shape, extra.get("scalar", False), extra.get("origin", "numpy"), [shard])
+
+
+def table_doc(spec: Any, obj: int, offset: int, names: list[str], shapes: list[list[int]], ends: list[int],
+              crcs: list[int], host: int, origin: str, scalars: list[int]) -> dict[str, Any]:
+    """A pack's JSON table (format 5, see :mod:`ckptio.manifest.codec.packs`)."""
+    doc = {"object": obj, "offset": offset, "dtype": spec, "host": host, "origin": origin, "names": names,
+           "shapes": shapes, "ends": ends, "crcs": crcs}
+    if scalars:
+        doc["scalars"] = scalars
+    return doc

@@ -1,0 +1,81 @@
+"""A manifest loaded as far as a reader needs: "which shards of these items meet these boxes".
+
+A format-1 manifest holds every shard; a format-2 root holds only each
+array's boxes, and its shards are in per-host fragments. Readers should not
+care which: they ask :func:`with_shards_meeting` for the shards meeting the
+boxes they will read (or :func:`with_every_shard` for all of them), handing
+it a callback that reads fragments by number; the answer is the same
+manifest when nothing is missing (no callback call, and for ``wanted`` given
+as a callable, no boxes made), else one with the fragments holding those
+shards loaded. Afterwards :meth:`Manifest.tiles_known` says whether an item's
+shards at hand were checked to tile it exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .codec.split import load_fragments
+from .model import ArrayItem, Box, Manifest
+
+__all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "with_shards_meeting"]
+
+
+#: Item name -> target boxes ``(offsets, shape)``.
+Boxes = Mapping[str, Iterable[Box]]
+#: The boxes a reader wants: themselves, made on demand, or None for every shard.
+Wanted = Boxes | Callable[[], Boxes] | None
+#: Reads fragments by number: the store's reads, with its retries and errors.
+Fetch = Callable[[list[int]], Awaitable[Mapping[int, bytes]]]
+
+
+def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
+    """Fragment numbers holding shards that meet ``wanted`` (item -> target boxes; a callable: asked
+    only if some fragment is unread; None: all), and none once every shard is at hand."""
+    if manifest.complete:
+        return []
+    if callable(wanted):
+        wanted = wanted()
+    if wanted is None:
+        return list(range(len(manifest.fragments or [])))
+    out: set[int] = set()
+    asked: set[tuple[int, tuple[Any, ...]]] = set()  # arrays sharing a layout and target boxes: asked once
+    for name, boxes in wanted.items():
+        item = manifest.items.get(name)
+        if not isinstance(item, ArrayItem) or item.locator is None or not len(item.locator):
+            continue
+        boxes = [(tuple(o), tuple(sh)) for o, sh in boxes]
+        key = (id(item.locator), tuple(boxes))
+        if key in asked:
+            continue
+        asked.add(key)
+        table, ndim = item.locator, len(item.shape)
+        offs, sizes = table[:, 1 : 1 + ndim], table[:, 1 + ndim :]
+        for off, shape in boxes:
+            lo, hi = np.asarray(off, np.int64), np.asarray(off, np.int64) + np.asarray(shape, np.int64)
+            meets = ((offs < hi) & (offs + sizes > lo)).all(axis=1) & (sizes > 0).all(axis=1) if ndim else \
+                np.ones(len(table), bool)
+            out.update(table[meets, 0].tolist())
+    return sorted(out)
+
+
+async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, step_dir: str,
+                              where: str) -> Manifest:
+    """``manifest`` with every shard that meets ``wanted`` at hand (``wanted`` None: every shard).
+
+    ``fetch`` reads the fragments it is given (their numbers in ``manifest.fragments``); it is
+    called only when some are needed. ``where`` (the manifest's URL) names the faults.
+    """
+    numbers = fragments_for(manifest, wanted)
+    if manifest.complete:
+        return manifest
+    datas = await fetch(numbers) if numbers else {}
+    return load_fragments(manifest, datas, step_dir, where, complete=wanted is None)
+
+
+async def with_every_shard(manifest: Manifest, fetch: Fetch, step_dir: str, where: str) -> Manifest:
+    """``manifest`` with all of its shards at hand (see :func:`with_shards_meeting`)."""
+    return await with_shards_meeting(manifest, None, fetch, step_dir, where)
