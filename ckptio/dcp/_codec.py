@@ -51,7 +51,7 @@ import numpy as np
 
 from ..dtypes import encode_dtype
 from ..errors import ManifestError
-from ..manifest import ArrayItem, Manifest, ShardRecord
+from ..manifest import ArrayItem, Manifest, ObjectNumbers, ShardRecord, array_json, document, shard_json, version_for
 from ..staging import torch_to_numpy
 from ..tree import path_str
 
@@ -168,6 +168,47 @@ def _planner_data_json(data: Any) -> Any:
     return None
 
 
+def _locations(results: list[list[Any]]) -> dict[Any, ChunkLocation]:
+    """Every rank's WriteResults by their MetadataIndex."""
+    where: dict[Any, ChunkLocation] = {}
+    for rank_results in results:
+        for r in rank_results:
+            if not isinstance(r.storage_data, ChunkLocation):
+                raise TypeError(f"WriteResult for {r.index} was not written by ckptio.dcp.Writer")
+            where[r.index] = r.storage_data
+    return where
+
+
+def _located(where: dict[Any, ChunkLocation], index: Any) -> ChunkLocation:
+    loc = where.get(index)
+    if loc is None:
+        raise ManifestError(f"no rank reported writing {index}: the save's results are incomplete")
+    return loc
+
+
+def _tensor_entry(name: str, props: Any) -> dict[str, Any]:
+    """The ``metadata["dcp"]`` entry of a tensor: its TensorProperties by name."""
+    return {"item": name, "kind": "tensor", "dtype": _torch_name(props.dtype), "layout": _torch_name(props.layout),
+            "requires_grad": bool(props.requires_grad), "memory_format": _torch_name(props.memory_format),
+            "pin_memory": bool(props.pin_memory)}
+
+
+def _stored_bytes(entry: dict[str, Any], fqn: str, md: Any, locs: list[ChunkLocation], numbers: ObjectNumbers
+                  ) -> dict[str, Any]:
+    """A transformed tensor: one uint8 item of every chunk's stored bytes (out of the tree), its boxes
+    in ``entry``."""
+    entry["item"] = stored_item_name(fqn)
+    entry["size"] = list(md.size)
+    entry["chunks"] = []
+    shards, at = [], 0
+    for chunk, loc in zip(md.chunks, locs):
+        entry["chunks"].append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "at": at,
+                                "transforms": list(loc.transforms)})
+        shards.append(shard_json([at], [loc.nbytes], loc.rank, numbers.extents(loc.extents)))
+        at += loc.nbytes
+    return array_json("|u1", [at], False, "numpy", shards)
+
+
 def manifest_doc(
     metadata: Any,
     results: list[list[Any]],
@@ -182,84 +223,42 @@ def manifest_doc(
     """The manifest document of a DCP save, from the global Metadata and every rank's WriteResults."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    where: dict[Any, ChunkLocation] = {}
-    for rank_results in results:
-        for r in rank_results:
-            if not isinstance(r.storage_data, ChunkLocation):
-                raise TypeError(f"WriteResult for {r.index} was not written by ckptio.dcp.Writer")
-            where[r.index] = r.storage_data
-    objects: list[str] = []
-    object_no: dict[str, int] = {}
-
-    def extents(loc: ChunkLocation) -> list[list[Any]]:
-        out = []
-        for key, offset, chunk_offset, length, crcs in loc.extents:
-            if key not in object_no:
-                object_no[key] = len(objects)
-                objects.append(key)
-            out.append([object_no[key], offset, chunk_offset, length, list(crcs)])
-        return out
-
-    def missing(index: Any) -> ChunkLocation:
-        raise ManifestError(f"no rank reported writing {index}: the save's results are incomplete")
-
+    where = _locations(results)
+    numbers = ObjectNumbers()
     items: dict[str, Any] = {}
     dcp_items: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         name = path_str((fqn,))
         if isinstance(md, BytesStorageMetadata):
-            loc = where.get(MetadataIndex(fqn)) or missing(fqn)
+            loc = _located(where, MetadataIndex(fqn))
             if loc.transforms:
                 name = stored_item_name(fqn)
-            items[name] = {
-                "kind": "array", "dtype": "|u1", "shape": [loc.nbytes], "scalar": False, "origin": "numpy",
-                "shards": [{"offsets": [0], "shape": [loc.nbytes], "host": loc.rank, "extents": extents(loc)}],
-            }
+            items[name] = array_json("|u1", [loc.nbytes], False, "numpy",
+                                     [shard_json([0], [loc.nbytes], loc.rank, numbers.extents(loc.extents))])
             dcp_items[fqn] = {"item": name, "kind": "bytes"}
             if loc.transforms:
                 dcp_items[fqn]["transforms"] = list(loc.transforms)
             continue
-        props = md.properties
-        locs = [where.get(MetadataIndex(fqn, c.offsets)) or missing(MetadataIndex(fqn, c.offsets)) for c in md.chunks]
-        entry: dict[str, Any] = {
-            "item": name, "kind": "tensor", "dtype": _torch_name(props.dtype), "layout": _torch_name(props.layout),
-            "requires_grad": bool(props.requires_grad), "memory_format": _torch_name(props.memory_format),
-            "pin_memory": bool(props.pin_memory),
-        }
-        dcp_items[fqn] = entry
+        locs = [_located(where, MetadataIndex(fqn, c.offsets)) for c in md.chunks]
+        entry = dcp_items[fqn] = _tensor_entry(name, md.properties)
         if any(loc.transforms for loc in locs):
-            # Transformed bytes are no array: one uint8 item of every chunk's stored bytes, out of the tree.
-            entry["item"] = name = stored_item_name(fqn)
-            entry["size"] = list(md.size)
-            entry["chunks"] = []
-            shards, at = [], 0
-            for chunk, loc in zip(md.chunks, locs):
-                entry["chunks"].append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "at": at,
-                                        "transforms": list(loc.transforms)})
-                shards.append({"offsets": [at], "shape": [loc.nbytes], "host": loc.rank, "extents": extents(loc)})
-                at += loc.nbytes
-            items[name] = {"kind": "array", "dtype": "|u1", "shape": [at], "scalar": False, "origin": "numpy",
-                           "shards": shards}
+            stored = _stored_bytes(entry, fqn, md, locs, numbers)  # renames the entry's item
+            items[entry["item"]] = stored
             continue
-        shards = [{"offsets": list(c.offsets), "shape": list(c.sizes), "host": loc.rank, "extents": extents(loc)}
+        shards = [shard_json(list(c.offsets), list(c.sizes), loc.rank, numbers.extents(loc.extents))
                   for c, loc in zip(md.chunks, locs)]
-        items[name] = {
-            "kind": "array", "dtype": encode_dtype(numpy_dtype_of(props.dtype, fqn)), "shape": list(md.size),
-            "scalar": False, "origin": "torch", "shards": shards,
-        }
-    return {
-        "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "created": created,
-        "block_size": block_size, "num_hosts": num_hosts,
+        items[name] = array_json(encode_dtype(numpy_dtype_of(md.properties.dtype, fqn)), list(md.size), False,
+                                 "torch", shards)
+    return document(
+        version=version_for(), step=step, checkpoint_id=save_id, created=created, block_size=block_size,
+        num_hosts=num_hosts,
         # A flat dict keyed by FQN: a native restore returns {fqn: array}.
         # Transformed items are left out: their stored bytes are not the values.
-        "tree": {"dict": {fqn: {"leaf": d["item"]} for fqn, d in dcp_items.items() if not _transformed(d)}},
-        "objects": objects,
-        "items": items,
-        "metadata": {"dcp": {
-            "version": DCP_VERSION, "items": dcp_items,
-            "planner_data": _planner_data_json(metadata.planner_data), "modules": list(modules),
-        }},
-    }
+        tree={"dict": {fqn: {"leaf": d["item"]} for fqn, d in dcp_items.items() if not _transformed(d)}},
+        objects=numbers.objects, items=items,
+        metadata={"dcp": {"version": DCP_VERSION, "items": dcp_items,
+                          "planner_data": _planner_data_json(metadata.planner_data), "modules": list(modules)}},
+    )
 
 
 # -- reading ----------------------------------------------------------------

@@ -42,7 +42,7 @@ from .formats import (
 )
 from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, summary_of
 from .geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
-from .itemjson import array_json, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
+from .itemjson import array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
 from .lazy import Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_shards_meeting
 from .limits import MAX_MANIFEST_BYTES
 from .model import (
@@ -97,6 +97,7 @@ __all__ = [
     "decode",
     "decode_json",
     "decode_value",
+    "document",
     "dtype_code",
     "encode",
     "encode_json",

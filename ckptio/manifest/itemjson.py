@@ -23,11 +23,13 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import decode_dtype, encode_dtype
+from .formats import FORMAT
 from .model import ArrayItem, Extent, ValueItem
 from .values import encode_value
 
 __all__ = [
     "array_json",
+    "document",
     "dtype_code",
     "extent_json",
     "item_row",
@@ -113,4 +115,16 @@ def table_doc(spec: Any, obj: int, offset: int, names: list[str], shapes: list[l
            "shapes": shapes, "ends": ends, "crcs": crcs}
     if scalars:
         doc["scalars"] = scalars
+    return doc
+
+
+def document(*, version: int, step: int | None, checkpoint_id: str, created: float, block_size: int,
+             num_hosts: int, tree: Any, objects: list[str], items: dict[str, Any], metadata: dict[str, Any],
+             fence: str | None = None) -> dict[str, Any]:
+    """A one-document manifest (formats 1, 3, 4) from its parts, in its canonical key order."""
+    doc = {"format": FORMAT, "version": version, "step": step, "checkpoint_id": checkpoint_id, "created": created,
+           "block_size": block_size, "num_hosts": num_hosts, "tree": tree, "objects": objects, "items": items,
+           "metadata": metadata}
+    if fence:
+        doc["fence"] = fence
     return doc

@@ -32,7 +32,7 @@ from ckptio.backends.base import check_key
 from ...errors import ManifestError
 from ...tree import tree_leaf_names
 from ..formats import FORMAT, PACKS_VERSION, version_for
-from ..itemjson import item_to_json
+from ..itemjson import document, item_to_json
 from ..limits import MAX_COUNT, check_int
 from ..model import ArrayItem, Items, Manifest, ValueItem, split_items
 from ..values import decode_value
@@ -119,17 +119,9 @@ def encode(manifest: Manifest) -> dict[str, Any]:
     if not manifest.complete:
         raise ManifestError("a manifest loaded with only some of its fragments cannot be written whole")
     tiles = any(isinstance(it, ArrayItem) and any(s.tile for s in it.shards) for it in manifest.items.values())
-    return {
-        "format": FORMAT,
-        "version": version_for(tiles=tiles),
-        "step": manifest.step,
-        "checkpoint_id": manifest.checkpoint_id,
-        "created": manifest.created,
-        "block_size": manifest.block_size,
-        "num_hosts": manifest.num_hosts,
-        "tree": manifest.tree,
-        "objects": manifest.objects,
-        "items": {name: item_to_json(item, name) for name, item in manifest.items.items()},
-        "metadata": manifest.metadata,
-        **({"fence": manifest.fence} if manifest.fence else {}),
-    }
+    return document(
+        version=version_for(tiles=tiles), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
+        created=manifest.created, block_size=manifest.block_size, num_hosts=manifest.num_hosts, tree=manifest.tree,
+        objects=manifest.objects, items={name: item_to_json(item, name) for name, item in manifest.items.items()},
+        metadata=manifest.metadata, fence=manifest.fence,
+    )
