@@ -219,7 +219,7 @@ def _ls(args: argparse.Namespace) -> int:
                 m = st.manifest
                 row.update(items=len(m.items), objects=len(m.objects), bytes=_nbytes(m), hosts=m.num_hosts,
                            created=m.created)
-                if not m.complete:
+                if m.object_count() is None:
                     # Format 2: only the root was read (one read per step, as for format 1); the objects
                     # are named in the hosts' fragments, so their count is unknown here, not 0.
                     row.update(objects=None, fragments=len(m.fragments or []))

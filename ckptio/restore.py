@@ -333,10 +333,11 @@ def restore_checkpoint(
                 f"{where}: the target asks for {missing[:5]} which the checkpoint does not hold "
                 f"(it holds {sorted(manifest.items)[:10]}{'...' if len(manifest.items) > 10 else ''})"
             )
-    if not manifest.complete:  # format 2: read only the fragments holding shards this restore meets
-        wanted_boxes = {n: _target_boxes(manifest.items[n], t) for n, t in wanted.items()
-                        if isinstance(manifest.items[n], ArrayItem)}
-        manifest = run_sync(store.load_fragments(step_dir, manifest, wanted_boxes))
+    # The shards this restore meets, at hand (a format-2 root reads only the fragments holding them;
+    # the boxes are made only then).
+    root = manifest
+    manifest = run_sync(store.load_fragments(step_dir, root, lambda: {
+        n: _target_boxes(root.items[n], t) for n, t in wanted.items() if isinstance(root.items[n], ArrayItem)}))
     # Objects exist and are as long as the manifest says before anything is allocated from it.
     if not store.host_local:
         run_sync(store.check_objects(manifest, where))
@@ -356,7 +357,7 @@ def restore_checkpoint(
                 value = _scalar_value(name, value, "the value", tgt)
             finishers[name] = lambda v=value: v
             continue
-        if manifest.complete and len(item.shards) == 1:
+        if manifest.tiles_known(name) and len(item.shards) == 1:
             shard = item.shards[0]
             if shard.tile is None and len(shard.extents) == 1 and 0 < shard.extents[0].length <= bulk_max:
                 # A whole small array: read in bulk, then placed on jax devices or copied into the target.
@@ -370,7 +371,7 @@ def restore_checkpoint(
                     continue
         regions, finishers[name] = _regions(name, item, tgt)
         for r in regions:
-            whole = manifest.complete and r.dest.shape == item.shape  # a validated tiling covers it all
+            whole = manifest.tiles_known(name) and r.dest.shape == item.shape  # a validated tiling covers it all
             gaps = 0 if whole else coverage_gaps(item, r.offsets, tuple(r.dest.shape))
             if gaps:
                 raise CheckpointNotFoundError(f"{where}: item {name!r}: {gaps} elements of the target slice are not saved")

@@ -43,7 +43,7 @@ from .errors import (
 )
 from .fence import COMMIT, REVOKED, Fences, writers_of
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, unseal
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, Wanted, unseal, with_shards_meeting
 from .names import (
     INTENT_PREFIX, fence_key, intent_key, parse_fence, is_hashed_component, new_id, parse_intent, parse_object, step_of_key,
 )
@@ -302,17 +302,13 @@ class CheckpointStore:
 
     async def _with_shards(self, step_dir: str, root: Manifest, shards: bool) -> Manifest:
         """``root`` with every fragment of a format-2 checkpoint loaded when ``shards``."""
-        if shards and not root.complete:
-            return await self.load_fragments(step_dir, root, None)
-        return root
+        return await self.load_fragments(step_dir, root, None) if shards else root
 
-    async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
-        """A format-2 root with the shards that meet ``wanted`` (item -> boxes; None: all) loaded."""
-        from .manifest import fragments_for, load_fragments
-
+    async def load_fragments(self, step_dir: str, root: Manifest, wanted: Wanted) -> Manifest:
+        """``root`` with the shards that meet ``wanted`` (item -> boxes, or a callable making them;
+        None: all) at hand: a format-2 root's fragments holding them read, any other manifest as is."""
         where = f"{self.where(step_dir)}/{MANIFEST_NAME}"
         refs = root.fragments or []
-        numbers = fragments_for(root, wanted)
         datas: dict[int, bytes] = {}
 
         async def one(i: int) -> None:
@@ -322,8 +318,11 @@ class CheckpointStore:
             except FileNotFoundError:
                 raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
 
-        await gather_or_cancel((one(i) for i in numbers), limit=self.engine.concurrency * 2)
-        return load_fragments(root, datas, step_dir, where, complete=wanted is None)
+        async def fetch(numbers: list[int]) -> dict[int, bytes]:
+            await gather_or_cancel((one(i) for i in numbers), limit=self.engine.concurrency * 2)
+            return datas
+
+        return await with_shards_meeting(root, wanted, fetch, step_dir, where)
 
     async def _read_root(self, step_dir: str, *, explain: bool = True) -> Manifest:
         """The validated root manifest of ``step_dir``; ``explain=False`` skips the listing that
@@ -674,7 +673,7 @@ class CheckpointStore:
         committed = manifest is not None and await self._settle_fence(step_dir, manifest)
         fence_id = manifest.fence if manifest is not None else None
         finished = writers_of(manifest.keys()) if committed and manifest is not None else set()
-        if manifest is not None and not manifest.complete:
+        if manifest is not None:
             try:  # format 2: the objects are named in the fragments
                 manifest = await self.load_fragments(step_dir, manifest, None)
             except (ManifestError, IntegrityError) as e:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Progress, run_sync
-from ..manifest import ArrayItem, Manifest, ValueItem
+from ..manifest import ArrayItem, Manifest, ValueItem, decode
 from ..reshard import Region, plan_region
 from ..store import CheckpointStore
 from ..stream import StreamWriter
@@ -60,6 +60,79 @@ def is_dcp_dir(path: str) -> bool:
 # -- DCP -> ckptio ---------------------------------------------------------
 
 
+def _read_items(md: Any, writer: StreamWriter) -> tuple[list[tuple[Any, Any, int]], dict[str, Any]]:
+    """Every saved chunk as ``(ReadItem, storage info, nbytes)``, in file order, and each tensor's torch
+    dtype by FQN; each tensor's array is declared to ``writer``."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from ..dcp._codec import numpy_dtype_of
+
+    items: list[tuple[Any, Any, int]] = []
+    dtypes: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            idx = MetadataIndex(fqn)
+            zero = torch.Size([0])
+            ri = ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=zero, storage_index=idx,
+                          storage_offsets=zero, lengths=zero)
+            items.append((ri, md.storage_data[idx], md.storage_data[idx].length))
+            continue
+        dtypes[fqn] = m.properties.dtype
+        writer.add_array(path_str((fqn,)), numpy_dtype_of(m.properties.dtype, fqn), tuple(m.size), origin="torch")
+        itemsize = torch.empty(0, dtype=m.properties.dtype).element_size()
+        for chunk in m.chunks:
+            idx = MetadataIndex(fqn, chunk.offsets)
+            zeros = torch.Size([0] * len(chunk.offsets))
+            ri = ReadItem(type=LoadItemType.TENSOR, dest_index=idx, dest_offsets=zeros, storage_index=idx,
+                          storage_offsets=zeros, lengths=chunk.sizes)
+            items.append((ri, md.storage_data[idx], math.prod(chunk.sizes) * itemsize))
+    items.sort(key=lambda t: (t[1].relative_path, t[1].offset))
+    return items, dtypes
+
+
+class _Collect:
+    """The planner ``FileSystemReader.read_data`` calls: streams each chunk it reads into ``writer``."""
+
+    def __init__(self, writer: StreamWriter, dtypes: dict[str, Any]) -> None:
+        self.writer, self.dtypes = writer, dtypes
+        self.placed: list[tuple[Any, str, int, int]] = []  # (index, item name, shard number, nbytes)
+
+    def resolve_tensor(self, read_item: Any) -> Any:
+        import torch
+
+        return torch.empty(tuple(read_item.lengths), dtype=self.dtypes[read_item.dest_index.fqn])
+
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        from ..dcp._codec import numpy_view
+
+        fqn = read_item.dest_index.fqn
+        arr = numpy_view(tensor.contiguous(), fqn)  # raw dtypes (complex32, float4) too
+        n = self.writer.write_shard(path_str((fqn,)), tuple(read_item.dest_index.offset), arr)
+        self.placed.append((read_item.dest_index, path_str((fqn,)), n, arr.nbytes))
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raw = np.frombuffer(value.getbuffer(), np.uint8).copy()
+        name = path_str((read_item.dest_index.fqn,))
+        self.writer.add_array(name, np.uint8, raw.shape)
+        n = self.writer.write_shard(name, (0,), raw)
+        self.placed.append((read_item.dest_index, name, n, raw.nbytes))
+
+    def results(self) -> list[Any]:
+        """DCP's WriteResults of every chunk placed (after ``writer.finish()``)."""
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        from ..dcp._codec import ChunkLocation
+
+        out = []
+        for index, name, n, nbytes in self.placed:
+            ext = tuple((self.writer.objects[o], off, soff, ln, tuple(crcs))
+                        for o, off, soff, ln, crcs in self.writer.extents_of(name, n))
+            out.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=ChunkLocation(0, nbytes, ext)))
+        return out
+
+
 def dcp_to_ckptio(
     src: str | os.PathLike[str],
     dst: CheckpointStore,
@@ -69,13 +142,10 @@ def dcp_to_ckptio(
     progress: Progress | None = None,
 ) -> Manifest:
     """Convert the DCP checkpoint directory ``src`` into a ckptio checkpoint (``dst``, ``step``)."""
-    import torch
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.distributed.checkpoint.planner import LoadPlan
 
-    from ..dcp._codec import ChunkLocation, manifest_doc, numpy_dtype_of, numpy_view
+    from ..dcp._codec import manifest_doc
 
     src = os.fspath(src)
     if not is_dcp_dir(src):
@@ -83,63 +153,9 @@ def dcp_to_ckptio(
     reader = FileSystemReader(src)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
-    writer = StreamWriter(
-        dst, step, batch_bytes=batch_bytes, inflight_bytes=2 * batch_bytes, progress=progress
-    )
-    items: list[tuple[Any, Any, int]] = []  # (read item, storage info, nbytes)
-    dtypes: dict[str, Any] = {}
-    for fqn, m in md.state_dict_metadata.items():
-        name = path_str((fqn,))
-        if isinstance(m, BytesStorageMetadata):
-            idx = MetadataIndex(fqn)
-            ri = ReadItem(
-                type=LoadItemType.BYTE_IO,
-                dest_index=idx,
-                dest_offsets=torch.Size([0]),
-                storage_index=idx,
-                storage_offsets=torch.Size([0]),
-                lengths=torch.Size([0]),
-            )
-            items.append((ri, md.storage_data[idx], md.storage_data[idx].length))
-            continue
-        dtypes[fqn] = m.properties.dtype
-        writer.add_array(name, numpy_dtype_of(m.properties.dtype, fqn), tuple(m.size), origin="torch")
-        for chunk in m.chunks:
-            idx = MetadataIndex(fqn, chunk.offsets)
-            zeros = torch.Size([0] * len(chunk.offsets))
-            ri = ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=idx,
-                dest_offsets=zeros,
-                storage_index=idx,
-                storage_offsets=zeros,
-                lengths=chunk.sizes,
-            )
-            itemsize = torch.empty(0, dtype=m.properties.dtype).element_size()
-            items.append((ri, md.storage_data[idx], math.prod(chunk.sizes) * itemsize))
-    items.sort(key=lambda t: (t[1].relative_path, t[1].offset))
-    results: list[Any] = []
-    placed: list[tuple[Any, str, int, int]] = []  # (index, item name, shard number, nbytes)
-
-    class Collect:  # what FileSystemReader.read_data calls on its planner
-        def resolve_tensor(self, read_item: Any) -> Any:
-            return torch.empty(tuple(read_item.lengths), dtype=dtypes[read_item.dest_index.fqn])
-
-        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
-            fqn = read_item.dest_index.fqn
-            arr = numpy_view(tensor.contiguous(), fqn)  # raw dtypes (complex32, float4) too
-            n = writer.write_shard(path_str((fqn,)), tuple(read_item.dest_index.offset), arr)
-            placed.append((read_item.dest_index, path_str((fqn,)), n, arr.nbytes))
-
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            raw = np.frombuffer(value.getbuffer(), np.uint8).copy()
-            name = path_str((fqn,))
-            writer.add_array(name, np.uint8, raw.shape)
-            n = writer.write_shard(name, (0,), raw)
-            placed.append((read_item.dest_index, name, n, raw.nbytes))
-
-    planner = Collect()
+    writer = StreamWriter(dst, step, batch_bytes=batch_bytes, inflight_bytes=2 * batch_bytes, progress=progress)
+    items, dtypes = _read_items(md, writer)
+    planner = _Collect(writer, dtypes)
     try:
         batch: list[Any] = []
         size = 0
@@ -152,27 +168,10 @@ def dcp_to_ckptio(
         if batch:
             reader.read_data(LoadPlan(batch), planner).wait()
         writer.finish()
-        for index, name, n, nbytes in placed:
-            ext = tuple(
-                (writer.objects[o], off, soff, ln, tuple(crcs))
-                for o, off, soff, ln, crcs in writer.extents_of(name, n)
-            )
-            results.append(
-                WriteResult(index=index, size_in_bytes=nbytes, storage_data=ChunkLocation(0, nbytes, ext))
-            )
         modules = list(getattr(md.storage_meta, "modules", None) or [])
-        doc = manifest_doc(
-            md,
-            [results],
-            step=step,
-            save_id=writer.save_id,
-            created=time.time(),
-            block_size=dst.engine.config.block_size,
-            num_hosts=1,
-            modules=modules,
-        )
-        manifest = Manifest.from_doc(doc, writer.where)
-        return writer.commit_manifest(manifest)
+        doc = manifest_doc(md, [planner.results()], step=step, save_id=writer.save_id, created=time.time(),
+                           block_size=dst.engine.config.block_size, num_hosts=1, modules=modules)
+        return writer.commit_manifest(decode(doc, writer.where))
     except BaseException:
         writer.abort()
         raise

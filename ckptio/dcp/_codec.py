@@ -52,6 +52,7 @@ import numpy as np
 from ..dtypes import encode_dtype
 from ..errors import ManifestError
 from ..manifest import ArrayItem, Manifest, ObjectNumbers, ShardRecord, array_json, document, shard_json, version_for
+from ..manifest.limits import check_dims
 from ..staging import torch_to_numpy
 from ..tree import path_str
 
@@ -264,12 +265,6 @@ def manifest_doc(
 # -- reading ----------------------------------------------------------------
 
 
-def _dims(v: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > 64 or not all(type(n) is int and 0 <= n < 1 << 62 for n in v):
-        raise ManifestError(f"{where}: {v!r} is not a list of dimensions")
-    return tuple(v)
-
-
 def _properties(d: dict[str, Any], item: ArrayItem | None, where: str) -> Any:
     """DCP's TensorProperties of an entry; ``item`` (the raw array, if not transformed) must hold its dtype."""
     from torch.distributed.checkpoint.metadata import TensorProperties
@@ -331,41 +326,115 @@ def _one_shard(item: ArrayItem, shard: ShardRecord) -> ArrayItem:
     return ArrayItem(item.dtype, item.shape, [shard], origin=item.origin)
 
 
+@dataclasses.dataclass
+class _Found:
+    """What reading a manifest's DCP entries gathers besides the Metadata: DCP's storage_data, the refs."""
+
+    objects: list[str]
+    storage: dict[Any, ChunkLocation] = dataclasses.field(default_factory=dict)
+    refs: dict[tuple[str, tuple[int, ...]], ChunkRef] = dataclasses.field(default_factory=dict)
+
+
+def _native_entries(manifest: Manifest, where: str) -> dict[str, Any]:
+    """The DCP entries of a checkpoint written by the native API: its array items with a torch dtype."""
+    fqns = {}
+    for name, it in manifest.items.items():
+        if not isinstance(it, ArrayItem):
+            continue
+        try:
+            _torch_dtype_for(it.dtype, where)
+        except ManifestError:
+            log.debug("%s: item %r (%s) has no torch dtype; not offered to DCP", where, name, it.dtype)
+            continue
+        fqns[name] = {"item": name, "kind": "native"}
+    return {"items": fqns, "planner_data": None, "modules": []}
+
+
+def _bytes_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _Found) -> Any:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    if item.dtype != np.uint8 or len(item.shape) != 1 or len(item.shards) != 1:
+        raise ManifestError(f"{here}: a byte item must be one 1-D uint8 shard")
+    found.storage[MetadataIndex(fqn)] = _location(item, item.shards[0], found.objects)
+    found.refs[(fqn, (0,))] = ChunkRef(d["item"], item, _descriptors(d.get("transforms", []), here), "bytes")
+    return BytesStorageMetadata()
+
+
+def _transformed_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _Found) -> Any:
+    """Transformed chunks: the stored bytes in ``item``, their boxes in the entry ``d``."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    if item.dtype != np.uint8 or len(item.shape) != 1 or not isinstance(d["chunks"], list) or len(
+            d["chunks"]) != len(item.shards):
+        raise ManifestError(f"{here}: transformed chunks must be one uint8 shard each")
+    props = _properties(d, None, here)
+    size = check_dims(d.get("size"), "size", here)
+    by_at = {s.offsets[0]: s for s in item.shards}
+    chunks = []
+    for c in d["chunks"]:
+        if not isinstance(c, dict) or c.get("at") not in by_at:
+            raise ManifestError(f"{here}: chunk {c!r} names no stored shard")
+        offsets, sizes = check_dims(c.get("offsets"), "offsets", here), check_dims(c.get("sizes"), "sizes", here)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o + n > m for o, n, m in zip(offsets, sizes, size)):
+            raise ManifestError(f"{here}: chunk {c!r} lies outside the tensor's size {list(size)}")
+        shard = by_at[c["at"]]
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        transforms = _descriptors(c.get("transforms"), here)
+        found.storage[MetadataIndex(fqn, offsets)] = dataclasses.replace(
+            _location(item, shard, found.objects), transforms=transforms)
+        found.refs[(fqn, offsets)] = ChunkRef(d["item"], _one_shard(item, shard), transforms)
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _tensor_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _Found) -> Any:
+    """A tensor (or a native array) whose shards are its chunks."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    props = (_properties(d, item, here) if d.get("kind") == "tensor"
+             else TensorProperties(dtype=_torch_dtype_for(item.dtype, here)))
+    chunks = []
+    for s in item.shards:
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.shape)))
+        found.storage[MetadataIndex(fqn, s.offsets)] = _location(item, s, found.objects)
+        # One single-shard view per saved chunk: a ReadItem names exactly one chunk.
+        found.refs[(fqn, s.offsets)] = ChunkRef(d["item"], _one_shard(item, s))
+    return TensorStorageMetadata(properties=props, size=torch.Size(item.shape), chunks=chunks)
+
+
+def _planner_data(dcp: dict[str, Any], where: str) -> dict[str, tuple[Any, ...]] | None:
+    planner_data = dcp.get("planner_data")
+    if planner_data is None:
+        return None
+    if not isinstance(planner_data, dict) or not all(
+        isinstance(v, list) and all(type(p) in (str, int) for p in v) for v in planner_data.values()
+    ):
+        raise ManifestError(f"{where}: malformed DCP planner_data")
+    return {k: tuple(v) for k, v in planner_data.items()}
+
+
 def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[tuple[str, tuple[int, ...]], ChunkRef]]:
     """DCP ``Metadata`` of a committed checkpoint, and (FQN, chunk offsets) -> :class:`ChunkRef`.
 
     A checkpoint written by the native API (no ``metadata["dcp"]``) is offered
     as tensors; its non-array values cannot be, and are left out.
     """
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     dcp = manifest.metadata.get("dcp")
-    if dcp is None:  # a native checkpoint: its array items with a torch dtype, FQN = item name
-        fqns = {}
-        for name, it in manifest.items.items():
-            if not isinstance(it, ArrayItem):
-                continue
-            try:
-                _torch_dtype_for(it.dtype, where)
-            except ManifestError:
-                log.debug("%s: item %r (%s) has no torch dtype; not offered to DCP", where, name, it.dtype)
-                continue
-            fqns[name] = {"item": name, "kind": "native"}
-        dcp = {"items": fqns, "planner_data": None, "modules": []}
+    if dcp is None:  # a native checkpoint: FQN = item name
+        dcp = _native_entries(manifest, where)
     if not isinstance(dcp, dict) or not isinstance(dcp.get("items"), dict):
         raise ManifestError(f"{where}: malformed 'dcp' metadata")
     sd_md: dict[str, Any] = {}
-    storage: dict[Any, ChunkLocation] = {}
-    refs: dict[tuple[str, tuple[int, ...]], ChunkRef] = {}
+    found = _Found(manifest.objects)
     for fqn, d in dcp["items"].items():
         here = f"{where}: DCP item {fqn!r}"
         item = manifest.items.get(d["item"]) if isinstance(d, dict) and isinstance(d.get("item"), str) else None
@@ -373,60 +442,20 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[tu
             raise ManifestError(f"{here}: names no array item of the manifest")
         kind = d.get("kind")
         if kind == "bytes":
-            if item.dtype != np.uint8 or len(item.shape) != 1 or len(item.shards) != 1:
-                raise ManifestError(f"{here}: a byte item must be one 1-D uint8 shard")
-            sd_md[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn)] = _location(item, item.shards[0], manifest.objects)
-            refs[(fqn, (0,))] = ChunkRef(d["item"], item, _descriptors(d.get("transforms", []), here), "bytes")
-        elif kind == "tensor" and "chunks" in d:  # transformed chunks: stored bytes, the boxes in the entry
-            if item.dtype != np.uint8 or len(item.shape) != 1 or not isinstance(d["chunks"], list) or len(
-                    d["chunks"]) != len(item.shards):
-                raise ManifestError(f"{here}: transformed chunks must be one uint8 shard each")
-            props = _properties(d, None, here)
-            size = _dims(d.get("size"), here)
-            by_at = {s.offsets[0]: s for s in item.shards}
-            chunks = []
-            for c in d["chunks"]:
-                if not isinstance(c, dict) or c.get("at") not in by_at:
-                    raise ManifestError(f"{here}: chunk {c!r} names no stored shard")
-                offsets, sizes = _dims(c.get("offsets"), here), _dims(c.get("sizes"), here)
-                if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                        o + n > m for o, n, m in zip(offsets, sizes, size)):
-                    raise ManifestError(f"{here}: chunk {c!r} lies outside the tensor's size {list(size)}")
-                shard = by_at[c["at"]]
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-                storage[MetadataIndex(fqn, offsets)] = dataclasses.replace(
-                    _location(item, shard, manifest.objects), transforms=_descriptors(c.get("transforms"), here))
-                refs[(fqn, offsets)] = ChunkRef(d["item"], _one_shard(item, shard),
-                                                _descriptors(c.get("transforms"), here))
-            sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+            sd_md[fqn] = _bytes_md(fqn, d, item, here, found)
+        elif kind == "tensor" and "chunks" in d:
+            sd_md[fqn] = _transformed_md(fqn, d, item, here, found)
         elif kind in ("tensor", "native"):
-            props = (_properties(d, item, here) if kind == "tensor"
-                     else TensorProperties(dtype=_torch_dtype_for(item.dtype, here)))
-            chunks = []
-            for s in item.shards:
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.shape)))
-                storage[MetadataIndex(fqn, s.offsets)] = _location(item, s, manifest.objects)
-                # One single-shard view per saved chunk: a ReadItem names exactly one chunk.
-                refs[(fqn, s.offsets)] = ChunkRef(d["item"], _one_shard(item, s))
-            sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(item.shape), chunks=chunks)
+            sd_md[fqn] = _tensor_md(fqn, d, item, here, found)
         else:
             raise ManifestError(f"{here}: unknown kind {kind!r}")
-    planner_data = dcp.get("planner_data")
-    if planner_data is not None:
-        if not isinstance(planner_data, dict) or not all(
-            isinstance(v, list) and all(type(p) in (str, int) for p in v) for v in planner_data.values()
-        ):
-            raise ManifestError(f"{where}: malformed DCP planner_data")
-        planner_data = {k: tuple(v) for k, v in planner_data.items()}
     modules = dcp.get("modules") or []
     meta = Metadata(
         state_dict_metadata=sd_md,
-        planner_data=planner_data,
-        storage_data=storage,
+        planner_data=_planner_data(dcp, where),
+        storage_data=found.storage,
         storage_meta=StorageMeta(checkpoint_id=where, save_id=manifest.checkpoint_id,
                                  modules=[m for m in modules if isinstance(m, str)]),
         version=dcp.get("version") if isinstance(dcp.get("version"), str) else DCP_VERSION,
     )
-    return meta, refs
-
+    return meta, found.refs

@@ -100,8 +100,7 @@ async def _old_manifest(store: CheckpointStore, step_dir: str) -> Manifest | Non
         data = await store.engine.retrying(f"read {key!r}", lambda: store.backend.read(key))
         old = Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
         check_binding(old, step_dir, where)
-        if not old.complete:  # format 2: the objects are named in the fragments
-            old = await store.load_fragments(step_dir, old, None)
+        old = await store.load_fragments(step_dir, old, None)  # every shard (a format-2 root's are in fragments)
     except FileNotFoundError:
         return None
     except (ManifestError, IntegrityError, RecursionError) as e:
