@@ -1,7 +1,7 @@
 """``ckptio bench --scale HOSTSxSHARDS``: the commit and the per-host restore planning of a job of
 thousands of hosts, simulated in one machine with ckptio's own save and restore code.
 
-Each host's record is built by the real save code (``layout.pack`` and ``save._host_record``, with
+Each host's record is built by the real save code (``layout.pack`` and ``ckptio.manifest.host_record``, with
 block checksums standing in for the engine's), its fragment written to a local root, and its summary
 (what it would send the coordinator) JSON round-tripped. The coordinator's commit
 (``fragments.build_root`` -> validation -> ``CheckpointStore.commit``) and one host's restore
@@ -42,7 +42,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
     from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
     from ckptio.checksum import crc32c
     from ckptio.layout import FlatNaming, Piece, pack
-    from ckptio.save import _host_record
+    from ckptio.manifest import host_record as _host_record
     from ckptio.staging import StagedArray
 
     params = max(1, shards // len(KINDS))

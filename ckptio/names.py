@@ -65,7 +65,7 @@ _OBJECT = re.compile(
     rf"(?:(?P<hash>{_HASH})/)?(?:(?P<step>{_STEP})/)?(?:{_FANOUT}/)?(?P<sid>{_SID})\.h{_NUM5}-{_NUM5}"
 )
 INTENT_PREFIX = "ckptio.intent."
-#: A host's part of a format-2 manifest (see ckptio.fragments), deleted with its step like an object.
+#: A host's part of a format-2 manifest (see ckptio.manifest.fragments), deleted with its step like an object.
 _FRAGMENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.fragment\.(?P<sid>{_SID})")
 _INTENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.intent\.(?P<sid>{_SID})")
 _HASH_RE = re.compile(_HASH)

@@ -236,7 +236,7 @@ def _start_save(
     }
 
     # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
-    # (ckptio.fragments). A host-local store could not read other hosts' fragments back.
+    # (ckptio.manifest.fragments). A host-local store could not read other hosts' fragments back.
     split = coord.size > 1 and not store.host_local
 
     def background() -> None:

@@ -540,7 +540,7 @@ class CheckpointStore:
         there with its recorded size: a gc, an ``rm -rf`` or a lost write
         must fail the save, never commit a checkpoint that cannot restore.
         FileExistsError if the checkpoint exists. ``data``: the manifest's bytes when they are
-        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments); they carry their own
+        not ``manifest.to_json()`` (a format-2 root, see ckptio.manifest.fragments); they carry their own
         fence id, else (``data`` None) the commit gets a fresh one.
 
         The commit is fenced (:mod:`ckptio.fence`): after the manifest is created it stands only

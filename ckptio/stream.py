@@ -17,7 +17,7 @@ by the engine (checksums, retries, concurrency) in batches of about
 ``batch_bytes``; at most ``inflight_bytes`` of shard data is held between
 ``write_shard`` and the end of its object's write, so memory stays bounded
 however large the checkpoint. The manifest is assembled like a save's host
-record and merged/validated by :func:`ckptio.save.merge_records` (every array
+record and merged/validated by :func:`ckptio.manifest.merge_records` (every array
 must be tiled exactly once), then committed with create-if-absent. Until
 then the checkpoint does not exist; a crash leaves only orphans for the
 sweep. One process writes everything (``num_hosts`` 1).
@@ -37,7 +37,7 @@ from .dtypes import check_dtype, encode_dtype
 from .engine import Progress, WrittenObject, run_sync, submit
 from .layout import ObjectPlan, Piece, pack
 from .manifest import Manifest, ValueItem, item_to_json
-from .save import merge_records
+from .manifest import merge_records
 from .states import SaveState
 from .intents import Lease, new_id
 from .store import CheckpointStore, step_dir_of

@@ -3,7 +3,7 @@
 Each trial starts a job of 2-4 real host processes under one root (a
 CheckpointManager each, with retention, joined by a file-system coordinator
 :class:`FileCoordinator`; a multi-host save on a shared store writes one
-fragment per host and a root manifest, ckptio.fragments), beside a gc
+fragment per host and a root manifest, ckptio.manifest.fragments), beside a gc
 looping ``sweep(0)``, a ``ckptio cp`` of the newest step to a second root,
 and a restorer reading the newest step (whole, or one host's rows: only that
 host's fragment) and checking it bit-exact. Then it kills, by one of:

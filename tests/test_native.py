@@ -319,7 +319,7 @@ def test_flipped_byte_in_manifest_is_detected(tmp_path):
     ckptio.save(tmp_path, {"a": np.arange(10.0)}, step=1).result()
     path = tmp_path / "1" / MANIFEST_NAME
     data = bytearray(path.read_bytes())
-    i = data.index(b'"shapes":[[10]]') + len('"shapes":[[')  # a pack table's member (ckptio.packtable)
+    i = data.index(b'"shapes":[[10]]') + len('"shapes":[[')  # a pack table's member (ckptio.manifest.codec.packs)
     data[i] = ord("2")  # still valid JSON, wrong shape
     path.write_bytes(bytes(data))
     with pytest.raises(ckptio.IntegrityError, match="manifest"):
