@@ -31,7 +31,7 @@ from ckptio.backends.base import check_key
 
 from ...errors import ManifestError
 from ...tree import tree_leaf_names
-from ..formats import FORMAT, PACKS_VERSION, version_for
+from ..formats import PACKS_VERSION, version_for
 from ..itemjson import document, item_to_json
 from ..limits import MAX_COUNT, check_int
 from ..model import ArrayItem, Items, Manifest, ValueItem, split_items
