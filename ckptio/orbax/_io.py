@@ -183,9 +183,7 @@ def _write_pointer(item_dir: Any, loc: Location) -> None:
     store = CheckpointStore(url_of(item_dir))
     try:
         data = memoryview(json.dumps(doc).encode())
-        run_sync(
-            store.engine.retrying(f"write {POINTER_NAME}", lambda: store.backend.write(POINTER_NAME, [data]))
-        )
+        run_sync(store.io.write(POINTER_NAME, [data]))
         run_sync(store.backend.sync())
     finally:
         run_sync(store.close())
