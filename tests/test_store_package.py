@@ -186,7 +186,8 @@ def test_the_store_package_imports_downwards_only() -> None:
     for name, deps in modules.items():
         assert all(order.index(d) < order.index(name) for d in deps), (name, deps)
     for path in STORE.glob("*.py"):  # and no import hidden inside a function to dodge a cycle
-        nested = [n for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-                  for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
+        functions = [f for f in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+        nested = [n for f in functions for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
         assert not nested, path
 

@@ -91,13 +91,23 @@ class Catalog:
         return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and int(n) <= MAX_STEP)
 
     async def committed_steps(self) -> list[int]:
-        """Steps with a manifest and no tombstone, ascending (see :meth:`CheckpointStore.committed_steps`)."""
+        """Steps with a manifest and no tombstone, ascending: two stats a step, nothing read.
+
+        Neither validated nor fence-checked: a fenced manifest whose commit is still in flight (or
+        died, or was revoked) is listed too. See :meth:`standing_steps` (fences) and
+        :meth:`intact_roots` (fences and validation).
+        """
         steps = await self.step_dirs()
         flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
         return [s for s, ok in zip(steps, flags) if ok]
 
     async def standing_steps(self) -> list[int]:
-        """Steps whose commit stands, ascending (see :meth:`CheckpointStore.standing_steps`)."""
+        """Steps with a manifest, no tombstone and a standing commit (a fenced manifest whose fence
+        does not say "commit" is a save in flight, dead or revoked: not committed), ascending.
+
+        A damaged manifest still counts here (see :meth:`intact_roots` for the steps that
+        validate). Manifests are read once and cached, fences with them.
+        """
         out: list[int] = []
         async with aclosing(self.newest_first(self.ctx.concurrency)) as walk:
             async for step, found in walk:
@@ -137,7 +147,15 @@ class Catalog:
     async def intact_roots(
         self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
     ) -> dict[int, Manifest]:
-        """Intact steps with their root manifests (see :meth:`CheckpointStore.intact_steps`)."""
+        """Committed steps whose manifest validates, each with its root manifest (format 2: no
+        fragment read); damaged ones are logged and left out.
+
+        With ``newest``, stop once that many intact steps (from the newest down) are found:
+        "the latest step" reads one manifest, however many steps the root holds. With
+        ``among``, look at those step directories only. With ``whole``, a step counts only if
+        every object (format 2: every fragment) its root manifest names is there with its size
+        (:meth:`Objects.check_whole`: a listing, no data read).
+        """
         out: dict[int, Manifest] = {}
         async with aclosing(self.newest_first(newest or self.ctx.concurrency, among)) as walk:
             async for step, found in walk:
@@ -180,7 +198,13 @@ class Catalog:
     async def resolve_manifest(
         self, step: int | None, skip: Iterable[int] = (), *, shards: bool = True
     ) -> tuple[str, Manifest]:
-        """The step directory to restore and its manifest (see :meth:`CheckpointStore.resolve_manifest`)."""
+        """The step directory to restore and its manifest: ``step``'s, or the latest.
+
+        With no step, a checkpoint saved directly at the root wins; else the newest committed
+        step whose manifest validates and whose objects are there (a damaged newer one is logged
+        by name and skipped); ``skip`` leaves steps out of "latest". CheckpointNotFoundError
+        names the URL. ``shards=False``: a format-2 checkpoint's root alone (see :meth:`Manifests.read_manifest`).
+        """
         if step is not None:
             step_dir = step_dir_of(step)
             return step_dir, await self.manifests.read_manifest(step_dir, shards=shards)

@@ -40,7 +40,20 @@ class Commits:
         self.deletion = deletion
 
     async def commit(self, step_dir: str, manifest: Manifest, data: bytes | None = None) -> None:
-        """Write the manifest once, atomically, after checking it (see :meth:`CheckpointStore.commit`)."""
+        """Write the manifest once, atomically, after checking it.
+
+        Refuses (ManifestError) a manifest not bound to ``step_dir``, and
+        (FileNotFoundError / IntegrityError) one naming an object that is not
+        there with its recorded size: a gc, an ``rm -rf`` or a lost write
+        must fail the save, never commit a checkpoint that cannot restore.
+        FileExistsError if the checkpoint exists. ``data``: the manifest's bytes when they are
+        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments); they carry their own
+        fence id, else (``data`` None) the commit gets a fresh one.
+
+        The commit is fenced (:mod:`ckptio.fence`): after the manifest is created it stands only
+        if no deleter revoked a save whose objects it names; otherwise the manifest is removed
+        and SaveRevokedError raised. A reader never counts the manifest before that.
+        """
         ctx = self.ctx
         where = ctx.where(step_dir)
         if data is None:  # encoded here: under a fence of this commit's own

@@ -95,10 +95,13 @@ class Deletion:
         try:
             return await self.manifests.load_fragments(step_dir, manifest, None)
         except (ManifestError, IntegrityError) as e:
-            log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only", self.ctx.where(step_dir), e)
+            log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only",
+                        self.ctx.where(step_dir), e)
             return None
 
-    def _doomed(self, step_dir: str, manifest: Manifest | None, listing: list[ObjectInfo], live: set[str]) -> set[str]:
+    def _doomed(
+        self, step_dir: str, manifest: Manifest | None, listing: list[ObjectInfo], live: set[str]
+    ) -> set[str]:
         """The objects of ``step_dir`` to delete: those its manifest names inside the step, and those
         listed there that are provably ckptio's and of no live save."""
         owned = manifest.keys() if manifest is not None else []

@@ -40,6 +40,8 @@ class CheckpointStore:
 
     ``CheckpointStore(url, backend=..., ...)`` or ``CheckpointStore(StoreOptions(...))``.
     A variant (a host-local tier, another root) is a new store: :meth:`derive`, :meth:`sibling`.
+    Each method's full contract is documented on its service (``store.catalog``, ``.manifests``,
+    ``.objects``, ``.intents``, ``.commits``, ``.deletion``, ``.gc``; fences: ``.fences``).
     """
 
     def __init__(
@@ -130,21 +132,11 @@ class CheckpointStore:
         return await self.catalog.step_dirs()
 
     async def committed_steps(self) -> list[int]:
-        """Steps with a manifest and no tombstone, ascending: two stats a step, nothing read.
-
-        Neither validated nor fence-checked: a fenced manifest whose commit is still in flight (or
-        died, or was revoked) is listed too. See :meth:`standing_steps` (fences) and
-        :meth:`intact_steps` (fences and validation).
-        """
+        """Steps with a manifest and no tombstone, ascending: two stats a step (:mod:`~ckptio.store.catalog`)."""
         return await self.catalog.committed_steps()
 
     async def standing_steps(self) -> list[int]:
-        """Steps with a manifest, no tombstone and a standing commit (a fenced manifest whose fence
-        does not say "commit" is a save in flight, dead or revoked: not committed), ascending.
-
-        A damaged manifest still counts here (see :meth:`intact_steps` for the steps that
-        validate). Manifests are read once and cached, fences with them.
-        """
+        """Steps whose commit stands (fences read), ascending; a damaged manifest still counts."""
         return await self.catalog.standing_steps()
 
     async def status(self, step_dir: str) -> StepStatus:
@@ -154,14 +146,7 @@ class CheckpointStore:
     async def intact_steps(
         self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
     ) -> list[int]:
-        """Committed steps whose manifest validates, ascending; damaged ones are logged and left out.
-
-        With ``newest``, stop once that many intact steps (from the newest down) are found:
-        "the latest step" reads one manifest, however many steps the root holds. With
-        ``among``, look at those step directories only. With ``whole``, a step counts only if
-        every object (format 2: every fragment) its root manifest names is there with its size
-        (:meth:`check_whole`: a listing, no data read).
-        """
+        """Committed steps whose manifest validates, ascending; damaged ones are logged and left out."""
         return sorted(await self.catalog.intact_roots(newest, among, whole=whole))
 
     async def intact_roots(
@@ -182,23 +167,13 @@ class CheckpointStore:
     async def resolve_manifest(
         self, step: int | None, skip: Iterable[int] = (), *, shards: bool = True
     ) -> tuple[str, Manifest]:
-        """:meth:`resolve` and the manifest it found; ``skip`` leaves steps out of "latest".
-
-        ``shards=False``: a format-2 checkpoint's root alone (see :meth:`read_manifest`).
-        """
+        """The step directory to restore (``step``'s, or the latest) and its manifest."""
         return await self.catalog.resolve_manifest(step, skip, shards=shards)
 
     # -- manifests and objects (ckptio.store.manifests, .objects) ------------------
 
     async def read_manifest(self, step_dir: str, *, shards: bool = True) -> Manifest:
-        """The validated manifest of a committed checkpoint.
-
-        CheckpointNotFoundError if there is none (or it is being deleted, or its commit does
-        not stand: UnconfirmedCommitError); ManifestError / IntegrityError naming the step if
-        it is damaged, too large, or not bound to ``step_dir`` (copied or moved from elsewhere).
-        A format-2 checkpoint comes with every fragment loaded, or with ``shards=False`` as its
-        root alone (see :meth:`load_fragments`).
-        """
+        """The validated manifest of a committed checkpoint (fragments loaded unless ``shards=False``)."""
         return await self.manifests.read_manifest(step_dir, shards=shards)
 
     async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
@@ -241,20 +216,7 @@ class CheckpointStore:
     # -- commit, deletion, sweep (ckptio.store.commit, .deletion, .gc) -----------------
 
     async def commit(self, step_dir: str, manifest: Manifest, data: bytes | None = None) -> None:
-        """Write the manifest once, atomically, after checking it.
-
-        Refuses (ManifestError) a manifest not bound to ``step_dir``, and
-        (FileNotFoundError / IntegrityError) one naming an object that is not
-        there with its recorded size: a gc, an ``rm -rf`` or a lost write
-        must fail the save, never commit a checkpoint that cannot restore.
-        FileExistsError if the checkpoint exists. ``data``: the manifest's bytes when they are
-        not ``manifest.to_json()`` (a format-2 root, see ckptio.fragments); they carry their own
-        fence id, else (``data`` None) the commit gets a fresh one.
-
-        The commit is fenced (:mod:`ckptio.fence`): after the manifest is created it stands only
-        if no deleter revoked a save whose objects it names; otherwise the manifest is removed
-        and SaveRevokedError raised. A reader never counts the manifest before that.
-        """
+        """Write the manifest once, atomically, after checking its objects; fenced (:mod:`ckptio.fence`)."""
         await self.commits.commit(step_dir, manifest, data)
 
     async def prepare_save(self, step_dir: str) -> None:
@@ -271,28 +233,11 @@ class CheckpointStore:
         await self.deletion.delete(step_dir)
 
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
-        """Delete what crashed saves left: ckptio's objects that no intact manifest names.
-
-        An object goes only if its key is one ckptio writes (:mod:`ckptio.names`),
-        it is older than ``grace_seconds``, no live save announced it (whatever
-        its age), and its step's manifest is not damaged (a damaged step's
-        objects are kept for inspection). Also finishes interrupted deletions,
-        removes dead saves' intents, and the temporary files of killed writes
-        (:meth:`Backend.sweep_temporaries`). Never raises for one bad step.
-        """
+        """Delete what crashed saves left: ckptio's objects that no manifest that counts names."""
         return await self.gc.sweep(grace_seconds, dry_run=dry_run)
 
     async def sweep_step(self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
-        """:meth:`sweep` for one step only: what crashed or killed saves of ``step`` left.
-
-        The same rules, deleting only keys of ``step``'s own layout (its directory, and
-        ``<h>/<step>/`` under each hashed prefix); never lists the whole root, never touches
-        another step. Temporary files of killed writes go only where the backend can find
-        them under the step (``sweep_temporaries(..., prefix=...)``), and only while no
-        live save is announced in the step: a temporary cannot say whose write it is.
-        ``step`` must be an int (else ValueError): a step-less checkpoint shares the root with
-        everything, sweep it with :meth:`sweep`.
-        """
+        """:meth:`sweep` for one step only, never listing the root nor touching another step."""
         return await self.gc.sweep_step(step, grace_seconds, dry_run=dry_run)
 
     async def close(self) -> None:

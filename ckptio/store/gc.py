@@ -17,6 +17,7 @@ import inspect
 import logging
 import time
 
+from ckptio.backends import Backend
 from ckptio.backends.base import ObjectInfo, join_key
 
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
@@ -69,15 +70,15 @@ class _Round:
     live: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # live save ids by step
 
 
-def sweeps_temporaries_by_prefix(backend: object) -> bool:
+def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
     """True if ``backend.sweep_temporaries`` takes a ``prefix`` (sweeps one step's temporaries only).
 
     The Backend ABC's sweep walks the whole root; a backend (or wrapper) that can
     limit it to a prefix says so by that keyword.
     """
     try:
-        return "prefix" in inspect.signature(backend.sweep_temporaries).parameters  # type: ignore[attr-defined]
-    except (TypeError, ValueError, AttributeError):
+        return "prefix" in inspect.signature(backend.sweep_temporaries).parameters
+    except (TypeError, ValueError):
         return False
 
 
@@ -98,7 +99,15 @@ class Collector:
         return self.ctx.parse_object(key) or parse_intent(key) or parse_fence(key)
 
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
-        """Delete what crashed saves left (see :meth:`CheckpointStore.sweep`)."""
+        """Delete what crashed saves left: ckptio's objects that no intact manifest names.
+
+        An object goes only if its key is one ckptio writes (:mod:`ckptio.names`),
+        it is older than ``grace_seconds``, no live save announced it (whatever
+        its age), and its step's manifest is not damaged (a damaged step's
+        objects are kept for inspection). Also finishes interrupted deletions,
+        removes dead saves' intents, and the temporary files of killed writes
+        (:meth:`Backend.sweep_temporaries`). Never raises for one bad step.
+        """
         grace_seconds = check_grace(grace_seconds)
         report = SweepReport()
         now = time.time()
@@ -119,7 +128,16 @@ class Collector:
         return report
 
     async def sweep_step(self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
-        """:meth:`sweep` for one step only (see :meth:`CheckpointStore.sweep_step`)."""
+        """:meth:`sweep` for one step only: what crashed or killed saves of ``step`` left.
+
+        The same rules, deleting only keys of ``step``'s own layout (its directory, and
+        ``<h>/<step>/`` under each hashed prefix); never lists the whole root, never touches
+        another step. Temporary files of killed writes go only where the backend can find
+        them under the step (``sweep_temporaries(..., prefix=...)``), and only while no
+        live save is announced in the step: a temporary cannot say whose write it is.
+        ``step`` must be an int (else ValueError): a step-less checkpoint shares the root with
+        everything, sweep it with :meth:`sweep`.
+        """
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"sweep_step needs an int step, got {step!r}: a checkpoint saved at the root "
                              "is swept by sweep()")

@@ -55,7 +55,14 @@ class Manifests:
         self._cache: dict[tuple[str, int, float], Manifest] = {}
 
     async def read_manifest(self, step_dir: str, *, shards: bool = True) -> Manifest:
-        """The validated manifest of a committed checkpoint (see :meth:`CheckpointStore.read_manifest`)."""
+        """The validated manifest of a committed checkpoint.
+
+        CheckpointNotFoundError if there is none (or it is being deleted, or its commit does
+        not stand: UnconfirmedCommitError); ManifestError / IntegrityError naming the step if
+        it is damaged, too large, or not bound to ``step_dir`` (copied or moved from elsewhere).
+        A format-2 checkpoint comes with every fragment loaded, or with ``shards=False`` as its
+        root alone (see :meth:`load_fragments`).
+        """
         return await self.with_shards(step_dir, await self.read_root(step_dir), shards)
 
     async def with_shards(self, step_dir: str, root: Manifest, shards: bool) -> Manifest:

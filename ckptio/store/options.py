@@ -24,7 +24,7 @@ from ..layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_STEP", "StoreOptions", "check_grace", "default_naming", "step_dir_of"]
 
-#: The largest step a manifest may record (see ckptio.manifest).
+#: The largest step a store accepts: the bound ckptio.manifest puts on every integer it records.
 MAX_STEP = 1 << 62
 #: How long a save's intent stays live without a heartbeat (see ckptio.store.intents).
 DEFAULT_LEASE_S = 120.0
