@@ -14,7 +14,7 @@ from .progress import progress_callback
 from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
-from .store import CheckpointStore
+from .store import CheckpointStore, StoreOptions
 from .urls import file_in_the_way
 
 __all__ = ["restore", "save"]
@@ -48,14 +48,14 @@ def save(
     that promise not to mutate them until ``.result()`` returns. ``backend``
     overrides the backend ``url`` would pick (e.g. a wrapped one).
     ``progress=True`` shows a tqdm bar of the bytes written; a callable
-    ``(key, nbytes)`` is called as bytes go out.
+    ``(event, nbytes)`` is called as bytes go out (``event``: ``"written"``).
     """
     problem = file_in_the_way(url) if backend is None else None
     if problem:
         raise NotADirectoryError(problem)
-    store = CheckpointStore(
-        url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
-    )
+    store = CheckpointStore(StoreOptions(
+        os.fspath(url), backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+    ))
     callback, close_bar = progress_callback(progress, "save")
 
     def done(_h: SaveHandle) -> None:
@@ -89,9 +89,11 @@ def restore(
     restored whole, as numpy arrays and Python values. Every byte read is
     checked against its crc32c; a mismatch raises IntegrityError naming the
     object and the item, and nothing is returned. A target leaf of another
-    dtype is a checked cast; ``progress=True`` shows a tqdm bar of the bytes read.
+    dtype is a checked cast; ``progress=True`` shows a tqdm bar of the bytes read, a callable
+    ``(event, nbytes)`` is called as bytes come in (``event``: ``"read"``).
     """
-    store = CheckpointStore(url, backend=backend, engine_config=engine_config, backend_options=backend_options)
+    store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend, engine_config=engine_config,
+                                         backend_options=backend_options))
     callback, close_bar = progress_callback(progress, "restore")
     try:
         return restore_step(store, step, target, progress=callback)

@@ -210,7 +210,7 @@ def _ls(args: argparse.Namespace) -> int:
                 raise CliError("not-found", f"no step {args.step} under {args.url}", url=args.url,
                                step=args.step)
             steps = [args.step]
-        elif run_sync(store._exists(MANIFEST_NAME)):
+        elif run_sync(store.exists(MANIFEST_NAME)):
             steps.insert(0, None)  # a checkpoint saved at the URL itself (step None)
         for step in steps:
             st = run_sync(store.status("" if step is None else str(step)))  # a bad step never stops the listing

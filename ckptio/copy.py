@@ -159,10 +159,10 @@ async def copy_objects(
         if extents[i]:
             size = max(off + n for off, n, _c, _it in extents[i])
         else:
-            size = (await src.engine.retrying(f"stat {key!r}", lambda: src.backend.stat(key))).size
+            size = (await src.io.stat(key)).size
         async with slots:
             try:  # resuming: keep a complete earlier write (atomic per object, unique key)
-                have = await dst.engine.retrying(f"stat {dst_key!r}", lambda: dst.backend.stat(dst_key))
+                have = await dst.io.stat(dst_key)
                 if have.size == size:
                     stats.kept += 1
                     return
@@ -177,7 +177,7 @@ async def copy_objects(
                 if size:
                     await src.engine.read_one(req)
                 view = memoryview(buf)
-                await dst.engine.retrying(f"write {dst_key!r}", lambda: dst.backend.write(dst_key, [view]))
+                await dst.io.write(dst_key, [view])
             finally:
                 await budget.release(held)
         stats.written += 1
@@ -186,7 +186,7 @@ async def copy_objects(
             progress("written", size)
 
     await gather_or_cancel(one(i) for i in wanted)
-    await dst.engine.retrying(f"sync {dst.url}", dst.backend.sync)
+    await dst.io.sync()
     return stats
 
 

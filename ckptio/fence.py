@@ -1,6 +1,6 @@
 """Fencing: a save paused past its lease can never commit what a deleter took.
 
-A lease (:mod:`ckptio.intents`) tells deleters "crashed" from "slow", but a
+A lease (:mod:`ckptio.store.intents`) tells deleters "crashed" from "slow", but a
 process paused for minutes (VM pause, live migration, swap, a stopped
 container, a long GC) wakes believing it still holds it. So whoever deletes
 a save's objects first *revokes* that save, and a commit checks for
@@ -18,7 +18,7 @@ Keys (each created once, never rewritten):
   committer or by a deleter, whoever is first. A fenced manifest counts as
   committed only once its fence says ``commit``. It goes with its step.
 
-The committer (:meth:`ckptio.store.CheckpointStore.commit`):
+The committer (:meth:`ckptio.store.CheckpointStore.commit`, :mod:`ckptio.store.commit`):
 
 1. checks that every object its manifest names is there;
 2. creates the manifest (the manifest names the fence id);
@@ -53,7 +53,7 @@ from collections.abc import Iterable
 
 from ckptio.backends import Backend
 
-from .engine import Engine, gather_or_cancel
+from .engine import gather_or_cancel
 from .errors import IntegrityError
 from .names import fence_key, parse_object, parse_revoked, revoked_key, revoked_prefix
 
@@ -66,17 +66,21 @@ COMMIT = b"commit"
 REVOKED = b"revoked"
 
 
-def writers_of(keys: Iterable[str]) -> set[str]:
-    """The save ids whose objects (or fragments) ``keys`` name."""
-    return {n.save_id for k in keys if (n := parse_object(k)) is not None}
+def writers_of(keys: Iterable[str], naming: object = None) -> set[str]:
+    """The save ids whose objects (or fragments) ``keys`` name (``naming``: see :func:`ckptio.names.parse_object`)."""
+    return {n.save_id for k in keys if (n := parse_object(k, naming)) is not None}
 
 
 class Fences:
-    """Revocations and fences of one store (its backend, retried through its engine)."""
+    """Revocations and fences of one store.
 
-    def __init__(self, backend: Backend, engine: Engine) -> None:
+    ``backend`` retries its own calls (the store's :class:`~ckptio.backends.wrappers.RetryingBackend`);
+    ``concurrency``: how many revocations are created at once (twice this).
+    """
+
+    def __init__(self, backend: Backend, concurrency: int) -> None:
         self.backend = backend
-        self.engine = engine
+        self.concurrency = concurrency
 
     async def revoke(self, step_dir: str, save_ids: Iterable[str]) -> None:
         """Revoke ``save_ids`` in ``step_dir``: none of them may commit from now on."""
@@ -84,16 +88,16 @@ class Fences:
         async def one(sid: str) -> None:
             key = revoked_key(step_dir, sid)
             try:
-                await self.engine.retrying(f"revoke {key!r}", lambda: self.backend.create_if_absent(key, b""))
+                await self.backend.create_if_absent(key, b"")
             except FileExistsError:
                 pass  # revoked already: revocations are never undone
 
-        await gather_or_cancel((one(s) for s in sorted(set(save_ids))), limit=self.engine.concurrency * 2)
+        await gather_or_cancel((one(s) for s in sorted(set(save_ids))), limit=self.concurrency * 2)
 
     async def revoked(self, step_dir: str) -> set[str]:
         """The save ids revoked in ``step_dir``."""
         prefix = revoked_prefix(step_dir)
-        listed = await self.engine.retrying(f"list {prefix!r}", lambda: self.backend.list(prefix))
+        listed = await self.backend.list(prefix)
         return {n.save_id for i in listed if (n := parse_revoked(i.key)) is not None and n.step_dir == step_dir}
 
     async def outcome(self, step_dir: str, fence_id: str) -> bytes | None:
@@ -101,7 +105,7 @@ class Fences:
         key = fence_key(step_dir, fence_id)
         try:
             for _ in range(2):  # corrupted in flight? one more read tells
-                got = bytes(await self.engine.retrying(f"read fence {key!r}", lambda: self.backend.read(key)))
+                got = bytes(await self.backend.read(key))
                 if got in (COMMIT, REVOKED):
                     return got
         except FileNotFoundError:
@@ -116,7 +120,7 @@ class Fences:
         """
         key = fence_key(step_dir, fence_id)
         try:
-            await self.engine.retrying(f"fence {key!r}", lambda: self.backend.create_if_absent(key, outcome))
+            await self.backend.create_if_absent(key, outcome)
             return outcome
         except FileExistsError:
             pass

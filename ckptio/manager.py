@@ -26,7 +26,7 @@ from .manifest import Manifest
 from .restore import restore_step
 from .save import SaveHandle, _join_as_failed, start_save
 from .staging import StagingPool
-from .store import CheckpointStore, step_dir_of
+from .store import CheckpointStore, StoreOptions, step_dir_of
 from .urls import file_in_the_way
 
 __all__ = ["CheckpointManager", "SaveFailures"]
@@ -126,9 +126,9 @@ class CheckpointManager:
         problem = file_in_the_way(url) if backend is None else None
         if problem:
             raise NotADirectoryError(problem)
-        self.store = CheckpointStore(
-            url, backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
-        )
+        self.store = CheckpointStore(StoreOptions(
+            os.fspath(url), backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+        ))
         self.url = self.store.url
         self.max_to_keep = max_to_keep
         self.keep_period = keep_period

@@ -6,7 +6,9 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 * objects: ``[h<hex>/][<step>/][d<NNN>/]<save id>.h<host>-<n>`` -- exactly the
   shapes :mod:`ckptio.layout`'s namings produce (hashed, flat, fan-out), no deeper,
   their numbers spelt as the layout spells them at any width (``h00003``, ``h123456``);
-  a custom :class:`~ckptio.layout.Naming`'s keys of any other shape never parse (gc keeps them);
+  a custom :class:`~ckptio.layout.Naming` whose keys have another shape proves its own
+  by a ``parse_object(key) -> ObjectName | None`` method (:func:`parse_object` with that
+  naming asks it); without one its keys never parse (gc keeps them);
 * a host's manifest fragment: ``[<step>/]ckptio.fragment.<save id>``;
 * a save's intent: ``[<step>/]ckptio.intent.<save id>``, written before its
   first object and rewritten as a heartbeat while the save is in flight;
@@ -51,7 +53,7 @@ __all__ = [
     "step_of_key",
 ]
 
-#: Save ids are the first 12 hex digits of a uuid4 (see ckptio.save).
+#: Save ids are the first 12 hex digits of a uuid4 (see :func:`new_id`).
 _SID = r"[0-9a-f]{12}"
 _STEP = r"0|[1-9][0-9]{0,18}"
 #: HashedNaming's ``h{slot:0{chars}x}``: ``chars`` hex digits, and ``chars`` is the user's to choose.
@@ -69,6 +71,8 @@ INTENT_PREFIX = "ckptio.intent."
 _FRAGMENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.fragment\.(?P<sid>{_SID})")
 _INTENT = re.compile(rf"(?:(?P<step>{_STEP})/)?ckptio\.intent\.(?P<sid>{_SID})")
 _HASH_RE = re.compile(_HASH)
+_SID_RE = re.compile(_SID)
+_STEP_DIR_RE = re.compile(rf"(?:{_STEP})?")
 REPLICA_MARK_PREFIX = "ckptio.replica-of.h"
 #: Always in a step directory (a replica is of one step); the host as ``{:05d}`` writes it.
 _REPLICA_MARK = re.compile(rf"(?P<step>{_STEP})/ckptio\.replica-of\.h(?P<host>[0-9]{{5,}})")
@@ -82,12 +86,22 @@ class ObjectName:
     save_id: str
 
 
-def parse_object(key: str) -> ObjectName | None:
-    """The step directory and save id of a ckptio data object's or fragment's key; None for any other key."""
+def parse_object(key: str, naming: object = None) -> ObjectName | None:
+    """The step directory and save id of a ckptio data object's or fragment's key; None for any other key.
+
+    ``naming``: the :class:`~ckptio.layout.Naming` in use; a custom one whose keys have another
+    shape than the built-in namings' proves its keys by its own ``parse_object(key)``. Its answer
+    must name a save id as :func:`new_id` spells it, else the key is not taken as ckptio's.
+    """
     m = _OBJECT.fullmatch(key) or _FRAGMENT.fullmatch(key)
-    if m is None:
+    if m is not None:
+        return ObjectName(m["step"] or "", m["sid"])
+    own = getattr(naming, "parse_object", None)
+    if own is None:
         return None
-    return ObjectName(m["step"] or "", m["sid"])
+    name = own(key)
+    ok = isinstance(name, ObjectName) and _SID_RE.fullmatch(name.save_id) and _STEP_DIR_RE.fullmatch(name.step_dir)
+    return name if ok else None
 
 
 def parse_intent(key: str) -> ObjectName | None:

@@ -64,7 +64,7 @@ async def pointer_at(store: CheckpointStore, item_key: str, where: str) -> dict[
         size = (await store.backend.stat(key)).size
         if size > _MAX_POINTER_BYTES:  # checked before reading: never load a huge file
             raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {size} bytes")
-        data = await store.engine.retrying(f"read {where}", lambda: store.backend.read(key))
+        data = await store.io.read(key)
     except FileNotFoundError:
         return None
     try:
@@ -156,7 +156,7 @@ async def orbax_step(store: CheckpointStore, step_dir: str) -> OrbaxStep | None:
     item's :meth:`~ckptio.store.CheckpointStore.status` (a manifest read and a listing).
     """
     base = step_dir + "/"
-    listing = await store.engine.retrying(f"list {store.where(step_dir)}", lambda: store.backend.list(base))
+    listing = await store.io.list(base)
     rel = {i.key[len(base):] for i in listing}
     files = {r for r in rel if "/" not in r}
     if STEP_METADATA_NAME not in files and COMMIT_SUCCESS_NAME not in files:
@@ -165,7 +165,7 @@ async def orbax_step(store: CheckpointStore, step_dir: str) -> OrbaxStep | None:
     if STEP_METADATA_NAME in files:
         key = join_key(step_dir, STEP_METADATA_NAME)
         try:
-            meta = json.loads(await store.engine.retrying(f"read {key!r}", lambda: store.backend.read(key)))
+            meta = json.loads(await store.io.read(key))
         except (FileNotFoundError, ValueError):
             meta = {}  # Orbax's own metadata; the step's items still say what they are
     meta = meta if isinstance(meta, dict) else {}
@@ -182,8 +182,6 @@ async def orbax_step(store: CheckpointStore, step_dir: str) -> OrbaxStep | None:
 
 async def _item(store: CheckpointStore, step_dir: str, name: str, handler: str, rel: set[str]) -> OrbaxItem:
     """The item ``name`` of the Orbax step ``step_dir``; ``rel``: the step's keys, relative to it."""
-    from .store import CheckpointStore
-
     short = handler.rpartition(".")[2]
     item_key = join_key(step_dir, name)
     where = store.where(item_key)
@@ -205,7 +203,7 @@ async def _item(store: CheckpointStore, step_dir: str, name: str, handler: str, 
     else:
         return OrbaxItem(name, short)
     try:
-        inner = CheckpointStore(url, backend_options=store.backend_options or None)
+        inner = store.sibling(url)
     except ValueError as e:  # a pointer naming storage this process has no backend for
         return OrbaxItem(name, short, url, step, "damaged", str(e))
     try:

@@ -179,7 +179,7 @@ class StreamWriter:
         self.flush()
         while self._inflight:
             self._reap_one()
-        run_sync(self.store.engine.retrying(f"sync {self.where}", self.store.backend.sync))
+        run_sync(self.store.io.sync())
         for it in self._items.values():
             for s in it.get("shards", ()):
                 s["extents"].sort(key=lambda e: e[2])

@@ -20,15 +20,17 @@ from typing import Any
 from ..backends import backend_class, split_url
 from ..engine import EngineConfig, run_sync
 from ..layout import Naming
-from ..store import CheckpointStore, step_dir_of
+from ..store import CheckpointStore, StoreOptions, step_dir_of
 
 __all__ = ["Located"]
 
 
 class Located:
-    """The URL/step/options of one checkpoint and a lazily opened :class:`CheckpointStore`."""
+    """The URL/step/options of one checkpoint and a lazily opened :class:`CheckpointStore`.
 
-    url: str
+    The root URL, engine config, naming and backend options are one :class:`StoreOptions`.
+    """
+
     step: int | None
 
     def _init_location(
@@ -39,32 +41,52 @@ class Located:
         backend_options: dict[str, Any] | None,
         naming: Naming | None = None,
     ) -> None:
-        self.url = os.fspath(url)
         self.step = step
         self.step_dir = step_dir_of(step)  # validates the step
-        self.engine_config = engine_config
-        self.backend_options = dict(backend_options or {})
-        self.naming = naming
+        self._options = StoreOptions(os.fspath(url), engine_config=engine_config, naming=naming,
+                                     backend_options=dict(backend_options or {}))
         self._store: CheckpointStore | None = None
+
+    @property
+    def url(self) -> str:
+        """The root URL (the checkpoint's own without a step)."""
+        return self._options.url
+
+    @property
+    def engine_config(self) -> EngineConfig | None:
+        """The engine's knobs the store opens with."""
+        return self._options.engine_config
+
+    @property
+    def backend_options(self) -> dict[str, Any]:
+        """The options the backend opens with."""
+        return dict(self._options.backend_options or {})
+
+    @property
+    def naming(self) -> Naming | None:
+        """The object naming the store opens with (None: the backend's)."""
+        return self._options.naming
+
+    @property
+    def store_options(self) -> StoreOptions:
+        """The options of this checkpoint's store (its root URL, not the step's)."""
+        return self._options
 
     def _relocate(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         """DCP's ``reset(checkpoint_id)``: a given id is the checkpoint's URL (no step)."""
         if checkpoint_id:
             self._close()
-            self.url = os.fspath(checkpoint_id)
+            self._options = self._options.at(checkpoint_id)
             self.step, self.step_dir = None, ""
 
     @property
     def checkpoint_id(self) -> str:
         """The checkpoint's URL (DCP logs it; errors name it)."""
-        root = self.url.rstrip("/") or "/"
-        return f"{root}/{self.step_dir}" if self.step_dir else root
+        return f"{self.url}/{self.step_dir}" if self.step_dir else self.url
 
     def _open(self) -> CheckpointStore:
         if self._store is None:
-            self._store = CheckpointStore(
-                self.url, engine_config=self.engine_config, naming=self.naming, backend_options=self.backend_options
-            )
+            self._store = CheckpointStore(self._options)
         return self._store
 
     def _close(self) -> None:

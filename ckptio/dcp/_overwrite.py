@@ -58,7 +58,7 @@ STOCK_METADATA = ".metadata"
 
 async def _exists(store: CheckpointStore, key: str) -> bool:
     try:
-        await store.engine.retrying(f"stat {key!r}", lambda: store.backend.stat(key))
+        await store.io.stat(key)
         return True
     except FileNotFoundError:
         return False
@@ -97,7 +97,7 @@ async def _old_manifest(store: CheckpointStore, step_dir: str) -> Manifest | Non
     key = join_key(step_dir, MANIFEST_NAME)
     where = store.where(step_dir)
     try:
-        data = await store.engine.retrying(f"read {key!r}", lambda: store.backend.read(key))
+        data = await store.io.read(key)
         old = Manifest.from_json(data, f"{where}/{MANIFEST_NAME}")
         check_binding(old, step_dir, where)
         old = await store.load_fragments(step_dir, old, None)  # every shard (a format-2 root's are in fragments)
@@ -128,7 +128,7 @@ async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest) -> 
     old = await _old_manifest(store, step_dir)
     key = join_key(step_dir, MANIFEST_NAME)
     data = memoryview(manifest.to_json())
-    await store.engine.retrying(f"commit {where}", lambda: store.backend.write(key, [data]))
+    await store.io.write(key, [data])
     if old is None:
         return []
     try:
@@ -151,7 +151,7 @@ async def _delete_replaced(store: CheckpointStore, step_dir: str, old: Manifest,
         doomed.append(k)
     if old.fence and old.fence != new.fence:  # the replaced commit's fence went with it
         doomed.append(fence_key(step_dir, old.fence))
-    await store._delete_keys(doomed)  # the store's own deleter: bounded, a missing key is fine
+    await store.delete_keys(doomed)  # bounded, a missing key is fine
     if doomed:
         log.info("%s: replaced; deleted the old checkpoint's %d objects", store.where(step_dir), len(doomed))
     return doomed

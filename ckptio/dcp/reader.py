@@ -162,7 +162,7 @@ class Reader(Located, StorageReader):
             raise ManifestError(f"{where} is a stock DCP checkpoint (its .metadata is a pickle); this Reader was "
                                 "built with allow_stock=False")
         try:
-            data = run_sync(store.engine.retrying(f"read {key!r}", lambda: store.backend.read(key)))
+            data = run_sync(store.io.read(key))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {where} (no ckptio manifest, no {key})") from None
         metadata = _stock.load_metadata(bytes(data), rank)
@@ -382,7 +382,7 @@ async def _find(store: CheckpointStore, step_dir: str) -> tuple[Manifest | None,
     async def stock() -> bool:
         key = _stock.metadata_key(step_dir, None)
         try:
-            await store.engine.retrying(f"stat {key!r}", lambda: store.backend.stat(key))
+            await store.io.stat(key)
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False

@@ -44,7 +44,7 @@ from ckptio.manifest import Manifest
 from ckptio.orbax_steps import POINTER_FORMAT, POINTER_NAME, final_name
 from ckptio.orbax_steps import pointer_at as _pointer_at
 from ckptio.save import start_save
-from ckptio.store import CheckpointStore
+from ckptio.store import CheckpointStore, StoreOptions
 
 from ._tree import META_KEY
 
@@ -89,10 +89,14 @@ class StorageConfig:
     #: ``sweep_grace_seconds`` anyway.
     sweep_interval_seconds: float = 600.0
 
+    def store_options(self, url: str) -> StoreOptions:
+        """The options of the store at ``url`` (this config's naming, engine and backend options)."""
+        return StoreOptions(url, engine_config=self.engine_config, naming=self.naming,
+                            backend_options=self.backend_options)
+
     def store(self, url: str) -> CheckpointStore:
-        return CheckpointStore(
-            url, naming=self.naming, engine_config=self.engine_config, backend_options=self.backend_options
-        )
+        """The store at ``url``, opened with :meth:`store_options`."""
+        return CheckpointStore(self.store_options(url))
 
 
 def url_of(path: Any) -> str:
@@ -183,9 +187,7 @@ def _write_pointer(item_dir: Any, loc: Location) -> None:
     store = CheckpointStore(url_of(item_dir))
     try:
         data = memoryview(json.dumps(doc).encode())
-        run_sync(
-            store.engine.retrying(f"write {POINTER_NAME}", lambda: store.backend.write(POINTER_NAME, [data]))
-        )
+        run_sync(store.io.write(POINTER_NAME, [data]))
         run_sync(store.backend.sync())
     finally:
         run_sync(store.close())

@@ -123,11 +123,11 @@ class TieredCheckpointManager:
             self.coordinator = SingleProcess()
             self._control = peer_group = durable_group = LocalGroup()
         self.rank, self.size = self._control.rank, self._control.size
+        # host_local: each host holds its own part only
         self.fast = CheckpointStore(fast_url, backend=fast_backend, engine_config=engine_config,
-                                    backend_options=fast_options)
+                                    backend_options=fast_options, host_local=True)
         self.replica = CheckpointStore(os.fspath(peer_url) if peer_url is not None else _sub_url(self.fast.url, "peer"),
-                                       engine_config=engine_config)
-        self.fast.host_local = self.replica.host_local = True  # each host holds its own part only
+                                       engine_config=engine_config, host_local=True)
         self.durable: CheckpointStore | None = None
         if durable_url is not None or durable_backend is not None:
             url = os.fspath(durable_url) if durable_url is not None else durable_backend.url  # type: ignore[union-attr]
@@ -464,11 +464,9 @@ class TieredCheckpointManager:
             manifest = run_sync(self.durable.read_manifest(step_dir))
         t_plan = time.perf_counter() - t0
         routed = RoutedBackend(f"tiers://{self.fast.url}", {})
-        store = CheckpointStore(routed.url, backend=routed)
-        store.host_local = True  # routed reads reach only the objects this host's plan fetched
-        engine = _FetchingEngine(self, plan, manifest, routed, holding_store, store.engine.config)
-        store.engine.close()
-        store.engine = engine
+        engine = _FetchingEngine(self, plan, manifest, routed, holding_store, EngineConfig())
+        # host_local: routed reads reach only the objects this host's plan fetched
+        store = CheckpointStore(routed.url, backend=routed, engine=engine, host_local=True)
         failure: BaseException | None = None
         try:
             out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)

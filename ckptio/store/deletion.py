@@ -1,0 +1,149 @@
+"""Deleting a checkpoint, crash-safe, and only what is provably ckptio's and nobody's in flight.
+
+Deletion first writes a tombstone (``ckptio.deleting``, holding the id of
+the checkpoint it deletes) so no reader picks a checkpoint whose objects are
+going away, then deletes the objects the manifest lists and those of dead
+attempts at the same step, the manifest, and the tombstone last. A save of a
+step with a leftover tombstone finishes that deletion first.
+
+Before it deletes an object of a save that did not commit, a deleter revokes
+that save (:mod:`ckptio.fence`): if it is only paused, it can never commit
+what is being taken.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckptio.backends.base import ObjectInfo, join_key
+
+from ..errors import IntegrityError, ManifestError
+from ..fence import COMMIT, REVOKED, Fences
+from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ..names import fence_key, parse_fence, parse_intent, step_of_key
+from .context import StoreContext
+from .intents import Intents
+from .manifests import Manifests
+
+__all__ = ["Deletion"]
+
+log = logging.getLogger("ckptio.store")
+
+
+class Deletion:
+    """Deletion of one store's checkpoints, and the revocations that must come first."""
+
+    def __init__(self, ctx: StoreContext, manifests: Manifests, intents: Intents, fences: Fences) -> None:
+        self.ctx = ctx
+        self.manifests = manifests
+        self.intents = intents
+        self.fences = fences
+
+    async def delete(self, step_dir: str) -> None:
+        """Delete a checkpoint: tombstone, objects, dead attempts, manifest, tombstone (crash-safe order).
+
+        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.names`
+        proves are ckptio's, never an object of a live save, and never
+        anything a manifest lists outside the step (a copied step directory).
+        """
+        ctx = self.ctx
+        where = ctx.where(step_dir)
+        key = join_key(step_dir, MANIFEST_NAME)
+        tomb = join_key(step_dir, TOMBSTONE_NAME)
+        manifest: Manifest | None = None
+        try:
+            manifest = await self.manifests.read_unchecked(step_dir)
+        except FileNotFoundError:
+            pass
+        except (ManifestError, IntegrityError, RecursionError) as e:
+            log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
+        marker = (manifest.checkpoint_id if manifest is not None else "").encode()
+        committed = manifest is not None and await self.settle_fence(step_dir, manifest)
+        fence_id = manifest.fence if manifest is not None else None
+        finished = ctx.writers_of(manifest.keys()) if committed and manifest is not None else set()
+        manifest = await self._with_fragments(step_dir, manifest)
+        try:
+            await ctx.io.create_if_absent(tomb, marker)
+        except FileExistsError:
+            pass  # an earlier deletion was interrupted: finish it
+        everywhere = manifest is None or await self.intents.others_than(step_dir, ctx.writers_of(manifest.keys()))
+        listing = await ctx.step_listing(step_dir, everywhere=everywhere)
+        live = await self.intents.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
+        keys = self._doomed(step_dir, manifest, listing, live)
+        # Objects a standing commit names belong to a finished save; any other writer is revoked
+        # first, so that if it is only paused it can never commit them (ckptio.fence).
+        await self.fences.revoke(step_dir, ctx.writers_of(keys) - finished)
+        await ctx.delete_keys(sorted(keys))
+        await ctx.delete_keys([i.key for i in listing if (n := parse_intent(i.key)) is not None
+                               and n.save_id not in live])
+        await ctx.delete_keys([key])
+        # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
+        # gone and fails: ckptio.fence, step 5).
+        fences = {i.key for i in listing if (n := parse_fence(i.key)) is not None and n.step_dir == step_dir}
+        if fence_id:
+            fences.add(fence_key(step_dir, fence_id))
+        await ctx.delete_keys(sorted(fences))
+        await ctx.delete_keys([tomb])
+        self.manifests.forget(step_dir)
+        log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _with_fragments(self, step_dir: str, manifest: Manifest | None) -> Manifest | None:
+        """A format-2 ``manifest`` with its fragments (which name its objects); None if one is unreadable:
+        the root alone names no data objects, so they are found by name, under every prefix."""
+        if manifest is None:
+            return None
+        try:
+            return await self.manifests.load_fragments(step_dir, manifest, None)
+        except (ManifestError, IntegrityError) as e:
+            log.warning("deleting %s: a fragment is unreadable (%s); deleting by name only",
+                        self.ctx.where(step_dir), e)
+            return None
+
+    def _doomed(
+        self, step_dir: str, manifest: Manifest | None, listing: list[ObjectInfo], live: set[str]
+    ) -> set[str]:
+        """The objects of ``step_dir`` to delete: those its manifest names inside the step, and those
+        listed there that are provably ckptio's and of no live save."""
+        owned = manifest.keys() if manifest is not None else []
+        keys = {k for k in owned if step_of_key(k) == step_dir}
+        foreign = len(owned) - len(keys)
+        if foreign:
+            log.warning("deleting %s: its manifest names %d objects outside the step; left alone",
+                        self.ctx.where(step_dir), foreign)
+        for info in listing:
+            name = self.ctx.parse_object(info.key)
+            if name is not None and name.step_dir == step_dir and name.save_id not in live:
+                keys.add(info.key)
+        return keys
+
+    async def settle_fence(self, step_dir: str, manifest: Manifest) -> bool:
+        """True if ``manifest``'s commit stands; an unclaimed fence is claimed "revoked" first, so a
+        committer paused before confirming can never make what is being deleted count."""
+        if not manifest.fence:
+            return True
+        outcome = await self.fences.outcome(step_dir, manifest.fence)
+        if outcome is None:
+            outcome = await self.fences.claim(step_dir, manifest.fence, REVOKED)
+        return outcome == COMMIT
+
+    async def revoke_before_deleting(self, step_dir: str, infos: list[ObjectInfo]) -> list[ObjectInfo]:
+        """Revoke the saves that wrote ``infos`` (dead or paused), then return those that may go.
+
+        A commit may have created its manifest since the listing: if it names one of these saves,
+        its fence decides (claimed "revoked" here if still open). Objects of a commit that stands
+        are kept; so is everything in a step whose manifest appeared but cannot be read.
+        """
+        sids = self.ctx.writers_of(i.key for i in infos)
+        await self.fences.revoke(step_dir, sids)
+        try:
+            m = await self.manifests.read_unchecked(step_dir)
+        except FileNotFoundError:
+            return infos
+        except (ManifestError, IntegrityError) as e:
+            log.warning("gc %s: a manifest appeared in step %r and cannot be read; its objects are kept: %s",
+                        self.ctx.url, step_dir, e)
+            return []
+        named = self.ctx.writers_of(m.keys()) & sids
+        if named and await self.settle_fence(step_dir, m):
+            return [i for i in infos if self.ctx.parse_object(i.key).save_id not in named]  # type: ignore[union-attr]
+        return infos

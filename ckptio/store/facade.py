@@ -1,0 +1,246 @@
+"""The store of one root URL: a façade over its services, built from one :class:`StoreOptions`.
+
+Each concern has its module: :mod:`~ckptio.store.catalog` (which steps exist and
+count), :mod:`~ckptio.store.manifests` (reading them, checked and cached),
+:mod:`~ckptio.store.objects` (are a manifest's objects there),
+:mod:`~ckptio.store.intents` (saves in flight), :mod:`~ckptio.store.commit`,
+:mod:`~ckptio.store.deletion` and :mod:`~ckptio.store.gc`; fencing is
+:mod:`ckptio.fence`. This class only composes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ckptio.backends import Backend
+from ckptio.backends.base import ObjectInfo
+
+from ..engine import Engine, EngineConfig
+from ..fence import Fences
+from ..layout import Naming
+from ..manifest import Manifest
+from .catalog import Catalog, StepStatus
+from .commit import Commits
+from .context import StoreContext
+from .deletion import Deletion
+from .gc import Collector, SweepReport
+from .intents import Intents
+from .manifests import Manifests
+from .objects import Objects
+from .options import DEFAULT_LEASE_S, StoreOptions
+
+__all__ = ["CheckpointStore"]
+
+
+class CheckpointStore:
+    """A root URL with its backend, engine and naming strategy (see :class:`StoreOptions`).
+
+    ``CheckpointStore(url, backend=..., ...)`` or ``CheckpointStore(StoreOptions(...))``.
+    A variant (a host-local tier, another root) is a new store: :meth:`derive`, :meth:`sibling`.
+    Each method's full contract is documented on its service (``store.catalog``, ``.manifests``,
+    ``.objects``, ``.intents``, ``.commits``, ``.deletion``, ``.gc``; fences: ``.fences``).
+    """
+
+    def __init__(
+        self, url: str | os.PathLike[str] | StoreOptions, *, backend: Backend | None = None,
+        engine_config: EngineConfig | None = None, naming: Naming | None = None,
+        backend_options: dict[str, Any] | None = None, host_local: bool = False, engine: Engine | None = None,
+    ) -> None:
+        if isinstance(url, StoreOptions):
+            self.options = url
+        else:
+            self.options = StoreOptions(os.fspath(url), backend, engine_config, naming, backend_options,
+                                        host_local, engine)
+        ctx = self._ctx = StoreContext(self.options)
+        self.fences = Fences(ctx.io, ctx.concurrency)
+        manifests = self.manifests = Manifests(ctx, self.fences)
+        objects = self.objects = Objects(ctx)
+        intents = self.intents = Intents(ctx)
+        deletion = self.deletion = Deletion(ctx, manifests, intents, self.fences)
+        self.catalog = Catalog(ctx, manifests, objects, intents)
+        self.commits = Commits(ctx, manifests, objects, self.fences, deletion)
+        self.gc = Collector(ctx, manifests, intents, self.fences, deletion)
+
+    # -- what the store is built from ---------------------------------------
+
+    url = property(lambda self: self._ctx.url, doc="The root URL (no trailing slash).")
+    engine = property(lambda self: self._ctx.engine, doc="The engine that moves this store's data.")
+    naming = property(lambda self: self._ctx.naming, doc="How this store names a save's objects.")
+    reopenable = property(lambda self: self._ctx.reopenable, doc="Opened from its URL: another process can.")
+    backend_options = property(lambda self: self._ctx.backend_options, doc="The options the backend opens with.")
+    host_local = property(lambda self: self._ctx.host_local, doc="Each host sees only its own objects here.")
+
+    @property
+    def backend(self) -> Backend:
+        """The backend as opened (or handed in); the store's own calls go through it, retried."""
+        return self._ctx.backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._ctx.backend = backend
+
+    @property
+    def io(self) -> Backend:
+        """The backend with each call retried (RetryableError, the engine's policy): what callers
+        outside the engine use, so that no call is wrapped in a retry loop of its own."""
+        return self._ctx.io
+
+    @property
+    def lease_s(self) -> float:
+        """How long this store's saves' intents stay live without a heartbeat."""
+        return self._ctx.lease_s
+
+    @lease_s.setter
+    def lease_s(self, seconds: float) -> None:
+        self._ctx.lease_s = float(seconds)
+
+    def derive(self, **changes: Any) -> CheckpointStore:
+        """A new store from these options with ``changes`` (``dataclasses.replace``); it opens its own backend
+        unless ``backend`` is among the options."""
+        return CheckpointStore(dataclasses.replace(self.options, **changes))
+
+    def sibling(self, url: str | os.PathLike[str]) -> CheckpointStore:
+        """A store of another root opened with this store's backend options (nothing else carried)."""
+        return CheckpointStore(StoreOptions(os.fspath(url), backend_options=self.options.backend_options or None))
+
+    def where(self, step_dir: str) -> str:
+        """A human-readable URL of a step directory, for error messages."""
+        return self._ctx.where(step_dir)
+
+    async def exists(self, key: str) -> bool:
+        """True if ``key`` exists under the root (a stat, retried)."""
+        return await self._ctx.exists(key)
+
+    async def delete_keys(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` as they are (a bounded number at a time; a key already gone is fine).
+
+        No ownership check: the caller proves each key is its own to delete (see :meth:`delete`).
+        """
+        await self._ctx.delete_keys(keys)
+
+    # -- finding checkpoints (ckptio.store.catalog) -----------------------------
+
+    async def is_committed(self, step_dir: str) -> bool:
+        """A manifest is present and no deletion is under way (the manifest is not validated)."""
+        return await self.catalog.is_committed(step_dir)
+
+    async def step_dirs(self) -> list[int]:
+        """Every step that has a directory (committed or not), ascending."""
+        return await self.catalog.step_dirs()
+
+    async def committed_steps(self) -> list[int]:
+        """Steps with a manifest and no tombstone, ascending: two stats a step (:mod:`~ckptio.store.catalog`)."""
+        return await self.catalog.committed_steps()
+
+    async def standing_steps(self) -> list[int]:
+        """Steps whose commit stands (fences read), ascending; a damaged manifest still counts."""
+        return await self.catalog.standing_steps()
+
+    async def status(self, step_dir: str) -> StepStatus:
+        """What ``step_dir`` holds (see :class:`StepStatus`); never raises for a bad manifest."""
+        return await self.catalog.status(step_dir, self)
+
+    async def intact_steps(
+        self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
+    ) -> list[int]:
+        """Committed steps whose manifest validates, ascending; damaged ones are logged and left out."""
+        return sorted(await self.catalog.intact_roots(newest, among, whole=whole))
+
+    async def intact_roots(
+        self, newest: int | None = None, among: Iterable[int] | None = None, *, whole: bool = False
+    ) -> dict[int, Manifest]:
+        """:meth:`intact_steps`, each with its validated root manifest (format 2: no fragment read)."""
+        return await self.catalog.intact_roots(newest, among, whole=whole)
+
+    async def resolve(self, step: int | None) -> str:
+        """The step directory to restore: ``step``'s, or the newest intact committed one.
+
+        With no step, a checkpoint saved directly at the root wins; else the
+        newest committed step whose manifest validates (a damaged newer one is
+        logged by name and skipped). CheckpointNotFoundError names the URL.
+        """
+        return (await self.catalog.resolve_manifest(step, shards=False))[0]
+
+    async def resolve_manifest(
+        self, step: int | None, skip: Iterable[int] = (), *, shards: bool = True
+    ) -> tuple[str, Manifest]:
+        """The step directory to restore (``step``'s, or the latest) and its manifest."""
+        return await self.catalog.resolve_manifest(step, skip, shards=shards)
+
+    # -- manifests and objects (ckptio.store.manifests, .objects) ------------------
+
+    async def read_manifest(self, step_dir: str, *, shards: bool = True) -> Manifest:
+        """The validated manifest of a committed checkpoint (fragments loaded unless ``shards=False``)."""
+        return await self.manifests.read_manifest(step_dir, shards=shards)
+
+    async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
+        """A format-2 root with the shards that meet ``wanted`` (item -> boxes; None: all) loaded."""
+        return await self.manifests.load_fragments(step_dir, root, wanted)
+
+    async def object_sizes(self, keys: Iterable[str]) -> dict[str, int]:
+        """Sizes of ``keys`` that exist (absent ones are left out): a listing per directory."""
+        return await self.objects.object_sizes(keys)
+
+    async def check_whole(self, step_dir: str, manifest: Manifest) -> None:
+        """IntegrityError unless every key ``manifest`` names is there with its size (listings, no reads)."""
+        await self.objects.check_whole(step_dir, manifest)
+
+    async def check_objects(self, manifest: Manifest, where: str) -> None:
+        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
+        await self.objects.check_objects(manifest, where)
+
+    # -- saves in flight (ckptio.store.intents) ---------------------------------------
+
+    async def announce(
+        self, step_dir: str, save_id: str, host: int = 0, lease_s: float = DEFAULT_LEASE_S,
+        covers: Iterable[str] = (),
+    ) -> None:
+        """Write (or refresh) a save's intent: from now on its objects are spared by every deleter.
+
+        ``covers``: further save ids whose objects this writer produces or keeps (a copy keeps
+        the source's object names; a DCP save's ranks share one id).
+        """
+        await self.intents.announce(step_dir, save_id, host, lease_s, covers)
+
+    async def retire(self, step_dir: str, save_id: str) -> None:
+        """Remove a save's intent (after its commit, or its failure)."""
+        await self.intents.retire(step_dir, save_id)
+
+    async def live_saves(self, step_dir: str, listing: list[ObjectInfo] | None = None) -> set[str]:
+        """Save ids with a live intent in ``step_dir`` (heartbeat younger than its lease)."""
+        return await self.intents.live_saves(step_dir, listing)
+
+    # -- commit, deletion, sweep (ckptio.store.commit, .deletion, .gc) -----------------
+
+    async def commit(self, step_dir: str, manifest: Manifest, data: bytes | None = None) -> None:
+        """Write the manifest once, atomically, after checking its objects; fenced (:mod:`ckptio.fence`)."""
+        await self.commits.commit(step_dir, manifest, data)
+
+    async def prepare_save(self, step_dir: str) -> None:
+        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""
+        await self.commits.prepare_save(step_dir)
+
+    async def delete(self, step_dir: str) -> None:
+        """Delete a checkpoint: tombstone, objects, dead attempts, manifest, tombstone (crash-safe order).
+
+        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.names` (or this
+        store's naming) proves are ckptio's, never an object of a live save, and never
+        anything a manifest lists outside the step (a copied step directory).
+        """
+        await self.deletion.delete(step_dir)
+
+    async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
+        """Delete what crashed saves left: ckptio's objects that no manifest that counts names."""
+        return await self.gc.sweep(grace_seconds, dry_run=dry_run)
+
+    async def sweep_step(self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
+        """:meth:`sweep` for one step only, never listing the root nor touching another step."""
+        return await self.gc.sweep_step(step, grace_seconds, dry_run=dry_run)
+
+    async def close(self) -> None:
+        """Stop the engine's threads and close the backend."""
+        self.engine.close()
+        await self.backend.close()
