@@ -97,7 +97,9 @@ class Piece:
             self.length = self.data.nbytes
 
 
-def pieces_of(staged: dict[str, Any], packs: Sequence[LeafPack] = ()) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
+def pieces_of(
+    staged: dict[str, Any], packs: Sequence[LeafPack] = (),
+) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
     """Every staged shard as byte pieces (one per tile of a tiled shard; one per pack, numbered
     -1, -2, ...), and each shard's or pack's buffer (to fill before its objects are written).
 
@@ -117,7 +119,8 @@ def pieces_of(staged: dict[str, Any], packs: Sequence[LeafPack] = ()) -> tuple[l
                     size = item.dtype.itemsize
                     for offs, sizes, pos in tile_boxes(shape, tile):
                         # The tile is cut out of the staged C-order shard when its object is written.
-                        out.append(Piece(name, i, None, pos * size, TileCopy(data, offs, sizes), math.prod(sizes) * size))
+                        fill = TileCopy(data, offs, sizes)
+                        out.append(Piece(name, i, None, pos * size, fill, math.prod(sizes) * size))
                 arrays[(name, i)] = data
     return out, arrays
 
