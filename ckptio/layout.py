@@ -52,8 +52,9 @@ Fill = Callable[[memoryview], None]
 class LayoutOptions:
     """How a save lays its shards out in objects (picklable). ``None``: the backend's default.
 
-    The public spelling is still ``EngineConfig(tile_bytes=...)`` (a save maps it here once,
-    ``ckptio.save.SaveOptions``); this is where the option lives and is read.
+    This is where the option lives and is read. Its public spelling is still
+    ``EngineConfig(tile_bytes=...)``, which a save maps here once (``ckptio.handle.SaveOptions.of``);
+    a caller of ``start_save`` may pass ``options=SaveOptions(writer, LayoutOptions(...))`` instead.
     """
 
     #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
