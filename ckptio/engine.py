@@ -6,13 +6,15 @@ holds a concurrency slot and a share of the in-flight byte budget; only
 :class:`~ckptio.backends.base.RetryableError` is retried, with exponential
 backoff and full jitter. Checksums are crc32c per block (computed in worker
 threads: the crc32c library releases the GIL).
+
+What to write is decided above it: the layout plans objects (:mod:`ckptio.layout`)
+and a writer drives their writes (:mod:`ckptio.writers`). A read request and
+its cutting into verified pieces live in :mod:`ckptio.readpieces`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import concurrent.futures
 import dataclasses
 import logging
@@ -29,9 +31,10 @@ from ckptio.backends.base import Backend, ByteRange, RetryableError
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
 from .errors import IntegrityError
 from .layout import ObjectPlan
-from .scratch import ScratchPool, ScratchSlice
+from .readpieces import ConcatView, ReadRequest, split_request
+from .scratch import ScratchPool
 
-__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync"]
+__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync", "split_request"]
 
 log = logging.getLogger("ckptio.engine")
 T = TypeVar("T")
@@ -63,15 +66,15 @@ class EngineConfig:
     #: A restore's verification keeps full priority. 0 (default): no change -- on a saturated
     #: host a lowered save loses throughput to every other process, not just the trainer.
     save_nice: int = 0
-    #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
-    #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
-    #: meets; 0 keeps every shard in plain C order. None: the backend's
-    #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
+    #: A layout option, not an engine one (the engine never reads it), accepted here for
+    #: compatibility: a save maps it once to ``ckptio.layout.LayoutOptions.tile_bytes``,
+    #: which documents it (tiles of about this many bytes; 0: C order; None: the backend's).
     tile_bytes: int | None = None
-    #: Who writes a save's objects: "thread" (this process's IO loop) or "sidecar" (a writer
-    #: process per host fed from shared-memory staging, ckptio.sidecar, so that nothing of a
-    #: background save runs under the training process's GIL). None: the ``CKPTIO_WRITER``
-    #: environment variable, else "thread".
+    #: Who writes a save's objects, by name: "thread" (this process's IO loop) or "sidecar" (a
+    #: writer process per host fed from shared-memory staging, so that nothing of a background
+    #: save runs under the training process's GIL). None: the ``CKPTIO_WRITER`` environment
+    #: variable, else "thread". The engine never reads it: a save maps it once to a
+    #: ``ckptio.writers.Writer`` (``ckptio.sidecar.writer_for``).
     writer: str | None = None
 
 
@@ -158,24 +161,6 @@ class WrittenObject:
     key: str
     size: int
     crcs: list[list[int]]  # per extent of the plan, in order
-
-
-@dataclasses.dataclass(slots=True)
-class ReadRequest:
-    """Read ``rng`` of ``key`` into ``buffers``, verify ``checks``, then run ``after`` (in a thread).
-
-    ``checks`` are ``(offset within the request, length, expected block crcs, item)``.
-    ``buffers`` may name scratch (:class:`ckptio.scratch.ScratchSlice`) that gets its
-    memory only when the read starts.
-    """
-
-    key: str
-    rng: ByteRange
-    buffers: list[memoryview | ScratchSlice]
-    checks: list[tuple[int, int, list[int], str]]
-    after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
-    #: The checkpoint's checksum block size (from its manifest, not this engine's config).
-    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 class Engine:
@@ -355,7 +340,7 @@ class Engine:
                 if length > bs or crc32c(view) != crcs[0]:  # one block checked inline, the rest in full
                     verify_blocks(view, crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
             return
-        joined = _Concat(req.buffers)
+        joined = ConcatView(req.buffers)
         for offset, length, crcs, item in req.checks:
             verify_blocks(joined.slice(offset, length), crcs, bs, key=req.key, item=item, start=req.rng.start + offset)
 
@@ -419,99 +404,3 @@ def _prepare(plan: ObjectPlan, block_size: int) -> list[list[int]]:
         plan.materialize()
     return [block_crcs(e.data, block_size) if e.cuts is None else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
             for e in plan.extents]
-
-
-def _slice_buffers(buffers: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
-    """Views of the bytes ``[start, end)`` of the concatenation of ``buffers`` (no copy)."""
-    out: list[memoryview] = []
-    pos = 0
-    for b in buffers:
-        v = flat_bytes(b) if b.nbytes else b
-        lo, hi = max(start, pos), min(end, pos + v.nbytes)
-        if lo < hi:
-            out.append(v[lo - pos : hi - pos])
-        pos += v.nbytes
-        if pos >= end:
-            break
-    return out
-
-
-def split_request(req: ReadRequest, piece: int) -> list[ReadRequest]:
-    """``req`` as consecutive pieces of about ``piece`` bytes, cut only at checksum block
-    boundaries of every check a cut falls into (so each piece verifies on its own).
-
-    The pieces share ``req``'s buffers (views, no copy) and carry no ``after`` callbacks:
-    those run once the whole request is verified.
-    """
-    total = req.rng.length
-    if total <= piece or not req.checks:
-        return [ReadRequest(req.key, req.rng, req.buffers, req.checks, [], req.block_size)]
-    bs = req.block_size
-    checks = sorted(req.checks, key=lambda c: c[0])
-    starts = [c[0] for c in checks]
-
-    def inside(x: int) -> tuple[int, int] | None:
-        """The (offset, end) of the check that ``x`` falls strictly inside, if any."""
-        i = bisect.bisect_right(starts, x) - 1
-        if i >= 0 and checks[i][0] < x < checks[i][0] + checks[i][1]:
-            return checks[i][0], checks[i][0] + checks[i][1]
-        return None
-
-    cuts: list[int] = []
-    pos = 0
-    while total - pos > piece:
-        cut = pos + piece
-        box = inside(cut)
-        if box is not None:  # back to a block boundary of that check (its start is one)
-            cut = box[0] + (cut - box[0]) // bs * bs
-            if cut <= pos:  # the piece lies inside one block run: forward to the next boundary
-                cut = min(box[0] + ((pos - box[0]) // bs + 1) * bs, box[1])
-        if cut >= total:
-            break
-        cuts.append(cut)
-        pos = cut
-    bounds = [0, *cuts, total]
-    out: list[ReadRequest] = []
-    for a, b in zip(bounds, bounds[1:]):
-        if a >= b:
-            continue
-        mine = []
-        # Checks do not overlap and are sorted: start from the one holding byte ``a``
-        # (thousands of small checks in one merged read must not cost checks x pieces).
-        for offset, length, crcs, item in itertools.islice(checks, max(0, bisect.bisect_right(starts, a) - 1), None):
-            if offset >= b:
-                break
-            lo, hi = max(a, offset), min(b, offset + length)
-            if lo == offset and hi == offset + length:  # the whole check: its checksums as they are
-                mine.append((offset - a, length, crcs, item))
-            elif lo < hi:
-                k0, k1 = (lo - offset) // bs, -(-(hi - offset) // bs)
-                mine.append((lo - a, hi - lo, crcs[k0:k1], item))
-        rng = ByteRange(req.rng.start + a, req.rng.start + b)
-        out.append(ReadRequest(req.key, rng, _slice_buffers(req.buffers, a, b), mine, [], bs))
-    return out
-
-
-class _Concat:
-    """Byte-offset slicing over a list of buffers (copies only when a slice straddles two)."""
-
-    def __init__(self, buffers: Sequence[memoryview]) -> None:
-        self.buffers = [flat_bytes(b) for b in buffers]
-        self.starts = []
-        pos = 0
-        for b in self.buffers:
-            self.starts.append(pos)
-            pos += b.nbytes
-
-    def slice(self, offset: int, length: int) -> memoryview:
-        i = bisect.bisect_right(self.starts, offset) - 1  # the buffer holding the first byte
-        parts = []
-        while i < len(self.buffers) and self.starts[i] < offset + length:
-            start, b = self.starts[i], self.buffers[i]
-            lo, hi = max(offset, start), min(offset + length, start + b.nbytes)
-            if lo < hi:
-                parts.append(b[lo - start : hi - start])
-            i += 1
-        if len(parts) == 1:
-            return parts[0]
-        return memoryview(b"".join(parts))

@@ -1,4 +1,7 @@
-"""Object packing and naming.
+"""Object packing and naming, and a save's layout options.
+
+Options: :class:`LayoutOptions` holds the layout choices a save makes (tiling),
+which are neither engine knobs nor storage facts.
 
 Packing: the shards a host owns become objects of about ``object_size``
 bytes -- small shards coalesced into one object (few requests, few files),
@@ -22,22 +25,48 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ckptio.backends.base import join_key
+import numpy as np
 
-from .staging import StagingPool
+from ckptio.backends.base import Capabilities, join_key
+
+from .staging import LeafPack, StagedArray, StagingPool
+from .tiling import TileCopy, tile_boxes
 
 #: Write buffers of lazy (tiled) objects, reused across objects and saves: fresh memory costs
 #: page faults at a third of copy speed. Bounded: a few objects' worth in flight.
 _SCRATCH = StagingPool(max_bytes=512 << 20)
 _ROUND = 1 << 20
 
-__all__ = ["FanoutNaming", "FlatNaming", "HashedNaming", "Naming", "ObjectPlan", "Piece", "PlannedExtent", "pack"]
+__all__ = ["FanoutNaming", "FlatNaming", "HashedNaming", "LayoutOptions", "Naming", "ObjectPlan", "Piece", "PlannedExtent",
+           "pack", "pieces_of"]
 
 
 Fill = Callable[[memoryview], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutOptions:
+    """How a save lays its shards out in objects (picklable). ``None``: the backend's default.
+
+    This is where the option lives and is read. Its public spelling is still
+    ``EngineConfig(tile_bytes=...)``, which a save maps here once (``ckptio.handle.SaveOptions.of``);
+    a caller of ``start_save`` may pass ``options=SaveOptions(writer, LayoutOptions(...))`` instead.
+    """
+
+    #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
+    #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
+    #: meets; 0 keeps every shard in plain C order. None: the backend's
+    #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
+    tile_bytes: int | None = None
+
+    def tile_bytes_for(self, caps: Capabilities) -> int:
+        """The tile size of a save onto storage with ``caps``: never above one object."""
+        tile_bytes = caps.tile_bytes if self.tile_bytes is None else self.tile_bytes
+        return min(tile_bytes, caps.object_size)
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,6 +96,34 @@ class Piece:
         if self.length < 0:
             assert self.data is not None, "a piece without data needs a length and a fill"
             self.length = self.data.nbytes
+
+
+def pieces_of(
+    staged: dict[str, Any], packs: Sequence[LeafPack] = (),
+) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
+    """Every staged shard as byte pieces (one per tile of a tiled shard; one per pack, numbered
+    -1, -2, ...), and each shard's or pack's buffer (to fill before its objects are written).
+
+    ``staged`` maps item names to :class:`~ckptio.staging.StagedArray` (anything else has no bytes).
+    """
+    out, arrays = [], {}
+    for k, lp in enumerate(packs):
+        out.append(Piece("", -1 - k, memoryview(lp.buffer), cuts=lp.ends, align=lp.arrays[0].dtype.alignment))
+        arrays[("", -1 - k)] = lp.buffer
+    for name, item in staged.items():
+        if isinstance(item, StagedArray):
+            for i, (_offs, shape, data) in enumerate(item.shards):
+                tile = item.tile_of(i)
+                if tile is None:
+                    out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
+                else:
+                    size = item.dtype.itemsize
+                    for offs, sizes, pos in tile_boxes(shape, tile):
+                        # The tile is cut out of the staged C-order shard when its object is written.
+                        fill = TileCopy(data, offs, sizes)
+                        out.append(Piece(name, i, None, pos * size, fill, math.prod(sizes) * size))
+                arrays[(name, i)] = data
+    return out, arrays
 
 
 @dataclasses.dataclass(slots=True)

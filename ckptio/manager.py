@@ -24,7 +24,8 @@ from .errors import IntegrityError
 from .layout import Naming
 from .manifest import Manifest
 from .restore import restore_step
-from .save import SaveHandle, _join_as_failed, start_save
+from .collective import join_as_failed
+from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore, StoreOptions, step_dir_of
 from .urls import file_in_the_way
@@ -191,8 +192,8 @@ class CheckpointManager:
         except Exception as e:
             self._outage_or_raise(step, e)
             # The other hosts go on to this step's collectives: joining them as failed keeps every
-            # later save of the job in step (see save._join_as_failed).
-            _join_as_failed(self.coordinator, f"host {self.coordinator.rank}: {type(e).__name__}: {e}",
+            # later save of the job in step (see collective.join_as_failed).
+            join_as_failed(self.coordinator, f"host {self.coordinator.rank}: {type(e).__name__}: {e}",
                             self.store.where(step_dir_of(step)))
             return None
         try:

@@ -1,29 +1,33 @@
-"""A save, from staging to commit, and the handle the caller holds.
+"""A save, from staging to commit: :class:`SaveJob`, one method per phase.
 
 ``start_save`` stages on the calling thread (the only part the training
-step waits for), then a background thread drives the engine: write every
-object (``written``), gather every host's records, and the coordinator
-commits the manifest (``committed``).
+step waits for), then the save's own thread has the writer write every
+object (``written``), gathers every host's record, and the coordinator
+commits the manifest (``committed``). The handle the caller holds and the
+save's options are :mod:`ckptio.handle`; the collective verdict every host
+joins, even after a failure, is :mod:`ckptio.collective`; who writes the
+objects is a :class:`ckptio.writers.Writer`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from . import _gc, sidecar
-from .distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root
-from .engine import Progress, run_sync
+from . import _gc
+from .collective import collective_verdict, failed_record, join_as_failed
+from .distributed import Coordinator, SingleProcess
+from .handle import SaveHandle, SaveOptions
+from .engine import Progress, WrittenObject, run_sync
 from .errors import SaveFailedError
 from .intents import Lease, new_id
-from .layout import ObjectPlan, Piece, pack
+from .layout import ObjectPlan, pack, pieces_of
 from .checksum import crc32c
 from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of
 from .manifest.builder import PACKED
@@ -31,42 +35,14 @@ from .manifest.builder import expanded as _expanded
 from .manifest.builder import host_record as _host_record
 from .manifest.builder import merged_doc as _merged_doc
 from .manifest.builder import validated as _validated
-from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagedArray, StagingArea, StagingPool, stage_leaf
+from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagingArea, StagingPool, stage_leaf
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
-from .tiling import TileCopy, tile_boxes
 from .tree import flatten_named
 
-__all__ = ["SaveHandle", "merge_records", "start_save"]
+__all__ = ["SaveHandle", "SaveJob", "SaveOptions", "merge_records", "start_save"]
 
 log = logging.getLogger("ckptio.save")
-
-
-class SaveHandle:
-    """A save in flight. Returned once staged; :meth:`result` waits until committed."""
-
-    def __init__(self, url: str, step: int | None) -> None:
-        self.url = url
-        self.step = step
-        self.state = SaveState.STAGED
-        self.stage_seconds = 0.0
-        self._future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
-
-    def result(self, timeout: float | None = None) -> Manifest | None:
-        """Wait until the checkpoint is committed; raise if the save failed (on any host).
-
-        Returns the manifest on the coordinator (rank 0), None on other hosts.
-        """
-        return self._future.result(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def __repr__(self) -> str:
-        return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
 
 
 def _plan_staging(
@@ -94,32 +70,6 @@ def _plan_staging(
     return structure, staged, packer.finish() if packer is not None else []
 
 
-def _pieces(staged: dict[str, Any], packs: Sequence[LeafPack] = ()) -> tuple[list[Piece], dict[tuple[str, int], np.ndarray]]:
-    """Every shard as byte pieces (one per tile of a tiled shard; one per pack, numbered -1, -2, ...),
-    and each shard's or pack's buffer (to fill before its objects are written)."""
-    out, arrays = [], {}
-    for k, pack in enumerate(packs):
-        out.append(Piece("", -1 - k, memoryview(pack.buffer), cuts=pack.ends, align=pack.arrays[0].dtype.alignment))
-        arrays[("", -1 - k)] = pack.buffer
-    for name, item in staged.items():
-        if isinstance(item, StagedArray):
-            for i, (_offs, shape, data) in enumerate(item.shards):
-                tile = item.tile_of(i)
-                if tile is None:
-                    out.append(Piece(name, i, memoryview(data.reshape(-1).view(np.uint8))))
-                else:
-                    size = item.dtype.itemsize
-                    for offs, sizes, pos in tile_boxes(shape, tile):
-                        out.append(Piece(name, i, None, pos * size, _tile_fill(data, offs, sizes), math.prod(sizes) * size))
-                arrays[(name, i)] = data
-    return out, arrays
-
-
-def _tile_fill(shard: np.ndarray, offs: tuple[int, ...], sizes: tuple[int, ...]) -> Callable[[memoryview], None]:
-    """Copies one tile of a staged C-order shard into the buffer the writer hands it."""
-    return TileCopy(shard, offs, sizes)
-
-
 async def _write_fragment(
     store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
     record: dict[str, Any], plans: list[ObjectPlan],
@@ -129,9 +79,8 @@ async def _write_fragment(
     if any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
         data = fragment_doc(record, step, save_id, host)
         key = fragment_key(step_dir, save_id)
-        view = memoryview(data)
-        await store.engine.retrying(f"write {key!r}", lambda: store.backend.write(key, [view]))
-        await store.engine.retrying(f"sync {key!r}", store.backend.sync)
+        await store.io.write(key, [memoryview(data)])
+        await store.io.sync()
         ref = FragmentRef(key, len(data), crc32c(data), host)
     # The coordinator sees only fragments: each host vouches for its own objects before the commit.
     have = await store.object_sizes(p.key for p in plans)
@@ -141,205 +90,249 @@ async def _write_fragment(
     return summary_of(record, ref, coordinator=host == 0)
 
 
-def _join_as_failed(coord: Coordinator, error: str, where: str) -> None:
-    """Take part in this save's collectives with a failure record, as the background thread would.
-
-    A host that refuses a save before its background thread starts (bad input, a committed
-    step, an unwritable intent) must still join the gather and the verdict: otherwise the other
-    hosts' gather for this step pairs with this host's next save, and every later save fails or
-    hangs one step out of phase. So every host fails this step (naming this host's error) and
-    the next one pairs up. Runs on the calling thread, before the error reaches the caller.
-    """
-    if coord.size == 1:
-        return
-    try:
-        records = gather_to_root(coord, {"ok": False, "error": error})
-        verdict = {"ok": False, "error": error}
-        if coord.rank == 0:
-            assert records is not None
-            verdict = {"ok": False, "error": "; ".join(r["error"] for r in records if not r["ok"])}
-        broadcast_from_root(coord, verdict)
-    except BaseException as e:  # the caller's own error is the one to raise
-        log.error("%s: host %d could not report its refusal to the other hosts: %r", where, coord.rank, e)
-
-
 def start_save(
     store: CheckpointStore,
     step: int | None,
     state: Any,
     **kwargs: Any,
 ) -> SaveHandle:
-    """Stage ``state`` now and write + commit it in the background (see :func:`_start_save`)."""
+    """Stage ``state`` now and write + commit it in the background; returns once staged.
+
+    Keywords: ``metadata``, ``coordinator``, ``copy``, ``pool``, ``progress``, ``on_done``
+    and ``options`` (:class:`SaveJob`). Raises on the calling thread what refuses the save
+    (bad input, a committed step), after telling the other hosts; every later failure
+    reaches the caller through :meth:`SaveHandle.result`.
+    """
     with _gc.paused():  # the caller waits for staging anyway: no collections mid-burst
-        return _start_save(store, step, state, **kwargs)
+        return SaveJob(store, step, **kwargs).stage(state)
 
 
-def _start_save(
-    store: CheckpointStore,
-    step: int | None,
-    state: Any,
-    *,
-    metadata: dict[str, Any] | None = None,
-    coordinator: Coordinator | None = None,
-    copy: bool = True,
-    pool: StagingPool | None = None,
-    progress: Progress | None = None,
-    on_done: Callable[[SaveHandle], None] | None = None,
-) -> SaveHandle:
-    """Stage ``state`` now and write + commit it in the background."""
-    coord = coordinator or SingleProcess()
-    step_dir = step_dir_of(step)
-    where = store.where(step_dir)
-    t0 = time.perf_counter()
-    # The save's buffers: snapshots of mutable leaves (with ``copy``) and packs of small ones (always:
-    # a pack is one copy of bytes that are tiny next to the per-leaf work it saves). A writer process
-    # reads staged bytes from shared memory: they are staged there, no later copy.
-    area = StagingArea(sidecar.staging_pool(store, pool))
-    try:
-        # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
-        tile_bytes = store.engine.config.tile_bytes
-        if tile_bytes is None:
-            tile_bytes = store.backend.capabilities.tile_bytes
+class SaveJob:
+    """One host's part of one save, in named phases.
+
+    - :meth:`stage` (the calling thread, the only part the training step waits for):
+      validate and stage the state, plan its objects, announce the save (its lease),
+      then fill each object's buffers and let its write start;
+    - on the save's own thread, :meth:`run`: :meth:`write` (the writer),
+      :meth:`record` (this host's record, or its fragment with many hosts),
+      :meth:`verdict` (the gather and the verdict, ``collective_verdict``: every host
+      joins it, even after a failure), :meth:`commit` (inside the verdict, on the
+      coordinator only) and :meth:`finish` (the hook, then the handle).
+
+    A job runs once; its handle (:attr:`handle`) is what the caller holds.
+    """
+
+    # What the stage phase makes, for the phases after it (all set before the save's thread starts).
+    structure: Any
+    staged: dict[str, Any]
+    packs: list[LeafPack]
+    arrays: dict[tuple[str, int], np.ndarray]
+    save_id: str
+    plans: list[ObjectPlan]
+    ready: list[concurrent.futures.Future[None]]
+    head: dict[str, Any]
+    lease: Lease
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        step: int | None,
+        *,
+        metadata: dict[str, Any] | None = None,
+        coordinator: Coordinator | None = None,
+        copy: bool = True,
+        pool: StagingPool | None = None,
+        progress: Progress | None = None,
+        on_done: Callable[[SaveHandle], None] | None = None,
+        options: SaveOptions | None = None,
+    ) -> None:
+        self._t0 = time.perf_counter()
+        self.store, self.step, self.metadata = store, step, metadata or {}
+        self.coord: Coordinator = coordinator or SingleProcess()
+        self.copy, self.progress, self.on_done = copy, progress, on_done
+        self.options = options or SaveOptions.of(store)
+        self.step_dir = step_dir_of(step)
+        self.where = store.where(self.step_dir)
+        self.handle = SaveHandle(self.where, step)
+        # The save's buffers: snapshots of mutable leaves (with ``copy``) and packs of small ones
+        # (always: a pack is one copy of bytes that are tiny next to the per-leaf work it saves).
+        # A writer process reads staged bytes from shared memory: they are staged there, no later copy.
+        self.area = StagingArea(self.options.writer.staging_pool(pool))
+        self.single_host = self.coord.size == 1  # its record is the whole manifest: pack tables
+        # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
+        # (ckptio.manifest.fragments). A host-local store could not read other hosts' fragments back.
+        self.split = self.coord.size > 1 and not store.host_local
+        self.deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the save's thread
+        self.manifest: Manifest | None = None
+
+    # -- stage: the calling thread ---------------------------------------------
+
+    def stage(self, state: Any) -> SaveHandle:
+        """Stage ``state`` and start the save's thread; returns the handle once staged.
+
+        The job keeps no reference to ``state``: only to what it staged.
+        """
+        self._refusable(lambda: self._plan(state))
+        self._layout()
+        self._refusable(self._announce)
+        self._fill()
+        self.handle.stage_seconds = time.perf_counter() - self._t0
+        log.info("%s: staged %d objects (%.3fs)", self.where, len(self.plans), self.handle.stage_seconds)
+        return self.handle
+
+    def _refusable(self, phase: Callable[[], None]) -> None:
+        """Run ``phase``; if it refuses the save, free the buffers and tell the other hosts first."""
+        try:
+            phase()
+        except BaseException as e:
+            self.area.release()
+            join_as_failed(self.coord, failed_record(self.coord.rank, e)["error"], self.where)
+            raise
+
+    def _plan(self, state: Any) -> None:
+        """Check every leaf before the first byte is written (nothing to clean up on bad input)."""
+        store, rank = self.store, self.coord.rank
         caps = store.backend.capabilities
         packer = None
-        single_host = coord.size == 1  # its record is the whole manifest: pack tables, no placeholders
-        deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the writer thread
-        if coord.rank == 0:  # only host 0 writes plain (replicated) arrays
-            packer = LeafPacker(area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
+        if rank == 0:  # only host 0 writes plain (replicated) arrays
+            packer = LeafPacker(self.area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
                                 caps.object_size)
-        structure, staged, packs = _plan_staging(state, coord.rank, area if copy else None,
-                                                 min(tile_bytes, caps.object_size), packer, deferred,
-                                                 placeholders=not single_host)
-        if coord.rank == 0:
-            run_sync(store.prepare_save(step_dir))  # finishes an interrupted deletion of this step
-        elif run_sync(store.is_committed(step_dir)):
-            raise FileExistsError(f"checkpoint {where} is already committed")
-    except BaseException as e:
-        area.release()
-        _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
-        raise
-    pieces, arrays = _pieces(staged, packs)
-    save_id = new_id()
-    plans = pack(
-        pieces,
-        object_size=store.backend.capabilities.object_size,
-        align=store.backend.capabilities.alignment,
-        key_for=lambda n: store.naming.object_key(step_dir, save_id, coord.rank, coord.size, n),
-    )
-    # Each object's write starts as soon as its own bytes are staged.
-    ready: list[concurrent.futures.Future[None]] = [concurrent.futures.Future() for _ in plans]
-    handle = SaveHandle(where, step)
-    head = {
-        "format": "ckptio", "version": 1, "step": step, "checkpoint_id": save_id, "fence": new_id(), "created": time.time(),
-        "block_size": store.engine.config.block_size, "num_hosts": coord.size, "tree": structure,
-        "metadata": metadata or {},
-    }
+        self.structure, self.staged, self.packs = _plan_staging(
+            state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(caps), packer,
+            self.deferred, placeholders=not self.single_host)
+        if rank == 0:
+            run_sync(store.prepare_save(self.step_dir))  # finishes an interrupted deletion of this step
+        elif run_sync(store.is_committed(self.step_dir)):
+            raise FileExistsError(f"checkpoint {self.where} is already committed")
 
-    # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
-    # (ckptio.manifest.fragments). A host-local store could not read other hosts' fragments back.
-    split = coord.size > 1 and not store.host_local
+    def _layout(self) -> None:
+        """Plan the objects, name them, and write the manifest's head."""
+        store, coord = self.store, self.coord
+        pieces, self.arrays = pieces_of(self.staged, self.packs)
+        self.save_id = save_id = new_id()
+        self.plans = pack(
+            pieces,
+            object_size=store.backend.capabilities.object_size,
+            align=store.backend.capabilities.alignment,
+            key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, n),
+        )
+        # Each object's write starts as soon as its own bytes are staged.
+        self.ready = [concurrent.futures.Future() for _ in self.plans]
+        self.head = {
+            "format": "ckptio", "version": 1, "step": self.step, "checkpoint_id": save_id, "fence": new_id(),
+            "created": time.time(), "block_size": store.engine.config.block_size, "num_hosts": coord.size,
+            "tree": self.structure, "metadata": self.metadata,
+        }
 
-    def background() -> None:
+    def _announce(self) -> None:
+        """Announced before the first object: deleters spare a live save's objects, whatever their age."""
+        self.lease = Lease(self.store, self.step_dir, self.save_id, self.coord.rank)
+        self.lease.start()
+
+    def _fill(self) -> None:
+        """Fill every object's buffers in order, releasing each object's write once they are."""
+        area, ready = self.area, self.ready
+        thread = threading.Thread(target=self.run, name=f"ckptio-save-{self.step}", daemon=True)
         try:
-            with _gc.paused():
-                for build in deferred:
-                    build()
-            written = sidecar.write_and_sync(store, plans, progress, ready, where)
-            with _gc.paused():
-                record = _host_record(staged, plans, written, coord.rank, include_values=coord.rank == 0, packs=packs,
-                                      tables=single_host)
-            if split:
-                record = _expanded(record)  # fragments hold full items
-                record = run_sync(_write_fragment(store, step_dir, save_id, coord.rank, step, record, plans))
-            handle.state = SaveState.WRITTEN
-            log.info("%s: host %d written (%d objects)", where, coord.rank, len(plans))
-        except BaseException as e:  # every host must still join the gather, or the others hang
-            log.error("%s: host %d failed to write: %r", where, coord.rank, e)
-            record = {"ok": False, "error": f"host {coord.rank}: {type(e).__name__}: {e}"}
-            failure: BaseException | None = e
-        else:
-            failure = None
-        finally:
-            area.release()
-        try:
-            # O(H) traffic: records go to rank 0 only; every host receives just the small verdict.
-            records = gather_to_root(coord, record)
-            verdict: dict[str, Any] = {"ok": False}
-            manifest: Manifest | None = None
-            if coord.rank == 0:
-                assert records is not None
-                errors = [r["error"] for r in records if not r["ok"]]
-                if errors:
-                    verdict = {"ok": False, "error": "; ".join(errors)}
-                else:
-                    try:
-                        with _gc.paused():
-                            if split:
-                                data = seal(build_root(records, head, where))
-                                manifest = Manifest.from_json(data, where)
-                            else:
-                                # The document validated is the one written: no second encoding pass.
-                                doc = _merged_doc(records, head, where)
-                                manifest = _validated(doc, where)
-                                data = seal(doc)
-                        run_sync(store.commit(step_dir, manifest, data))
-                        verdict = {"ok": True}
-                    except BaseException as e:
-                        verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
-                        failure = failure or e
-            verdict = broadcast_from_root(coord, verdict)
-            if not verdict["ok"]:
-                raise failure or SaveFailedError(f"{where}: save failed: {verdict['error']}")
-            lease.close(retire=True)
-            handle.state = SaveState.COMMITTED
-            log.info("%s: committed", where)
-            outcome: tuple[Manifest | None, BaseException | None] = (manifest if coord.rank == 0 else None, None)
+            area.prefault()
+            # Packs first, before the writer starts: copying thousands of small arrays holds the GIL,
+            # and the writer's per-member checksums would contend for it inside the step's stall.
+            for p in self.packs:
+                area.fill(p.buffer)
+            thread.start()
+            for plan, fut in zip(self.plans, ready):
+                for e in plan.extents:
+                    area.fill(self.arrays[(e.item, e.shard)])
+                if not fut.done():  # a failed write cancels the objects still waiting for their bytes
+                    fut.set_result(None)
+            area.fill_all()  # zero-byte pieces belong to no object
         except BaseException as e:
-            lease.close(retire=False)  # goes stale: marks this attempt's objects as a dead save's
-            handle.state = SaveState.FAILED
-            outcome = (None, e)
-        # Hooks (retention, closing the store) run before the handle resolves, so that
-        # result() returning means everything this save set off is done.
-        if on_done is not None:
+            for fut in ready:
+                if not fut.done():
+                    fut.set_exception(SaveFailedError(f"{self.where}: staging failed: {e!r}"))
+            if thread.ident is None:
+                thread.start()  # it fails the save, tells the other hosts and releases the buffers
+            raise
+
+    # -- the save's thread -----------------------------------------------------
+
+    def run(self) -> None:
+        """Write, record, join the verdict (committing on the coordinator), finish."""
+        failure: BaseException | None = None
+        try:
+            record = self.record(self.write())
+        except BaseException as e:  # every host must still join the gather, or the others hang
+            log.error("%s: host %d failed to write: %r", self.where, self.coord.rank, e)
+            record, failure = failed_record(self.coord.rank, e), e
+        finally:
+            self.area.release()
+        self.finish(self.verdict(record, failure))
+
+    def write(self) -> list[WrittenObject]:
+        """Build the structure's deferred bulk, then have the writer write and sync every object."""
+        with _gc.paused():
+            for build in self.deferred:
+                build()
+        return self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+
+    def record(self, written: list[WrittenObject]) -> dict[str, Any]:
+        """This host's record for the gather: its part of the manifest or, with many hosts, its
+        fragment's summary (the fragment written and this host's objects checked first)."""
+        rank = self.coord.rank
+        with _gc.paused():
+            record = _host_record(self.staged, self.plans, written, rank, include_values=rank == 0, packs=self.packs,
+                                  tables=self.single_host)
+        if self.split:
+            record = _expanded(record)  # fragments hold full items
+            record = run_sync(_write_fragment(self.store, self.step_dir, self.save_id, rank, self.step, record,
+                                              self.plans))
+        self.handle.state = SaveState.WRITTEN
+        log.info("%s: host %d written (%d objects)", self.where, rank, len(self.plans))
+        return record
+
+    def commit(self, records: list[dict[str, Any]]) -> None:
+        """The coordinator's phase: every host's record as one manifest, committed."""
+        where = self.where
+        with _gc.paused():
+            if self.split:
+                data = seal(build_root(records, self.head, where))
+                manifest = Manifest.from_json(data, where)
+            else:
+                # The document validated is the one written: no second encoding pass.
+                doc = _merged_doc(records, self.head, where)
+                manifest = _validated(doc, where)
+                data = seal(doc)
+        run_sync(self.store.commit(self.step_dir, manifest, data))
+        self.manifest = manifest
+
+    def verdict(
+        self, record: dict[str, Any], failure: BaseException | None,
+    ) -> tuple[Manifest | None, BaseException | None]:
+        """Send ``record`` to the gather and join the verdict (the coordinator runs :meth:`commit`
+        if every host wrote), then close the lease: the save's outcome, as ``(manifest on the
+        coordinator, error)``. ``failure`` is this host's own error, raised in the verdict's place."""
+        try:
+            verdict = collective_verdict(self.coord, record, self.commit)
+            if not verdict.ok:
+                raise failure or SaveFailedError(f"{self.where}: save failed: {verdict.error}")
+            self.lease.close(retire=True)
+            self.handle.state = SaveState.COMMITTED
+            log.info("%s: committed", self.where)
+            return (self.manifest if self.coord.rank == 0 else None, None)
+        except BaseException as e:
+            self.lease.close(retire=False)  # goes stale: marks this attempt's objects as a dead save's
+            self.handle.state = SaveState.FAILED
+            return (None, e)
+
+    def finish(self, outcome: tuple[Manifest | None, BaseException | None]) -> None:
+        """Run the after-save hook, then resolve the handle with ``outcome``.
+
+        Hooks (retention, closing the store) run before the handle resolves, so that
+        ``result()`` returning means everything this save set off is done.
+        """
+        if self.on_done is not None:
             try:
-                on_done(handle)
+                self.on_done(self.handle)
             except BaseException as e:  # a hook must not hide the save's own outcome
-                log.error("%s: after-save hook failed: %r", where, e)
-        if outcome[1] is not None:
-            handle._future.set_exception(outcome[1])
-        else:
-            handle._future.set_result(outcome[0])
-
-    # Announced before the first object: deleters spare a live save's objects, whatever their age.
-    lease = Lease(store, step_dir, save_id, coord.rank)
-    try:
-        lease.start()
-    except BaseException as e:
-        area.release()
-        _join_as_failed(coord, f"host {coord.rank}: {type(e).__name__}: {e}", where)
-        raise
-    writer = threading.Thread(target=background, name=f"ckptio-save-{step}", daemon=True)
-    try:
-        area.prefault()
-        # Packs first, before the writer starts: copying thousands of small arrays holds the GIL,
-        # and the writer's per-member checksums would contend for it inside the step's stall.
-        for p in packs:
-            area.fill(p.buffer)
-        writer.start()
-        for plan, fut in zip(plans, ready):
-            for e in plan.extents:
-                area.fill(arrays[(e.item, e.shard)])
-            if not fut.done():  # a failed write cancels the objects still waiting for their bytes
-                fut.set_result(None)
-        area.fill_all()  # zero-byte pieces belong to no object
-    except BaseException as e:
-        for fut in ready:
-            if not fut.done():
-                fut.set_exception(SaveFailedError(f"{where}: staging failed: {e!r}"))
-        if writer.ident is None:
-            writer.start()  # it fails the save, tells the other hosts and releases the buffers
-        raise
-    handle.stage_seconds = time.perf_counter() - t0
-    log.info("%s: staged %d objects (%.3fs)", where, len(plans), handle.stage_seconds)
-    return handle
-
+                log.error("%s: after-save hook failed: %r", self.where, e)
+        self.handle.resolve(*outcome)

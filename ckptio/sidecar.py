@@ -33,9 +33,11 @@ copy that releases the GIL. For unaligned sources this is the copy that the
 local backend's O_DIRECT bounce buffer made in-process. Such copies are
 bounded to a few objects in flight and reused as objects are written.
 
-Modules: this one chooses the writer and drives the child from the trainer;
-:mod:`ckptio.shm` is the shared-memory pool; :mod:`ckptio.sidecar_child` is
-the child and the wire both ends speak.
+Modules: this one is the sidecar :class:`~ckptio.writers.Writer`, maps a
+store's writer choice to a writer object (:func:`writer_for`) and drives the
+child from the trainer; :mod:`ckptio.writers` is the protocol, the in-process
+writer and the choice's rules; :mod:`ckptio.shm` is the shared-memory pool;
+:mod:`ckptio.sidecar_child` is the child and the wire both ends speak.
 """
 
 from __future__ import annotations
@@ -52,30 +54,28 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ckptio.backends._copy import copy_bytes
 
-from .engine import EngineConfig, Progress, WrittenObject, run_sync
+from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
 from .layout import ObjectPlan
 from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
 from .sidecar_child import Channel
 from .staging import StagingPool
+from .store import CheckpointStore
 from .tiling import TileCopy
+from .writers import ENV, THREAD_WRITER, WRITERS, Writer, wanted_sidecar, writer_name
 
-if TYPE_CHECKING:
-    from .store import CheckpointStore
-
-__all__ = ["ENV", "ShmStagingPool", "current_pid", "prestart", "shared_pool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_of"]
+__all__ = [
+    "ENV", "SIDECAR_WRITER", "ShmStagingPool", "SidecarWriter", "WRITERS", "current_pid", "prestart", "shared_pool",
+    "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_for", "writer_of",
+]
 
 log = logging.getLogger("ckptio.sidecar")
-
-#: Environment variable that picks the writer when ``EngineConfig.writer`` is None.
-ENV = "CKPTIO_WRITER"
-WRITERS = ("thread", "sidecar")
 
 #: Copies into shared memory in flight per save, in objects (see _Export): enough to keep a
 #: local disk's writes going (4 and 8 writes in flight measured alike), far less than a state.
@@ -86,52 +86,53 @@ _EXPORT_OBJECTS = 4
 
 
 def writer_of(config: EngineConfig | None) -> str:
-    """The writer an engine config asks for: "thread" or "sidecar" (ValueError naming a bad value)."""
-    w = (config.writer if config is not None else None) or os.environ.get(ENV) or "thread"
-    if w not in WRITERS:
-        src = "EngineConfig.writer" if config is not None and config.writer else ENV
-        raise ValueError(f"{src}={w!r}: the writer must be one of {', '.join(WRITERS)}")
-    return w
+    """The writer an engine config asks for (compatibility name of :func:`ckptio.writers.writer_name`)."""
+    return writer_name(config)
 
 
 def prestart(config: EngineConfig | None) -> None:
     """Start this process's sidecar now if ``config`` asks for one (a manager or writer being made),
     so that its start-up (~0.5 s of imports) is not paid inside the first save."""
-    if writer_of(config) == "sidecar" and hasattr(os, "memfd_create"):
+    if writer_name(config) == "sidecar" and hasattr(os, "memfd_create"):
         _sidecar()
 
 
-_warned: set[str] = set()
+class SidecarWriter:
+    """The :class:`~ckptio.writers.Writer` that hands a save's objects to this process's sidecar."""
+
+    name = "sidecar"
+
+    def staging_pool(self, pool: StagingPool | None) -> StagingPool | None:
+        """This process's shared pool; the sidecar is started now, so that it is up by the time
+        the first object is staged."""
+        _sidecar()
+        return shared_pool()
+
+    def write(
+        self, store: CheckpointStore, plans: Sequence[ObjectPlan], progress: Progress | None,
+        ready: Sequence[concurrent.futures.Future[None]] | None, where: str,
+    ) -> list[WrittenObject]:
+        """The sidecar writes and syncs ``plans`` (``ready[i]`` still gates object ``i``); blocks."""
+        return _sidecar().write(store, plans, progress, ready, where)
 
 
-def wanted(store: CheckpointStore) -> bool:
-    """True if ``store``'s saves go through the sidecar.
+#: The sidecar writer (it holds no state: the sidecar itself is this process's, see _sidecar).
+SIDECAR_WRITER = SidecarWriter()
 
-    Only a backend the store opened from its URL can be opened again in the
-    child, and only storage outside this process's memory is the same there; a
-    backend object handed in (a wrapper, a test double) or a process-local one
-    (``mem://``) keeps the in-process writer, with a warning once per URL.
-    """
-    if writer_of(store.engine.config) != "sidecar":
-        return False
-    if not store.reopenable or store.backend.capabilities.process_local or not hasattr(os, "memfd_create"):
-        if store.url not in _warned:
-            _warned.add(store.url)
-            # Asked for by this store's config: worth a warning; by the environment: a note.
-            log.log(logging.WARNING if store.engine.config.writer else logging.DEBUG,
-                    "%s: the sidecar writer needs a backend opened from its URL, storage outside this process "
-                    "(not mem://) and Linux memfd; writing in this process instead", store.url)
-        return False
-    return True
+
+def writer_for(store: CheckpointStore) -> Writer:
+    """The writer of ``store``'s saves: its config's choice (string) mapped to a writer object,
+    the sidecar only where :func:`ckptio.writers.wanted_sidecar` allows it."""
+    return SIDECAR_WRITER if wanted_sidecar(store) else THREAD_WRITER
+
+
+#: True if a store's saves go through the sidecar (compatibility name).
+wanted = wanted_sidecar
 
 
 def staging_pool(store: CheckpointStore, pool: StagingPool | None) -> StagingPool | None:
-    """The pool a save of ``store`` stages into: ``pool`` in-process, else this process's shared
-    one (and the sidecar is started now, so that it is up by the time the first object is)."""
-    if not wanted(store):
-        return pool
-    _sidecar()
-    return shared_pool()
+    """The pool a save of ``store`` stages into (its writer's :meth:`~ckptio.writers.Writer.staging_pool`)."""
+    return writer_for(store).staging_pool(pool)
 
 
 def write_and_sync(
@@ -143,14 +144,9 @@ def write_and_sync(
 ) -> list[WrittenObject]:
     """Write every object of ``plans`` and make them durable (the backend's sync); blocks.
 
-    In-process (the default) this is the engine on its IO loop, as before the sidecar
-    existed. With the sidecar, ``ready[i]`` (when given) still gates object ``i``.
+    ``store``'s writer (:func:`writer_for`) does it; ``ready[i]`` (when given) gates object ``i``.
     """
-    if not wanted(store):
-        written = run_sync(store.engine.write_objects(plans, progress, ready))
-        run_sync(store.engine.retrying(f"sync {where or store.url}", store.backend.sync))
-        return written
-    return _sidecar().write(store, plans, progress, ready, where or store.url)
+    return writer_for(store).write(store, plans, progress, ready, where or store.url)
 
 
 # -- the trainer's side -------------------------------------------------------

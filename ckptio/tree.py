@@ -176,95 +176,119 @@ def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None, paths: list[Path]
     A node's children are named ``prefix + component``, where ``prefix`` is the node's own name
     and a slash (nothing at the root), so a leaf costs one concatenation.
     """
-    names: list[str] = []
-    values: list[Any] = []
-    fast = is_leaf is None and paths is None  # plain numpy leaves of a dict need no call
-    ndarray = np.ndarray
+    walker = _Flattener(is_leaf, paths, deferred)
+    structure = walker.walk(tree, (), "", 0)
+    return walker.names, walker.values, structure
 
-    def leaf(path: Path, name: str, node: Any) -> dict[str, str]:
-        if paths is not None:
-            paths.append(path)
-        names.append(name)
-        values.append(node)
+
+class _Flattener:
+    """One walk of :func:`_flatten`: the names and leaves found so far, and how to walk a node."""
+
+    def __init__(self, is_leaf: Callable[[Any], bool] | None, paths: list[Path] | None,
+                 deferred: list[Callable[[], None]] | None) -> None:
+        self.names: list[str] = []
+        self.values: list[Any] = []
+        self.is_leaf, self.paths, self.deferred = is_leaf, paths, deferred
+        self.fast = is_leaf is None and paths is None  # plain numpy leaves of a dict need no call
+        self.jax = _jax()
+        # jax arrays are leaves too (a typed PRNG key aside): answered before asking jax about nodes.
+        self.plain = _PLAIN_LEAVES if self.jax is None else (*_PLAIN_LEAVES, self.jax.Array)
+
+    def leaf(self, path: Path, name: str, node: Any) -> dict[str, str]:
+        if self.paths is not None:
+            self.paths.append(path)
+        self.names.append(name)
+        self.values.append(node)
         return {"leaf": name}
 
-    def part(k: str | int) -> str:
-        if type(k) is str:
-            return _escape(k) if "%" in k or "/" in k else k
-        return str(k)
+    def sub(self, path: Path, k: str | int) -> Path:
+        return (*path, k) if self.paths is not None else path
 
-    jax = _jax()
-    # jax arrays are leaves too (a typed PRNG key aside): answered before asking jax about nodes.
-    plain = _PLAIN_LEAVES if jax is None else (*_PLAIN_LEAVES, jax.Array)
-
-    def sub(path: Path, k: str | int) -> Path:
-        return (*path, k) if paths is not None else path
-
-    def walk(node: Any, path: Path, name: str, depth: int) -> Any:
-        if type(node) is ndarray and is_leaf is None:  # the commonest leaf, first
-            return leaf(path, name, node)
+    def walk(self, node: Any, path: Path, name: str, depth: int) -> Any:
+        """The structure of ``node`` (named ``name``, at ``path``), its leaves recorded on the way."""
+        if type(node) is np.ndarray and self.is_leaf is None:  # the commonest leaf, first
+            return self.leaf(path, name, node)
         if depth > _MAX_DEPTH:
             raise ValueError(f"state is nested deeper than {_MAX_DEPTH} levels at {name!r}")
-        if is_leaf is not None and is_leaf(node):
-            return leaf(path, name, node)
+        if self.is_leaf is not None and self.is_leaf(node):
+            return self.leaf(path, name, node)
         prefix = f"{name}/" if depth else ""
         if isinstance(node, dict):
-            if fast and len(node) > 8:
-                wide = _wide_array_dict(node, prefix)
-                if wide is not None:
-                    keys, wide_names, wide_values = wide
-                    names.extend(wide_names)
-                    values.extend(wide_values)
-                    out: dict[str, Any] = {"dict": None}
-                    build = functools.partial(_leaf_dict, out, keys, wide_names)
-                    if type(node) is not dict:  # a _Node copies its body: built now, not deferred
-                        build()
-                        return _Node(out, functools.partial(_rebuild_dict, _empty_like(node), keys))
-                    if deferred is None:
-                        build()
-                    else:
-                        deferred.append(build)
-                    return out
-            body: dict[str, Any] = {}
-            for k, v in node.items():
-                if type(k) is not str and not isinstance(k, str):
-                    raise TypeError(
-                        f"dict key {k!r} at {name or '<root>'!r} is a {type(k).__name__}; ckptio needs str keys"
-                    )
-                if fast and type(v) is ndarray:
-                    n = prefix + (_escape(k) if "%" in k or "/" in k else k)
-                    names.append(n)
-                    values.append(v)
-                    body[k] = {"leaf": n}
-                else:
-                    body[k] = walk(v, sub(path, k), prefix + part(k), depth + 1)
-            if type(node) is not dict:  # an OrderedDict (a torch state_dict), a defaultdict: rebuilt as one
-                return _Node({"dict": body}, functools.partial(_rebuild_dict, _empty_like(node), list(body)))
-            return {"dict": body}
+            return self.walk_dict(node, path, name, depth, prefix)
         if type(node) in (list, tuple):
-            return {type(node).__name__: [walk(v, sub(path, i), prefix + str(i), depth + 1)
+            return {type(node).__name__: [self.walk(v, self.sub(path, i), prefix + str(i), depth + 1)
                                           for i, v in enumerate(node)]}
         key = is_prng_key(node)  # cheap for arrays of numpy dtypes
-        if not key and isinstance(node, plain):
-            return leaf(path, name, node)
+        if not key and isinstance(node, self.plain):
+            return self.leaf(path, name, node)
         if key:
             impl = prng_impl_name(node)
-            return {_KEY_KIND + impl: [leaf(path, name, jax.random.key_data(node))]}
+            return {_KEY_KIND + impl: [self.leaf(path, name, self.jax.random.key_data(node))]}
         found = _node_children(node, name)
         if found is None:
-            return leaf(path, name, node)
+            return self.leaf(path, name, node)
         keys, children, rebuild = found
         if keys and all(isinstance(k, int) for k in keys):
-            body = {"list": [walk(c, sub(path, k), prefix + part(k), depth + 1) for k, c in zip(keys, children)]}
+            body = {"list": [self.walk(c, self.sub(path, k), prefix + _part(k), depth + 1)
+                             for k, c in zip(keys, children)]}
         else:
             named = {str(k): (k, c) for k, c in zip(keys, children)}
             if len(named) != len(keys):
                 raise TypeError(f"the pytree node at {_where(name)} has children with clashing names {keys!r}")
-            body = {"dict": {n: walk(c, sub(path, k), prefix + part(k), depth + 1) for n, (k, c) in named.items()}}
+            body = {"dict": {n: self.walk(c, self.sub(path, k), prefix + _part(k), depth + 1)
+                             for n, (k, c) in named.items()}}
         return _Node(body, rebuild)
 
-    structure = walk(tree, (), "", 0)
-    return names, values, structure
+    def walk_dict(self, node: dict[str, Any], path: Path, name: str, depth: int, prefix: str) -> Any:
+        """The structure of a dict node: a wide dict of plain arrays named in bulk, else key by key."""
+        if self.fast and len(node) > 8:
+            wide = self.wide_dict(node, prefix)
+            if wide is not None:
+                return wide
+        body: dict[str, Any] = {}
+        names, values, ndarray = self.names, self.values, np.ndarray
+        for k, v in node.items():
+            if type(k) is not str and not isinstance(k, str):
+                raise TypeError(
+                    f"dict key {k!r} at {name or '<root>'!r} is a {type(k).__name__}; ckptio needs str keys"
+                )
+            if self.fast and type(v) is ndarray:
+                n = prefix + (_escape(k) if "%" in k or "/" in k else k)
+                names.append(n)
+                values.append(v)
+                body[k] = {"leaf": n}
+            else:
+                body[k] = self.walk(v, self.sub(path, k), prefix + _part(k), depth + 1)
+        if type(node) is not dict:  # an OrderedDict (a torch state_dict), a defaultdict: rebuilt as one
+            return _Node({"dict": body}, functools.partial(_rebuild_dict, _empty_like(node), list(body)))
+        return {"dict": body}
+
+    def wide_dict(self, node: dict[str, Any], prefix: str) -> Any:
+        """A dict of only plain numpy arrays, named in bulk (its structure deferred when it may be);
+        None if it is not one."""
+        wide = _wide_array_dict(node, prefix)
+        if wide is None:
+            return None
+        keys, wide_names, wide_values = wide
+        self.names.extend(wide_names)
+        self.values.extend(wide_values)
+        out: dict[str, Any] = {"dict": None}
+        build = functools.partial(_leaf_dict, out, keys, wide_names)
+        if type(node) is not dict:  # a _Node copies its body: built now, not deferred
+            build()
+            return _Node(out, functools.partial(_rebuild_dict, _empty_like(node), keys))
+        if self.deferred is None:
+            build()
+        else:
+            self.deferred.append(build)
+        return out
+
+
+def _part(k: str | int) -> str:
+    """A key as its name's component (escaped if it holds ``%`` or ``/``)."""
+    if type(k) is str:
+        return _escape(k) if "%" in k or "/" in k else k
+    return str(k)
 
 
 def _empty_like(node: dict[str, Any]) -> dict[str, Any] | None:
