@@ -45,7 +45,8 @@ from ..store import CheckpointStore
 from .group import LocalGroup, PeerGroup, TorchGroup, torch_world
 from .peer import holdings, replicate_to_partner, retire_replica
 from .policy import TIERS, Holding, TierPolicy
-from .replicator import Lag, Pins, ReplicationError, ReplicationWorker, durable_recovery, durable_round
+from .durable import durable_recovery, durable_round
+from .replicator import Lag, Pins, ReplicationError, ReplicationWorker
 from .restore import HostTiers, RestoreReport, restore_from_tiers
 
 __all__ = ["RestoreReport", "TieredCheckpointManager"]
@@ -238,7 +239,7 @@ class TieredCheckpointManager:
         host and the next save tries again.
         """
         self._wait_save()
-        if not force and step % self.policy.save_interval_steps != 0:
+        if not force and not self.policy.interval.due(step):
             return None
         if self._resumed_from is not None:
             # Before the check below: a re-saved step number of the abandoned timeline must not count as held.
