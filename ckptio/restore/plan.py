@@ -105,7 +105,7 @@ class ReadPlan:
     @property
     def nbytes(self) -> int:
         """Bytes this plan reads (checksum-block rounding included)."""
-        return sum(r.rng.end - r.rng.start for r in self.requests)
+        return sum(r.rng.length for r in self.requests)
 
     def finish(self) -> Any:
         """The restored tree: call once, after every request was read and verified."""
