@@ -15,9 +15,10 @@ handle returns when all of that is done -- the replication itself runs in
 the background.
 
 A restore is collective: every host reports what it holds, every host
-computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), peers
-send the objects a host lacks, and the core restore reads the rest from the
-host's own fast tier or the durable tier, checking every checksum. A restore
+computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), and the
+core restore's read plan is routed: peers send the objects a host lacks, the
+rest is read from the host's own fast tier or the durable tier, every
+checksum checked (:mod:`ckptio.tiers.restore`). A restore
 deletes nothing: the steps newer than the one restored are retired by the
 first save after it, when training has moved on from the restored step.
 """
