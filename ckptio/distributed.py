@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "AllGatherCoordinator",
+    "BytesCoordinator",
     "Coordinator",
     "CountingCoordinator",
     "JaxCoordinator",
@@ -78,6 +79,20 @@ class Coordinator(AllGatherCoordinator, Protocol):
         ...
 
 
+class BytesCoordinator(Coordinator, Protocol):
+    """A :class:`Coordinator` that also broadcasts raw bytes from any host.
+
+    The one coordinator protocol of ckptio: :class:`SingleProcess`,
+    :class:`TorchCoordinator` and the tiers' groups
+    (:class:`ckptio.tiers.group.PeerGroup` adds point-to-point transfers) all
+    satisfy it.
+    """
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """Host ``src``'s ``data`` on every host; ValueError on every host if ``src`` has None."""
+        ...
+
+
 def gather_to_root(coord: AllGatherCoordinator, obj: Any) -> list[Any] | None:
     """``coord.gather(obj)``; for a coordinator without ``gather``, its all-gather (on rank 0 only)."""
     gather = getattr(coord, "gather", None)
@@ -106,19 +121,29 @@ def join_errors(errors: list[str], most: int = 8) -> str:
 
 
 class SingleProcess:
-    """One host: every collective is an identity."""
+    """One host: every collective is an identity (of what :meth:`_wire` makes of the object)."""
 
     rank = 0
     size = 1
 
+    @staticmethod
+    def _wire(obj: Any) -> Any:
+        """What an object looks like after a collective; a subclass may round-trip it as a wire would."""
+        return obj
+
     def all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
+        return [self._wire(obj)]
 
     def gather(self, obj: Any) -> list[Any] | None:
-        return [obj]
+        return [self._wire(obj)]
 
     def broadcast(self, obj: Any) -> Any:
-        return obj
+        return self._wire(obj)
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        if data is None:
+            raise ValueError("broadcast_bytes: the source host has no data")
+        return bytes(data)
 
 
 class _Ranked:

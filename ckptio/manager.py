@@ -25,6 +25,7 @@ from .layout import Naming
 from .manifest import Manifest
 from .restore import restore_step
 from .collective import join_as_failed
+from .retention import Retention, SaveInterval
 from .save import SaveHandle, start_save
 from .staging import StagingPool
 from .store import CheckpointStore, StoreOptions, step_dir_of
@@ -110,10 +111,7 @@ class CheckpointManager:
         backend_options: dict[str, Any] | None = None,
         backend: Backend | None = None,
     ) -> None:
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
-        if keep_period is not None and keep_period < 1:
-            raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        self.retention = Retention(max_to_keep, keep_period)
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if on_save_error not in ("raise", "warn"):
@@ -134,6 +132,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.keep_period = keep_period
         self.save_interval_steps = max(1, save_interval_steps)
+        self.interval = SaveInterval(self.save_interval_steps)
         self.coordinator = coordinator or default_coordinator()
         self._pool = StagingPool()
         sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
@@ -154,7 +153,7 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True if ``step`` is on the save interval and newer than the latest committed step."""
-        if step % self.save_interval_steps:
+        if not self.interval.due(step):
             return False  # no listing for a step off the interval (nor an error from one in an outage)
         latest = self.latest_step()
         return latest is None or step > latest
@@ -212,7 +211,7 @@ class CheckpointManager:
         keep = self.max_to_keep
         if keep is None or self.best is not None:
             return  # nothing deleted; or deleted by metrics, which the commit has yet to bring
-        if step in self._doomed(sorted({*run_sync(self.store.intact_steps(newest=keep)), step})):
+        if step in self.retention.doomed(sorted({*run_sync(self.store.intact_steps(newest=keep)), step})):
             log.warning("%s: forced save of step %d: retention (max_to_keep=%d) deletes it right after its "
                         "commit, since %d newer steps exist", self.url, step, keep, keep)
 
@@ -251,7 +250,7 @@ class CheckpointManager:
             self._retention_error = e
 
     async def _retention_victims(self, keep: int) -> list[int]:
-        """:meth:`_doomed` of every intact step, reading only the manifests that can matter.
+        """``self.retention.doomed`` of every intact step, reading only the manifests that can matter.
 
         Only intact steps count as kept, and only intact steps are deleted: a damaged step
         never makes retention delete a good one, and is left for inspection. The newest
@@ -264,7 +263,7 @@ class CheckpointManager:
         kept = await self.store.intact_steps(newest=keep, among=dirs, whole=True)
         if len(kept) < keep:
             return []
-        older = [s for s in dirs if s < kept[0] and not self._periodic(s)]
+        older = [s for s in dirs if s < kept[0] and not self.retention.periodic(s)]
         return await self.store.intact_steps(among=older) if older else []
 
     async def _best_victims(self, best: BestN, keep: int) -> list[int]:
@@ -280,7 +279,7 @@ class CheckpointManager:
         newest = await self.store.intact_steps(newest=1, among=dirs, whole=True)
         if not newest:
             return []  # nothing restores: delete nothing
-        roots = await self.store.intact_roots(among=[s for s in dirs if not self._periodic(s)])
+        roots = await self.store.intact_roots(among=[s for s in dirs if not self.retention.periodic(s)])
         victims: list[int] = []
         counted = 0
         for step in best.ranked({s: metrics_of(m) for s, m in roots.items()}):
@@ -299,18 +298,6 @@ class CheckpointManager:
             log.warning("%s: step %d is damaged: retention neither counts nor deletes it: %s", self.url, step, e)
             return False
         return True
-
-    def _periodic(self, step: int) -> bool:
-        return bool(self.keep_period) and step % self.keep_period == 0
-
-    def _doomed(self, steps: list[int]) -> list[int]:
-        """Steps retention deletes: beyond the newest ``max_to_keep``, unless kept by ``keep_period``."""
-        if self.max_to_keep is None:
-            return []
-        periodic = {s for s in steps if self._periodic(s)}
-        others = [s for s in steps if s not in periodic]
-        newest = set(steps[-self.max_to_keep :])
-        return [s for s in others if s not in newest]
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight to commit (and its retention to run).

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ckptio.backends._copy import flat_bytes
-from ckptio.distributed import TorchCoordinator
+from ckptio.distributed import BytesCoordinator, SingleProcess, TorchCoordinator
 
 __all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "torch_world"]
 
@@ -47,30 +47,8 @@ class Message:
     tag: Any = dataclasses.field(default=None, compare=False)
 
 
-class PeerGroup(Protocol):
-    """What the tiers need from the hosts of a job."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every host's JSON-able ``obj``, in rank order (every host receives O(H) records)."""
-        ...
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every host's JSON-able ``obj`` in rank order on host 0; None elsewhere (which receive nothing)."""
-        ...
-
-    def broadcast(self, obj: Any) -> Any:
-        """Host 0's small JSON-able ``obj`` on every host."""
-        ...
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        """Host ``src``'s ``data`` on every host."""
-        ...
+class PeerGroup(BytesCoordinator, Protocol):
+    """What the tiers need from the hosts of a job: ckptio's coordinator, plus byte transfers between hosts."""
 
     def transfer(
         self,
@@ -87,25 +65,15 @@ class PeerGroup(Protocol):
         ...
 
 
-class LocalGroup:
-    """One host: collectives are identities, and there is nobody to exchange bytes with."""
+class LocalGroup(SingleProcess):
+    """One host: collectives are identities, and there is nobody to exchange bytes with.
 
-    rank = 0
-    size = 1
+    Objects go through JSON as they would between hosts, so a single-host run sees what a job does.
+    """
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        return [json.loads(json.dumps(obj))]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        return self.all_gather(obj)
-
-    def broadcast(self, obj: Any) -> Any:
+    @staticmethod
+    def _wire(obj: Any) -> Any:
         return json.loads(json.dumps(obj))
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        if data is None:
-            raise ValueError("broadcast_bytes: the source host has no data")
-        return bytes(data)
 
     def transfer(
         self,

@@ -15,44 +15,40 @@ handle returns when all of that is done -- the replication itself runs in
 the background.
 
 A restore is collective: every host reports what it holds, every host
-computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), peers
-send the objects a host lacks, and the core restore reads the rest from the
-host's own fast tier or the durable tier, checking every checksum. A restore
+computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), and the
+core restore's read plan is routed: peers send the objects a host lacks, the
+rest is read from the host's own fast tier or the durable tier, every
+checksum checked (:mod:`ckptio.tiers.restore`). A restore
 deletes nothing: the steps newer than the one restored are retired by the
 first save after it, when training has moved on from the restored step.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import logging
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ckptio.backends import Backend
-from ckptio.backends.base import join_key
 
-from ..copy import object_writers
 from ..distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
-from ..engine import Engine, EngineConfig, Progress, ReadRequest, run_sync
-from ..errors import IntegrityError
-from ..manifest import MANIFEST_NAME, Manifest
-from ..restore import restore_checkpoint
+from ..engine import EngineConfig, Progress, run_sync
+from ..manifest import Manifest
 from ..save import SaveHandle, start_save
 from ..staging import StagingPool
 from ..states import SaveState
 from ..store import CheckpointStore
 from .group import LocalGroup, PeerGroup, TorchGroup, torch_world
-from .peer import RoutedBackend, fetch_from_peers, holdings, replicate_to_partner, retire_replica
-from .policy import DURABLE, LOCAL, PEER, TIERS, Holding, RestorePlan, TierPolicy, plan_restore
-from .replicator import Lag, Pins, ReplicationError, ReplicationWorker, durable_recovery, durable_round
+from .peer import holdings, replicate_to_partner, retire_replica
+from .policy import TIERS, Holding, TierPolicy
+from .durable import durable_recovery, durable_round
+from .replicator import Lag, Pins, ReplicationError, ReplicationWorker
+from .restore import HostTiers, RestoreReport, restore_from_tiers
 
 __all__ = ["RestoreReport", "TieredCheckpointManager"]
 
@@ -61,22 +57,6 @@ log = logging.getLogger("ckptio.tiers")
 #: This host's record (in its fast tier's root) of each host's newest step replicated to its partner.
 #: Not a name ckptio.names proves deletable: no deleter ever touches it; it is replaced whole.
 REPLICATED_RECORD = "ckptio.tiers.replicated.json"
-
-
-@dataclasses.dataclass
-class RestoreReport:
-    """What this host's last restore did."""
-
-    step: int
-    checkpoint_id: str | None
-    #: Per writer host: where its objects come from for this host (``local``, ``peer`` or ``durable``;
-    #: ``none`` where the tiers allowed have no copy this host can read).
-    sources: dict[int, str]
-    #: Bytes read per tier (peer bytes are those received over the network).
-    bytes_from: dict[str, int]
-    seconds: float
-    plan_seconds: float
-    fetch_seconds: float
 
 
 class TieredCheckpointManager:
@@ -260,7 +240,7 @@ class TieredCheckpointManager:
         host and the next save tries again.
         """
         self._wait_save()
-        if not force and step % self.policy.save_interval_steps != 0:
+        if not force and not self.policy.interval.due(step):
             return None
         if self._resumed_from is not None:
             # Before the check below: a re-saved step number of the abandoned timeline must not count as held.
@@ -303,7 +283,7 @@ class TieredCheckpointManager:
         data: bytes | None = None
         if self.rank == 0:
             try:
-                data = run_sync(self.fast.backend.read(join_key(step_dir, MANIFEST_NAME)))
+                data = run_sync(self.fast.read_manifest(step_dir, shards=False)).to_json()
             except BaseException as e:
                 log.error("%s: cannot read the manifest just committed: %r", self.fast.where(step_dir), e)
         held = False
@@ -423,77 +403,12 @@ class TieredCheckpointManager:
         self, step: int | None, target: Any, tiers: Collection[str], progress: Progress | None
     ) -> tuple[int, Any]:
         """The step restored (the same on every host, or an error on every host) and what it restored."""
-        t0 = time.perf_counter()
-        # Nothing before a collective may raise on one host only (the others would wait forever):
-        # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
-        mine: list[Holding] = []
-        if set(tiers) & {LOCAL, PEER}:
-            try:
-                mine = holdings(self.fast, self.replica, self.rank)
-            except Exception as e:
-                log.error("%s: cannot read this host's fast tier, restoring without it: %r", self.fast.url, e)
-        rec: dict[str, Any] = {"holdings": [h.to_json() for h in mine], "durable": []}
-        if self.rank == 0 and self.durable is not None and DURABLE in tiers:
-            try:
-                rec["durable"] = run_sync(self.durable.committed_steps())
-            except Exception as e:
-                log.error("%s: cannot list the durable tier, restoring without it: %r", self.durable.url, e)
-        # A true all-gather: every host computes the same plan from every host's holdings, and the
-        # plan (who sends which writer's objects to whom) spans every pair of hosts. A restore's, not a save's.
-        recs = self._control.all_gather(rec)
-        everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
-        plan = plan_restore(everything, recs[0]["durable"], self.size, step=step, tiers=tiers)
-        step_dir = str(plan.step)
-        own_held = any(h.own and (h.step, h.checkpoint_id) == (plan.step, plan.checkpoint_id) for h in mine)
-
-        def holding_store(writer: int) -> CheckpointStore:
-            """This host's store with ``writer``'s objects of the step: its own fast tier, or its replicas."""
-            return self.fast if writer == self.rank and own_held else self.replica
-
-        if plan.manifest_from is not None:
-            data = None
-            if self.rank == plan.manifest_from:
-                try:
-                    data = run_sync(holding_store(self.rank).backend.read(join_key(step_dir, MANIFEST_NAME)))
-                except Exception as e:  # broadcasting None makes every host fail alike
-                    log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
-            data = self._control.broadcast_bytes(data, plan.manifest_from)
-            manifest = Manifest.from_json(data, f"{self.fast.url}/{step_dir} (host {plan.manifest_from})")
-        else:
-            assert self.durable is not None
-            manifest = run_sync(self.durable.read_manifest(step_dir))
-        t_plan = time.perf_counter() - t0
-        routed = RoutedBackend(f"tiers://{self.fast.url}", {})
-        engine = _FetchingEngine(self, plan, manifest, routed, holding_store, EngineConfig())
-        # host_local: routed reads reach only the objects this host's plan fetched
-        store = CheckpointStore(routed.url, backend=routed, engine=engine, host_local=True)
-        failure: BaseException | None = None
-        try:
-            out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
-        except BaseException as e:  # every host must learn it before the step counts as resumed from
-            failure = e
-        finally:
-            store.engine.close()
-        # The step counts as resumed from only once every host holds it in memory: a restore that failed
-        # anywhere leaves the next save's retirement as it was, everywhere. Host 0 decides; the others
-        # get one word.
-        oks = self._control.gather(failure is None)
-        all_ok = self._control.broadcast(all(oks) if oks is not None else None)
-        if failure is not None:
-            raise failure
-        if not all_ok:
-            raise RuntimeError(f"restore of step {plan.step} failed on another host")
-        writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
-        self.last_restore = RestoreReport(
-            step=plan.step, checkpoint_id=manifest.checkpoint_id,
-            sources={w: (plan.sources.get((self.rank, w), ("none", None))[0] if plan.manifest_from is not None
-                         else DURABLE) for w in writers},
-            bytes_from=dict(routed.bytes_from), seconds=time.perf_counter() - t0, plan_seconds=t_plan,
-            fetch_seconds=engine.fetch_seconds,
-        )
-        log.info("restored step %d on host %d in %.3fs: %s", plan.step, self.rank, self.last_restore.seconds,
-                 self.last_restore.bytes_from)
-        return plan.step, out
+        report, out = restore_from_tiers(HostTiers(self._control, self.fast, self.replica, self.durable),
+                                         step, target, tiers, progress)
+        self.last_restore = report
+        log.info("restored step %d on host %d in %.3fs: %s", report.step, self.rank, report.seconds,
+                 report.bytes_from)
+        return report.step, out
 
     def _retire_newer(self, head: int) -> None:
         """Collective, with the replicators paused: make ``head`` (the step resumed from) the newest step.
@@ -571,79 +486,3 @@ def _refuse_other_multihost() -> None:
 def _sub_url(url: str, name: str) -> str:
     """``url`` + ``/name`` (URLs and paths alike)."""
     return url.rstrip("/") + "/" + name
-
-
-class _FetchingEngine(Engine):
-    """The restore's engine: before the one read of the restore, fetch from peers what the plan says.
-
-    ``restore_checkpoint`` plans every read of the restore and hands them to
-    ``engine.read`` once; that is the point where this host knows which
-    objects it needs, so the (collective) exchange with the peers happens
-    there, then the reads run against the routed view.
-    """
-
-    def __init__(self, mgr: TieredCheckpointManager, plan: RestorePlan, manifest: Manifest,
-                 routed: RoutedBackend, holding_store: Callable[[int], CheckpointStore], config: EngineConfig) -> None:
-        super().__init__(routed, config)
-        self.mgr, self.plan, self.manifest, self.routed = mgr, plan, manifest, routed
-        self.holding_store = holding_store
-        self.fetch_seconds = 0.0
-        self._used = False
-
-    async def read(self, requests: list[ReadRequest], progress: Progress | None = None) -> None:  # type: ignore[override]
-        if self._used:  # a second read would not be matched by the other hosts' exchange
-            raise RuntimeError("a tiered restore reads once; restore_checkpoint read twice")
-        self._used = True
-        keys = {r.key for r in requests}
-        t0 = time.perf_counter()
-        await asyncio.get_running_loop().run_in_executor(None, self._prepare, keys)
-        self.fetch_seconds = time.perf_counter() - t0
-        await super().read(requests, progress)
-
-    def _prepare(self, keys: set[str]) -> None:
-        """Route every needed key; fetch the peer-sourced ones (collective; off the IO loop)."""
-        mgr, plan, m, routed = self.mgr, self.plan, self.manifest, self.routed
-        if plan.manifest_from is None:  # durable only, on every host alike: no exchange
-            assert mgr.durable is not None
-            for k in keys:
-                routed.route(k, DURABLE, mgr.durable.backend, k)
-            return
-        from_peers: list[int] = []
-        error: str | None = None
-        try:
-            from_peers = self._route(keys)
-        except Exception as e:  # carried into the exchange's status round: every host fails alike
-            error = f"{type(e).__name__}: {e}"
-            from_peers = []
-        got = fetch_from_peers(mgr._control, plan, m, from_peers, self.holding_store, local_error=error)
-        routed.received.update({m.objects[i]: buf for i, buf in got.items()})
-
-    def _route(self, keys: set[str]) -> list[int]:
-        """Route local and durable keys; return the indices of the objects to fetch from peers."""
-        mgr, plan, m, routed = self.mgr, self.plan, self.manifest, self.routed
-        step_dir = str(plan.step)
-        index = {k: i for i, k in enumerate(m.objects)}
-        writers = object_writers(m)
-        from_peers: list[int] = []
-        durable_keys: list[str] = []
-        for k in keys:
-            w = writers[index[k]]
-            if w is None:
-                raise IntegrityError(f"{step_dir}: object {k!r} holds no shard but was asked for", key=k)
-            tier, _provider = plan.source(mgr.rank, w)
-            if tier == LOCAL:
-                routed.route(k, LOCAL, self.holding_store(w).backend, k)
-            elif tier == PEER:
-                from_peers.append(index[k])
-            else:
-                durable_keys.append(k)
-        if durable_keys:
-            assert mgr.durable is not None
-            there = run_sync(mgr.durable.read_manifest(step_dir))
-            if there.checkpoint_id != m.checkpoint_id or len(there.objects) != len(m.objects):
-                raise IntegrityError(
-                    f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
-                    f"the fast tiers {m.checkpoint_id}: they cannot be mixed", key=step_dir)
-            for k in durable_keys:
-                routed.route(k, DURABLE, mgr.durable.backend, there.objects[index[k]])
-        return from_peers

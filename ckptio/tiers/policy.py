@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
+from ..retention import Retention, SaveInterval
 
 __all__ = [
     "DURABLE",
@@ -29,28 +30,6 @@ __all__ = [
 #: Where a host's bytes come from at restore, fastest first.
 LOCAL, PEER, DURABLE = "local", "peer", "durable"
 TIERS: tuple[str, ...] = (LOCAL, PEER, DURABLE)
-
-
-@dataclasses.dataclass(frozen=True)
-class Retention:
-    """Which committed steps a tier keeps: the newest ``max_to_keep`` plus every ``keep_period``-th."""
-
-    max_to_keep: int | None = None
-    keep_period: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
-        if self.keep_period is not None and self.keep_period < 1:
-            raise ValueError(f"keep_period must be >= 1 or None, got {self.keep_period}")
-
-    def doomed(self, steps: Sequence[int], pinned: Collection[int] = ()) -> list[int]:
-        """Steps to delete from ``steps`` (ascending); ``pinned`` ones are never doomed."""
-        if self.max_to_keep is None:
-            return []
-        newest = set(sorted(steps)[-self.max_to_keep :])
-        return [s for s in steps
-                if s not in newest and s not in pinned and not (self.keep_period and s % self.keep_period == 0)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +75,11 @@ class TierPolicy:
                 or self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s
                 or self.max_backlog < 1 or self.lag_warn_steps < 1):
             raise ValueError(f"invalid tier policy {self}")
+
+    @property
+    def interval(self) -> SaveInterval:
+        """The steps :meth:`TieredCheckpointManager.save` saves (``save_interval_steps``)."""
+        return SaveInterval(self.save_interval_steps)
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait before the retry that follows ``failures`` failed rounds of one step."""

@@ -1,0 +1,28 @@
+"""Restore: manifest -> plan (target regions -> overlapping byte ranges) -> execute (verified reads) -> leaves.
+
+The package, one concern a module, imports pointing down:
+
+* :mod:`.buffers`: destination buffers and the shape/dtype checks of a target
+* :mod:`.scalars`: Python scalar targets ("this value, as this type")
+* :mod:`.targets`: every target kind (numpy, Sharded, jax, torch, PRNG keys):
+  its regions and how its leaf is built
+* :mod:`.packed`: bulk reads of many small whole arrays and pack tables
+* :mod:`.plan`: :func:`plan` ``(manifest, target) -> ReadPlan``, pure
+* :mod:`.execute`: :func:`execute` ``(plan, engine)``, the IO and checksums;
+  :func:`restore_checkpoint` = prepare + execute
+* :mod:`.step`: :func:`restore_step`, picking the step (and falling back)
+"""
+
+from __future__ import annotations
+
+from .execute import execute, prepare, restore_checkpoint
+from .plan import ReadPlan, Selection, plan, select
+from .scalars import PY_SCALARS
+from .step import restore_step
+from .targets import is_target_leaf
+
+# The names ckptio.targets knew this module by.
+_PY_SCALARS = PY_SCALARS
+_is_target_leaf = is_target_leaf
+
+__all__ = ["ReadPlan", "Selection", "execute", "plan", "prepare", "restore_checkpoint", "restore_step", "select"]

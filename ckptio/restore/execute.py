@@ -1,0 +1,62 @@
+"""Executing a read plan: the IO of a restore (reads, checksum verification), then the leaves.
+
+:func:`prepare` does the little IO planning needs (a format-2 manifest's
+fragments, a check that the objects are there and as long as the manifest
+says) and returns the pure :func:`ckptio.restore.plan.plan`; :func:`execute`
+runs a plan's reads on an engine (every byte verified against its checksum
+as it lands) and builds the tree. :func:`restore_checkpoint` is both.
+
+A caller that routes reads (the tiers) stands between the two: it learns
+from :meth:`ReadPlan.keys` which objects the plan reads, fetches or routes
+them, then executes the plan against the backend that now holds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import Engine, Progress, run_sync
+from ..manifest import Manifest
+from ..store import CheckpointStore
+from .plan import ReadPlan, plan, select
+
+__all__ = ["execute", "prepare", "restore_checkpoint"]
+
+
+def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any = None) -> ReadPlan:
+    """The plan of restoring ``manifest`` (of ``store``'s ``step_dir``) as ``target`` asks.
+
+    Reads only what planning needs: a format-2 manifest's fragments holding the
+    shards this restore meets, and (unless the store is host-local) the objects'
+    sizes, so that nothing is allocated from a manifest whose objects are gone.
+    """
+    where = store.where(step_dir)
+    sel = select(manifest, target, where)
+    # The shards this restore meets, at hand (a format-2 root reads only the fragments holding them;
+    # the boxes are made only then).
+    root = manifest
+    manifest = run_sync(store.load_fragments(step_dir, root, lambda: sel.boxes(root)))
+    if not store.host_local:
+        run_sync(store.check_objects(manifest, where))
+    return plan(manifest, sel, where=where, max_read=store.engine.config.max_read_size)
+
+
+def execute(read_plan: ReadPlan, engine: Engine, progress: Progress | None = None) -> Any:
+    """Read every request of ``read_plan`` with ``engine`` (checksums verified), then build the tree.
+
+    IntegrityError / FileNotFoundError if a byte is missing or fails its checksum.
+    """
+    run_sync(engine.read(read_plan.requests, progress))
+    return read_plan.finish()
+
+
+def restore_checkpoint(
+    store: CheckpointStore,
+    manifest: Manifest,
+    step_dir: str,
+    target: Any = None,
+    *,
+    progress: Progress | None = None,
+) -> Any:
+    """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree."""
+    return execute(prepare(store, manifest, step_dir, target), store.engine, progress)

@@ -1,0 +1,127 @@
+"""Restoring a step: pick it (the newest restorable one, as one decision across hosts), restore it, fall back.
+
+A step that turns out not to restore (an object missing or damaged, a
+damaged manifest, a deletion racing the restore) is logged and the next
+newest is tried, when the caller asked for the newest; with several hosts,
+host 0 picks and every host learns whether every host restored it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import _gc
+from ..distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
+from ..engine import Progress, run_sync
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..manifest import Manifest
+from ..store import CheckpointStore
+from .execute import restore_checkpoint
+
+__all__ = ["restore_step"]
+
+log = logging.getLogger("ckptio.restore")
+
+
+def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *,
+                 progress: Progress | None = None, coordinator: Coordinator | None = None) -> Any:
+    """Restore ``step`` (None: the newest restorable committed step) of ``store``.
+
+    With ``step=None``, a step that turns out not to restore -- an object or a
+    fragment missing, short or failing its checksums, a damaged or unreadable
+    manifest, or a deletion racing the restore -- is logged by name and the
+    next newest is restored instead. With a ``coordinator`` of several hosts
+    (every host must call this) that is one collective decision: host 0 picks
+    the step, every host tries it, and if any host fails every host moves on,
+    so all restore the same step. With ``step=N`` the failure is raised,
+    naming what is missing.
+    """
+    with _gc.paused():  # the caller waits anyway: no collections in the middle of the burst
+        return _restore_step(store, step, target, progress, coordinator or SingleProcess())
+
+
+#: What makes a step not restore (as opposed to a bad target or a storage outage).
+_LOST = (FileNotFoundError, IntegrityError, ManifestError, PermissionError)
+
+
+def _restore_step(
+    store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator
+) -> Any:
+    tried: list[int] = []
+    first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
+    many = step is None and coord.size > 1
+    while True:
+        try:
+            step_dir, manifest = _pick(store, step, tried, coord) if many else run_sync(
+                store.resolve_manifest(step, skip=tried, shards=False))
+        except CheckpointNotFoundError as e:
+            if first is None:
+                raise
+            raise first from e
+        failure: BaseException | None = None
+        fatal = False  # a failure that another step would not mend (a bad target, an outage)
+        out: Any = None
+        try:
+            out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+        except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
+            if not many:
+                raise
+            failure, fatal = e, True
+        except _LOST as e:
+            failure = _lost(store, step, step_dir, manifest, e)
+        except BaseException as e:
+            if not many:
+                raise
+            failure, fatal = e, True
+        if many:  # every host learns whether every host restored this step, even after a failure
+            mine = None if failure is None else (fatal, f"host {coord.rank}: {type(failure).__name__}: {failure}")
+            reports = gather_to_root(coord, mine)
+            verdict = broadcast_from_root(coord, None if reports is None else (
+                any(r[0] for r in reports if r), join_errors([r[1] for r in reports if r])))
+            if fatal:
+                raise failure  # type: ignore[misc]
+            if verdict[1] and failure is None:
+                failure = CheckpointNotFoundError(f"{store.where(step_dir)}: not restored on every host: {verdict[1]}")
+            if verdict[0]:
+                raise failure  # type: ignore[misc]
+        if failure is None:
+            return out
+        if step is not None or not step_dir:
+            raise failure
+        log.warning("%s: step %s does not restore (%s); restoring the next newest step",
+                    store.url, step_dir, failure)
+        first = first or failure
+        tried.append(int(step_dir))
+
+
+def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coordinator) -> tuple[str, Manifest]:
+    """Host 0's choice of the step to try, read on every host (one decision for the whole job)."""
+    choice: dict[str, Any] = {}
+    if coord.rank == 0:
+        try:
+            choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
+        except BaseException as e:  # every host must raise it, not wait for a choice
+            choice = {"error": f"{type(e).__name__}: {e}"}
+    choice = broadcast_from_root(coord, choice)
+    if "error" in choice:
+        raise CheckpointNotFoundError(f"{store.url}: {choice['error']}")
+    return choice["step_dir"], run_sync(store.read_manifest(choice["step_dir"], shards=False))
+
+
+def _lost(store: CheckpointStore, step: int | None, step_dir: str, manifest: Manifest, e: BaseException
+          ) -> BaseException:
+    """The error to report for a restore of ``step_dir`` that failed with ``e``: a deletion that
+    raced the restore is said to be one."""
+    if not step_dir or run_sync(_still_there(store, step_dir, manifest.checkpoint_id)):
+        return e  # the checkpoint is there: a missing or damaged object is damage, not a race
+    gone = CheckpointNotFoundError(f"{store.where(step_dir)}: step {step_dir} was deleted while being restored")
+    gone.__cause__ = e
+    return gone
+
+
+async def _still_there(store: CheckpointStore, step_dir: str, checkpoint_id: str) -> bool:
+    try:
+        return (await store.read_manifest(step_dir, shards=False)).checkpoint_id == checkpoint_id
+    except (FileNotFoundError, ValueError, IntegrityError):
+        return False

@@ -1,0 +1,218 @@
+"""A tiered restore: agree where each writer's objects come from, then route the core restore's read plan there.
+
+Every host reports what it holds; every host computes the same
+:class:`~ckptio.tiers.policy.RestorePlan` (who reads which writer's objects
+from which tier); one host broadcasts the manifest, read through its store
+(size cap, tombstone, binding and fence checked). Then the core restore's
+:class:`~ckptio.restore.ReadPlan` says which objects this host reads: they
+are routed to its own fast tier, its replicas or the durable tier, or
+fetched from peers (a collective exchange), and the plan is executed against
+that routed view, every byte checked against its checksum.
+
+A restore deletes nothing. It succeeds only once it succeeded on every host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from ..copy import object_writers
+from ..engine import Progress, run_sync
+from ..errors import IntegrityError
+from ..manifest import Manifest
+from ..restore import execute, prepare
+from ..store import CheckpointStore
+from .group import PeerGroup
+from .peer import RoutedBackend, fetch_from_peers, holdings
+from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, plan_restore
+
+__all__ = ["HostTiers", "RestoreReport", "restore_from_tiers"]
+
+log = logging.getLogger("ckptio.tiers")
+
+
+@dataclasses.dataclass
+class RestoreReport:
+    """What this host's last restore did."""
+
+    step: int
+    checkpoint_id: str | None
+    #: Per writer host: where its objects come from for this host (``local``, ``peer`` or ``durable``;
+    #: ``none`` where the tiers allowed have no copy this host can read).
+    sources: dict[int, str]
+    #: Bytes read per tier (peer bytes are those received over the network).
+    bytes_from: dict[str, int]
+    seconds: float
+    plan_seconds: float
+    fetch_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTiers:
+    """One host's tiers at a restore: its stores, and the group it agrees with the other hosts in."""
+
+    group: PeerGroup
+    fast: CheckpointStore
+    replica: CheckpointStore
+    durable: CheckpointStore | None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+
+StoreFor = Callable[[int], CheckpointStore]
+
+
+def restore_from_tiers(
+    t: HostTiers, step: int | None, target: Any, tiers: Collection[str], progress: Progress | None
+) -> tuple[RestoreReport, Any]:
+    """Collective: restore ``step`` (None: the newest complete in some tier) as ``target`` asks.
+
+    Returns this host's report and the restored tree; raises on every host if
+    any host failed (its own failure where it failed, RuntimeError elsewhere).
+    """
+    t0 = time.perf_counter()
+    plan, mine = _agree_on_plan(t, step, tiers)
+    own_held = any(h.own and (h.step, h.checkpoint_id) == (plan.step, plan.checkpoint_id) for h in mine)
+
+    def holding_store(writer: int) -> CheckpointStore:
+        """This host's store with ``writer``'s objects of the step: its own fast tier, or its replicas."""
+        return t.fast if writer == t.rank and own_held else t.replica
+
+    manifest = _manifest(t, plan, holding_store)
+    t_plan = time.perf_counter() - t0
+    routed = RoutedBackend(f"tiers://{t.fast.url}", {})
+    # host_local: routed reads reach only the objects this host's plan fetched
+    store = CheckpointStore(routed.url, backend=routed, host_local=True)
+    failure: BaseException | None = None
+    fetch_seconds = 0.0
+    out: Any = None
+    try:
+        read_plan = prepare(store, manifest, str(plan.step), target)
+        t_fetch = time.perf_counter()
+        _route_reads(t, plan, manifest, routed, holding_store, read_plan.keys())
+        fetch_seconds = time.perf_counter() - t_fetch
+        out = execute(read_plan, store.engine, progress)
+    except BaseException as e:  # every host must learn it before the step counts as resumed from
+        failure = e
+    finally:
+        store.engine.close()
+    _everywhere(t.group, plan.step, failure)
+    writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
+    report = RestoreReport(
+        step=plan.step, checkpoint_id=manifest.checkpoint_id,
+        sources={w: (plan.sources.get((t.rank, w), ("none", None))[0] if plan.manifest_from is not None
+                     else DURABLE) for w in writers},
+        bytes_from=dict(routed.bytes_from), seconds=time.perf_counter() - t0, plan_seconds=t_plan,
+        fetch_seconds=fetch_seconds,
+    )
+    return report, out
+
+
+def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tuple[RestorePlan, list[Holding]]:
+    """The tier plan every host computes alike from every host's holdings, and this host's holdings."""
+    # Nothing before a collective may raise on one host only (the others would wait forever):
+    # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
+    mine: list[Holding] = []
+    if set(tiers) & {LOCAL, PEER}:
+        try:
+            mine = holdings(t.fast, t.replica, t.rank)
+        except Exception as e:
+            log.error("%s: cannot read this host's fast tier, restoring without it: %r", t.fast.url, e)
+    rec: dict[str, Any] = {"holdings": [h.to_json() for h in mine], "durable": []}
+    if t.rank == 0 and t.durable is not None and DURABLE in tiers:
+        try:
+            rec["durable"] = run_sync(t.durable.committed_steps())
+        except Exception as e:
+            log.error("%s: cannot list the durable tier, restoring without it: %r", t.durable.url, e)
+    # A true all-gather: every host computes the same plan from every host's holdings, and the
+    # plan (who sends which writer's objects to whom) spans every pair of hosts. A restore's, not a save's.
+    recs = t.group.all_gather(rec)
+    everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
+    return plan_restore(everything, recs[0]["durable"], t.group.size, step=step, tiers=tiers), mine
+
+
+def _manifest(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
+    """The step's manifest on every host: broadcast by the host the plan names, else the durable tier's."""
+    step_dir = str(plan.step)
+    if plan.manifest_from is None:
+        assert t.durable is not None
+        return run_sync(t.durable.read_manifest(step_dir))
+    data = None
+    if t.rank == plan.manifest_from:
+        try:
+            data = run_sync(holding_store(t.rank).read_manifest(step_dir, shards=False)).to_json()
+        except Exception as e:  # broadcasting None makes every host fail alike
+            log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
+    data = t.group.broadcast_bytes(data, plan.manifest_from)
+    return Manifest.from_json(data, f"{t.fast.url}/{step_dir} (host {plan.manifest_from})")
+
+
+def _everywhere(group: PeerGroup, step: int, failure: BaseException | None) -> None:
+    """Raise unless the restore of ``step`` succeeded on every host (this host's own failure first).
+
+    The step counts as resumed from only once every host holds it in memory: a restore that failed
+    anywhere leaves the next save's retirement as it was, everywhere. Host 0 decides; the others
+    get one word.
+    """
+    oks = group.gather(failure is None)
+    all_ok = group.broadcast(all(oks) if oks is not None else None)
+    if failure is not None:
+        raise failure
+    if not all_ok:
+        raise RuntimeError(f"restore of step {step} failed on another host")
+
+
+def _route_reads(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBackend, holding_store: StoreFor,
+                 keys: set[str]) -> None:
+    """Route every key the read plan reads; fetch the peer-sourced ones (collective)."""
+    if plan.manifest_from is None:  # durable only, on every host alike: no exchange
+        assert t.durable is not None
+        for k in keys:
+            routed.route(k, DURABLE, t.durable.backend, k)
+        return
+    from_peers: list[int] = []
+    error: str | None = None
+    try:
+        from_peers = _route_local(t, plan, m, routed, holding_store, keys)
+    except Exception as e:  # carried into the exchange's status round: every host fails alike
+        error = f"{type(e).__name__}: {e}"
+        from_peers = []
+    got = fetch_from_peers(t.group, plan, m, from_peers, holding_store, local_error=error)
+    routed.received.update({m.objects[i]: buf for i, buf in got.items()})
+
+
+def _route_local(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBackend, holding_store: StoreFor,
+                 keys: set[str]) -> list[int]:
+    """Route local and durable keys; return the indices of the objects to fetch from peers."""
+    step_dir = str(plan.step)
+    index = {k: i for i, k in enumerate(m.objects)}
+    writers = object_writers(m)
+    from_peers: list[int] = []
+    durable_keys: list[str] = []
+    for k in keys:
+        w = writers[index[k]]
+        if w is None:
+            raise IntegrityError(f"{step_dir}: object {k!r} holds no shard but was asked for", key=k)
+        tier, _provider = plan.source(t.rank, w)
+        if tier == LOCAL:
+            routed.route(k, LOCAL, holding_store(w).backend, k)
+        elif tier == PEER:
+            from_peers.append(index[k])
+        else:
+            durable_keys.append(k)
+    if durable_keys:
+        assert t.durable is not None
+        there = run_sync(t.durable.read_manifest(step_dir))
+        if there.checkpoint_id != m.checkpoint_id or len(there.objects) != len(m.objects):
+            raise IntegrityError(
+                f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
+                f"the fast tiers {m.checkpoint_id}: they cannot be mixed", key=step_dir)
+        for k in durable_keys:
+            routed.route(k, DURABLE, t.durable.backend, there.objects[index[k]])
+    return from_peers
