@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ckptio.backends.base import join_key
+from ckptio.backends.base import Backend, join_key
 
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, ArrayItem, Manifest
 
-if TYPE_CHECKING:
-    from .store import CheckpointStore
 
 __all__ = [
     "COMMIT_SUCCESS_NAME", "HANDLER", "POINTER_FORMAT", "POINTER_NAME", "STEP_METADATA_NAME", "TMP_SUFFIX",
@@ -53,7 +51,7 @@ def final_name(name: str) -> str:
     return name if i < 0 else name[:i]
 
 
-async def pointer_at(store: CheckpointStore, item_key: str, where: str) -> dict[str, Any] | None:
+async def pointer_at(store: StepSource, item_key: str, where: str) -> dict[str, Any] | None:
     """The pointer in the item directory ``item_key`` of ``store`` ("": its root), or None.
 
     CheckpointNotFoundError names ``where`` for a pointer that is not one (too large, not
@@ -83,6 +81,25 @@ async def pointer_at(store: CheckpointStore, item_key: str, where: str) -> dict[
     except ValueError as e:
         raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {e}") from None
     return doc
+
+
+class StepSource(Protocol):
+    """What reading Orbax steps needs of a store (``ckptio.store.CheckpointStore`` is one).
+
+    A protocol, not the class: the store's catalog asks this module about Orbax steps,
+    so importing the store here would close a cycle.
+    """
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def io(self) -> Backend: ...
+    def where(self, step_dir: str) -> str: ...
+    def sibling(self, url: str) -> StepSource: ...
+    async def status(self, step_dir: str) -> Any: ...
+    async def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +166,7 @@ def _commits_by_file(url: str) -> bool:
     return scheme.removeprefix("fsspec+") in ("gs", "gcs")
 
 
-async def orbax_step(store: CheckpointStore, step_dir: str) -> OrbaxStep | None:
+async def orbax_step(store: StepSource, step_dir: str) -> OrbaxStep | None:
     """What the step directory ``step_dir`` of ``store`` is if Orbax saved it; None if it is not Orbax's.
 
     One listing of the step directory, a read of Orbax's step metadata, and each ckptio
@@ -180,7 +197,7 @@ async def orbax_step(store: CheckpointStore, step_dir: str) -> OrbaxStep | None:
     return OrbaxStep(finalized, items, committed_at)
 
 
-async def _item(store: CheckpointStore, step_dir: str, name: str, handler: str, rel: set[str]) -> OrbaxItem:
+async def _item(store: StepSource, step_dir: str, name: str, handler: str, rel: set[str]) -> OrbaxItem:
     """The item ``name`` of the Orbax step ``step_dir``; ``rel``: the step's keys, relative to it."""
     short = handler.rpartition(".")[2]
     item_key = join_key(step_dir, name)
