@@ -22,7 +22,8 @@ import aiohttp
 import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
-from ._copy import copy_bytes
+from ckptio._system.bytes import copy_bytes
+
 from ._perloop import PerLoop
 from .base import ByteRange, RetryableError
 

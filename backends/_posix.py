@@ -12,10 +12,11 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ._copy import byte_views
+from ckptio._system.bytes import byte_views
+
 from .base import RetryableError
 
-__all__ = ["address", "aligned_buffer", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors"]
+__all__ = ["aligned_buffer", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors"]
 
 # Linux caps one vectored call at IOV_MAX iovecs and ~2 GiB of bytes.
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
@@ -98,13 +99,6 @@ def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
             if batch and n:
                 batch[0] = batch[0][n:]
     return total
-
-
-def address(view: memoryview) -> int:
-    """The memory address of a buffer's first byte (for alignment checks)."""
-    import numpy as np
-
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 def aligned_buffer(nbytes: int) -> memoryview:

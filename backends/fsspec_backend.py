@@ -62,7 +62,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from ._copy import scatter_bytes
+from ckptio._system.bytes import scatter_bytes
+
 from ._perloop import PerLoop
 from .base import (
     Backend,

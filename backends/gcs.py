@@ -102,7 +102,8 @@ from urllib.parse import quote, urlencode
 import aiohttp
 from yarl import URL
 
-from ._copy import byte_views
+from ckptio._system.bytes import byte_views
+
 from ._gcs_config import GCSConfig, RampConfig, resolve_endpoint
 from ._gcs_http import (
     BuffersPayload,

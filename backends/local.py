@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ._copy import byte_views, copy_bytes, flat_bytes
-from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from ._threads import background_pool, start_workers
+from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
+from ckptio._system.threads import background_pool, start_workers
+
+from ._posix import aligned_buffer, preadv_all, pwritev_all, translate_os_errors
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class LocalConfig:
     tile_bytes: int = 0
     #: Object writes run on threads this many nice steps below the caller's priority, so
     #: that a background save's copies and system calls yield the CPU to the training
-    #: step (see ``backends/_threads.py``). Off by default: on a CPU-saturated 2-core host
+    #: step (see :mod:`ckptio._system.threads`). Off by default: on a CPU-saturated 2-core host
     #: nice 10 cut the step's run-queue wait but also the save's throughput (~1.1 -> ~0.75 GiB/s).
     write_nice: int = 0
 

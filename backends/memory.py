@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ._copy import gather_bytes, scatter_bytes
+from ckptio._system.bytes import gather_bytes, scatter_bytes
+
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
 __all__ = ["MemoryBackend"]

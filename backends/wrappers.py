@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
-from ._copy import byte_views
+from ckptio._system.bytes import byte_views
+
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
 
 __all__ = [

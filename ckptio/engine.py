@@ -21,9 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ckptio.backends._copy import flat_bytes
-from ckptio.backends._pages import POPULATE_MIN, populate
-from ckptio.backends._threads import background_pool, start_workers
+from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks

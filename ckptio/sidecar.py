@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptio.backends._copy import copy_bytes
+from ckptio._system import copy_bytes
 
 from .engine import EngineConfig, Progress, WrittenObject, run_sync
 from .errors import SaveFailedError
