@@ -69,6 +69,7 @@ from .base import (
     Backend,
     ByteRange,
     Capabilities,
+    LayoutDefaults,
     ObjectInfo,
     RetryableError,
     check_fill,
@@ -177,7 +178,6 @@ def _takes(method: Callable[..., Any], name: str) -> bool:
 class FsspecBackend(Backend):
     """Objects under a root path of one fsspec filesystem; keys are paths relative to the root."""
 
-    schemes = ("fsspec",)
 
     def __init__(self, url: str = "", config: FsspecConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or FsspecConfig(), **options)
@@ -207,12 +207,14 @@ class FsspecBackend(Backend):
             conditional_create=atomic,
             durable_on_close=traits.object_store,
             preferred_io_size=cfg.preferred_io_size,
-            object_size=cfg.object_size,
             concurrency=cfg.concurrency,
             list_consistent=True,  # S3 (since 2020), GCS, Azure: strong read-after-write and list
+            process_local=traits.process_local,
+        )
+        self.layout_defaults = LayoutDefaults(
+            object_size=cfg.object_size,
             hashed_names=traits.object_store if cfg.hashed_names is None else cfg.hashed_names,
             tile_bytes=(1 << 20) if traits.object_store else 0,
-            process_local=traits.process_local,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

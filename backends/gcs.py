@@ -121,6 +121,7 @@ from .base import (
     Backend,
     ByteRange,
     Capabilities,
+    LayoutDefaults,
     ObjectInfo,
     RetryableError,
     check_fill,
@@ -147,7 +148,6 @@ _CONFIRM_FIELDS = "generation,crc32c,size"
 class GCSBackend(Backend):
     """Objects of one bucket under a prefix; keys are names relative to the prefix."""
 
-    schemes = ("gs",)
 
     def __init__(self, url: str = "", config: GCSConfig | None = None, **options: Any) -> None:
         if isinstance(options.get("ramp"), dict):
@@ -179,9 +179,11 @@ class GCSBackend(Backend):
             conditional_create=True,
             durable_on_close=True,
             preferred_io_size=16 << 20,
-            object_size=cfg.object_size,
             concurrency=cfg.concurrency,
             list_consistent=True,
+        )
+        self.layout_defaults = LayoutDefaults(
+            object_size=cfg.object_size,
             hashed_names=True,
             tile_bytes=1 << 20,  # every host restores its own part of a shared checkpoint
         )

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from ._mounts import MOUNTINFO, find_mount
-from .base import Capabilities
+from .base import Capabilities, LayoutDefaults
 from .local import LocalBackend, LocalConfig
 
 __all__ = ["PUBLISHED_NAME", "HyperdiskMLBackend", "is_published", "publish"]
@@ -36,7 +36,6 @@ HYPERDISK_ML_DEFAULTS = LocalConfig(threads=32, object_size=256 << 20, readahead
 class HyperdiskMLBackend(LocalBackend):
     """``hdml:///mnt/hdml/run1``: the local backend with read-optimised defaults and RO detection."""
 
-    schemes = ("hdml",)
 
     def __init__(
         self, url: str, config: LocalConfig | None = None, *, mountinfo: str = MOUNTINFO, **options: Any
@@ -59,9 +58,11 @@ class HyperdiskMLBackend(LocalBackend):
 
     def _capabilities(self) -> Capabilities:
         caps = super()._capabilities()
+        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20)
+
+    def _layout_defaults(self) -> LayoutDefaults:
         # Attached read-only to many hosts to restore from: tiled, so each reads only its part.
-        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20,
-                                   tile_bytes=1 << 20)
+        return dataclasses.replace(super()._layout_defaults(), tile_bytes=1 << 20)
 
     def read_only_message(self, key: str) -> str:
         if not self.url.startswith("hdml://"):

@@ -28,7 +28,9 @@ from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
 from ckptio._system.threads import background_pool, start_workers
 
 from ._posix import aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
+from .base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ class LocalConfig:
     lock_stale_s: float = 600.0
     #: Split a checkpoint's objects over this many sub-directories (0: flat).
     dir_fanout: int = 0
-    #: See :attr:`Capabilities.tile_bytes` (0: plain C order, the right default for a local disk).
+    #: See :attr:`LayoutDefaults.tile_bytes` (0: plain C order, the right default for a local disk).
     tile_bytes: int = 0
     #: Object writes run on threads this many nice steps below the caller's priority, so
     #: that a background save's copies and system calls yield the CPU to the training
@@ -93,7 +95,6 @@ class LocalConfig:
 class LocalBackend(Backend):
     """Objects are files under a root directory; keys are relative paths."""
 
-    schemes = ("", "file")
 
     def __init__(self, url: str, config: LocalConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or LocalConfig(), **options)
@@ -110,17 +111,19 @@ class LocalBackend(Backend):
         self._dirty_lock = threading.Lock()
         self._direct_ok = True
         self.capabilities = self._capabilities()
+        self.layout_defaults = self._layout_defaults()
 
     def _capabilities(self) -> Capabilities:
         return Capabilities(
             durable_on_close=False,  # directory entries need sync(); without fsync nothing is durable
             preferred_io_size=8 << 20,
-            object_size=self.config.object_size,
             alignment=self.config.alignment if self.config.direct else 1,
             concurrency=self.config.threads,
-            dir_fanout=self.config.dir_fanout,
-            tile_bytes=self.config.tile_bytes,
         )
+
+    def _layout_defaults(self) -> LayoutDefaults:
+        cfg = self.config
+        return LayoutDefaults(object_size=cfg.object_size, dir_fanout=cfg.dir_fanout, tile_bytes=cfg.tile_bytes)
 
     @property
     def url(self) -> str:

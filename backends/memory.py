@@ -37,7 +37,6 @@ _STORES_LOCK = threading.Lock()
 class MemoryBackend(Backend):
     """Objects as byte buffers in a dict, never changed in place; writes replace them whole."""
 
-    schemes = ("mem", "memory")
 
     def __init__(self, url: str = "mem://default") -> None:
         self._url = url.rstrip("/")
@@ -45,8 +44,7 @@ class MemoryBackend(Backend):
             self._objects = _STORES.setdefault(self._url, {})
         self._lock = threading.Lock()
         self.capabilities = Capabilities(
-            durable_on_close=True, preferred_io_size=1 << 20, object_size=64 << 20, concurrency=8,
-            process_local=True,
+            durable_on_close=True, preferred_io_size=1 << 20, concurrency=8, process_local=True,
         )
 
     @classmethod

@@ -11,9 +11,9 @@
   mutation with :class:`PermissionError` (restore/verify paths that must
   never write).
 
-Every wrapper delegates what it does not change -- ``capabilities``, ``url``,
-``list_children``, ``sync``, ``close`` included -- to the backend it wraps,
-and goes on satisfying the backend contract itself (the conformance suite
+Every wrapper delegates what it does not change -- ``capabilities``,
+``layout_defaults``, ``url``, ``list_children``, ``sync``, ``close`` included
+-- to the backend it wraps, and goes on satisfying the backend contract itself (the conformance suite
 runs against each one).
 """
 
@@ -25,11 +25,11 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckptio._system.bytes import byte_views
 
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
+from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key
 
 __all__ = [
     "CountingBackend",
@@ -70,6 +70,10 @@ class WrapperBackend(Backend):
     def capabilities(self) -> Capabilities:
         return self.inner.capabilities
 
+    @property  # type: ignore[override]
+    def layout_defaults(self) -> LayoutDefaults:
+        return self.inner.layout_defaults
+
     @property
     def url(self) -> str:
         return self.inner.url
@@ -98,8 +102,15 @@ class WrapperBackend(Backend):
     async def sync(self) -> None:
         await self.inner.sync()
 
-    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
-        return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
+    async def sweep_temporaries(
+        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
+    ) -> list[str]:
+        # A prefix comes only where the inner backend declares Capabilities.sweeps_by_prefix
+        # (this wrapper declares what it wraps), so only then does it travel on.
+        if prefix is None:
+            return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
+        sweep: Any = self.inner.sweep_temporaries  # typed without ``prefix`` in the Backend ABC
+        return await sweep(older_than_s, dry_run=dry_run, prefix=prefix)
 
     async def close(self) -> None:
         await self.inner.close()
@@ -464,7 +475,9 @@ class ReadOnlyBackend(WrapperBackend):
     async def create_if_absent(self, key: str, data: bytes) -> None:
         raise self._refuse("create", key)
 
-    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+    async def sweep_temporaries(
+        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
+    ) -> list[str]:
         return []  # removes nothing through a read-only view
 
     async def delete(self, key: str) -> None:

@@ -64,7 +64,7 @@ class EngineConfig:
     #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
     #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
     #: meets; 0 keeps every shard in plain C order. None: the backend's
-    #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
+    #: ``layout_defaults.tile_bytes`` (tiled on shared storage, C order on a local disk).
     tile_bytes: int | None = None
     #: Who writes a save's objects: "thread" (this process's IO loop) or "sidecar" (a writer
     #: process per host fed from shared-memory staging, ckptio.sidecar, so that nothing of a

@@ -357,8 +357,8 @@ def _start_save(
         # Every leaf is checked before the first byte is written (nothing to clean up on bad input).
         tile_bytes = store.engine.config.tile_bytes
         if tile_bytes is None:
-            tile_bytes = store.backend.capabilities.tile_bytes
-        caps = store.backend.capabilities
+            tile_bytes = store.backend.layout_defaults.tile_bytes
+        caps = store.backend.layout_defaults
         packer = None
         single_host = coord.size == 1  # its record is the whole manifest: pack tables, no placeholders
         deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the writer thread
@@ -380,7 +380,7 @@ def _start_save(
     save_id = new_id()
     plans = pack(
         pieces,
-        object_size=store.backend.capabilities.object_size,
+        object_size=store.backend.layout_defaults.object_size,
         align=store.backend.capabilities.alignment,
         key_for=lambda n: store.naming.object_key(step_dir, save_id, coord.rank, coord.size, n),
     )

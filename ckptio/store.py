@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import math
@@ -995,12 +994,9 @@ def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
     """True if ``backend.sweep_temporaries`` takes a ``prefix`` (sweeps one step's temporaries only).
 
     The Backend ABC's sweep walks the whole root; a backend (or wrapper) that can
-    limit it to a prefix says so by that keyword.
+    limit it to a prefix declares so (:attr:`Capabilities.sweeps_by_prefix`).
     """
-    try:
-        return "prefix" in inspect.signature(backend.sweep_temporaries).parameters
-    except (TypeError, ValueError):
-        return False
+    return backend.capabilities.sweeps_by_prefix
 
 
 def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
@@ -1043,7 +1039,7 @@ def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
 
 
 def _default_naming(backend: Backend) -> Naming:
-    caps = backend.capabilities
+    caps = backend.layout_defaults
     if caps.hashed_names:
         return HashedNaming()
     if caps.dir_fanout > 0:

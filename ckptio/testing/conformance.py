@@ -54,7 +54,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
+from ckptio.backends.base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo
 
 from .model import machine_for, split_views
 
@@ -172,7 +172,9 @@ class BackendConformance:
         caps = b.capabilities
         assert isinstance(caps, Capabilities)
         assert caps.alignment >= 1 and caps.alignment & (caps.alignment - 1) == 0
-        assert caps.concurrency >= 1 and caps.preferred_io_size > 0 and caps.object_size > 0
+        assert caps.concurrency >= 1 and caps.preferred_io_size > 0
+        assert isinstance(b.layout_defaults, LayoutDefaults) and b.layout_defaults.object_size > 0
+        assert b.layout_defaults.dir_fanout >= 0 and b.layout_defaults.tile_bytes >= 0
         assert isinstance(b.url, str) and b.url
         assert b.url in repr(b)
 
