@@ -16,8 +16,9 @@ from test_backend_local import read_only_mount  # noqa: F401  (a fixture)
 import ckptio
 from ckptio.backends import detect_scheme, open_backend
 from ckptio.backends.base import Backend
-from ckptio.backends.hyperdisk_ml import HyperdiskMLBackend, is_published, publish
+from ckptio.backends.hyperdisk_ml import HyperdiskMLBackend
 from ckptio.backends.parallelstore import ParallelstoreBackend
+from ckptio.publish import is_published, publish
 
 
 class TestHyperdiskML(BackendConformance):
