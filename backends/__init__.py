@@ -12,7 +12,9 @@ import os
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key, join_key
+from .base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key, join_key,
+)
 
 __all__ = [
     "Backend",

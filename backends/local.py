@@ -123,7 +123,9 @@ class LocalBackend(Backend):
 
     def _layout_defaults(self) -> LayoutDefaults:
         cfg = self.config
-        return LayoutDefaults(object_size=cfg.object_size, dir_fanout=cfg.dir_fanout, tile_bytes=cfg.tile_bytes)
+        return LayoutDefaults(
+            object_size=cfg.object_size, dir_fanout=cfg.dir_fanout, tile_bytes=cfg.tile_bytes
+        )
 
     @property
     def url(self) -> str:
