@@ -16,7 +16,13 @@ from ckptio._system.bytes import byte_views
 
 from .base import RetryableError
 
-__all__ = ["aligned_buffer", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors"]
+__all__ = [
+    "TMP_MARK", "aligned_buffer", "fsync_dir", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors",
+    "unlink_quietly",
+]
+
+#: Temporary files carry this in their name; listings skip them.
+TMP_MARK = ".ckptio-tmp-"
 
 # Linux caps one vectored call at IOV_MAX iovecs and ~2 GiB of bytes.
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
@@ -104,3 +110,20 @@ def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
 def aligned_buffer(nbytes: int) -> memoryview:
     """A page-aligned, writable byte buffer (anonymous mmap), suitable for O_DIRECT."""
     return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]
+
+
+def fsync_dir(directory: str) -> None:
+    """Make ``directory``'s entries durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

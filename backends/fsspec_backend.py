@@ -178,7 +178,6 @@ def _takes(method: Callable[..., Any], name: str) -> bool:
 class FsspecBackend(Backend):
     """Objects under a root path of one fsspec filesystem; keys are paths relative to the root."""
 
-
     def __init__(self, url: str = "", config: FsspecConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or FsspecConfig(), **options)
         self.protocol, rest = split_fsspec_url(url)

@@ -148,7 +148,6 @@ _CONFIRM_FIELDS = "generation,crc32c,size"
 class GCSBackend(Backend):
     """Objects of one bucket under a prefix; keys are names relative to the prefix."""
 
-
     def __init__(self, url: str = "", config: GCSConfig | None = None, **options: Any) -> None:
         if isinstance(options.get("ramp"), dict):
             options["ramp"] = RampConfig(**options["ramp"])

@@ -38,7 +38,6 @@ HYPERDISK_ML_DEFAULTS = LocalConfig(threads=32, object_size=256 << 20, readahead
 class HyperdiskMLBackend(LocalBackend):
     """``hdml:///mnt/hdml/run1``: the local backend with read-optimised defaults and RO detection."""
 
-
     def __init__(
         self, url: str, config: LocalConfig | None = None, *, mountinfo: str = MOUNTINFO, **options: Any
     ) -> None:

@@ -37,7 +37,6 @@ _STORES_LOCK = threading.Lock()
 class MemoryBackend(Backend):
     """Objects as byte buffers in a dict, never changed in place; writes replace them whole."""
 
-
     def __init__(self, url: str = "mem://default") -> None:
         self._url = url.rstrip("/")
         with _STORES_LOCK:

@@ -56,7 +56,6 @@ def interception_library(environ: dict[str, str] | None = None) -> str | None:
 class ParallelstoreBackend(LocalBackend):
     """``pstore:///mnt/parallelstore/run1``: the local backend tuned for dfuse."""
 
-
     def __init__(
         self,
         url: str,
