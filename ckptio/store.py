@@ -1039,9 +1039,9 @@ def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
 
 
 def _default_naming(backend: Backend) -> Naming:
-    caps = backend.layout_defaults
-    if caps.hashed_names:
+    layout = backend.layout_defaults
+    if layout.hashed_names:
         return HashedNaming()
-    if caps.dir_fanout > 0:
-        return FanoutNaming(caps.dir_fanout)
+    if layout.dir_fanout > 0:
+        return FanoutNaming(layout.dir_fanout)
     return FlatNaming()
