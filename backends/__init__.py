@@ -12,12 +12,15 @@ import os
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key, join_key
+from .base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key, join_key,
+)
 
 __all__ = [
     "Backend",
     "ByteRange",
     "Capabilities",
+    "LayoutDefaults",
     "ObjectInfo",
     "RetryableError",
     "check_key",
@@ -27,7 +30,8 @@ __all__ = [
     "split_url",
 ]
 
-# Built-in schemes, resolved lazily so that importing ckptio never imports aiohttp.
+# The one table of built-in URL schemes (Backend classes do not repeat them), resolved lazily
+# so that importing ckptio never imports aiohttp.
 _BUILTIN: dict[str, str] = {
     "": "ckptio.backends.local:LocalBackend",
     "file": "ckptio.backends.local:LocalBackend",

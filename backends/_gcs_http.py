@@ -1,8 +1,45 @@
-"""Plumbing of the GCS backend: HTTP payloads, error translation, auth, rate ramp, sessions.
+"""Plumbing of the GCS backend: HTTP payloads, error translation, auth, rate ramp, sessions, upload checks.
 
 Kept apart from :mod:`ckptio.backends.gcs` so that module reads as the
 protocol (which request, which status) and this one as the mechanics.
 Imports aiohttp, so it is only imported when a ``gs://`` backend is made.
+
+Why aiohttp directly (and not gcsfs or tensorstore's kvstore)
+---------------------------------------------------------------
+Measured against fake-gcs-server 1.54 (memory backend) on the 2-core
+build machine: 8 concurrent 64 MiB objects, client and server sharing the
+cores, every client in the same run, 3 rounds, median (min-max), MiB/s:
+
+    client (aiohttp 3.14, gcsfs 2026.10.1)              upload            download
+    this backend (then multipart), GET into buffers    269 (159-270)     909 (715-967)
+    gcsfs pipe/cat, defaults (resumable above 50 MiB)  124 (119-144)     375 (347-388)
+    gcsfs pipe(chunksize=128 MiB): one request each    181 (180-191)     397 (372-431)
+
+(Since then, one-request uploads are media uploads, faster again against
+the emulator: see Protocol.) A second run while other jobs loaded the
+machine gave 83 / 703 for this
+backend against 50 / 186 for gcsfs (54 / 145 with one request per object).
+gcsfs's download includes copying the ``bytes`` it returns into the
+destination buffers, as a restore must (without that copy: 650-850 MiB/s).
+Against the same server, resumable uploads in 16 or 32 MiB chunks reached
+only 57-118 MiB/s (the emulator's resumable path is slow), so objects of
+the layout's size go up in one request. The figures swing ±40 % run to run
+(the server's CPU is in every figure); the ratio is what counts: this path
+is at least as fast as gcsfs both ways, and unlike gcsfs it
+
+* uploads from several caller buffers without joining them (a payload that
+  streams memoryview slices) and downloads straight into caller-owned
+  buffers (the body is copied chunk by chunk into the destination
+  memoryviews; gcsfs hands back ``bytes``, one more full copy);
+* leaves retries to the engine (gcsfs retries internally, which would
+  multiply with the engine's retries and hide throttling from its budget);
+* exposes the commit primitive exactly (a multipart upload with
+  ``ifGenerationMatch=0``) and maps every status once, at this boundary.
+
+tensorstore's kvstore (not re-measured here; the project notes give it the
+fastest uploads on this machine, its C++ threads working outside the GIL)
+reads and writes whole values, i.e. a copy on each side, and brings its own
+retries; it stays a benchmark anchor, not the backend.
 """
 
 from __future__ import annotations
@@ -14,7 +51,7 @@ import email.utils
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,18 +59,23 @@ import aiohttp
 import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
-from ._copy import copy_bytes
+from ckptio._system.bytes import copy_bytes
+
 from ._perloop import PerLoop
 from .base import ByteRange, RetryableError
 
 __all__ = [
     "BuffersPayload",
+    "Damaged",
     "RateRamp",
+    "SessionGone",
     "TokenSource",
+    "confirmation",
     "crc32c_b64",
     "fill_from_response",
     "parse_retry_after",
     "parse_rfc3339",
+    "persisted_offset",
     "raise_for_status",
     "session_pool",
     "slice_views",
@@ -387,3 +429,48 @@ async def _forget(session: aiohttp.ClientSession) -> None:
         # On a closed loop the connector only flags itself closed; the awaitable is a no-op.
         with contextlib.suppress(Exception):
             await session.connector.close()
+
+
+# -- uploads: confirming what GCS stored -----------------------------------------------------
+
+
+class SessionGone(RetryableError):
+    """A resumable upload session expired or was cancelled: retry with a new upload, not a chunk."""
+
+
+class Damaged(RetryableError):
+    """The stored object's CRC32C or size is not what was sent: upload it again."""
+
+
+def confirmation(size: int, crc: str, what: str) -> Callable[[aiohttp.ClientResponse], Awaitable[None]]:
+    """A response handler: the stored object's CRC32C and size must be what we sent."""
+
+    async def check(resp: aiohttp.ClientResponse) -> None:
+        body = await resp.read()
+        try:
+            doc = json.loads(body)
+            stored_crc, stored_size = doc["crc32c"], int(doc["size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise OSError(f"{what}: the upload's reply names no crc32c/size: {body[:200]!r}") from e
+        if stored_crc != crc or stored_size != size:
+            raise Damaged(
+                f"{what}: GCS stored {stored_size} bytes with CRC32C {stored_crc}, "
+                f"we sent {size} bytes with CRC32C {crc}: damaged in transit"
+            )
+
+    return check
+
+
+async def persisted_offset(
+    resp: aiohttp.ClientResponse, size: int, confirm: Callable[[aiohttp.ClientResponse], Awaitable[None]]
+) -> int:
+    """The offset a resumable session holds, from a chunk's or a status query's reply; a finished
+    upload's object resource is confirmed (``confirm``) and counts as all ``size`` bytes."""
+    if resp.status in (200, 201):  # finished: the body is the object resource
+        await confirm(resp)
+        return size
+    await resp.read()
+    rng = resp.headers.get("Range")  # "bytes=0-N": N+1 bytes persisted; absent: none
+    if not rng:
+        return 0
+    return int(rng.rpartition("-")[2]) + 1

@@ -12,10 +12,17 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ._copy import byte_views
+from ckptio._system.bytes import byte_views
+
 from .base import RetryableError
 
-__all__ = ["address", "aligned_buffer", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors"]
+__all__ = [
+    "TMP_MARK", "aligned_buffer", "fsync_dir", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors",
+    "unlink_quietly",
+]
+
+#: Temporary files carry this in their name; listings skip them.
+TMP_MARK = ".ckptio-tmp-"
 
 # Linux caps one vectored call at IOV_MAX iovecs and ~2 GiB of bytes.
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024), 1024)
@@ -100,13 +107,23 @@ def preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def address(view: memoryview) -> int:
-    """The memory address of a buffer's first byte (for alignment checks)."""
-    import numpy as np
-
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
 def aligned_buffer(nbytes: int) -> memoryview:
     """A page-aligned, writable byte buffer (anonymous mmap), suitable for O_DIRECT."""
     return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]
+
+
+def fsync_dir(directory: str) -> None:
+    """Make ``directory``'s entries durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

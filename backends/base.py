@@ -22,8 +22,9 @@ Contract every backend keeps (the conformance suite shipped as
   ``FileExistsError``, ``PermissionError``, ``ValueError``) or as
   :class:`RetryableError`; the engine retries only the latter. Backends
   translate their native errors once, here at the boundary.
-* Capabilities are declared data (:class:`Capabilities`), not discovered by
-  failure.
+* Capabilities are declared data, not discovered by failure: what the storage
+  is (:class:`Capabilities`) apart from how checkpoints are best laid out on it
+  (:class:`LayoutDefaults`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
 
 __all__ = [
     "Backend",
     "ByteRange",
     "Capabilities",
+    "LayoutDefaults",
     "ObjectInfo",
     "RetryableError",
     "check_fill",
@@ -98,7 +99,10 @@ class ObjectInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a backend can do and how it likes to be driven; declared, not probed by failure."""
+    """What the storage is and how it likes to be driven: facts, declared, not probed by failure.
+
+    How a checkpoint is best laid out on it is policy, not fact: see :class:`LayoutDefaults`.
+    """
 
     read_only: bool = False
     #: ``write`` is atomic per object (temp + rename, or an object store PUT).
@@ -107,15 +111,33 @@ class Capabilities:
     conditional_create: bool = True
     #: Completed writes survive a crash without :meth:`Backend.sync`.
     durable_on_close: bool = True
-    #: IO sizes the storage likes; the layout packs objects of about ``object_size``.
+    #: The IO size the storage likes.
     preferred_io_size: int = 8 << 20
-    object_size: int = 64 << 20
     #: Buffer/offset alignment needed for direct IO (1 = none).
     alignment: int = 1
     #: How many requests in flight keep this storage busy.
     concurrency: int = 8
     #: A listing right after a write shows it.
     list_consistent: bool = True
+    #: The storage lives in this process's memory: another process (a ckptio.sidecar writer)
+    #: opening the same URL would see other objects, so writes stay in this process.
+    process_local: bool = False
+    #: :meth:`Backend.sweep_temporaries` also takes a keyword ``prefix: str`` and then sweeps
+    #: only under it (one step's temporaries, beside other steps' live saves). The store passes
+    #: a prefix only to backends that declare this; the others sweep their whole root.
+    sweeps_by_prefix: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutDefaults:
+    """How a checkpoint's objects are best laid out on this storage: policy, not a storage fact.
+
+    The layout (:mod:`ckptio.layout`) and the save read these where the user chose nothing
+    else; a backend's options (``object_size=...``) set them per URL.
+    """
+
+    #: The layout packs objects of about this many bytes.
+    object_size: int = 64 << 20
     #: Object names should start with a hashed component (object stores).
     hashed_names: bool = False
     #: Spread a checkpoint's objects over this many sub-directories (parallel file systems).
@@ -126,9 +148,6 @@ class Capabilities:
     #: plain C order, for host-local disks, where the restore is nearly always the same layout
     #: and a tiled one pays a copy through scratch (measured: ~20 % slower, ckptio bench --reshard).
     tile_bytes: int = 0
-    #: The storage lives in this process's memory: another process (a ckptio.sidecar writer)
-    #: opening the same URL would see other objects, so writes stay in this process.
-    process_local: bool = False
 
 
 def check_key(key: str) -> str:
@@ -182,10 +201,10 @@ class Backend(abc.ABC):
     threads that release the GIL.
     """
 
-    #: URL schemes this class serves (``("file", "")`` for local paths).
-    schemes: ClassVar[tuple[str, ...]] = ()
-
+    #: What the storage is; every backend declares it.
     capabilities: Capabilities
+    #: How checkpoints are best laid out on it; backends without a preference keep these.
+    layout_defaults: LayoutDefaults = LayoutDefaults()
 
     @property
     @abc.abstractmethod
@@ -255,7 +274,8 @@ class Backend(abc.ABC):
         see it), and a writer killed mid-write leaves one behind, up to an object's
         size. Only those older than ``older_than_s`` go: younger ones may belong to
         a write in progress. Object stores have none (an upload appears whole or
-        not at all): the default does nothing.
+        not at all): the default does nothing. A backend that declares
+        :attr:`Capabilities.sweeps_by_prefix` also takes a keyword ``prefix``.
         """
         return []
 

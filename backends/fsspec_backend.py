@@ -45,7 +45,7 @@ How it drives fsspec
   the object without saying so, so the length that came back is checked.
 * Deleting checks that the object exists first: S3's DELETE succeeds on a
   missing key, and the contract wants FileNotFoundError.
-* Errors are translated once, in :func:`translate_error`, into the builtins
+* Errors are translated once, in :func:`translate_error` (:mod:`._fsspec_clients`), into the builtins
   of the contract or :class:`RetryableError`, with the URL and key named.
 """
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import inspect
 import threading
 import time
@@ -62,12 +61,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from ._copy import scatter_bytes
+from ckptio._system.bytes import scatter_bytes
+
+from ._fsspec_clients import close_filesystem, translate_error
 from ._perloop import PerLoop
 from .base import (
     Backend,
     ByteRange,
     Capabilities,
+    LayoutDefaults,
     ObjectInfo,
     RetryableError,
     check_fill,
@@ -176,8 +178,6 @@ def _takes(method: Callable[..., Any], name: str) -> bool:
 class FsspecBackend(Backend):
     """Objects under a root path of one fsspec filesystem; keys are paths relative to the root."""
 
-    schemes = ("fsspec",)
-
     def __init__(self, url: str = "", config: FsspecConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or FsspecConfig(), **options)
         self.protocol, rest = split_fsspec_url(url)
@@ -206,12 +206,14 @@ class FsspecBackend(Backend):
             conditional_create=atomic,
             durable_on_close=traits.object_store,
             preferred_io_size=cfg.preferred_io_size,
-            object_size=cfg.object_size,
             concurrency=cfg.concurrency,
             list_consistent=True,  # S3 (since 2020), GCS, Azure: strong read-after-write and list
+            process_local=traits.process_local,
+        )
+        self.layout_defaults = LayoutDefaults(
+            object_size=cfg.object_size,
             hashed_names=traits.object_store if cfg.hashed_names is None else cfg.hashed_names,
             tile_bytes=(1 << 20) if traits.object_store else 0,
-            process_local=traits.process_local,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -436,102 +438,3 @@ def _mtime(info: Mapping[str, Any]) -> float:
                 parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
                 return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
     return time.time()
-
-
-# -- error translation ------------------------------------------------------------------
-
-#: Transient failures of the HTTP stacks under fsspec filesystems, by qualified class name so
-#: that none of those packages has to be importable (any class in an error's MRO counts).
-_TRANSIENT_CLASSES = frozenset({
-    "aiohttp.client_exceptions.ClientConnectionError",  # resets, refused, server timeouts
-    "aiohttp.client_exceptions.ClientPayloadError",  # a body cut off
-    "botocore.exceptions.HTTPClientError",  # ConnectionClosedError, ReadTimeoutError, ...
-    "botocore.exceptions.ConnectionError",  # EndpointConnectionError, ConnectTimeoutError
-    "requests.exceptions.ConnectionError",
-    "requests.exceptions.Timeout",
-    "requests.exceptions.ChunkedEncodingError",
-    "google.auth.exceptions.TransportError",
-    "gcsfs.retry.ChecksumError",  # damaged in transit: sending or fetching again repairs it
-})  # fmt: skip
-#: errno values s3fs gives throttling and server errors (SlowDown, ServiceUnavailable, InternalError).
-_TRANSIENT_ERRNOS = frozenset(
-    {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, getattr(errno, "EREMOTEIO", errno.EIO)}
-)
-
-
-def _http_status(e: BaseException) -> int | None:
-    """The HTTP status an error carries, if any (gcsfs HttpError.code, aiohttp .status, botocore)."""
-    for err in (e, e.__cause__):
-        if err is None:
-            continue
-        for attr in ("code", "status"):
-            value = getattr(err, attr, None)
-            if isinstance(value, int) and 100 <= value < 600:
-                return value
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(value, int):
-                return value
-    return None
-
-
-def _is_transient(e: BaseException) -> bool:
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
-        return True
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__}
-    if names & _TRANSIENT_CLASSES:
-        return True
-    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
-
-
-def translate_error(e: BaseException, what: str) -> BaseException:
-    """The contract's exception for a filesystem's ``e``, its message led by ``what`` (URL and key)."""
-    if isinstance(e, RetryableError) or str(e).startswith(what):
-        return e  # ours already (raised inside the translated block)
-    detail = f"{type(e).__name__}: {e}"
-    if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return FileNotFoundError(f"{what}: no such object ({detail})")
-    if isinstance(e, FileExistsError):
-        return FileExistsError(f"{what}: object exists ({detail})")
-    status = _http_status(e)
-    if status is not None:
-        if status == 404:
-            return FileNotFoundError(f"{what}: no such object (HTTP 404: {e})")
-        if status == 412:
-            return FileExistsError(f"{what}: object exists (HTTP 412: {e})")
-        if status in (401, 403):
-            return PermissionError(f"{what}: HTTP {status}: {e}")
-        if status in (408, 429) or status >= 500:
-            return RetryableError(f"{what}: HTTP {status}: {e}")
-        if status == 416:
-            return ValueError(f"{what}: runs past the end (HTTP 416)")
-    if _is_transient(e):
-        return RetryableError(f"{what}: {detail}")
-    if isinstance(e, PermissionError) or (
-        isinstance(e, OSError) and (e.errno in (errno.EACCES, errno.EPERM) or str(e).startswith("Forbidden"))
-    ):  # gcsfs says 403 as OSError("Forbidden: ...")
-        return PermissionError(f"{what}: {detail}")
-    if isinstance(e, ValueError):
-        return ValueError(f"{what}: {detail}")
-    return OSError(f"{what}: {detail}")
-
-
-# -- closing a filesystem ------------------------------------------------------------------
-
-
-async def close_filesystem(fs: Any) -> None:
-    """Close an async filesystem's connections; fsspec has no API for it, so each client's own way."""
-    creator = getattr(fs, "_s3creator", None)  # s3fs: the aiobotocore client's context manager
-    if creator is not None:
-        with contextlib.suppress(Exception):
-            await creator.__aexit__(None, None, None)
-        fs._s3 = None
-    session = getattr(fs, "_session", None)  # gcsfs, fsspec's HTTP filesystem: an aiohttp session
-    if session is not None and hasattr(session, "close") and not getattr(session, "closed", True):
-        with contextlib.suppress(Exception):
-            await session.close()
-    closer = getattr(fs, "close", None)  # adlfs and others that offer one
-    if closer is not None and inspect.iscoroutinefunction(closer):
-        with contextlib.suppress(Exception):
-            await closer()

@@ -1,41 +1,7 @@
 """Google Cloud Storage backend (``gs://bucket/prefix``) on aiohttp and the JSON API.
 
-Why aiohttp directly (and not gcsfs or tensorstore's kvstore)
----------------------------------------------------------------
-Measured against fake-gcs-server 1.54 (memory backend) on the 2-core
-build machine: 8 concurrent 64 MiB objects, client and server sharing the
-cores, every client in the same run, 3 rounds, median (min-max), MiB/s:
-
-    client (aiohttp 3.14, gcsfs 2026.10.1)              upload            download
-    this backend (then multipart), GET into buffers    269 (159-270)     909 (715-967)
-    gcsfs pipe/cat, defaults (resumable above 50 MiB)  124 (119-144)     375 (347-388)
-    gcsfs pipe(chunksize=128 MiB): one request each    181 (180-191)     397 (372-431)
-
-(Since then, one-request uploads are media uploads, faster again against
-the emulator: see Protocol.) A second run while other jobs loaded the
-machine gave 83 / 703 for this
-backend against 50 / 186 for gcsfs (54 / 145 with one request per object).
-gcsfs's download includes copying the ``bytes`` it returns into the
-destination buffers, as a restore must (without that copy: 650-850 MiB/s).
-Against the same server, resumable uploads in 16 or 32 MiB chunks reached
-only 57-118 MiB/s (the emulator's resumable path is slow), so objects of
-the layout's size go up in one request. The figures swing ±40 % run to run
-(the server's CPU is in every figure); the ratio is what counts: this path
-is at least as fast as gcsfs both ways, and unlike gcsfs it
-
-* uploads from several caller buffers without joining them (a payload that
-  streams memoryview slices) and downloads straight into caller-owned
-  buffers (the body is copied chunk by chunk into the destination
-  memoryviews; gcsfs hands back ``bytes``, one more full copy);
-* leaves retries to the engine (gcsfs retries internally, which would
-  multiply with the engine's retries and hide throttling from its budget);
-* exposes the commit primitive exactly (a multipart upload with
-  ``ifGenerationMatch=0``) and maps every status once, at this boundary.
-
-tensorstore's kvstore (not re-measured here; the project notes give it the
-fastest uploads on this machine, its C++ threads working outside the GIL)
-reads and writes whole values, i.e. a copy on each side, and brings its own
-retries; it stays a benchmark anchor, not the backend.
+Why aiohttp directly, and not gcsfs or tensorstore's kvstore (measured): see
+:mod:`ckptio.backends._gcs_http`, whose HTTP mechanics are the reason.
 
 Protocol
 --------
@@ -102,15 +68,20 @@ from urllib.parse import quote, urlencode
 import aiohttp
 from yarl import URL
 
-from ._copy import byte_views
+from ckptio._system.bytes import byte_views
+
 from ._gcs_config import GCSConfig, RampConfig, resolve_endpoint
 from ._gcs_http import (
     BuffersPayload,
+    Damaged,
+    SessionGone,
     RateRamp,
     TokenSource,
+    confirmation,
     crc32c_b64,
     fill_from_response,
     parse_rfc3339,
+    persisted_offset,
     raise_for_status,
     session_pool,
     slice_views,
@@ -120,6 +91,7 @@ from .base import (
     Backend,
     ByteRange,
     Capabilities,
+    LayoutDefaults,
     ObjectInfo,
     RetryableError,
     check_fill,
@@ -131,22 +103,12 @@ __all__ = ["GCSBackend", "GCSConfig", "RampConfig"]  # the configs live in _gcs_
 
 T = TypeVar("T")
 
-class _SessionGone(RetryableError):
-    """A resumable upload session expired or was cancelled: retry with a new upload, not a chunk."""
-
-
-class _Damaged(RetryableError):
-    """The stored object's CRC32C or size is not what was sent: upload it again."""
-
-
 #: What an upload's reply must carry to confirm it (real GCS sends only the fields asked for).
 _CONFIRM_FIELDS = "generation,crc32c,size"
 
 
 class GCSBackend(Backend):
     """Objects of one bucket under a prefix; keys are names relative to the prefix."""
-
-    schemes = ("gs",)
 
     def __init__(self, url: str = "", config: GCSConfig | None = None, **options: Any) -> None:
         if isinstance(options.get("ramp"), dict):
@@ -178,9 +140,11 @@ class GCSBackend(Backend):
             conditional_create=True,
             durable_on_close=True,
             preferred_io_size=16 << 20,
-            object_size=cfg.object_size,
             concurrency=cfg.concurrency,
             list_consistent=True,
+        )
+        self.layout_defaults = LayoutDefaults(
+            object_size=cfg.object_size,
             hashed_names=True,
             tile_bytes=1 << 20,  # every host restores its own part of a shared checkpoint
         )
@@ -250,7 +214,7 @@ class GCSBackend(Backend):
             async with request as resp:
                 if resp.status not in ok:
                     if session and resp.status in (404, 410):
-                        raise _SessionGone(f"{what}: HTTP {resp.status}: the upload session is gone")
+                        raise SessionGone(f"{what}: HTTP {resp.status}: the upload session is gone")
                     if resp.status == 401:
                         self._auth.invalidate()
                     if resp.status == 416 and self.emulated:
@@ -290,29 +254,11 @@ class GCSBackend(Backend):
         what = f"{self._url}: creating {key!r}"
         try:
             await self._multipart_upload(name, views, len(data), crc, what=what, if_generation_match=0)
-        except _Damaged as e:
+        except Damaged as e:
             # Created, but not with our bytes (only a server that checks nothing lets that
             # happen): uploading again would meet 412, and readers refuse the damaged marker
             # anyway (it is sealed by its own checksum). Say so rather than retry.
             raise OSError(f"{e}; the object now exists damaged: delete it before committing again") from e
-
-    def _confirm(self, size: int, crc: str, what: str) -> Callable[[aiohttp.ClientResponse], Awaitable[None]]:
-        """A response handler: the stored object's CRC32C and size must be what we sent."""
-
-        async def check(resp: aiohttp.ClientResponse) -> None:
-            body = await resp.read()
-            try:
-                doc = json.loads(body)
-                stored_crc, stored_size = doc["crc32c"], int(doc["size"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise OSError(f"{what}: the upload's reply names no crc32c/size: {body[:200]!r}") from e
-            if stored_crc != crc or stored_size != size:
-                raise _Damaged(
-                    f"{what}: GCS stored {stored_size} bytes with CRC32C {stored_crc}, "
-                    f"we sent {size} bytes with CRC32C {crc}: damaged in transit"
-                )
-
-        return check
 
     async def _media_upload(
         self, name: str, views: Sequence[memoryview], size: int, crc: str, *, what: str
@@ -321,7 +267,7 @@ class GCSBackend(Backend):
         body = BuffersPayload(views, content_type="application/octet-stream")
         url = self._upload_url(uploadType="media", name=name, fields=_CONFIRM_FIELDS)
         headers = {"x-goog-hash": f"crc32c={crc}"}
-        confirm = self._confirm(size, crc, what)
+        confirm = confirmation(size, crc, what)
         await self._call("POST", url, what, confirm, data=body, headers=headers, ramp=self._write_ramp)
 
     async def _multipart_upload(
@@ -348,7 +294,7 @@ class GCSBackend(Backend):
         if if_generation_match is not None:
             query["ifGenerationMatch"] = if_generation_match
         url = self._upload_url(**query)
-        confirm = self._confirm(size, crc, what)
+        confirm = confirmation(size, crc, what)
         await self._call("POST", url, what, confirm, data=body, ramp=self._write_ramp)
 
     async def _resumable_upload(
@@ -379,14 +325,14 @@ class GCSBackend(Backend):
         upload = URL(session_url, encoded=True)
         # Whichever reply finishes the upload (last chunk, or a status query after a lost
         # reply) carries the object resource; it is confirmed like a one-request upload.
-        persisted = functools.partial(self._persisted, size=size, confirm=self._confirm(size, crc, what))
+        persisted = functools.partial(persisted_offset, size=size, confirm=confirmation(size, crc, what))
         offset = 0
         while offset < size:
             end = min(offset + self.config.chunk_size, size)
             try:
                 final_crc = crc if end == size else None
                 offset = await self._put_chunk(upload, views, offset, end, size, final_crc, what, persisted)
-            except (_SessionGone, _Damaged):
+            except (SessionGone, Damaged):
                 raise  # only a new upload helps: the engine's retry starts one
             except RetryableError:
                 if not self._resume:
@@ -401,7 +347,7 @@ class GCSBackend(Backend):
             await asyncio.sleep(min(0.1 * 2**attempt, 2.0) * (0.5 + random.random()))
             try:
                 return await self._query_offset(upload, size, what, persisted)
-            except (_SessionGone, _Damaged):
+            except (SessionGone, Damaged):
                 raise
             except RetryableError:
                 if attempt == 4:
@@ -442,19 +388,6 @@ class GCSBackend(Backend):
             headers={"Content-Range": f"bytes */{size}"},
             session=True,
         )
-
-    @staticmethod
-    async def _persisted(
-        resp: aiohttp.ClientResponse, size: int, confirm: Callable[[aiohttp.ClientResponse], Awaitable[None]]
-    ) -> int:
-        if resp.status in (200, 201):  # finished: the body is the object resource
-            await confirm(resp)
-            return size
-        await resp.read()
-        rng = resp.headers.get("Range")  # "bytes=0-N": N+1 bytes persisted; absent: none
-        if not rng:
-            return 0
-        return int(rng.rpartition("-")[2]) + 1
 
     # -- reading -----------------------------------------------------------------
 

@@ -11,9 +11,11 @@ Why these defaults:
   /proc/self/mountinfo, or ``ST_RDONLY`` from statvfs) and declared in the
   capabilities; every write is refused with an error that explains the
   single-writer phase, instead of failing with EROFS deep in a save.
-* The writer phase ends with :func:`publish`: re-read and verify every
-  checksum, fsync everything, and mark the checkpoint published, before the
-  volume is re-attached read-only to the readers.
+* The writer phase ends with :func:`ckptio.publish.publish`: re-read and
+  verify every checksum, fsync everything, and mark the checkpoint published,
+  before the volume is re-attached read-only to the readers. It lives above
+  the backends (it verifies through the manifest and the store); this module
+  keeps the marker's name and :func:`is_published`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import os
 from typing import Any
 
 from ._mounts import MOUNTINFO, find_mount
-from .base import Capabilities
+from .base import Capabilities, LayoutDefaults
 from .local import LocalBackend, LocalConfig
 
-__all__ = ["PUBLISHED_NAME", "HyperdiskMLBackend", "is_published", "publish"]
+__all__ = ["PUBLISHED_NAME", "HyperdiskMLBackend", "is_published", "published_key"]
 
 PUBLISHED_NAME = "ckptio.published"
 
@@ -35,8 +37,6 @@ HYPERDISK_ML_DEFAULTS = LocalConfig(threads=32, object_size=256 << 20, readahead
 
 class HyperdiskMLBackend(LocalBackend):
     """``hdml:///mnt/hdml/run1``: the local backend with read-optimised defaults and RO detection."""
-
-    schemes = ("hdml",)
 
     def __init__(
         self, url: str, config: LocalConfig | None = None, *, mountinfo: str = MOUNTINFO, **options: Any
@@ -59,9 +59,11 @@ class HyperdiskMLBackend(LocalBackend):
 
     def _capabilities(self) -> Capabilities:
         caps = super()._capabilities()
+        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20)
+
+    def _layout_defaults(self) -> LayoutDefaults:
         # Attached read-only to many hosts to restore from: tiled, so each reads only its part.
-        return dataclasses.replace(caps, read_only=self.detect_read_only(), preferred_io_size=32 << 20,
-                                   tile_bytes=1 << 20)
+        return dataclasses.replace(super()._layout_defaults(), tile_bytes=1 << 20)
 
     def read_only_message(self, key: str) -> str:
         if not self.url.startswith("hdml://"):
@@ -71,28 +73,20 @@ class HyperdiskMLBackend(LocalBackend):
         return (
             f"{self.url}: cannot modify {key!r}: this Hyperdisk ML volume is attached read-only. "
             "Hyperdisk ML is written in a single-writer phase (one host, read-write attachment; "
-            "finish with ckptio.backends.hyperdisk_ml.publish), then attached read-only to many readers."
+            "finish with ckptio.publish.publish), then attached read-only to many readers."
         )
 
 
-async def publish(backend: HyperdiskMLBackend, step_dir: str) -> None:
-    """End of the writer phase for one checkpoint: verify every checksum, sync, mark published."""
-    from ckptio.verify import verify_checkpoint  # the engine and manifest live above the backends
-
-    await verify_checkpoint(backend, step_dir)
-    await backend.sync()
-    key = f"{step_dir}/{PUBLISHED_NAME}" if step_dir else PUBLISHED_NAME
-    try:
-        await backend.create_if_absent(key, b"")
-    except FileExistsError:
-        pass
-    await backend.sync()
+def published_key(step_dir: str) -> str:
+    """The key of ``step_dir``'s published marker."""
+    return f"{step_dir}/{PUBLISHED_NAME}" if step_dir else PUBLISHED_NAME
 
 
 async def is_published(backend: LocalBackend, step_dir: str) -> bool:
-    key = f"{step_dir}/{PUBLISHED_NAME}" if step_dir else PUBLISHED_NAME
+    """Whether the writer phase of ``step_dir`` ended with :func:`ckptio.publish.publish`."""
     try:
-        await backend.stat(key)
+        await backend.stat(published_key(step_dir))
         return True
     except FileNotFoundError:
         return False
+

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import logging
 import os
 import stat as stat_mod
 import threading
@@ -24,75 +23,30 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ._copy import byte_views, copy_bytes, flat_bytes
-from ._posix import address, aligned_buffer, preadv_all, pwritev_all, translate_os_errors
-from ._threads import background_pool, start_workers
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
+from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
+from ckptio._system.threads import background_pool, start_workers
 
-log = logging.getLogger(__name__)
+from ._local_config import LocalConfig
+from ._posix import (
+    TMP_MARK, aligned_buffer, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
+)
+from ._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
+from .base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
+)
 
 __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 
 T = TypeVar("T")
 
-#: Temporary files carry this in their name; listings skip them.
-TMP_MARK = ".ckptio-tmp-"
 _DIRECT_CHUNK = 8 << 20
 _DIRECT_MIN = 1 << 20
 #: Tries to create a temp file while concurrent deletes keep removing its empty directory.
 _MKDIR_ATTEMPTS = 20
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalConfig:
-    """Options of the POSIX backends (picklable)."""
-
-    #: Bypass the page cache with O_DIRECT for the aligned bulk of IO of 1 MiB or more: on a
-    #: 2-core host, copying through the page cache costs more CPU than the disk takes time.
-    #: Falls back to buffered IO by itself where the file system refuses O_DIRECT.
-    direct: bool = True
-    #: fsync each file before its rename (and directories in ``sync``).
-    fsync: bool = True
-    #: Worker threads, i.e. requests in flight (8 with O_DIRECT writes measured 1.6 GiB/s here,
-    #: as 4 did within noise; 8 restores a little faster).
-    threads: int = 8
-    #: Target object size for the layout.
-    object_size: int = 64 << 20
-    alignment: int = 4096
-    #: O_DIRECT for reads too (aligned destinations only). Off by default: measured here, a cold
-    #: 1 GiB restore in a fresh process took 0.61-0.64 s buffered (the kernel's readahead) and
-    #: 0.80-1.0 s direct, at any piece size (4-64 MiB) or thread count (8-32). Direct reads need
-    #: half the fresh memory (no page cache), which halves system time where the VM backs guest
-    #: memory lazily (0.5 s vs 1.0-1.6 s per GiB in ``ckptio bench``), but did not win wall time.
-    direct_reads: bool = False
-    #: posix_fadvise(SEQUENTIAL/WILLNEED) before large reads. Off by default: on this disk a cold
-    #: 1 GiB restore measured 1.3x faster without it, with ~20 % less system time (issue 17;
-    #: WILLNEED makes the reading thread submit its piece's readahead itself, on top of the
-    #: kernel's own). Hyperdisk ML, a network block device, keeps it on.
-    readahead_hint: bool = False
-    #: fsync directories after creating entries (not needed where metadata is synchronous, e.g. dfuse).
-    dir_fsync: bool = True
-    #: Commit with link(2) (atomic no-replace). File systems without hard links use an
-    #: O_EXCL lock file plus rename instead.
-    link_commit: bool = True
-    #: Lock-and-rename commits only: a lock this old with no object beside it is a crashed
-    #: committer's, and the next committer takes it over (a commit holds it for milliseconds).
-    lock_stale_s: float = 600.0
-    #: Split a checkpoint's objects over this many sub-directories (0: flat).
-    dir_fanout: int = 0
-    #: See :attr:`Capabilities.tile_bytes` (0: plain C order, the right default for a local disk).
-    tile_bytes: int = 0
-    #: Object writes run on threads this many nice steps below the caller's priority, so
-    #: that a background save's copies and system calls yield the CPU to the training
-    #: step (see ``backends/_threads.py``). Off by default: on a CPU-saturated 2-core host
-    #: nice 10 cut the step's run-queue wait but also the save's throughput (~1.1 -> ~0.75 GiB/s).
-    write_nice: int = 0
-
-
 class LocalBackend(Backend):
     """Objects are files under a root directory; keys are relative paths."""
-
-    schemes = ("", "file")
 
     def __init__(self, url: str, config: LocalConfig | None = None, **options: Any) -> None:
         self.config = dataclasses.replace(config or LocalConfig(), **options)
@@ -109,16 +63,20 @@ class LocalBackend(Backend):
         self._dirty_lock = threading.Lock()
         self._direct_ok = True
         self.capabilities = self._capabilities()
+        self.layout_defaults = self._layout_defaults()
 
     def _capabilities(self) -> Capabilities:
         return Capabilities(
             durable_on_close=False,  # directory entries need sync(); without fsync nothing is durable
             preferred_io_size=8 << 20,
-            object_size=self.config.object_size,
             alignment=self.config.alignment if self.config.direct else 1,
             concurrency=self.config.threads,
-            dir_fanout=self.config.dir_fanout,
-            tile_bytes=self.config.tile_bytes,
+        )
+
+    def _layout_defaults(self) -> LayoutDefaults:
+        cfg = self.config
+        return LayoutDefaults(
+            object_size=cfg.object_size, dir_fanout=cfg.dir_fanout, tile_bytes=cfg.tile_bytes
         )
 
     @property
@@ -232,7 +190,7 @@ class LocalBackend(Backend):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         os.close(fd)
         return tmp
@@ -285,7 +243,7 @@ class LocalBackend(Backend):
             try:
                 os.replace(tmp, path)
             except BaseException:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 raise
         self._mark_dirty(os.path.dirname(path))
 
@@ -309,56 +267,11 @@ class LocalBackend(Backend):
                 if self.config.link_commit:
                     os.link(tmp, path)  # atomic, and fails if the name exists
                 else:
-                    self._rename_exclusive(tmp, path)
+                    rename_exclusive(tmp, path, self.config.lock_stale_s)
             finally:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
             if self.config.fsync and self.config.dir_fsync:
-                _fsync_dir(os.path.dirname(path))
-
-    def _rename_exclusive(self, tmp: str, path: str) -> None:
-        """No-replace rename without hard links: whoever creates the lock file (O_EXCL) renames.
-
-        The lock stays after the rename, so a later creator fails too; delete() removes it
-        with the object. A lock without an object that is older than ``lock_stale_s`` was
-        left by a committer that died between its lock and its rename: it is taken over,
-        else that key could never be committed again. (What this cannot exclude: a
-        committer stalled for longer than ``lock_stale_s`` inside that window.)
-        """
-        lock = _lock_path(path)
-        try:
-            fd = os.open(lock, _EXCL_CREATE, 0o644)
-        except FileExistsError:
-            if os.path.exists(path) or not self._take_over_stale_lock(lock):
-                raise
-            fd = os.open(lock, _EXCL_CREATE, 0o644)  # FileExistsError: another taker was first
-        os.close(fd)
-        if os.path.exists(path):
-            raise FileExistsError(errno.EEXIST, "exists", path)
-        os.rename(tmp, path)
-
-    def _take_over_stale_lock(self, lock: str) -> bool:
-        """Move a dead committer's lock aside; False if it is recent (someone may be committing)."""
-        try:
-            if _age_s(lock) < self.config.lock_stale_s:
-                return False
-        except FileNotFoundError:
-            return True  # gone meanwhile: O_EXCL decides who commits
-        aside = f"{lock}.stale-{uuid.uuid4().hex}"
-        try:
-            os.rename(lock, aside)  # atomic: of several takers, one moves it
-        except FileNotFoundError:
-            return True
-        try:
-            # Another taker may have moved the stale lock and made a fresh one between our
-            # stat and our rename: then we moved a live lock, and we must not commit.
-            live = _age_s(aside) < self.config.lock_stale_s
-        finally:
-            _unlink_quietly(aside)
-        if live:
-            raise FileExistsError(errno.EEXIST, "another committer holds the commit lock", lock)
-        log.warning("%s: took over a commit lock older than %.0f s (its committer died)",
-                    lock, self.config.lock_stale_s)
-        return True
+                fsync_dir(os.path.dirname(path))
 
     async def create_if_absent(self, key: str, data: bytes) -> None:
         self._refuse_if_read_only(check_key(key))
@@ -372,7 +285,7 @@ class LocalBackend(Backend):
         for d in sorted(dirs, key=len, reverse=True):
             with translate_os_errors(f"{self._url}: fsync of directory {d!r}"):
                 try:
-                    _fsync_dir(d)
+                    fsync_dir(d)
                 except FileNotFoundError:
                     pass  # deleted since: nothing left to make durable
 
@@ -441,7 +354,7 @@ class LocalBackend(Backend):
             except IsADirectoryError:
                 raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object") from None
         if not self.config.link_commit:
-            _unlink_quietly(_lock_path(path))
+            unlink_quietly(lock_path(path))
         self._mark_dirty(os.path.dirname(path))
         # Remove directories the deletion emptied, up to (not including) the root.
         d = os.path.dirname(path)
@@ -465,17 +378,17 @@ class LocalBackend(Backend):
                     age = now - os.lstat(path).st_mtime
                 except FileNotFoundError:
                     continue
-                if name.startswith(_LOCK_PREFIX) and ".stale-" not in name:
+                if name.startswith(LOCK_PREFIX) and ".stale-" not in name:
                     # A commit lock guards its object for good; without one it is a dead
                     # committer's only once a takeover would also treat it as stale.
-                    guarded = os.path.exists(os.path.join(dirpath, name[len(_LOCK_PREFIX) :]))
+                    guarded = os.path.exists(os.path.join(dirpath, name[len(LOCK_PREFIX) :]))
                     if guarded or age < max(older_than_s, self.config.lock_stale_s):
                         continue
                 elif age < older_than_s:
                     continue
                 out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
                 if not dry_run:
-                    _unlink_quietly(path)  # nothing to make durable: a lost unlink is redone next time
+                    unlink_quietly(path)  # nothing to make durable: a lost unlink is redone next time
         return sorted(out)
 
     async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
@@ -553,33 +466,3 @@ class LocalBackend(Backend):
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=False)  # calls in flight finish; the next call makes a new pool
-
-
-_EXCL_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-
-
-def _age_s(path: str) -> float:
-    return time.time() - os.stat(path).st_mtime
-
-
-_LOCK_PREFIX = f"{TMP_MARK}lock."
-
-
-def _lock_path(path: str) -> str:
-    """The lock file of a lock-and-rename commit; a temp-marked name, so listings skip it."""
-    return os.path.join(os.path.dirname(path), _LOCK_PREFIX + os.path.basename(path))
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ._copy import gather_bytes, scatter_bytes
+from ckptio._system.bytes import gather_bytes, scatter_bytes
+
 from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
 
 __all__ = ["MemoryBackend"]
@@ -36,16 +37,13 @@ _STORES_LOCK = threading.Lock()
 class MemoryBackend(Backend):
     """Objects as byte buffers in a dict, never changed in place; writes replace them whole."""
 
-    schemes = ("mem", "memory")
-
     def __init__(self, url: str = "mem://default") -> None:
         self._url = url.rstrip("/")
         with _STORES_LOCK:
             self._objects = _STORES.setdefault(self._url, {})
         self._lock = threading.Lock()
         self.capabilities = Capabilities(
-            durable_on_close=True, preferred_io_size=1 << 20, object_size=64 << 20, concurrency=8,
-            process_local=True,
+            durable_on_close=True, preferred_io_size=1 << 20, concurrency=8, process_local=True,
         )
 
     @classmethod

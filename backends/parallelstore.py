@@ -56,8 +56,6 @@ def interception_library(environ: dict[str, str] | None = None) -> str | None:
 class ParallelstoreBackend(LocalBackend):
     """``pstore:///mnt/parallelstore/run1``: the local backend tuned for dfuse."""
 
-    schemes = ("pstore",)
-
     def __init__(
         self,
         url: str,

@@ -10,13 +10,12 @@
 * :class:`ReadOnlyBackend` -- declares ``read_only`` and refuses every
   mutation with :class:`PermissionError` (restore/verify paths that must
   never write).
-* :class:`RetryingBackend` -- retries :class:`RetryableError` with
-  exponential backoff and full jitter (:class:`RetryPolicy`): the one place
-  the store's calls are retried, so no caller wraps a call in a retry loop.
+* :class:`ckptio.backends.retrying.RetryingBackend` (its own module) --
+  retries :class:`RetryableError`: the one place the store's calls are retried.
 
-Every wrapper delegates what it does not change -- ``capabilities``, ``url``,
-``list_children``, ``sync``, ``close`` included -- to the backend it wraps,
-and goes on satisfying the backend contract itself (the conformance suite
+Every wrapper delegates what it does not change -- ``capabilities``,
+``layout_defaults``, ``url``, ``list_children``, ``sync``, ``close`` included
+-- to the backend it wraps, and goes on satisfying the backend contract itself (the conformance suite
 runs against each one).
 """
 
@@ -31,8 +30,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
-from ._copy import byte_views
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
+from ckptio._system.bytes import byte_views
+
+from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key
 
 __all__ = [
     "CountingBackend",
@@ -40,10 +40,7 @@ __all__ = [
     "LatencyBackend",
     "MethodStats",
     "ReadOnlyBackend",
-    "RetryPolicy",
-    "RetryingBackend",
     "WrapperBackend",
-    "retry_call",
 ]
 
 log = logging.getLogger("ckptio.backends.wrappers")
@@ -78,6 +75,10 @@ class WrapperBackend(Backend):
     def capabilities(self) -> Capabilities:
         return self.inner.capabilities
 
+    @property  # type: ignore[override]
+    def layout_defaults(self) -> LayoutDefaults:
+        return self.inner.layout_defaults
+
     @property
     def url(self) -> str:
         return self.inner.url
@@ -106,8 +107,15 @@ class WrapperBackend(Backend):
     async def sync(self) -> None:
         await self.inner.sync()
 
-    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
-        return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
+    async def sweep_temporaries(
+        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
+    ) -> list[str]:
+        # A prefix comes only where the inner backend declares Capabilities.sweeps_by_prefix
+        # (this wrapper declares what it wraps), so only then does it travel on.
+        if prefix is None:
+            return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
+        sweep: Any = self.inner.sweep_temporaries  # typed without ``prefix`` in the Backend ABC
+        return await sweep(older_than_s, dry_run=dry_run, prefix=prefix)
 
     async def close(self) -> None:
         await self.inner.close()
@@ -472,88 +480,10 @@ class ReadOnlyBackend(WrapperBackend):
     async def create_if_absent(self, key: str, data: bytes) -> None:
         raise self._refuse("create", key)
 
-    async def sweep_temporaries(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+    async def sweep_temporaries(
+        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
+    ) -> list[str]:
         return []  # removes nothing through a read-only view
 
     async def delete(self, key: str) -> None:
         raise self._refuse("delete", key)
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently a transient failure is retried (the engine's knobs of the same names)."""
-
-    retries: int = 8
-    backoff_initial: float = 0.05
-    backoff_max: float = 8.0
-
-
-async def retry_call(what: str, call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
-    """Run ``call()``, retrying RetryableError with exponential backoff and full jitter.
-
-    A server's ``retry_after`` lengthens the wait (up to ``backoff_max``); the last
-    attempt's error propagates. Every other exception propagates at once.
-    """
-    for attempt in range(policy.retries + 1):
-        try:
-            return await call()
-        except RetryableError as e:
-            if attempt == policy.retries:
-                raise
-            delay = random.uniform(0, min(policy.backoff_max, policy.backoff_initial * 2**attempt))
-            if e.retry_after is not None:
-                delay = max(delay, min(e.retry_after, policy.backoff_max))
-            log.debug("retrying %s in %.2fs after %s", what, delay, e)
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
-
-
-class RetryingBackend(WrapperBackend):
-    """Retries each call of ``inner`` that fails with :class:`RetryableError` (:func:`retry_call`).
-
-    A whole-object ``read`` is retried as one call of ``inner.read`` (a retry re-stats the
-    object), as callers used to wrap it. Wrap a backend once: a retrying wrapper under
-    another retry loop multiplies the attempts.
-    """
-
-    def __init__(self, inner: Backend, policy: RetryPolicy | None = None) -> None:
-        super().__init__(inner)
-        self.policy = policy or RetryPolicy()
-
-    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        return await retry_call(f"{what} on {self.inner.url}", call, self.policy)
-
-    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
-        await self._retry(f"write {key!r}", lambda: self.inner.write(key, buffers))
-
-    async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        await self._retry(f"read {key!r}", lambda: self.inner.read_into(key, rng, buffers))
-
-    async def read(self, key: str) -> bytes:
-        return await self._retry(f"read {key!r}", lambda: self.inner.read(key))
-
-    async def create_if_absent(self, key: str, data: bytes) -> None:
-        await self._retry(f"create {key!r}", lambda: self.inner.create_if_absent(key, data))
-
-    async def delete(self, key: str) -> None:
-        await self._retry(f"delete {key!r}", lambda: self.inner.delete(key))
-
-    async def stat(self, key: str) -> ObjectInfo:
-        return await self._retry(f"stat {key!r}", lambda: self.inner.stat(key))
-
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return await self._retry(f"list {prefix!r}", lambda: self.inner.list(prefix))
-
-    async def list_children(self, prefix: str = "") -> list[str]:
-        return await self._retry(f"list {prefix!r}", lambda: self.inner.list_children(prefix))
-
-    async def sync(self) -> None:
-        await self._retry("sync", self.inner.sync)
-
-    async def sweep_temporaries(
-        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
-    ) -> list[str]:
-        """The inner sweep, retried; ``prefix`` is passed only when given (the ABC's sweep has none)."""
-        sweep: Any = self.inner.sweep_temporaries
-        kw: dict[str, Any] = {"dry_run": dry_run} if prefix is None else {"dry_run": dry_run, "prefix": prefix}
-        return await self._retry("sweep temporaries", lambda: sweep(older_than_s, **kw))

@@ -8,9 +8,20 @@ It is stopped by the pid we started (SIGTERM, then SIGKILL).
 
 Lives in the bench package so ``ckptio bench --backend gs://…`` can start a
 server without importing from ``tests/``; ``tests/fake_gcs.py`` re-exports it.
-See ``shared/notes/fake-gcs.md`` for what the emulator does unlike real GCS
-(notably: its memory backend holds ~1.45x the stored bytes and never gives
-them back -- start a fresh server per test module or bench case).
+
+What the emulator (v1.54) does unlike real GCS, so a green test proves less:
+
+* ``ifGenerationMatch`` is honoured only on multipart uploads (media and
+  resumable uploads, deletes, compose and copy ignore preconditions): the
+  commit marker stays a small multipart create (``ckptio.backends.gcs``).
+* A resumable upload's status query finalises the object instead of
+  answering 308, and a re-sent chunk is appended again: against it, a
+  failed chunk restarts the whole upload instead of resuming.
+* Declared checksums are not validated (real GCS answers 400), listings
+  page only when ``maxResults`` is passed, and ``fields`` is ignored.
+* After a 416 it drops the keep-alive connection without saying so.
+* Its memory backend holds ~1.45x the stored bytes and never gives them
+  back: start a fresh server per test module or bench case.
 """
 
 from __future__ import annotations

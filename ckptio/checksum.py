@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
-from ckptio.backends._copy import flat_bytes
+from ckptio._system import flat_bytes
 
 from .errors import IntegrityError
 

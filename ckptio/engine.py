@@ -23,9 +23,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ckptio.backends._copy import flat_bytes
-from ckptio.backends._pages import POPULATE_MIN, populate
-from ckptio.backends._threads import background_pool, start_workers
+from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
 from ckptio.backends.base import Backend, ByteRange, RetryableError
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
@@ -68,7 +66,8 @@ class EngineConfig:
     save_nice: int = 0
     #: A layout option, not an engine one (the engine never reads it), accepted here for
     #: compatibility: a save maps it once to ``ckptio.layout.LayoutOptions.tile_bytes``,
-    #: which documents it (tiles of about this many bytes; 0: C order; None: the backend's).
+    #: which documents it (tiles of about this many bytes; 0: C order; None: the backend's
+    #: ``layout_defaults.tile_bytes``).
     tile_bytes: int | None = None
     #: Who writes a save's objects, by name: "thread" (this process's IO loop) or "sidecar" (a
     #: writer process per host fed from shared-memory staging, so that nothing of a background

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.backends.base import Capabilities, join_key
+from ckptio.backends.base import LayoutDefaults, join_key
 
 from .staging import LeafPack, StagedArray, StagingPool
 from .tiling import TileCopy, tile_boxes
@@ -60,13 +60,13 @@ class LayoutOptions:
     #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many
     #: bytes (ckptio.tiling), so a restore onto another sharding reads only the tiles it
     #: meets; 0 keeps every shard in plain C order. None: the backend's
-    #: ``capabilities.tile_bytes`` (tiled on shared storage, C order on a local disk).
+    #: ``layout_defaults.tile_bytes`` (tiled on shared storage, C order on a local disk).
     tile_bytes: int | None = None
 
-    def tile_bytes_for(self, caps: Capabilities) -> int:
-        """The tile size of a save onto storage with ``caps``: never above one object."""
-        tile_bytes = caps.tile_bytes if self.tile_bytes is None else self.tile_bytes
-        return min(tile_bytes, caps.object_size)
+    def tile_bytes_for(self, defaults: LayoutDefaults) -> int:
+        """The tile size of a save onto storage whose layout defaults are ``defaults``: never above one object."""
+        tile_bytes = defaults.tile_bytes if self.tile_bytes is None else self.tile_bytes
+        return min(tile_bytes, defaults.object_size)
 
 
 @dataclasses.dataclass(slots=True)

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from ckptio.backends._copy import flat_bytes
+from ckptio._system import flat_bytes
 from ckptio.backends.base import ByteRange
 
 from .checksum import DEFAULT_BLOCK_SIZE

@@ -192,13 +192,13 @@ class SaveJob:
     def _plan(self, state: Any) -> None:
         """Check every leaf before the first byte is written (nothing to clean up on bad input)."""
         store, rank = self.store, self.coord.rank
-        caps = store.backend.capabilities
+        defaults = store.backend.layout_defaults
         packer = None
         if rank == 0:  # only host 0 writes plain (replicated) arrays
-            packer = LeafPacker(self.area, min(PACK_MAX_BYTES, store.engine.config.block_size, caps.object_size),
-                                caps.object_size)
+            packer = LeafPacker(self.area, min(PACK_MAX_BYTES, store.engine.config.block_size, defaults.object_size),
+                                defaults.object_size)
         self.structure, self.staged, self.packs = _plan_staging(
-            state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(caps), packer,
+            state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if rank == 0:
             run_sync(store.prepare_save(self.step_dir))  # finishes an interrupted deletion of this step
@@ -212,7 +212,7 @@ class SaveJob:
         self.save_id = save_id = new_id()
         self.plans = pack(
             pieces,
-            object_size=store.backend.capabilities.object_size,
+            object_size=store.backend.layout_defaults.object_size,
             align=store.backend.capabilities.alignment,
             key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, n),
         )

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from ckptio.backends._posix import address
+from ckptio._system import address
 
 from .staging import StagingPool
 

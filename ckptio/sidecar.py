@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.backends._copy import copy_bytes
+from ckptio._system import copy_bytes
 
 from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
@@ -377,8 +377,8 @@ class Sidecar:
         """Have the child write and sync ``plans``; blocks (socket waits release the GIL)."""
         rid = next(self._ids)
         fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
-        caps = store.backend.capabilities
-        export = _Export(shared_pool(), max(_EXPORT_OBJECTS * caps.object_size, caps.concurrency * caps.preferred_io_size))
+        caps, layout = store.backend.capabilities, store.backend.layout_defaults
+        export = _Export(shared_pool(), max(_EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size))
         with self._lock:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")

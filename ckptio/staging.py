@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.backends._pages import POPULATE_MIN, fresh_pages, populate
+from ckptio._system import POPULATE_MIN, fresh_pages, populate
 
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError

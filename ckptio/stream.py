@@ -152,7 +152,7 @@ class StreamWriter:
         base = len(self.objects)
         plans = pack(
             self._pending,
-            object_size=self.store.backend.capabilities.object_size,
+            object_size=self.store.backend.layout_defaults.object_size,
             key_for=lambda n: self.store.naming.object_key(self.step_dir, self.save_id, 0, 1, base + n),
         )
         self.objects.extend(p.key for p in plans)

@@ -8,18 +8,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
+from ckptio.backends.base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
+)
 
 
 class SQLiteBackend(Backend):
     """Objects as rows ``(key, data, mtime)``; each call is one transaction, run in a thread."""
 
-    schemes = ("sqlite",)
-
     def __init__(self, url: str) -> None:
         self._url, self._path = url, url.split("://", 1)[1]
         # Declared, not discovered: SQLite commits atomically and its INSERT is a real conditional create.
-        self.capabilities = Capabilities(preferred_io_size=1 << 20, object_size=16 << 20, concurrency=4)
+        self.capabilities = Capabilities(preferred_io_size=1 << 20, concurrency=4)
+        self.layout_defaults = LayoutDefaults(object_size=16 << 20)  # how checkpoints are laid out here
         self._sql("CREATE TABLE IF NOT EXISTS objects (key TEXT PRIMARY KEY, data BLOB, mtime REAL)")
 
     @property

@@ -267,19 +267,22 @@ def test_open_backend_resolves_s3(moto_s3: str, tmp_path: Path) -> None:
     assert isinstance(b, FsspecBackend) and b.protocol == "s3"
     caps = b.capabilities
     # s3fs takes mode="create" (If-None-Match): a real conditional create.
-    assert caps.conditional_create and caps.atomic_write and caps.hashed_names and caps.list_consistent
+    assert caps.conditional_create and caps.atomic_write and caps.list_consistent and b.layout_defaults.hashed_names
 
 
 def test_capabilities_follow_the_protocol(tmp_path: Path) -> None:
-    mem = FsspecBackend(memory_url(tmp_path)).capabilities
-    assert mem.conditional_create and mem.atomic_write and mem.hashed_names and mem.durable_on_close
-    local = FsspecBackend(f"fsspec+file://{tmp_path}").capabilities
+    mem_backend = FsspecBackend(memory_url(tmp_path))
+    mem = mem_backend.capabilities
+    assert mem.conditional_create and mem.atomic_write and mem.durable_on_close
+    assert mem_backend.layout_defaults.hashed_names
+    local_backend = FsspecBackend(f"fsspec+file://{tmp_path}")
+    local = local_backend.capabilities
     # Written in place, no fsync through fsspec, no conditional create: the native local backend has all three.
     assert not local.conditional_create and not local.atomic_write and not local.durable_on_close
-    assert not local.hashed_names
+    assert not local_backend.layout_defaults.hashed_names
     tuned = FsspecBackend(memory_url(tmp_path), object_size=1 << 20, concurrency=3, hashed_names=False)
-    assert (tuned.capabilities.object_size, tuned.capabilities.concurrency) == (1 << 20, 3)
-    assert not tuned.capabilities.hashed_names
+    assert (tuned.layout_defaults.object_size, tuned.capabilities.concurrency) == (1 << 20, 3)
+    assert not tuned.layout_defaults.hashed_names
     # A config can give up the conditional create (an S3 clone that ignores If-None-Match), not invent one.
     assert not FsspecBackend(memory_url(tmp_path), conditional_create=False).capabilities.conditional_create
     assert not FsspecBackend(

@@ -89,9 +89,9 @@ def test_url_config_and_endpoint_resolution(monkeypatch: pytest.MonkeyPatch) -> 
     assert (real.url, real.bucket, real.prefix) == ("gs://bucket/some/prefix", "bucket", "some/prefix")
     assert real.endpoint == "https://storage.googleapis.com" and not real.emulated
     assert not real._auth.anonymous and real._write_ramp is not None and real._resume
-    caps = real.capabilities
-    assert caps.hashed_names and caps.conditional_create and caps.list_consistent and caps.atomic_write
-    assert caps.object_size == 64 << 20 and caps.concurrency == 32
+    caps, layout = real.capabilities, real.layout_defaults
+    assert caps.conditional_create and caps.list_consistent and caps.atomic_write and layout.hashed_names
+    assert layout.object_size == 64 << 20 and caps.concurrency == 32
     assert GCSBackend("gs://bucket").url == "gs://bucket"
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")  # the scheme-less form gcloud uses

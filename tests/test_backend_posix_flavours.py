@@ -15,9 +15,11 @@ from test_backend_local import read_only_mount  # noqa: F401  (a fixture)
 
 import ckptio
 from ckptio.backends import detect_scheme, open_backend
+from ckptio.backends._posix_commit import lock_path
 from ckptio.backends.base import Backend
-from ckptio.backends.hyperdisk_ml import HyperdiskMLBackend, is_published, publish
+from ckptio.backends.hyperdisk_ml import HyperdiskMLBackend
 from ckptio.backends.parallelstore import ParallelstoreBackend
+from ckptio.publish import is_published, publish
 
 
 class TestHyperdiskML(BackendConformance):
@@ -34,9 +36,7 @@ class TestParallelstore(BackendConformance):
 
 
 def _lock_of(root: Path, key: str) -> Path:
-    from ckptio.backends.local import _lock_path
-
-    return Path(_lock_path(str(root / key)))
+    return Path(lock_path(str(root / key)))
 
 
 def _leave_lock(root: Path, key: str, age_s: float) -> Path:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio.backends.base import RetryableError
+from ckptio.backends.base import LayoutDefaults, RetryableError
 from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import CountingBackend, FaultInjectingBackend, LatencyBackend, WrapperBackend
 
@@ -138,7 +138,8 @@ class InFlight(WrapperBackend):
 def test_concurrency_and_byte_budget_bound_requests(tmp_path):
     url = f"mem://budget-{tmp_path.name}"
     inner = MemoryBackend(url)
-    inner.capabilities = type(inner.capabilities)(object_size=64 << 10, concurrency=8)
+    inner.capabilities = type(inner.capabilities)(concurrency=8)
+    inner.layout_defaults = LayoutDefaults(object_size=64 << 10)
     tracked = InFlight(LatencyBackend(inner, 0.001))
     state = {f"a{i}": np.full(60 << 10, i, np.uint8) for i in range(40)}
     cfg = ckptio.EngineConfig(concurrency=6, byte_budget=200 << 10)

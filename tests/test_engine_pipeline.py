@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptio
-from ckptio.backends._threads import background_pool, lower_this_thread
+from ckptio._system import background_pool, lower_this_thread
 from ckptio.backends.base import ByteRange
 from ckptio.backends.local import LocalBackend
 from ckptio.checksum import block_crcs
@@ -221,7 +221,7 @@ def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_
     """Pieces of 1 MiB or more of a final destination are populated before they are read (scratch
     with copy-out is not: it faults in as it is read), and every piece is still verified."""
     from ckptio import engine as engine_mod
-    from ckptio.backends._pages import fresh_pages, populate
+    from ckptio._system import fresh_pages, populate
 
     events: list[tuple[str, int]] = []
 

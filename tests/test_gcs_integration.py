@@ -197,7 +197,7 @@ def test_gcs_stores_tiles_by_default_and_a_column_block_reads_only_its_tiles(gcs
     full = np.arange(n * n, dtype=np.float32).reshape(n, n)
     url = _url(tmp_path)
     cfg = ckptio.EngineConfig(tile_bytes=256 << 10, block_size=256 << 10)  # 1 MiB tiles, scaled down 4x
-    assert ckptio.backends.open_backend(url).capabilities.tile_bytes == 1 << 20
+    assert ckptio.backends.open_backend(url).layout_defaults.tile_bytes == 1 << 20
 
     def save(rank: int, coord: Any) -> Any:
         ix = (slice(rank * n // 4, (rank + 1) * n // 4), slice(None))

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from ckptio.backends._pages import FRESH_MIN, POPULATE_MIN, fresh_pages, populate
+from ckptio._system import FRESH_MIN, POPULATE_MIN, fresh_pages, populate
 from ckptio.staging import StagingArea, StagingPool, aligned_empty
 
 

@@ -44,7 +44,7 @@ def test_start_workers_starts_every_thread_up_front_and_the_pool_still_works() -
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptio.backends._threads import start_workers
+    from ckptio._system import start_workers
 
     pool = start_workers(ThreadPoolExecutor(4, thread_name_prefix="t"), 4)
     try:

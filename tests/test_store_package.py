@@ -26,7 +26,8 @@ from ckptio.backends import RetryableError, open_backend
 from ckptio.backends import memory as memory_module
 from ckptio.backends.base import Backend, join_key
 from ckptio.backends.memory import MemoryBackend
-from ckptio.backends.wrappers import FaultInjectingBackend, RetryingBackend, RetryPolicy
+from ckptio.backends.retrying import RetryingBackend, RetryPolicy
+from ckptio.backends.wrappers import FaultInjectingBackend
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.layout import Naming
 from ckptio.names import ObjectName, parse_object

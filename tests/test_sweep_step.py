@@ -8,13 +8,14 @@ in that step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptio.backends import open_backend
+from ckptio.backends import Capabilities, open_backend
 from ckptio.backends.local import TMP_MARK
 from ckptio.backends.wrappers import WrapperBackend
 from test_never_lose import _RefuseCommit, files, same, save, state
@@ -160,6 +161,11 @@ class _ScopedTemporaries(WrapperBackend):
         super().__init__(open_backend(str(root)))
         self.root = root
         self.prefixes: list[str] = []
+        self._capabilities = dataclasses.replace(self.inner.capabilities, sweeps_by_prefix=True)
+
+    @property  # type: ignore[override]
+    def capabilities(self) -> Capabilities:
+        return self._capabilities  # declared: the store reads this, never the signature
 
     async def sweep_temporaries(
         self, older_than_s: float, *, dry_run: bool = False, prefix: str = ""

@@ -243,7 +243,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             pieces.append(Piece(str(i), 0, data))
         plans = pack(
             pieces,
-            object_size=store.backend.capabilities.object_size,
+            object_size=store.backend.layout_defaults.object_size,
             key_for=lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n),
         )
         written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)

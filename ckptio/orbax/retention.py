@@ -117,6 +117,14 @@ class CheckpointManager(ocp.CheckpointManager):
     :class:`ckptio.orbax.Save` store their data under ``storage`` (with
     ``naming``, e.g. :class:`ckptio.layout.HashedNaming`); other items keep
     their usual handlers. Everything else is ``ocp.CheckpointManager``'s.
+
+    Not :class:`ckptio.CheckpointManager`, which shares the name on purpose:
+    each is a drop-in for the manager its users already write. This one *is* an
+    Orbax manager (a subclass: Orbax's API, options, step directories and
+    commit, with ckptio as the storage of ``Save`` items), for code written
+    against ``ocp.CheckpointManager``; ``ckptio.CheckpointManager`` is ckptio's
+    own, framework-neutral manager (ckptio's commit and retention, no Orbax).
+    Import it as ``ckptio.orbax.CheckpointManager`` to keep the two apart.
     """
 
     def __init__(

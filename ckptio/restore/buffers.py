@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.backends._pages import fresh_pages
+from ckptio._system import fresh_pages
 
 from ..cast import cast_checked, is_numeric
 from ..manifest import ArrayItem

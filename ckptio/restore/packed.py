@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.backends._pages import fresh_pages
+from ckptio._system import fresh_pages
 from ckptio.backends.base import ByteRange
 
 from ..engine import ReadRequest

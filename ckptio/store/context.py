@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo
-from ckptio.backends.wrappers import RetryingBackend, RetryPolicy
+from ckptio.backends.retrying import RetryingBackend, RetryPolicy
 
 from ..engine import Engine, gather_or_cancel
 from ..layout import HashedNaming, Naming

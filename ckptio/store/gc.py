@@ -13,7 +13,6 @@ saves' intents and stray fences, and the temporaries of killed writes.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 
@@ -74,12 +73,9 @@ def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
     """True if ``backend.sweep_temporaries`` takes a ``prefix`` (sweeps one step's temporaries only).
 
     The Backend ABC's sweep walks the whole root; a backend (or wrapper) that can
-    limit it to a prefix says so by that keyword.
+    limit it to a prefix declares so (:attr:`Capabilities.sweeps_by_prefix`).
     """
-    try:
-        return "prefix" in inspect.signature(backend.sweep_temporaries).parameters
-    except (TypeError, ValueError):
-        return False
+    return backend.capabilities.sweeps_by_prefix
 
 
 class Collector:

@@ -96,10 +96,10 @@ def check_grace(grace_seconds: float) -> float:
 
 
 def default_naming(backend: Backend) -> Naming:
-    """The naming a backend's capabilities ask for: hashed on object stores, fanned out or flat on POSIX."""
-    caps = backend.capabilities
-    if caps.hashed_names:
+    """The naming a backend's layout defaults ask for: hashed on object stores, fanned out or flat on POSIX."""
+    defaults = backend.layout_defaults
+    if defaults.hashed_names:
         return HashedNaming()
-    if caps.dir_fanout > 0:
-        return FanoutNaming(caps.dir_fanout)
+    if defaults.dir_fanout > 0:
+        return FanoutNaming(defaults.dir_fanout)
     return FlatNaming()

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from ckptio.backends._copy import flat_bytes
+from ckptio._system import flat_bytes
 from ckptio.distributed import BytesCoordinator, SingleProcess, TorchCoordinator
 
 __all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "torch_world"]

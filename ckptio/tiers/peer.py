@@ -20,7 +20,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from ckptio.backends._copy import scatter_bytes
+from ckptio._system import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 
 from ..checksum import verify_blocks

@@ -1,4 +1,4 @@
-"""Flat byte views of caller buffers, and copies between them that do not hold the GIL.
+"""Flat byte views of caller buffers, copies between them that do not hold the GIL, and addresses.
 
 Every backend and the engine see caller buffers of any format and shape
 (float arrays, bfloat16 views, ...) and work on their bytes: :func:`flat_bytes`
@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["GIL_FREE_MIN", "byte_views", "copy_bytes", "flat_bytes", "gather_bytes", "scatter_bytes"]
+__all__ = [
+    "GIL_FREE_MIN", "address", "byte_views", "copy_bytes", "flat_bytes", "gather_bytes", "scatter_bytes",
+]
 
 #: Copies of at least this many bytes release the GIL; below it the numpy call costs more than it frees.
 GIL_FREE_MIN = 64 << 10
@@ -68,3 +70,8 @@ def scatter_bytes(src: memoryview, buffers: Sequence[memoryview]) -> None:
     for b in buffers:
         copy_bytes(b, src[pos : pos + b.nbytes])
         pos += b.nbytes
+
+
+def address(view: memoryview) -> int:
+    """The memory address of a buffer's first byte (alignment checks, shared-memory offsets)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._copy import flat_bytes
+from .bytes import flat_bytes
 
 __all__ = ["FRESH_MIN", "POPULATE_MIN", "fresh_pages", "populate"]
 

@@ -1,0 +1,30 @@
+"""System helpers at the bottom of ckptio: both the backends and the core import them.
+
+They know nothing of checkpoints or storage, only of the machine: flat byte views and
+GIL-free copies (:mod:`.bytes`), fresh pages and faulting them in early (:mod:`.pages`),
+worker threads that yield the CPU to the training step (:mod:`.threads`). This package
+imports nothing else from ckptio, so every layer may import it without a cycle.
+"""
+
+from __future__ import annotations
+
+from .bytes import GIL_FREE_MIN, address, byte_views, copy_bytes, flat_bytes, gather_bytes, scatter_bytes
+from .pages import FRESH_MIN, POPULATE_MIN, fresh_pages, populate
+from .threads import background_pool, lower_this_thread, start_workers
+
+__all__ = [
+    "FRESH_MIN",
+    "GIL_FREE_MIN",
+    "POPULATE_MIN",
+    "address",
+    "background_pool",
+    "byte_views",
+    "copy_bytes",
+    "flat_bytes",
+    "fresh_pages",
+    "gather_bytes",
+    "lower_this_thread",
+    "populate",
+    "scatter_bytes",
+    "start_workers",
+]
