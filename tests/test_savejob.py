@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio.backends.base import Capabilities
+from ckptio.backends.base import LayoutDefaults
 from ckptio.collective import Verdict, collective_verdict, failed_record, join_as_failed
 from ckptio.distributed import SingleProcess
 from ckptio.engine import EngineConfig
@@ -91,7 +91,7 @@ def test_the_writer_string_maps_once_to_a_writer(tmp_path: Path, monkeypatch: py
 
 
 def test_tile_bytes_is_a_layout_option() -> None:
-    shared = Capabilities(object_size=4 << 20, tile_bytes=1 << 20)
+    shared = LayoutDefaults(object_size=4 << 20, tile_bytes=1 << 20)
     assert LayoutOptions().tile_bytes_for(shared) == 1 << 20  # the backend's default
     assert LayoutOptions(tile_bytes=0).tile_bytes_for(shared) == 0
     assert LayoutOptions(tile_bytes=64 << 20).tile_bytes_for(shared) == 4 << 20  # never above one object
