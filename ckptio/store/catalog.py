@@ -15,21 +15,18 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 from ckptio.backends.base import join_key
 
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..orbax_steps import OrbaxStep, orbax_step
+from ..orbax_steps import OrbaxStep, StepSource, orbax_step
 from .context import StoreContext
 from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import MAX_STEP, step_dir_of
 
-if TYPE_CHECKING:
-    from .facade import CheckpointStore
 
 __all__ = ["Catalog", "StepStatus"]
 
@@ -115,7 +112,7 @@ class Catalog:
                     out.append(step)
         return sorted(out)
 
-    async def status(self, step_dir: str, store: CheckpointStore) -> StepStatus:
+    async def status(self, step_dir: str, store: StepSource) -> StepStatus:
         """What ``step_dir`` holds (see :class:`StepStatus`); never raises for a bad manifest.
 
         ``store``: the store this catalog belongs to (an Orbax step's items are probed through it).
