@@ -1,7 +1,10 @@
 """The backend contract: one small async ABC that only moves bytes.
 
-Everything else -- retries, concurrency, packing, checksums, commit order --
-lives once, above this layer, in :mod:`ckptio.engine`.
+Everything else lives once, above this layer: retries in
+:class:`ckptio.backends.retrying.RetryingBackend` (the store wraps its backend
+in it; the engine retries its own data reads and writes with the same loop),
+concurrency and checksums in :mod:`ckptio.engine`, packing in
+:mod:`ckptio.layout`, commit order in :mod:`ckptio.store`.
 
 Contract every backend keeps (the conformance suite shipped as
 :mod:`ckptio.testing` checks each point):
@@ -20,7 +23,7 @@ Contract every backend keeps (the conformance suite shipped as
   :class:`FileExistsError` otherwise.
 * Errors leave a backend as builtins (``FileNotFoundError``,
   ``FileExistsError``, ``PermissionError``, ``ValueError``) or as
-  :class:`RetryableError`; the engine retries only the latter. Backends
+  :class:`RetryableError`; only the latter is retried. Backends
   translate their native errors once, here at the boundary.
 * Capabilities are declared data, not discovered by failure: what the storage
   is (:class:`Capabilities`) apart from how checkpoints are best laid out on it
@@ -50,7 +53,7 @@ __all__ = [
 class RetryableError(Exception):
     """A transient failure (throttling, reset, timeout, 5xx): the same call may succeed later.
 
-    The only exception class the engine retries. ``retry_after`` is a server
+    The only exception class that is retried. ``retry_after`` is a server
     hint in seconds, when the storage gave one.
     """
 

@@ -18,13 +18,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import random
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
-from ckptio.backends.base import Backend, ByteRange, RetryableError
+from ckptio.backends.base import Backend, ByteRange
+from ckptio.backends.retrying import RetryPolicy, retry_call
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
 from .errors import IntegrityError
@@ -200,20 +200,11 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._cpu_save, fn, *args)
 
     async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run ``call()``, retrying RetryableError with exponential backoff and full jitter."""
+        """Run ``call()``, retrying RetryableError as :func:`ckptio.backends.retrying.retry_call` does,
+        with this engine's policy. Only the engine's own data reads and writes go through here:
+        everything else reaches storage through the store's retrying backend (``store.io``)."""
         cfg = self.config
-        for attempt in range(cfg.retries + 1):
-            try:
-                return await call()
-            except RetryableError as e:
-                if attempt == cfg.retries:
-                    raise
-                delay = random.uniform(0, min(cfg.backoff_max, cfg.backoff_initial * 2**attempt))
-                if e.retry_after is not None:
-                    delay = max(delay, min(e.retry_after, cfg.backoff_max))
-                log.debug("retrying %s in %.2fs after %s", what, delay, e)
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+        return await retry_call(what, call, RetryPolicy(cfg.retries, cfg.backoff_initial, cfg.backoff_max))
 
     # -- writing ---------------------------------------------------------
 

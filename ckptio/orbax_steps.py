@@ -59,7 +59,7 @@ async def pointer_at(store: StepSource, item_key: str, where: str) -> dict[str, 
     """
     key = join_key(item_key, POINTER_NAME)
     try:
-        size = (await store.backend.stat(key)).size
+        size = (await store.io.stat(key)).size
         if size > _MAX_POINTER_BYTES:  # checked before reading: never load a huge file
             raise CheckpointNotFoundError(f"{where} is not a valid ckptio pointer: {size} bytes")
         data = await store.io.read(key)

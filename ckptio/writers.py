@@ -79,7 +79,7 @@ class ThreadWriter:
     ) -> list[WrittenObject]:
         """Write every plan concurrently on the IO loop, then sync the backend."""
         written = run_sync(store.engine.write_objects(plans, progress, ready))
-        run_sync(store.engine.retrying(f"sync {where}", store.backend.sync))
+        run_sync(store.io.sync())
         return written
 
 

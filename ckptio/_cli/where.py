@@ -96,7 +96,7 @@ def _step_dir_url(url: str) -> tuple[str, int] | None:
         return None
     with open_store(trimmed) as store:
         try:
-            data: bytes | None = run_sync(store.backend.read(MANIFEST_NAME))
+            data: bytes | None = run_sync(store.io.read(MANIFEST_NAME))
         except FileNotFoundError:
             data = None
         except OSError:

@@ -188,7 +188,7 @@ def _write_pointer(item_dir: Any, loc: Location) -> None:
     try:
         data = memoryview(json.dumps(doc).encode())
         run_sync(store.io.write(POINTER_NAME, [data]))
-        run_sync(store.backend.sync())
+        run_sync(store.io.sync())
     finally:
         run_sync(store.close())
 

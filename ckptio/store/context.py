@@ -1,7 +1,7 @@
 """What every service of a store shares: the root, its backend (raw and retried), engine, naming, lease.
 
 Services call storage through :attr:`StoreContext.io`, a
-:class:`~ckptio.backends.wrappers.RetryingBackend` around the backend with the
+:class:`~ckptio.backends.retrying.RetryingBackend` around the backend with the
 engine's retry policy: a call is retried there, once, and nowhere above it.
 The engine keeps the raw backend (it retries its own writes and reads), so no
 call is retried twice.

@@ -38,7 +38,7 @@ def _own_indices(own: CheckpointStore, manifest_objects: list[str], writers: lis
     loose = [i for i, w in enumerate(writers) if w is None]
     for i in loose:
         try:
-            run_sync(own.backend.stat(manifest_objects[i]))
+            run_sync(own.io.stat(manifest_objects[i]))
             mine.append(i)
         except FileNotFoundError:
             pass
@@ -135,7 +135,7 @@ def _after_durable_commit(
     except Exception as e:  # noqa: BLE001 -- retention failing leaves extra steps, never loses one
         log.error("%s: durable retention failed: %r", durable.url, e)
     try:
-        leftovers = run_sync(durable.backend.list(join_key(step_dir, INTENT_PREFIX)))
+        leftovers = run_sync(durable.io.list(join_key(step_dir, INTENT_PREFIX)))
         stray = [d for d in run_sync(durable.step_dirs()) if d < int(step_dir) and d not in committed]
         swept = sorted({*stray, *unclean, *([int(step_dir)] if leftovers else [])})
         for step in swept:
@@ -145,7 +145,7 @@ def _after_durable_commit(
                          "%d spared in flight)", durable.where(str(step)), len(report.objects),
                          len(report.intents), len(report.temporaries), report.spared_in_flight)
             # An intent that survived the sweep looked live: its objects wait for a later round.
-            if run_sync(durable.backend.list(join_key(str(step), INTENT_PREFIX))):
+            if run_sync(durable.io.list(join_key(str(step), INTENT_PREFIX))):
                 unclean.add(step)
             else:
                 unclean.discard(step)
@@ -155,8 +155,7 @@ def _after_durable_commit(
             # as a live save keeps beating); a younger one is left to gc. Root-wide, but only POSIX
             # backends have temporaries: on object stores this is a no-op that lists nothing.
             lease = durable.lease_s
-            gone = run_sync(durable.engine.retrying(
-                f"sweep temporaries of {durable.url}", lambda: durable.backend.sweep_temporaries(lease)))
+            gone = run_sync(durable.io.sweep_temporaries(lease))
             if gone:
                 log.info("%s: removed %d temporaries of killed writes", durable.url, len(gone))
     except Exception as e:  # noqa: BLE001 -- leftovers stay for gc; the checkpoint is committed

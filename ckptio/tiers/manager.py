@@ -193,7 +193,7 @@ class TieredCheckpointManager:
     def _load_replicated(self) -> dict[int, int]:
         """The record a previous run of this host left (missing or unreadable: nothing known)."""
         try:
-            doc = json.loads(run_sync(self.fast.backend.read(REPLICATED_RECORD)))
+            doc = json.loads(run_sync(self.fast.io.read(REPLICATED_RECORD)))
             return {int(k): int(v) for k, v in doc["replicated"].items()}
         except FileNotFoundError:
             return {}
@@ -212,7 +212,7 @@ class TieredCheckpointManager:
         """Persist the record in the fast tier (one small object, replaced whole), for the next run."""
         data = memoryview(json.dumps({"replicated": {str(k): v for k, v in self._replicated.items()}}).encode())
         try:
-            run_sync(self.fast.backend.write(REPLICATED_RECORD, [data]))
+            run_sync(self.fast.io.write(REPLICATED_RECORD, [data]))
         except Exception as e:  # noqa: BLE001 -- in memory it still protects; a restart knows less
             log.warning("%s: cannot write %s: %r", self.fast.url, REPLICATED_RECORD, e)
 

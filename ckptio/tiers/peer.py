@@ -16,7 +16,6 @@ receiver checks each extent's block checksums before keeping it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -73,7 +72,7 @@ async def _own_holdings(own: CheckpointStore, rank: int) -> list[Holding]:
         try:
             m = await own.read_manifest(str(step))
             keys = [m.objects[i] for i in own_objects(m, rank)]
-            await asyncio.gather(*(own.backend.stat(k) for k in keys))
+            await asyncio.gather(*(own.io.stat(k) for k in keys))
         except FileNotFoundError:  # deleted meanwhile, or objects lost: not held
             continue
         out.append(Holding(rank, step, m.checkpoint_id, rank, m.num_hosts, True))
@@ -85,7 +84,7 @@ async def _replica_holdings(replica: CheckpointStore, rank: int) -> list[Holding
     for step in await replica.committed_steps():
         try:
             m = await replica.read_manifest(str(step))
-            infos = await replica.backend.list(f"{step}/")
+            infos = await replica.io.list(f"{step}/")
         except FileNotFoundError:
             continue
         for info in infos:
@@ -110,8 +109,7 @@ def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUN
         buf = bytearray(min(chunk, nbytes - lo))
         rng = ByteRange(lo, lo + len(buf))
         view = memoryview(buf)
-        run_sync(store.engine.retrying(
-            f"read {key!r}", lambda rng=rng, view=view: store.backend.read_into(key, rng, [view])))  # type: ignore[misc]
+        run_sync(store.io.read_into(key, rng, [view]))
         yield memoryview(buf)
 
 
@@ -159,7 +157,7 @@ def replicate_to_partner(
         _check(m, msg.tag, buf, extents)  # never keep a corrupt replica
         key = m.objects[msg.tag]
         view = memoryview(buf)
-        run_sync(replica.engine.retrying(f"write {key!r}", lambda: replica.backend.write(key, [view])))
+        run_sync(replica.io.write(key, [view]))
 
     error: BaseException | None = None
     try:
@@ -193,7 +191,7 @@ def replicate_to_partner(
 
 async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
     step_dir = str(step)
-    await replica.engine.retrying("sync", replica.backend.sync)
+    await replica.io.sync()
     try:
         await replica.commit(step_dir, m)
     except FileExistsError:  # another partner's replica of the same checkpoint came first
@@ -201,7 +199,7 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
             raise
     mark = replica_mark_key(step_dir, source)
     try:
-        await replica.engine.retrying(f"mark {mark!r}", lambda: replica.backend.create_if_absent(mark, b""))
+        await replica.io.create_if_absent(mark, b"")
     except FileExistsError:
         pass
     # Only the latest snapshot is kept: older replicas go once the new one is complete.
@@ -219,10 +217,10 @@ async def retire_replica(replica: CheckpointStore, step: int) -> None:
     ``ckptio.replica-of.h00001.bak`` stays), then what :meth:`CheckpointStore.delete` deletes.
     """
     step_dir = str(step)
-    infos = await replica.engine.retrying(f"list {step_dir!r}", lambda: replica.backend.list(f"{step_dir}/"))
+    infos = await replica.io.list(f"{step_dir}/")
     for k in _marks_of(infos, step_dir):
         try:
-            await replica.engine.retrying(f"delete {k!r}", functools.partial(replica.backend.delete, k))
+            await replica.io.delete(k)
         except FileNotFoundError:
             pass
     await replica.delete(step_dir)
