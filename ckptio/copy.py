@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from ckptio.backends.base import ByteRange, join_key
 
 from .engine import ByteBudget, Progress, ReadRequest, gather_or_cancel
-from .intents import async_lease, new_id
+from .store.intents import async_lease, new_id
 from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
 from .names import parse_object

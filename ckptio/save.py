@@ -26,7 +26,7 @@ from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
 from .engine import Progress, WrittenObject, run_sync
 from .errors import SaveFailedError
-from .intents import Lease, new_id
+from .store.intents import Lease, new_id
 from .layout import ObjectPlan, pack, pieces_of
 from .checksum import crc32c
 from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of

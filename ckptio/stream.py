@@ -36,10 +36,9 @@ import numpy as np
 from .dtypes import check_dtype, encode_dtype
 from .engine import Progress, WrittenObject, run_sync, submit
 from .layout import ObjectPlan, Piece, pack
-from .manifest import Manifest, ValueItem, item_to_json
-from .manifest import merge_records
+from .manifest import Manifest, ValueItem, array_json, item_to_json, merge_records, shard_json
 from .states import SaveState
-from .intents import Lease, new_id
+from .store.intents import Lease, new_id
 from .store import CheckpointStore, step_dir_of
 
 __all__ = ["StreamWriter"]
@@ -100,15 +99,9 @@ class StreamWriter:
             raise ValueError(f"{self.where}: item {name!r} declared twice")
         dtype = np.dtype(dtype)
         check_dtype(dtype, name)
-        self._items[name] = {
-            "kind": "array",
-            "dtype": encode_dtype(dtype),
-            "shape": [int(d) for d in shape],
-            "scalar": scalar,
-            "origin": origin,
-            "shards": [],
-            "_dtype": dtype,
-        }
+        # "_dtype" (the dtype itself, for write_shard's checks) is dropped before the manifest is built.
+        self._items[name] = {**array_json(encode_dtype(dtype), [int(d) for d in shape], scalar, origin, []),
+                             "_dtype": dtype}
 
     def add_value(self, name: str, value: Any) -> None:
         """A small non-array item (int, float, bool, str, bytes, None), kept in the manifest."""
@@ -134,9 +127,7 @@ class StreamWriter:
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         n = len(it["shards"])
-        it["shards"].append(
-            {"offsets": [int(o) for o in offsets], "shape": list(data.shape), "host": 0, "extents": []}
-        )
+        it["shards"].append(shard_json([int(o) for o in offsets], list(data.shape), 0, []))
         view = memoryview(data.reshape(-1).view(np.uint8)) if data.nbytes else memoryview(b"")
         self._pending.append(Piece(name, n, view))
         self._keep.append(data)

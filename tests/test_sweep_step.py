@@ -22,7 +22,7 @@ from test_never_lose import _RefuseCommit, files, same, save, state
 
 import ckptio
 from ckptio.engine import run_sync
-from ckptio.intents import new_id
+from ckptio.store.intents import new_id
 from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 from ckptio.names import parse_intent, parse_object

@@ -22,7 +22,7 @@ from ckptio.names import fence_key
 from ckptio.copy import copy_checkpoint, copy_objects, rekey
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
-from ckptio.intents import new_id
+from ckptio.store.intents import new_id
 from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.names import ReplicaMark, parse_replica_mark, replica_mark_key

@@ -55,7 +55,7 @@ from torch.futures import Future
 
 from .. import sidecar
 from ..engine import EngineConfig, run_sync
-from ..intents import Lease, new_id
+from ..store.intents import Lease, new_id
 from ..layout import Naming, Piece, pack
 from ..manifest import Manifest
 from ..store import CheckpointStore

@@ -18,7 +18,7 @@ from ckptio.backends.base import join_key
 from ..copy import copy_objects, object_writers, rekey
 from ..distributed import join_errors
 from ..engine import run_sync
-from ..intents import Lease, new_id
+from ..store.intents import Lease, new_id
 from ..manifest import Manifest
 from ..names import INTENT_PREFIX, parse_object
 from ..store import CheckpointStore, sweeps_temporaries_by_prefix
