@@ -292,8 +292,6 @@ class RoutedBackend(Backend):
     Counts the bytes read from each tier (``bytes_from``), for the restore report.
     """
 
-    schemes = ()
-
     def __init__(self, url: str, received: dict[str, bytearray]) -> None:
         self._url = url
         self.received = received
