@@ -186,3 +186,27 @@ def test_cli_synopsis_matches_the_parser(block: Block) -> None:
         assert cmd in known, f"{block.id}: no command {cmd!r}"
         for opt in re.findall(r"--[a-z][a-z-]*", line.split("#", 1)[0]):
             assert opt in known[cmd], f"{block.id}: `ckptio {cmd}` has no option {opt}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve() -> None:
+    """Every relative link of README.md and docs/*.md names a file that exists (and a heading there)."""
+    broken = []
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.name}: {target}")
+            elif anchor and dest.suffix == ".md":
+                heads = re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)
+                if anchor not in {_slug(h) for h in heads}:
+                    broken.append(f"{path.name}: {target} (no such heading)")
+    assert not broken, broken
