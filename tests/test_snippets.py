@@ -94,8 +94,9 @@ def _programs() -> list[Block]:
 BLOCKS = _programs()
 
 
-def _env() -> dict[str, str]:
+def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["TMPDIR"] = str(tmp)  # the blocks' tempfile.mkdtemp() directories go with the test's tmp_path
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
@@ -104,7 +105,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path) -> None:
-    p = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    p = subprocess.run(argv, cwd=cwd, env=_env(cwd), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-6000:]}"
 
 
