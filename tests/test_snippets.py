@@ -45,6 +45,7 @@ class Block:
     marker: str | None
     reason: str | None
     code: str
+    joined: str = ""  # the lines of ``continues`` blocks run with this one
 
     @property
     def id(self) -> str:
@@ -86,6 +87,7 @@ def _programs() -> list[Block]:
             if b.marker == "continues":
                 prev = next(p for p in reversed(out) if p.file == b.file and p.lang == "python")
                 prev.code += "\n" + b.code
+                prev.joined += f" + line {b.line}"
                 continue
             out.append(b)
     return out
@@ -116,7 +118,7 @@ def test_inventory() -> None:
     counts: dict[str, int] = {}
     for b in BLOCKS:
         counts[b.kind] = counts.get(b.kind, 0) + 1
-    report = [f"{b.id:24} {b.kind:13} {b.reason or ''}" for b in BLOCKS]
+    report = [f"{b.id:24} {b.kind:13} {b.reason or b.joined.strip()}" for b in BLOCKS]
     print("\n".join(["", "code blocks of README.md and docs/*.md:", *report, f"totals: {counts}"]))
     assert counts.get("python", 0) >= 3  # the three quickstarts at least
 
