@@ -1,4 +1,4 @@
-"""The README's "Write a backend" example: every object a row of one SQLite file (``sqlite:///path/db``)."""
+"""docs/backends.md's "Write a backend" example: every object a row of one SQLite file (``sqlite:///path/db``)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 from ..engine import run_sync
 from ..urls import local_path
@@ -14,6 +15,11 @@ from .reading import nbytes
 from .where import at_step, nothing_there, open_store, refuse_a_file, refuse_memory, resolve
 
 __all__ = ["convert", "cp", "gc"]
+
+
+def _quiet(args: argparse.Namespace) -> bool:
+    """No progress bar for ``--json`` or when stderr is not a terminal (a log file gets no redraws)."""
+    return bool(args.json) or not sys.stderr.isatty()
 
 
 def cp(args: argparse.Namespace) -> int:
@@ -29,7 +35,7 @@ def cp(args: argparse.Namespace) -> int:
         step_dir, m = resolve(src, args.src, args.step)
         dst_dir = step_dir if args.dst_step is None else str(args.dst_step)
         total = sum(max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(m))
-        with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="cp") as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, disable=_quiet(args), desc="cp") as bar:
             out, stats = run_sync(copy_checkpoint(src, dst, step_dir, dst_step_dir=dst_dir,
                                                   progress=lambda _e, n: bar.update(n)))
         src_where, dst_where = src.where(step_dir), dst.where(dst_dir)
@@ -69,7 +75,7 @@ def convert(args: argparse.Namespace) -> int:
         if path is not None and not os.path.lexists(path):
             raise CliError("not-found", f"{args.src} does not exist", url=args.src)
         total = source_bytes(args.src, args.src_format, args.step) if not args.json else None
-    with tqdm(total=total, unit="B", unit_scale=True, disable=args.json, desc="convert") as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, disable=_quiet(args), desc="convert") as bar:
         res = run_convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
                       step=args.step, progress=lambda _e, n: bar.update(n))
     doc = {"ok": True, **dataclasses.asdict(res)}
