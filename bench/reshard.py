@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import os
 import tempfile
 import time
 from typing import Any

@@ -16,6 +16,7 @@ from hosts import on_hosts
 from test_blocks import COLS, NAMES, ROWS, check_split, full, manifest, rows, save_rows
 
 import ckptio
+from ckptio.backends.wrappers import CountingBackend
 from ckptio.cli import main as cli
 from ckptio.layout import extent_block
 from ckptio.manifest import BLOCKS_VERSION, MANIFEST_NAME, unseal
@@ -145,6 +146,32 @@ def test_convert_to_dcp_and_back_and_dcp_loads_a_checkpoint_with_own_blocks(tmp_
     assert rc == 0, doc
     got = ckptio.restore(tmp_path / "back", step=1)
     assert all(got[n].tobytes() == want[n].tobytes() for n in want)
+    m = manifest(str(tmp_path / "back"))  # the stream writer gives its shards blocks of their own too
+    for n in want:
+        item = m.items[n]
+        for s in item.shards:
+            own = extent_block(s.size * 4, s.shape == item.shape, m.block_size)
+            assert own and all(e.block == own for e in s.extents)
+
+
+def test_the_dcp_writer_gives_chunks_blocks_of_their_own(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ckptio.dcp import Writer
+
+    url = str(tmp_path)
+    w = full("w")
+    dcp.save({"w": torch.from_numpy(w.copy()), "b": torch.arange(7.0)}, storage_writer=Writer(url, step=1))
+    m = manifest(url)
+    (e,) = m.items["w"].shards[0].extents
+    assert e.block == extent_block(w.nbytes, True, m.block_size) < m.block_size
+    half = (slice(0, ROWS // 2), slice(None))
+    counting = CountingBackend(ckptio.backends.open_backend(url))
+    got = ckptio.restore(url, step=1, backend=counting, target={"w": ckptio.Sharded(w.shape, w.dtype, [(half, None)])})
+    assert got["w"].pieces[0][1].tobytes() == w[half].tobytes()
+    read = sum(r.length for k, r in counting.reads if "ckptio." not in k)
+    assert w[half].nbytes <= read <= 1.1 * w[half].nbytes
 
 
 @pytest.mark.gcs
