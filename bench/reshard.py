@@ -12,14 +12,15 @@ and reports the bytes it read against the bytes it needed (a counting
 backend wrapper around the local backend), its time, that time over the
 same checkpoint's same-layout restore (a row block of row-saved shards, a
 column block of column-saved ones), and its peak RSS above the process's RSS
-before it (``PeakRSS``).
+before it (``PeakRSS``). Last, N -> 2N: the array saved as 256 small row blocks
+(4 MiB checksum blocks, as at 4096 hosts) and half of one restored, which reads
+about what it needs now that small shards get checksum blocks of their own.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import os
 import tempfile
 import time
 from typing import Any
@@ -37,23 +38,35 @@ __all__ = ["render_reshard", "reshard_summary", "run_reshard"]
 BLOCKS = 16
 
 
-def _blocks(n: int, kind: str) -> list[tuple[slice, slice]]:
-    step = n // BLOCKS
+#: The N -> 2N case: the array saved as this many row blocks (shards smaller than a checksum block
+#: at the sizes this bench runs), with the issue's 4 MiB block; a restore reads half of one of them.
+SMALL_BLOCKS = 256
+SMALL_BLOCK_SIZE = 4 << 20
+
+
+def _blocks(n: int, kind: str, count: int = BLOCKS) -> list[tuple[slice, slice]]:
+    step = n // count
     if kind == "rows":
-        return [(slice(i * step, (i + 1) * step), slice(None)) for i in range(BLOCKS)]
-    return [(slice(None), slice(i * step, (i + 1) * step)) for i in range(BLOCKS)]
+        return [(slice(i * step, (i + 1) * step), slice(None)) for i in range(count)]
+    return [(slice(None), slice(i * step, (i + 1) * step)) for i in range(count)]
 
 
 def _array(n: int) -> np.ndarray:
     return np.arange(n * n, dtype=np.float32).reshape(n, n)
 
 
-def _save(root: str, n: int, kind: str, tile_bytes: int | None, q: Any) -> None:
+def _save_small(root: str, n: int, count: int, q: Any) -> None:
+    """``count`` C-order row blocks, checksummed in the issue's 4 MiB blocks (the N -> 2N case)."""
+    _save(root, n, "rows", 0, q, count, SMALL_BLOCK_SIZE)
+
+
+def _save(root: str, n: int, kind: str, tile_bytes: int | None, q: Any, count: int = BLOCKS,
+          block_size: int | None = None) -> None:
     import ckptio
 
     full = _array(n)
-    pieces = [(ix, full[ix]) for ix in _blocks(n, kind)]
-    config = ckptio.EngineConfig(tile_bytes=tile_bytes)
+    pieces = [(ix, full[ix]) for ix in _blocks(n, kind, count)]
+    config = ckptio.EngineConfig(tile_bytes=tile_bytes, **({"block_size": block_size} if block_size else {}))
     t0 = time.perf_counter()
     ckptio.save(root, {"w": ckptio.Sharded(full.shape, full.dtype, pieces)}, step=1, engine_config=config).result()
     q.put({"save_s": time.perf_counter() - t0})
@@ -106,7 +119,28 @@ def run_reshard(size: int, parent: str | None = None, cache: str = "auto", round
                            "bit_exact": all(r["bit_exact"] for r in got)}
                     rows.append({"layout": layout, "saved": f"{saved[:-1]} blocks", "restored": ask,
                                  "save_s": saved_s, **res})
+    rows.append(_n_to_2n(n, parent, cache, rounds))
     return {"array": [n, n], "bytes": n * n * 4, "blocks": BLOCKS, "cache_drop": cache, "rounds": rounds, "rows": rows}
+
+
+def _n_to_2n(n: int, parent: str | None, cache: str, rounds: int) -> dict[str, Any]:
+    """A job twice as large: the array saved as :data:`SMALL_BLOCKS` row blocks (C order, 4 MiB
+    checksum blocks), one host restoring half of one of them. Each small shard is checksummed in
+    blocks of its own (``ckptio.layout.extent_block``), so this reads about what it needs (a whole
+    4 MiB block per half shard before)."""
+    count = min(SMALL_BLOCKS, n)
+    with tempfile.TemporaryDirectory(prefix="ckptio-reshard-", dir=parent) as root:
+        saved_s = _in_child(_save_small, root, n, count)["save_s"]
+        block = _blocks(n, "rows", count)[5]
+        half = (slice(block[0].start, block[0].start + (block[0].stop - block[0].start) // 2), slice(None))
+        same = [_in_child(_restore, root, n, block, cache) for _ in range(rounds)]
+        got = [_in_child(_restore, root, n, half, cache) for _ in range(rounds)]
+    median = statistics.median(r["restore_s"] for r in got)
+    return {"layout": "C order", "saved": f"{count} row blocks", "restored": "half a row block (N -> 2N)",
+            "save_s": saved_s, **got[0], "restore_s": median, "restore_runs_s": [r["restore_s"] for r in got],
+            "vs_same_layout": median / statistics.median(r["restore_s"] for r in same),
+            "peak_rss_extra": max((r["peak_rss_extra"] or 0) for r in got),
+            "bit_exact": all(r["bit_exact"] for r in got)}
 
 
 def render_reshard(res: dict[str, Any]) -> str:

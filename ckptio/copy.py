@@ -1,6 +1,6 @@
 """Copy a committed checkpoint between two stores, object by object, committing last.
 
-Every object is read from the source with the manifest's block checksums
+Every object is read from the source with its extents' block checksums
 checked (bytes that do not match are never written), written under the
 destination's naming (a hashed prefix on object stores, flat on POSIX), and
 only when every object is durable is the destination's manifest created
@@ -34,7 +34,8 @@ from .manifest import ArrayItem, Manifest
 from .names import parse_object
 from .store import CheckpointStore
 
-__all__ = ["CopyStats", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey"]
+__all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey",
+           "verified_reads"]
 
 log = logging.getLogger("ckptio.copy")
 
@@ -53,15 +54,38 @@ class CopyStats:
         self.bytes += other.bytes
 
 
-def object_extents(manifest: Manifest) -> list[list[tuple[int, int, list[int], str]]]:
-    """For each object, the extents stored in it as ``(offset, length, block crcs, item)``."""
-    out: list[list[tuple[int, int, list[int], str]]] = [[] for _ in manifest.objects]
+#: An extent as :func:`object_extents` gives it: ``(offset, length, block crcs, item, block size)``.
+StoredExtent = tuple[int, int, list[int], str, int]
+
+
+def object_extents(manifest: Manifest) -> list[list[StoredExtent]]:
+    """For each object, the extents stored in it as ``(offset, length, block crcs, item, block)``
+    (``block``: the size the crcs were taken over, the extent's own or the manifest's)."""
+    out: list[list[StoredExtent]] = [[] for _ in manifest.objects]
     for name, item in manifest.items.items():
         if isinstance(item, ArrayItem):
             for shard in item.shards:
                 for e in shard.extents:
-                    out[e.object].append((e.offset, e.length, e.crcs, name))
+                    out[e.object].append((e.offset, e.length, e.crcs, name, e.block))
     return out
+
+
+def verified_reads(key: str, buf: memoryview, extents: list[StoredExtent]) -> list[ReadRequest]:
+    """Requests that read all of object ``key`` into ``buf``, checking every extent against its
+    crcs: one request, or one per run of extents that share a block size (a request verifies
+    with one block size; format 6 gives small shards small blocks of their own)."""
+    ordered = sorted(extents)
+    cuts = [0] + [e[0] for prev, e in zip(ordered, ordered[1:]) if e[4] != prev[4]] + [buf.nbytes]
+    reqs, i = [], 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        checks = []
+        while i < len(ordered) and ordered[i][0] < hi:
+            off, n, crcs, item, _block = ordered[i]
+            checks.append((off - lo, n, crcs, item))
+            i += 1
+        block = ordered[i - 1][4] if checks else 1
+        reqs.append(ReadRequest(key, ByteRange(lo, hi), [buf[lo:hi]], checks, block_size=block))
+    return reqs
 
 
 def object_writers(manifest: Manifest) -> list[int | None]:
@@ -157,7 +181,7 @@ async def copy_objects(
     async def one(i: int) -> None:
         key, dst_key = manifest.objects[i], dst_manifest.objects[i]
         if extents[i]:
-            size = max(off + n for off, n, _c, _it in extents[i])
+            size = max(e[0] + e[1] for e in extents[i])
         else:
             size = (await src.io.stat(key)).size
         async with slots:
@@ -171,12 +195,9 @@ async def copy_objects(
             held = await budget.acquire(size)
             try:
                 buf = bytearray(size)
-                req = ReadRequest(key, ByteRange(0, size), [memoryview(buf)],
-                                  [(off, n, crcs, item) for off, n, crcs, item in extents[i]],
-                                  block_size=manifest.block_size)
-                if size:
-                    await src.engine.read_one(req)
                 view = memoryview(buf)
+                for req in verified_reads(key, view, extents[i]) if size else ():
+                    await src.engine.read_one(req)
                 await dst.io.write(dst_key, [view])
             finally:
                 await budget.release(held)

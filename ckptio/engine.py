@@ -389,8 +389,10 @@ _PIECE = 16 << 20
 
 
 def _prepare(plan: ObjectPlan, block_size: int) -> list[list[int]]:
-    """Cut a plan's lazy extents (tiles) out of their staged shards, then checksum every extent."""
+    """Cut a plan's lazy extents (tiles) out of their staged shards, then checksum every extent:
+    in its own blocks where the layout gave it some (a small shard's), else in ``block_size``."""
     if plan.lazy:
         plan.materialize()
-    return [block_crcs(e.data, block_size) if e.cuts is None else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
+    return [block_crcs(e.data, e.block or block_size) if e.cuts is None  # type: ignore[arg-type]
+            else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
             for e in plan.extents]

@@ -113,13 +113,15 @@ def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tu
 def _pieces(shard: ShardRecord, lo: int, hi: int, bs: int) -> list[tuple[Extent, int, int, int, int]]:
     """Cut shard bytes ``[lo, hi)`` by extent: ``(extent, lo, hi, block_lo, block_hi)`` in shard coordinates.
 
-    ``block_lo``/``block_hi`` round ``lo``/``hi`` out to the extent's checksum blocks.
+    ``block_lo``/``block_hi`` round ``lo``/``hi`` out to the extent's own checksum blocks
+    (``Extent.block``; ``bs``, the manifest's, is what it holds unless the extent has its own).
     """
     out = []
     for e in shard.extents:
         a, b = max(lo, e.shard_offset), min(hi, e.shard_offset + e.length)
         if a >= b:
             continue
+        bs = e.block
         ra = e.shard_offset + (a - e.shard_offset) // bs * bs
         rb = min(e.shard_offset + e.length, e.shard_offset + -(-(b - e.shard_offset) // bs) * bs)
         out.append((e, a, b, ra, rb))
@@ -127,6 +129,7 @@ def _pieces(shard: ShardRecord, lo: int, hi: int, bs: int) -> list[tuple[Extent,
 
 
 def _check(e: Extent, ra: int, rb: int, bs: int, at: int, item: str) -> tuple[int, int, list[int], str]:
+    bs = e.block  # the extent's own checksum blocks
     first = (ra - e.shard_offset) // bs
     last = -(-(rb - e.shard_offset) // bs)
     return (at, rb - ra, e.crcs[first:last], item)
@@ -137,7 +140,7 @@ def _request(
     after: list,
 ) -> ReadRequest:
     start = e.offset + (ra - e.shard_offset)
-    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after, bs)
+    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after, e.block)
 
 
 def plan_region(
@@ -170,6 +173,7 @@ def _direct(
     """Shard bytes ``[lo, hi)`` go to ``dest[d0:]``; only partial end blocks use scratch."""
     reqs = []
     for e, a, b, ra, rb in _pieces(shard, lo, hi, bs):
+        bs = e.block
         at = d0 + (a - lo)
         # Aligned middle: whole blocks read straight into the destination.
         ma = e.shard_offset + -(-(a - e.shard_offset) // bs) * bs

@@ -208,7 +208,7 @@ class SaveJob:
     def _layout(self) -> None:
         """Plan the objects, name them, and write the manifest's head."""
         store, coord = self.store, self.coord
-        pieces, self.arrays = pieces_of(self.staged, self.packs)
+        pieces, self.arrays = pieces_of(self.staged, self.packs, store.engine.config.block_size)
         self.save_id = save_id = new_id()
         self.plans = pack(
             pieces,

@@ -200,7 +200,7 @@ class _Export:
         return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
 
     def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
-        """``(item, shard, shard_offset, offset, length, source, cuts)`` per extent of object ``i``."""
+        """``(item, shard, shard_offset, offset, length, source, cuts, block)`` per extent of object ``i``."""
         need = self._need(plan)
         with self._cond:  # a copy larger than the budget waits until nothing else is held
             self._cond.wait_for(lambda: self.over or not need or not self.held or self.held + need <= self.budget)
@@ -229,7 +229,7 @@ class _Export:
             else:
                 assert e.data is not None
                 src = ("shm", *self._place(e.data, i))
-            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts))
+            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts, e.block))
         return out
 
     def written(self, i: int) -> None:

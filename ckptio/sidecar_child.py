@@ -125,17 +125,18 @@ class _Writer:
 
     def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
         extents = []
-        for item, shard, shard_offset, offset, length, src, cuts in desc:
+        for item, shard, shard_offset, offset, length, src, cuts, block in desc:
             slab = self.slabs[src[1]]
             if src[0] == "shm":
                 view = memoryview(slab)[src[2] : src[2] + length]
-                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length, cuts=cuts))
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length, cuts=cuts, block=block))
             else:
                 _s, _id, off, itemsize, shape, offs, sizes = src
                 n = int(np.prod(shape, dtype=np.int64)) * itemsize
                 # Whole elements as opaque void items: the child needs no ml_dtypes to cut a tile.
                 arr = np.frombuffer(slab, np.dtype(f"V{itemsize}"), count=n // itemsize, offset=off).reshape(shape)
-                extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes)))
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes),
+                                             block=block))
         return ObjectPlan(key, extents)
 
     async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:

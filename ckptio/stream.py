@@ -35,7 +35,7 @@ import numpy as np
 
 from .dtypes import check_dtype, encode_dtype
 from .engine import Progress, WrittenObject, run_sync, submit
-from .layout import ObjectPlan, Piece, pack
+from .layout import ObjectPlan, Piece, extent_block, pack
 from .manifest import Manifest, ValueItem, array_json, item_to_json, merge_records, shard_json
 from .states import SaveState
 from .store.intents import Lease, new_id
@@ -129,7 +129,9 @@ class StreamWriter:
         n = len(it["shards"])
         it["shards"].append(shard_json([int(o) for o in offsets], list(data.shape), 0, []))
         view = memoryview(data.reshape(-1).view(np.uint8)) if data.nbytes else memoryview(b"")
-        self._pending.append(Piece(name, n, view))
+        # A small shard is checksummed in small blocks of its own (a partial read rounds out little).
+        block = extent_block(data.nbytes, list(data.shape) == it["shape"], self.store.engine.config.block_size)
+        self._pending.append(Piece(name, n, view, block=block))
         self._keep.append(data)
         self._pending_bytes += data.nbytes
         if self._pending_bytes >= self.batch_bytes:
@@ -161,7 +163,7 @@ class StreamWriter:
         for i, (plan, w) in enumerate(zip(plans, written)):
             for e, crcs in zip(plan.extents, w.crcs):
                 shard = self._items[e.item]["shards"][e.shard]
-                shard["extents"].append([base + i, e.offset, e.shard_offset, e.length, crcs])
+                shard["extents"].append([base + i, e.offset, e.shard_offset, e.length, crcs, *([e.block] if e.block else [])])
             self.bytes_written += w.size
         self._inflight_total -= nbytes
 
@@ -183,7 +185,8 @@ class StreamWriter:
         return {n: {k: v for k, v in it.items() if k != "_dtype"} for n, it in self._items.items()}
 
     def extents_of(self, name: str, shard: int) -> list[list[Any]]:
-        """``[object, offset, shard_offset, length, crcs]`` of a written shard (after :meth:`finish`)."""
+        """``[object, offset, shard_offset, length, crcs(, block)]`` of a written shard (after :meth:`finish`;
+        ``block`` where the shard's extents have checksum blocks of their own, format 6)."""
         return self._items[name]["shards"][shard]["extents"]
 
     def head(self, tree: Any, metadata: dict[str, Any] | None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def cp(args: argparse.Namespace) -> int:
     with open_store(args.src) as src, open_store(args.dst) as dst:
         step_dir, m = resolve(src, args.src, args.step)
         dst_dir = step_dir if args.dst_step is None else str(args.dst_step)
-        total = sum(max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(m))
+        total = sum(max((e[0] + e[1] for e in ex), default=0) for ex in object_extents(m))
         with tqdm(total=total, unit="B", unit_scale=True, disable=_quiet(args), desc="cp") as bar:
             out, stats = run_sync(copy_checkpoint(src, dst, step_dir, dst_step_dir=dst_dir,
                                                   progress=lambda _e, n: bar.update(n)))

@@ -127,8 +127,8 @@ class _Collect:
 
         out = []
         for index, name, n, nbytes in self.placed:
-            ext = tuple((self.writer.objects[o], off, soff, ln, tuple(crcs))
-                        for o, off, soff, ln, crcs in self.writer.extents_of(name, n))
+            ext = tuple((self.writer.objects[o], off, soff, ln, tuple(crcs), *block)  # block: its own, if any
+                        for o, off, soff, ln, crcs, *block in self.writer.extents_of(name, n))
             out.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data=ChunkLocation(0, nbytes, ext)))
         return out
 

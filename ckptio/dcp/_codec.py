@@ -82,14 +82,15 @@ class ChunkLocation:
     """Where one WriteItem's bytes went: the ``storage_data`` of its WriteResult.
 
     ``extents`` are ``(object key, offset in the object, offset in the chunk,
-    length, crc32c of each block)``; a chunk larger than the backend's object
+    length, crc32c of each block[, block size])`` (the block size only where the extent
+    has one of its own, manifest format 6); a chunk larger than the backend's object
     size is split over several objects. ``rank`` wrote it. Small and picklable:
     DCP gathers every rank's results to the coordinator.
     """
 
     rank: int
     nbytes: int
-    extents: tuple[tuple[str, int, int, int, tuple[int, ...]], ...]
+    extents: tuple[tuple[Any, ...], ...]
     #: DCP extension descriptors applied to the stored bytes, as DCP lists them (``()``: raw bytes).
     transforms: tuple[str, ...] = ()
 
@@ -250,8 +251,9 @@ def manifest_doc(
                   for c, loc in zip(md.chunks, locs)]
         items[name] = array_json(encode_dtype(numpy_dtype_of(md.properties.dtype, fqn)), list(md.size), False,
                                  "torch", shards)
+    blocks = any(len(e) > 5 for loc in where.values() for e in loc.extents)  # an extent's own block: format 6
     return document(
-        version=version_for(), step=step, checkpoint_id=save_id, created=created, block_size=block_size,
+        version=version_for(blocks=blocks), step=step, checkpoint_id=save_id, created=created, block_size=block_size,
         num_hosts=num_hosts,
         # A flat dict keyed by FQN: a native restore returns {fqn: array}.
         # Transformed items are left out: their stored bytes are not the values.
@@ -295,10 +297,11 @@ def _torch_dtype_for(dtype: np.dtype, where: str) -> Any:
         raise ManifestError(f"{where}: dtype {dtype} has no torch equivalent") from e
 
 
-def _location(item: ArrayItem, shard: ShardRecord, objects: list[str]) -> ChunkLocation:
+def _location(item: ArrayItem, shard: ShardRecord, objects: list[str], block_size: int) -> ChunkLocation:
     nbytes = math.prod(shard.shape) * item.dtype.itemsize
     return ChunkLocation(shard.host, nbytes, tuple(
-        (objects[e.object], e.offset, e.shard_offset, e.length, tuple(e.crcs)) for e in shard.extents
+        (objects[e.object], e.offset, e.shard_offset, e.length, tuple(e.crcs), *([e.block] if e.block != block_size else []))
+        for e in shard.extents
     ))
 
 
@@ -331,6 +334,7 @@ class _Found:
     """What reading a manifest's DCP entries gathers besides the Metadata: DCP's storage_data, the refs."""
 
     objects: list[str]
+    block_size: int  # the manifest's: an extent with another block carries its own
     storage: dict[Any, ChunkLocation] = dataclasses.field(default_factory=dict)
     refs: dict[tuple[str, tuple[int, ...]], ChunkRef] = dataclasses.field(default_factory=dict)
 
@@ -355,7 +359,7 @@ def _bytes_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _F
 
     if item.dtype != np.uint8 or len(item.shape) != 1 or len(item.shards) != 1:
         raise ManifestError(f"{here}: a byte item must be one 1-D uint8 shard")
-    found.storage[MetadataIndex(fqn)] = _location(item, item.shards[0], found.objects)
+    found.storage[MetadataIndex(fqn)] = _location(item, item.shards[0], found.objects, found.block_size)
     found.refs[(fqn, (0,))] = ChunkRef(d["item"], item, _descriptors(d.get("transforms", []), here), "bytes")
     return BytesStorageMetadata()
 
@@ -383,7 +387,7 @@ def _transformed_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, fou
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         transforms = _descriptors(c.get("transforms"), here)
         found.storage[MetadataIndex(fqn, offsets)] = dataclasses.replace(
-            _location(item, shard, found.objects), transforms=transforms)
+            _location(item, shard, found.objects, found.block_size), transforms=transforms)
         found.refs[(fqn, offsets)] = ChunkRef(d["item"], _one_shard(item, shard), transforms)
     return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
@@ -403,7 +407,7 @@ def _tensor_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _
     chunks = []
     for s in item.shards:
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.shape)))
-        found.storage[MetadataIndex(fqn, s.offsets)] = _location(item, s, found.objects)
+        found.storage[MetadataIndex(fqn, s.offsets)] = _location(item, s, found.objects, found.block_size)
         # One single-shard view per saved chunk: a ReadItem names exactly one chunk.
         found.refs[(fqn, s.offsets)] = ChunkRef(d["item"], _one_shard(item, s))
     return TensorStorageMetadata(properties=props, size=torch.Size(item.shape), chunks=chunks)
@@ -434,7 +438,7 @@ def metadata_from_manifest(manifest: Manifest, where: str) -> tuple[Any, dict[tu
     if not isinstance(dcp, dict) or not isinstance(dcp.get("items"), dict):
         raise ManifestError(f"{where}: malformed 'dcp' metadata")
     sd_md: dict[str, Any] = {}
-    found = _Found(manifest.objects)
+    found = _Found(manifest.objects, manifest.block_size)
     for fqn, d in dcp["items"].items():
         here = f"{where}: DCP item {fqn!r}"
         item = manifest.items.get(d["item"]) if isinstance(d, dict) and isinstance(d.get("item"), str) else None

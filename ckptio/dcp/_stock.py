@@ -175,5 +175,5 @@ def parse_probe(
 def record_item(layout: RecordLayout, dtype: np.dtype) -> ArrayItem:
     """A one-shard, one-extent array item over a probed record (object 0), without checksums."""
     nbytes = int(np.prod(layout.shape, dtype=np.int64)) * dtype.itemsize
-    extent = Extent(0, layout.start, 0, nbytes, [])
+    extent = Extent(0, layout.start, 0, nbytes, [], 1)  # no checksums: ranges read exactly
     return ArrayItem(dtype, layout.shape, [ShardRecord((0,) * len(layout.shape), layout.shape, 0, [extent])])

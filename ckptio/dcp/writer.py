@@ -56,7 +56,7 @@ from torch.futures import Future
 from .. import sidecar
 from ..engine import EngineConfig, run_sync
 from ..store.intents import Lease, new_id
-from ..layout import Naming, Piece, pack
+from ..layout import Naming, Piece, extent_block, pack
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from ..urls import file_in_the_way
@@ -240,17 +240,22 @@ class Writer(Located, StorageWriter, AsyncStager):
             data, d = _transforms.apply(self.extensions, _raw_bytes(item, planner.resolve_data(item)))
             sizes.append(data.nbytes)
             descs.append(d)
-            pieces.append(Piece(str(i), 0, data))
+            td = item.tensor_data
+            # A small chunk of a sharded tensor gets checksum blocks of its own (format 6); a whole or
+            # transformed one is always read whole.
+            whole = td is None or bool(d) or tuple(td.chunk.sizes) == tuple(td.size)
+            pieces.append(Piece(str(i), 0, data, block=extent_block(data.nbytes, whole, store.engine.config.block_size)))
         plans = pack(
             pieces,
             object_size=store.backend.layout_defaults.object_size,
             key_for=lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n),
         )
         written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
-        extents: dict[int, list[tuple[str, int, int, int, tuple[int, ...]]]] = {}
+        extents: dict[int, list[tuple[Any, ...]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):
-                extents.setdefault(int(e.item), []).append((obj.key, e.offset, e.shard_offset, e.length, tuple(crcs)))
+                extents.setdefault(int(e.item), []).append(
+                    (obj.key, e.offset, e.shard_offset, e.length, tuple(crcs), *([e.block] if e.block else [])))
         log.info("%s: rank %d wrote %d objects, %d bytes (%.3fs)", self.checkpoint_id, info.rank, len(plans),
                  sum(sizes), time.perf_counter() - t0)
         return [

@@ -31,6 +31,7 @@ from .codec.single import head_fields
 from .codec.split import FRAGMENT_FORMAT, load_fragments, root_from_doc
 from .formats import (
     FORMAT,
+    BLOCKS_VERSION,
     FRAGMENTS_VERSION,
     MANIFEST_NAME,
     PACKS_VERSION,
@@ -65,6 +66,7 @@ _check_tiling = check_tiling
 
 __all__ = [
     "FORMAT",
+    "BLOCKS_VERSION",
     "FRAGMENTS_VERSION",
     "FRAGMENT_FORMAT",
     "FRAGMENT_PREFIX",

@@ -51,6 +51,8 @@ class PlannedExtent(Protocol):
     offset: int
     length: int
     cuts: list[int] | None
+    #: Its own checksum block size, or 0: the save's (the manifest's ``block_size``).
+    block: int
 
 
 class PlannedObject(Protocol):
@@ -134,7 +136,10 @@ def host_record(
     for n, (plan, w) in enumerate(zip(plans, written)):
         for e, crcs in zip(plan.extents, w.crcs):
             if e.cuts is None:
-                extents.setdefault((e.item, e.shard), []).append([n, e.offset, e.shard_offset, e.length, crcs])
+                row = [n, e.offset, e.shard_offset, e.length, crcs]
+                if e.block:  # a block of its own (format 6); none: the manifest's
+                    row.append(e.block)
+                extents.setdefault((e.item, e.shard), []).append(row)
             elif tables:
                 pack_tables.append(_pack_table(packs[-1 - e.shard], n, e.offset, crcs, rank))
             else:
@@ -174,15 +179,16 @@ class ObjectNumbers:
         self.objects: list[str] = []
         self._numbers: dict[str, int] = {}
 
-    def extents(self, extents: Iterable[tuple[str, int, int, int, Iterable[int]]]) -> list[list[Any]]:
-        """``(key, offset, shard_offset, length, crcs)`` tuples as the manifest's extent rows."""
+    def extents(self, extents: Iterable[tuple[Any, ...]]) -> list[list[Any]]:
+        """``(key, offset, shard_offset, length, crcs[, block])`` tuples as the manifest's extent rows
+        (``block``: the extent's own checksum block size, carried through as the row's 6th element)."""
         out = []
-        for key, offset, shard_offset, length, crcs in extents:
+        for key, offset, shard_offset, length, crcs, *block in extents:
             n = self._numbers.get(key)
             if n is None:
                 n = self._numbers[key] = len(self.objects)
                 self.objects.append(key)
-            out.append([n, offset, shard_offset, length, list(crcs)])
+            out.append([n, offset, shard_offset, length, list(crcs), *block])
         return out
 
 
@@ -233,7 +239,7 @@ def merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) 
                     if box not in seen:
                         seen.add(box)
                         mine["shards"].append(s)
-    tiled = rows = False
+    tiled = rows = blocks = False
     for name, it in items.items():
         if type(it) is list:
             rows = True
@@ -243,8 +249,10 @@ def merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) 
                 f"{where}: item {name!r} has no shard on any host. Plain arrays count as replicated and are "
                 "written by host 0 only; an array that only some hosts hold must be a ckptio.Sharded"
             )
-        tiled = tiled or (it["kind"] == "array" and any("tile" in sh for sh in it["shards"]))
-    version = version_for(tiles=tiled, rows=rows, packs=bool(tables))
+        if it["kind"] == "array":
+            tiled = tiled or any("tile" in sh for sh in it["shards"])
+            blocks = blocks or any(len(e) > 5 for sh in it["shards"] for e in sh["extents"])
+    version = version_for(tiles=tiled, rows=rows, packs=bool(tables), blocks=blocks)
     if tables:
         return {**head, "version": version, "objects": objects, "items": items, "packs": tables}
     return {**head, "version": version, "objects": objects, "items": items}

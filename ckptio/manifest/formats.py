@@ -13,6 +13,12 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          ``[dtype, shape, object, offset, crcs]``, for states of 100k leaves
 5        ``packs`` in a format-4 document: the small whole arrays of a pack as one
          columnar table (:mod:`.codec.packs`) instead of as items
+6        per-extent checksum blocks, in a document of any format above (root and
+         fragments alike): an extent may carry a 6th element, its own block size
+         (``[object, offset, shard_offset, length, crcs, block]``), so that a small
+         shard is checksummed in small blocks and a partial read of it rounds out
+         little; a reader that predates it would verify with the manifest's
+         ``block_size`` and report corruption, so it refuses the checkpoint instead
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -23,6 +29,7 @@ ckptio that can read it. Readers refuse any version above :data:`VERSION`.
 from __future__ import annotations
 
 __all__ = [
+    "BLOCKS_VERSION",
     "FEATURES",
     "FORMAT",
     "FRAGMENTS_VERSION",
@@ -37,19 +44,23 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 5
+VERSION = 6
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
 PACKS_VERSION = 5
+BLOCKS_VERSION = 6
 #: The least version that can express each feature a document may use.
-FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION}
+FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
+            "blocks": BLOCKS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
 
 
-def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False) -> int:
-    """The lowest format version that expresses a document using the given features."""
-    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs}
+def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
+                blocks: bool = False) -> int:
+    """The lowest format version that expresses a document using the given features (``blocks``:
+    some extent records a checksum block size of its own)."""
+    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

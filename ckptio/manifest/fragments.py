@@ -86,6 +86,9 @@ def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinato
         "width": width, "boxes": base64.b64encode(zlib.compress(table.tobytes(), 1)).decode(),
         "values": {n: it for n, it in record["items"].items() if it["kind"] != "array"},
         "tiled": any("tile" in s for it in record["items"].values() if it["kind"] == "array" for s in it["shards"]),
+        # An extent with a checksum block of its own (a 6th element) makes the root format 6.
+        "blocks": any(len(e) > 5 for it in record["items"].values() if it["kind"] == "array"
+                      for s in it["shards"] for e in s["extents"]),
     }
     if coordinator:
         doc["meta"] = meta
@@ -149,6 +152,7 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
             lid = by_content[digest] = str(len(locators))
             locators[lid] = base64.b64encode(zlib.compress(raw, 6)).decode()
         items[name] = {**it, "locator": lid}
-    version = version_for(fragments=True, tiles=any(s.get("tiled") for s in summaries))
+    version = version_for(fragments=True, tiles=any(s.get("tiled") for s in summaries),
+                          blocks=any(s.get("blocks") for s in summaries))
     return {**head, "format": FORMAT, "version": version, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}

@@ -7,7 +7,8 @@ compared and checksummed as bytes) is defined once:
 
 * an array item: ``{"kind": "array", "dtype", "shape", "scalar", "origin",
   "shards": [{"offsets", "shape", "host", "extents": [[object, offset,
-  shard_offset, length, [crc, ...]], ...], "tile"?}, ...]}``;
+  shard_offset, length, [crc, ...], block?], ...], "tile"?}, ...]}`` (``block``: the
+  extent's own checksum block size, only where it differs from the manifest's, format 6);
 * a compact row (format 4): ``[dtype, shape, object, offset, crcs]`` plus
   ``{host, origin, scalar}`` where not the defaults;
 * a pack table (format 5): see :mod:`ckptio.manifest.codec.packs`;
@@ -50,9 +51,13 @@ def dtype_code(dtype: np.dtype) -> Any:
     return code
 
 
-def extent_json(e: Extent) -> list[Any]:
-    """An extent as its JSON row ``[object, offset, shard_offset, length, crcs]``."""
-    return [e.object, e.offset, e.shard_offset, e.length, e.crcs]
+def extent_json(e: Extent, block_size: int) -> list[Any]:
+    """An extent as its JSON row ``[object, offset, shard_offset, length, crcs]``, plus its own
+    block size where it differs from the manifest's ``block_size`` (format 6)."""
+    row = [e.object, e.offset, e.shard_offset, e.length, e.crcs]
+    if e.block != block_size:
+        row.append(e.block)
+    return row
 
 
 def shard_json(offsets: list[int], shape: list[int], host: int, extents: list[Any],
@@ -73,12 +78,13 @@ def array_json(dtype: Any, shape: list[int], scalar: bool, origin: str, shards: 
     return {"kind": "array", "dtype": dtype, "shape": shape, "scalar": scalar, "origin": origin, "shards": shards}
 
 
-def item_to_json(item: ArrayItem | ValueItem, name: str) -> dict[str, Any]:
-    """The manifest's JSON form of one item."""
+def item_to_json(item: ArrayItem | ValueItem, name: str, block_size: int = 0) -> dict[str, Any]:
+    """The manifest's JSON form of one item (an array's extents against the manifest's ``block_size``:
+    see :func:`extent_json`)."""
     if isinstance(item, ValueItem):
         return encode_value(item.value, name)
     return array_json(encode_dtype(item.dtype), list(item.shape), item.scalar, item.origin, [
-        shard_json(list(s.offsets), list(s.shape), s.host, [extent_json(e) for e in s.extents], s.tile)
+        shard_json(list(s.offsets), list(s.shape), s.host, [extent_json(e, block_size) for e in s.extents], s.tile)
         for s in item.shards
     ])
 

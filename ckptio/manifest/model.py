@@ -44,13 +44,20 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 @dataclasses.dataclass(slots=True)
 class Extent:
-    """``length`` bytes of a shard, from ``shard_offset``, stored at ``offset`` in object ``object``."""
+    """``length`` bytes of a shard, from ``shard_offset``, stored at ``offset`` in object ``object``.
+
+    ``crcs`` holds the crc32c of every ``block`` bytes from the extent's start (the last block
+    may be shorter). ``block`` is the extent's own checksum block size where its record names
+    one (format 6: small shards get small blocks, so that a partial read rounds out little),
+    else the manifest's ``block_size``: every decoder fills it, and every reader verifies with it.
+    """
 
     object: int
     offset: int
     shard_offset: int
     length: int
     crcs: list[int]
+    block: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -119,6 +126,8 @@ class PackTable:
     ends: list[int]  # each member's end, relative to ``offset``
     crcs: list[int]
     scalars: frozenset[int]
+    #: The manifest's block size: no member is longer, so each member's one crc is its one block.
+    block: int
 
     def span(self, i: int) -> tuple[int, int]:
         """Member ``i``'s ``(start, end)`` relative to ``offset``."""
@@ -128,7 +137,7 @@ class PackTable:
         """Member ``i`` as the ArrayItem any reader takes: a whole array in one extent."""
         start, end = self.span(i)
         shape = tuple(self.shapes[i])
-        extent = Extent(self.object, self.offset + start, 0, end - start, [self.crcs[i]])
+        extent = Extent(self.object, self.offset + start, 0, end - start, [self.crcs[i]], self.block)
         return ArrayItem(self.dtype, shape, [ShardRecord((0,) * len(shape), shape, self.host, [extent])],
                          i in self.scalars, self.origin)
 

@@ -167,7 +167,10 @@ class _Builder:
         if not (self.manifest.tiles_known(name) and len(item.shards) == 1):
             return False
         shard = item.shards[0]
-        if not (shard.tile is None and len(shard.extents) == 1 and 0 < shard.extents[0].length <= self.bulk_max):
+        # One checksum over the whole array (not an extent with small blocks of its own, format 6):
+        # a bulk read verifies each member by one crc.
+        if not (shard.tile is None and len(shard.extents) == 1 and 0 < shard.extents[0].length <= self.bulk_max
+                and len(shard.extents[0].crcs) == 1):
             return False
         # A whole small array: read in bulk, then placed on jax devices or copied into the target.
         view = None if tgt is None else inplace_view(tgt, item)

@@ -23,7 +23,7 @@ from ckptio._system import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
 
 from ..checksum import verify_blocks
-from ..copy import object_extents, object_writers
+from ..copy import StoredExtent, object_extents, object_writers
 from ..distributed import join_errors
 from ..engine import run_sync
 from ..manifest import Manifest
@@ -48,7 +48,7 @@ log = logging.getLogger("ckptio.tiers.peer")
 
 def object_sizes(manifest: Manifest) -> list[int]:
     """Bytes of each object that extents use (what a peer must send; 0 for unreferenced objects)."""
-    return [max((off + n for off, n, _c, _i in ex), default=0) for ex in object_extents(manifest)]
+    return [max((e[0] + e[1] for e in ex), default=0) for ex in object_extents(manifest)]
 
 
 def checkpoint_disagreement(ids: Sequence[str | None], most: int = 8) -> str | None:
@@ -113,10 +113,10 @@ def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUN
         yield memoryview(buf)
 
 
-def _check(manifest: Manifest, i: int, buf: bytearray, extents: list[list[tuple[int, int, list[int], str]]]) -> None:
+def _check(manifest: Manifest, i: int, buf: bytearray, extents: list[list[StoredExtent]]) -> None:
     view = memoryview(buf)
-    for off, n, crcs, item in extents[i]:
-        verify_blocks(view[off : off + n], crcs, manifest.block_size, key=manifest.objects[i], item=item, start=off)
+    for off, n, crcs, item, block in extents[i]:  # each extent in its own blocks
+        verify_blocks(view[off : off + n], crcs, block, key=manifest.objects[i], item=item, start=off)
 
 
 def replicate_to_partner(

@@ -3,7 +3,7 @@
 Readers of every format build their :class:`~ckptio.manifest.model.ArrayItem` s
 here. Everything is bounded (:mod:`..limits`) and cross-checked: each
 shard lies inside the array, its extents hold exactly its bytes with one
-checksum per block, and (``tiling``) the shards cover the array exactly once.
+checksum per block (the extent's own block size where it records one, format 6), and (``tiling``) the shards cover the array exactly once.
 The commonest item -- a small whole array in one extent, 100k of them in a
 large state -- is checked in one expression first; anything else takes the
 field-by-field path, whose errors name the fault.
@@ -63,13 +63,15 @@ def array_item(
         nbytes = math.prod(sshape) * dtype.itemsize
         extents, covered = [], 0
         for e in s["extents"]:
-            if (type(e) is list and len(e) == 5 and type(e[0]) is int and type(e[1]) is int and type(e[2]) is int
-                    and type(e[3]) is int and type(e[4]) is list and 0 <= e[0] < n_objects
-                    and 0 <= e[1] <= MAX_DIM and e[2] == covered and 1 <= e[3] <= MAX_DIM):
-                ext = Extent(e[0], e[1], e[2], e[3], e[4])  # the common case, checked in one expression
+            if (type(e) is list and 5 <= len(e) <= 6 and type(e[0]) is int and type(e[1]) is int
+                    and type(e[2]) is int and type(e[3]) is int and type(e[4]) is list and 0 <= e[0] < n_objects
+                    and 0 <= e[1] <= MAX_DIM and e[2] == covered and 1 <= e[3] <= MAX_DIM
+                    and (len(e) == 5 or (type(e[5]) is int and 1 <= e[5] < U32))):
+                # The common case, checked in one expression (a 6th element: the extent's own block).
+                ext = Extent(e[0], e[1], e[2], e[3], e[4], e[5] if len(e) == 6 else block_size)
             else:
-                ext = _extent(e, here, n_objects, covered)
-            if len(ext.crcs) != -(-ext.length // block_size) or not all(
+                ext = _extent(e, here, n_objects, covered, block_size)
+            if len(ext.crcs) != -(-ext.length // ext.block) or not all(
                 type(c) is int and 0 <= c < U32 for c in ext.crcs
             ):
                 raise ManifestError(f"{here}: extent checksums do not match its length")
@@ -116,7 +118,7 @@ def row_item(raw: list[Any], where: str, n_objects: int, block_size: int) -> Arr
                     else:
                         tup = tuple(shape)
                         return ArrayItem(dtype, tup, [ShardRecord(_ZEROS[len(tup)], tup, 0,
-                                                                  [Extent(obj, at, 0, length, crcs)])])
+                                                                  [Extent(obj, at, 0, length, crcs, block_size)])])
     extra = raw[5] if len(raw) == 6 else {}
     if len(raw) not in (5, 6) or type(extra) is not dict or not extra.keys() <= _ROW_EXTRAS:
         raise ManifestError(f"{where}: malformed item row {str(raw)[:80]!r}")
@@ -174,17 +176,20 @@ def _whole(spec: Any, shape: Any, offsets: Any, obj: Any, at: Any, length: Any, 
             and origin in ORIGINS):
         return None
     tup = tuple(shape)
-    return ArrayItem(dtype, tup, [ShardRecord((0,) * len(tup), tup, host, [Extent(obj, at, 0, length, crcs)])],
+    return ArrayItem(dtype, tup, [ShardRecord((0,) * len(tup), tup, host, [Extent(obj, at, 0, length, crcs, block_size)])],
                      scalar, origin)
 
 
-def _extent(e: Any, here: str, n_objects: int, covered: int) -> Extent:
-    """One extent, validated field by field with an error naming the fault."""
-    if not (isinstance(e, list) and len(e) == 5 and isinstance(e[4], list)):
+def _extent(e: Any, here: str, n_objects: int, covered: int, block_size: int) -> Extent:
+    """One extent, validated field by field with an error naming the fault: ``[object, offset,
+    shard_offset, length, crcs]`` and, where the extent has a checksum block of its own
+    (format 6), its size as a 6th element (else the manifest's ``block_size``)."""
+    if not (isinstance(e, list) and len(e) in (5, 6) and isinstance(e[4], list)):
         raise ManifestError(f"{here}: malformed extent {str(e)[:80]!r}")
     obj = check_int(e[0], "extent object", here, hi=max(n_objects - 1, 0))
+    block = check_int(e[5], "extent block size", here, lo=1, hi=U32 - 1) if len(e) == 6 else block_size
     ext = Extent(obj, check_int(e[1], "extent offset", here), check_int(e[2], "shard offset", here),
-                 check_int(e[3], "extent length", here, lo=1), e[4])
+                 check_int(e[3], "extent length", here, lo=1), e[4], block)
     if n_objects == 0 or ext.shard_offset != covered:
         raise ManifestError(f"{here}: extents do not tile the shard's bytes (gap or overlap at {covered})")
     return ext

@@ -89,4 +89,4 @@ def table_from_doc(raw: Any, here: str, n_objects: int, block_size: int) -> Pack
     sc = check_ints(scalars, "'scalars'", here, -1, 0, k - 1)
     if sc.size and (len(set(scalars)) != sc.size or ndims[sc].any()):
         raise ManifestError(f"{here}: 'scalars' must name distinct members of shape []")
-    return PackTable(obj, offset, dtype, host, origin, names, shapes, raw["ends"], raw["crcs"], frozenset(scalars))
+    return PackTable(obj, offset, dtype, host, origin, names, shapes, raw["ends"], raw["crcs"], frozenset(scalars), block_size)

@@ -10,13 +10,14 @@ Schema (version 1; 3 adds ``tile`` to shards, 4 compact rows among the items,
      "items": {"params/w": {"kind": "array", "dtype": "bfloat16", "shape": [8, 4],
                             "scalar": false, "origin": "jax",
                             "shards": [{"offsets": [0, 0], "shape": [4, 4], "host": 0,
-                                        "extents": [[object, offset, shard_offset, length, [crc, ...]]]}]},
+                                        "extents": [[object, offset, shard_offset, length, [crc, ...], block?]]}]},
                "step": {"kind": "value", "type": "int", "value": 100}},
      "metadata": {...user JSON...}, "fence": "<12 hex digits>"?}
 
 An array's shards tile its global shape; each shard's C-order bytes are cut
 into extents, each stored at ``offset`` in ``objects[object]`` with the
-crc32c of every ``block_size`` bytes from the extent's start. Everything read
+crc32c of every ``block_size`` bytes from the extent's start (or of every ``block``
+bytes where the extent records a block of its own: version 6). Everything read
 is validated (bounded sizes, keys that cannot escape the root, dtypes from an
 allow-list); nothing is ever unpickled.
 """
@@ -118,10 +119,13 @@ def encode(manifest: Manifest) -> dict[str, Any]:
     """``manifest`` as one document (every shard in it), in the lowest version that expresses it."""
     if not manifest.complete:
         raise ManifestError("a manifest loaded with only some of its fragments cannot be written whole")
-    tiles = any(isinstance(it, ArrayItem) and any(s.tile for s in it.shards) for it in manifest.items.values())
+    arrays = [it for it in manifest.items.values() if isinstance(it, ArrayItem)]
+    tiles = any(s.tile for it in arrays for s in it.shards)
+    bs = manifest.block_size
+    blocks = any(e.block != bs for it in arrays for s in it.shards for e in s.extents)
     return document(
-        version=version_for(tiles=tiles), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
-        created=manifest.created, block_size=manifest.block_size, num_hosts=manifest.num_hosts, tree=manifest.tree,
-        objects=manifest.objects, items={name: item_to_json(item, name) for name, item in manifest.items.items()},
+        version=version_for(tiles=tiles, blocks=blocks), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
+        created=manifest.created, block_size=bs, num_hosts=manifest.num_hosts, tree=manifest.tree,
+        objects=manifest.objects, items={name: item_to_json(item, name, bs) for name, item in manifest.items.items()},
         metadata=manifest.metadata, fence=manifest.fence,
     )
