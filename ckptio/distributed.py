@@ -18,11 +18,15 @@ import sys
 import threading
 from typing import Any, Protocol
 
+from ._system import flat_bytes
+from ._system.bytes import gather_bytes
+
 __all__ = [
     "AllGatherCoordinator",
     "BytesCoordinator",
     "Coordinator",
     "CountingCoordinator",
+    "ExchangeCoordinator",
     "JaxCoordinator",
     "SingleProcess",
     "TorchCoordinator",
@@ -36,6 +40,8 @@ __all__ = [
 _BROADCAST_CHUNK = 16 << 20
 #: gloo point-to-point tag of the gather's messages: apart from any other sends on the group.
 _GATHER_TAG = 0x636B
+#: gloo point-to-point tag of :meth:`TorchCoordinator.exchange`'s messages.
+_EXCHANGE_TAG = 0x6378
 
 
 class AllGatherCoordinator(Protocol):
@@ -93,6 +99,24 @@ class BytesCoordinator(Coordinator, Protocol):
         ...
 
 
+class ExchangeCoordinator(BytesCoordinator, Protocol):
+    """A :class:`BytesCoordinator` that also exchanges byte messages between every pair of hosts."""
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        """All-to-all of byte messages; collective (every host calls it, with its own ``sends``).
+
+        ``sends[dst]``: the message to host ``dst``, the concatenation of its
+        buffers (a message to itself is copied). Returns ``{src: message}`` for
+        every non-empty message sent to this host. ``sizes``, when every host
+        already knows the lengths of the buffers each host sends it
+        (``{src: [n, ...]}`` in order, no entry for none), saves the round that
+        exchanges lengths and sends the buffers without copying them. Traffic
+        per host: what it sends and receives, plus ``8·H`` bytes of lengths.
+        """
+        ...
+
+
 def gather_to_root(coord: AllGatherCoordinator, obj: Any) -> list[Any] | None:
     """``coord.gather(obj)``; for a coordinator without ``gather``, its all-gather (on rank 0 only)."""
     gather = getattr(coord, "gather", None)
@@ -144,6 +168,11 @@ class SingleProcess:
         if data is None:
             raise ValueError("broadcast_bytes: the source host has no data")
         return bytes(data)
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        mine = _joined(sends.get(0, []))
+        return {0: mine} if mine else {}
 
 
 class _Ranked:
@@ -230,10 +259,60 @@ class TorchCoordinator(_Ranked):
                 self._dist.broadcast(t, src=self._global[src], group=self.group)
         return bytes(buf)
 
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        """See :meth:`ExchangeCoordinator.exchange`: lengths by one ``all_to_all_single`` (gloo has
+        it), then every buffer as isend/irecv pairs in :data:`_BROADCAST_CHUNK` pieces, all posted
+        at once (no ordering between pairs, so no deadlock whatever the pattern). With ``sizes``,
+        buffers go out as they are (no copy)."""
+        torch, dist, me = self._torch, self._dist, self._rank
+        if sizes is None:
+            sends = {r: [memoryview(_joined(b))] for r, b in sends.items() if r == me or sum(v.nbytes for v in b)}
+            lengths = [sum(v.nbytes for v in sends.get(r, [])) for r in range(self._size)]
+        with self._lock:
+            if sizes is None:
+                got = torch.zeros(self._size, dtype=torch.int64)
+                dist.all_to_all_single(got, torch.tensor(lengths, dtype=torch.int64), group=self.group)
+                sizes = {r: [int(n)] for r, n in enumerate(got.tolist()) if n}
+            out = {r: bytearray(sum(n)) for r, n in sizes.items() if sum(n) and r != me}
+            works = [dist.irecv(t, self._global[r], group=self.group, tag=_EXCHANGE_TAG)
+                     for r, buf in out.items() for t in _pieces(torch, memoryview(buf), sizes[r])]
+            works += [dist.isend(t, self._global[r], group=self.group, tag=_EXCHANGE_TAG)
+                      for r, bufs in sends.items() if r != me
+                      for b in bufs for t in _pieces(torch, _writable(b), [b.nbytes])]
+            self._wait(works)
+        mine = sends.get(me, [])
+        if sum(b.nbytes for b in mine):
+            out[me] = _joined(mine)
+        return out
+
     @staticmethod
     def _wait(works: list[Any]) -> None:
         for w in works:
             w.wait()
+
+
+def _joined(buffers: list[memoryview]) -> bytearray:
+    """One buffer holding ``buffers`` one after another."""
+    if len(buffers) == 1 and isinstance(buffers[0].obj, bytearray) and buffers[0].nbytes == len(buffers[0].obj):
+        return buffers[0].obj  # already one whole bytearray: no copy
+    return gather_bytes([flat_bytes(b) for b in buffers])
+
+
+def _writable(b: memoryview) -> memoryview:
+    """``b`` as flat bytes torch can wrap (it wants writable memory, even to send)."""
+    return flat_bytes(b) if not b.readonly else memoryview(bytearray(b))
+
+
+def _pieces(torch: Any, buf: memoryview, lengths: list[int]) -> list[Any]:
+    """``buf`` cut at ``lengths`` (the sender's buffers), each cut again at :data:`_BROADCAST_CHUNK`
+    (gloo never sees 2 GiB), as uint8 tensors: both ends of a message cut it alike."""
+    out, pos = [], 0
+    for n in lengths:
+        out += [torch.frombuffer(buf, dtype=torch.uint8, count=min(_BROADCAST_CHUNK, n - lo), offset=pos + lo)
+                for lo in range(0, n, _BROADCAST_CHUNK)]
+        pos += n
+    return out
 
 
 class JaxCoordinator(_Ranked):

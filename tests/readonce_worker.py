@@ -1,0 +1,70 @@
+"""One process of a multi-process read-once test (launched by tests/test_readonce_mp.py).
+
+usage: readonce_worker.py OUT_DIR SCENARIO ROOT (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
+
+The bench's scenarios (ckptio.bench.readonce: ``replicated``, ``columns``) and
+``faults``: a flipped byte, then a missing object, restored with read-once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from ckptio.bench.readonce import COLS, ROWS, SCENARIOS, expected, worker_main
+
+
+def flip_a_byte(root: str, step: int, rows_of: int, hosts: int) -> str:
+    """Flip one byte of the stored ``w`` rows that host ``rows_of`` restores in ``faults``; the object's key."""
+    from ckptio.engine import run_sync
+    from ckptio.store import CheckpointStore
+
+    m = run_sync(CheckpointStore(root).read_manifest(str(step)))
+    shard = next(s for s in m.items["w"].shards if s.offsets[0] == rows_of * (ROWS // hosts))
+    e = shard.extents[0]
+    key = m.objects[e.object]
+    with open(os.path.join(root, key), "r+b") as f:
+        f.seek(e.offset + 100)
+        b = f.read(1)
+        f.seek(e.offset + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    return key
+
+
+def _failure(fn: Any) -> list[str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return [type(e).__name__, str(e)]
+    return ["", ""]
+
+
+def faults(root: str, read_once: bool) -> dict[str, Any]:
+    """Step 2 has a flipped byte (``flip_a_byte``, by the parent) in the rows host 1 restores;
+    then rank 0 deletes step 2's data object; then the newest restorable step is restored."""
+    import torch.distributed as dist
+
+    import ckptio
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rows = ROWS // world
+    ix = (slice(rank * rows, (rank + 1) * rows), slice(None))
+    target = {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None)])}
+    flipped = _failure(lambda: ckptio.restore(root, 2, target, read_once=True))
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(os.path.join(root, "2")):
+            if not name.startswith("ckptio."):
+                os.remove(os.path.join(root, "2", name))
+    dist.barrier()
+    missing = _failure(lambda: ckptio.restore(root, 2, target, read_once=True))
+    out = ckptio.restore(root, None, target, read_once=True)  # falls back to step 1 on every host
+    assert out["w"].pieces[0][1].tobytes() == np.ascontiguousarray(expected()["w"][ix]).tobytes()
+    return {"flipped": flipped, "missing": missing}
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults}))
