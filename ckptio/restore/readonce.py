@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
 import zlib
 from collections import defaultdict
 from typing import Any
@@ -70,6 +71,8 @@ _KINDS: dict[str, type[BaseException]] = {
     "PermissionError": PermissionError,
 }
 
+log = logging.getLogger("ckptio.restore")
+
 #: (key, start, end): a byte range of one object, within one chunk.
 Span = tuple[str, int, int]
 
@@ -96,8 +99,25 @@ def restore_read_once(
     ``chunk``: the granularity of ownership; ``round_bytes``: how much a host
     asks for per round (default: a share of what it reads). Raises on every
     host if any host fails: the host at fault its own error, the others an
-    error of the same kind naming the host.
+    error of the same kind naming the host. A restore that failed only on
+    checksums is tried once more, by every host (as the engine reads a
+    corrupt range once more: a flip on the wire or a storage glitch is not
+    the object); corrupt twice, it is the object.
     """
+    for attempt in (0, 1):
+        try:
+            return _restore(store, manifest, step_dir, target, coord, progress, chunk, round_bytes)
+        except Exception as e:
+            said = getattr(e, "ckptio_read_once", None)
+            if attempt or not (isinstance(said, _Failed) and said.only_integrity):
+                raise
+            log.warning("read-once restore of %s: checksum mismatch (%s); every host restores it once more",
+                        store.where(step_dir), e)
+    raise AssertionError("unreachable")
+
+
+def _restore(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any, coord: Coordinator,
+             progress: Progress | None, chunk: int, round_bytes: int | None) -> Any:
     failure: BaseException | None = None
     rounds: list[list[ReadRequest]] = []
     read_plan: ReadPlan | None = None
@@ -255,16 +275,31 @@ def _kind(e: BaseException) -> str:
     return next((c.__name__ for c in type(e).__mro__ if c.__name__ in _KINDS), "RuntimeError")
 
 
+class _Failed:
+    """What a status round says of a failure (attached to the exception every host raises): one
+    decision for every host, whatever it raised itself."""
+
+    def __init__(self, only_integrity: bool) -> None:
+        self.only_integrity = only_integrity
+
+
 def _agree(coord: Coordinator, failure: BaseException | None, n: int) -> int:
-    """Status round: every host learns whether any host failed (then raises) and the largest ``n``."""
+    """Status round: every host learns whether any host failed (then raises) and the largest ``n``.
+
+    The broadcast verdict is bounded (the first failures' messages, not every host's)."""
     mine = [n, None if failure is None else [_kind(failure), f"host {coord.rank}: {type(failure).__name__}: {failure}"]]
     reports = gather_to_root(coord, mine)
-    verdict = broadcast_from_root(coord, None if reports is None else [
-        max(r[0] for r in reports), [r[1] for r in reports if r[1]]])
-    most, errors = verdict
-    if failure is not None:
-        raise failure
-    if errors:
-        kind = _KINDS.get(errors[0][0], RuntimeError)
-        raise kind(f"read-once restore failed on another host: {join_errors([m for _, m in errors])}")
-    return int(most)
+    verdict = None
+    if reports is not None:
+        errors = [r[1] for r in reports if r[1]]
+        verdict = [max(r[0] for r in reports), errors[0][0] if errors else "",
+                   join_errors([m for _, m in errors]), all(k == "IntegrityError" for k, _ in errors)]
+    most, kind, message, only_integrity = broadcast_from_root(coord, verdict)
+    if not kind:
+        return int(most)
+    raised = failure or _KINDS.get(kind, RuntimeError)(f"read-once restore failed on another host: {message}")
+    try:
+        raised.ckptio_read_once = _Failed(only_integrity)  # type: ignore[union-attr]
+    except AttributeError:  # an exception type without a __dict__: no retry for it
+        pass
+    raise raised
