@@ -113,16 +113,31 @@ SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {"replicated": rep
 
 
 def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, bool], dict[str, Any]]]) -> int:
-    """One process: ``OUT_DIR SCENARIO ROOT [plain]``, writes ``OUT_DIR/<rank>.json``."""
-    import torch.distributed as dist
+    """One process: ``OUT_DIR SCENARIO ROOT [plain] [jax]``, writes ``OUT_DIR/<rank>.json``.
 
+    ``jax``: the job is jax.distributed (CPU), not torch.distributed."""
     out_dir, scenario, root = argv[:3]
-    dist.init_process_group("gloo")
+    if "jax" in argv[3:]:
+        import jax
+
+        rank = int(os.environ["RANK"])
+        jax.distributed.initialize(f"127.0.0.1:{os.environ['MASTER_PORT']}", int(os.environ["WORLD_SIZE"]), rank)
+        from jax._src import distributed
+
+        def barrier() -> None:
+            distributed.global_state.client.wait_at_barrier("readonce-bench-end", 300_000)
+
+        shutdown = jax.distributed.shutdown
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, barrier, shutdown = dist.get_rank(), dist.barrier, dist.destroy_process_group
     result = scenarios[scenario](root, "plain" not in argv[3:])
-    with open(os.path.join(out_dir, f"{dist.get_rank()}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    barrier()
+    shutdown()
     return 0
 
 
@@ -139,7 +154,7 @@ def spawn(script: str, n: int, args: list[str], timeout: float = 300) -> None:
     procs = []
     for rank in range(n):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
         procs.append(subprocess.Popen([sys.executable, script, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []

@@ -18,8 +18,7 @@ import sys
 import threading
 from typing import Any, Protocol
 
-from ._system import flat_bytes
-from ._system.bytes import gather_bytes
+from ._exchange import jax_exchange, joined, torch_exchange
 
 __all__ = [
     "AllGatherCoordinator",
@@ -40,8 +39,6 @@ __all__ = [
 _BROADCAST_CHUNK = 16 << 20
 #: gloo point-to-point tag of the gather's messages: apart from any other sends on the group.
 _GATHER_TAG = 0x636B
-#: gloo point-to-point tag of :meth:`TorchCoordinator.exchange`'s messages.
-_EXCHANGE_TAG = 0x6378
 
 
 class AllGatherCoordinator(Protocol):
@@ -171,7 +168,7 @@ class SingleProcess:
 
     def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
                  ) -> dict[int, bytearray]:
-        mine = _joined(sends.get(0, []))
+        mine = joined(sends.get(0, []))
         return {0: mine} if mine else {}
 
 
@@ -261,58 +258,14 @@ class TorchCoordinator(_Ranked):
 
     def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
                  ) -> dict[int, bytearray]:
-        """See :meth:`ExchangeCoordinator.exchange`: lengths by one ``all_to_all_single`` (gloo has
-        it), then every buffer as isend/irecv pairs in :data:`_BROADCAST_CHUNK` pieces, all posted
-        at once (no ordering between pairs, so no deadlock whatever the pattern). With ``sizes``,
-        buffers go out as they are (no copy)."""
-        torch, dist, me = self._torch, self._dist, self._rank
-        if sizes is None:
-            sends = {r: [memoryview(_joined(b))] for r, b in sends.items() if r == me or sum(v.nbytes for v in b)}
-            lengths = [sum(v.nbytes for v in sends.get(r, [])) for r in range(self._size)]
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
         with self._lock:
-            if sizes is None:
-                got = torch.zeros(self._size, dtype=torch.int64)
-                dist.all_to_all_single(got, torch.tensor(lengths, dtype=torch.int64), group=self.group)
-                sizes = {r: [int(n)] for r, n in enumerate(got.tolist()) if n}
-            out = {r: bytearray(sum(n)) for r, n in sizes.items() if sum(n) and r != me}
-            works = [dist.irecv(t, self._global[r], group=self.group, tag=_EXCHANGE_TAG)
-                     for r, buf in out.items() for t in _pieces(torch, memoryview(buf), sizes[r])]
-            works += [dist.isend(t, self._global[r], group=self.group, tag=_EXCHANGE_TAG)
-                      for r, bufs in sends.items() if r != me
-                      for b in bufs for t in _pieces(torch, _writable(b), [b.nbytes])]
-            self._wait(works)
-        mine = sends.get(me, [])
-        if sum(b.nbytes for b in mine):
-            out[me] = _joined(mine)
-        return out
+            return torch_exchange(self.group, self._global, self._rank, sends, sizes)
 
     @staticmethod
     def _wait(works: list[Any]) -> None:
         for w in works:
             w.wait()
-
-
-def _joined(buffers: list[memoryview]) -> bytearray:
-    """One buffer holding ``buffers`` one after another."""
-    if len(buffers) == 1 and isinstance(buffers[0].obj, bytearray) and buffers[0].nbytes == len(buffers[0].obj):
-        return buffers[0].obj  # already one whole bytearray: no copy
-    return gather_bytes([flat_bytes(b) for b in buffers])
-
-
-def _writable(b: memoryview) -> memoryview:
-    """``b`` as flat bytes torch can wrap (it wants writable memory, even to send)."""
-    return flat_bytes(b) if not b.readonly else memoryview(bytearray(b))
-
-
-def _pieces(torch: Any, buf: memoryview, lengths: list[int]) -> list[Any]:
-    """``buf`` cut at ``lengths`` (the sender's buffers), each cut again at :data:`_BROADCAST_CHUNK`
-    (gloo never sees 2 GiB), as uint8 tensors: both ends of a message cut it alike."""
-    out, pos = [], 0
-    for n in lengths:
-        out += [torch.frombuffer(buf, dtype=torch.uint8, count=min(_BROADCAST_CHUNK, n - lo), offset=pos + lo)
-                for lo in range(0, n, _BROADCAST_CHUNK)]
-        pos += n
-    return out
 
 
 class JaxCoordinator(_Ranked):
@@ -390,6 +343,11 @@ class JaxCoordinator(_Ranked):
             self._client.key_value_set(key, data)
             self._stale.append(n)
         return json.loads(data)
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None,
+                 timeout_ms: int = 3_600_000) -> dict[int, bytearray]:
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.jax_exchange`."""
+        return jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes, timeout_ms)
 
     def _all_started(self, n: int) -> None:
         """Process 0, having read every host's key of operation ``n``: every host is past the earlier ones."""

@@ -224,6 +224,65 @@ def test_a_single_host_or_a_coordinator_without_exchange_reads_as_ever(tmp_path:
     assert out["w"].tobytes() == W.tobytes() and out["emb"].tobytes() == EMB.tobytes()
 
 
+class _KV:
+    """jax's coordination service in memory: values, directory reads and deletes, barriers."""
+
+    def __init__(self, size: int) -> None:
+        self.kv: dict[str, Any] = {}
+        self.cond = threading.Condition()
+        self.barriers: dict[str, threading.Barrier] = {}
+        self.size = size
+
+    def key_value_set(self, key: str, value: Any) -> None:
+        with self.cond:
+            assert key not in self.kv, f"{key} set twice"
+            self.kv[key] = value
+            self.cond.notify_all()
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> Any:
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.kv, 60), f"{key} never came"
+            return self.kv[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_dir_get_bytes(self, prefix: str) -> list[tuple[str, bytes]]:
+        with self.cond:
+            return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    def key_value_delete(self, key: str) -> None:
+        with self.cond:
+            for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
+                del self.kv[k]
+
+    def wait_at_barrier(self, name: str, timeout_ms: int) -> None:
+        with self.cond:
+            barrier = self.barriers.setdefault(name, threading.Barrier(self.size, timeout=60))
+        barrier.wait()
+
+
+def test_read_once_over_jax_coordination_service(tmp_path: Path) -> None:
+    from ckptio.distributed import JaxCoordinator
+
+    _save(tmp_path)
+    kv = _KV(HOSTS)
+
+    def body(rank: int, _host: _Host) -> Any:
+        counting = CountingBackend(open_backend(str(tmp_path)))
+        store = CheckpointStore(StoreOptions(str(tmp_path), backend=counting))
+        coord = JaxCoordinator("t", client=kv, rank=rank, size=HOSTS)
+        return restore_step(store, None, _target(rank), coordinator=coord, read_once=True), counting.bytes_read
+
+    results = on_hosts(HOSTS, body)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        assert r[0]["w"].pieces[0][1].tobytes() == np.ascontiguousarray(W[_columns(rank)]).tobytes()
+    assert sum(n for _, n in results) <= 1.1 * _stored(tmp_path)
+    assert not [k for k in kv.kv if "/to/" in k]  # every host deleted what it received
+
+
 def test_ranges_backend_serves_only_what_it_holds() -> None:
     b = RangesBackend("t")
     b.add("k", 10, memoryview(b"abcdef"))

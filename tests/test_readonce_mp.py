@@ -21,8 +21,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "readonce_worker.py")
 HOSTS = 8
 
 
-def run_job(scenario: str, root: Path, out: Path) -> list[dict[str, Any]]:
-    return launch(WORKER, HOSTS, [scenario, str(root)], out)
+def run_job(scenario: str, root: Path, out: Path, *flags: str) -> list[dict[str, Any]]:
+    return launch(WORKER, HOSTS, [scenario, str(root), *flags], out)
 
 
 
@@ -45,6 +45,18 @@ def test_replicated_restore_reads_each_stored_byte_once(tmp_path: Path) -> None:
     _check_job(reports, stored_bytes(str(checkpoint)))
     # Without read-once each of the 8 would have read the replicated arrays: >= 8x their bytes.
     assert all(r["restored"] >= 8 << 20 for r in reports)
+
+
+@pytest.mark.slow
+def test_replicated_restore_over_jax_distributed_reads_each_stored_byte_once(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    checkpoint = tmp_path / "ckpt"
+    make_checkpoints(str(checkpoint), HOSTS, "replicated")
+    reports = run_job("replicated", checkpoint, tmp_path / "out", "jax")
+    assert sum(r["read"] for r in reports) <= 1.1 * stored_bytes(str(checkpoint))
+    # Process 0 also runs the coordination service, which relays every exchanged byte: not counted.
+    for rank, r in enumerate(reports[1:], 1):
+        assert r["rss_growth"] <= 2 * r["restored"] + (12 << 20), (rank, r)
 
 
 @pytest.mark.slow
