@@ -66,5 +66,26 @@ def faults(root: str, read_once: bool) -> dict[str, Any]:
     return {"flipped": flipped, "missing": missing}
 
 
+def dcp_replicated(root: str, read_once: bool) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.load`` of the replicated arrays through ckptio's DCP Reader."""
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+    from ckptio.dcp import Reader
+
+    full = expected()
+    state = {"emb": torch.empty(full["emb"].shape, dtype=torch.float32)}
+    reader = Reader(root, step=1, read_once=read_once)
+    counting = CountingBackend(open_backend(root))
+    reader._options = dataclasses.replace(reader._options, backend=counting)  # count what it reads
+    dcp.load(state, storage_reader=reader)
+    assert state["emb"].numpy().tobytes() == full["emb"].tobytes()
+    return {"read": counting.bytes_read}
+
+
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults}))
+    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated}))

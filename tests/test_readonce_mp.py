@@ -60,6 +60,15 @@ def test_replicated_restore_over_jax_distributed_reads_each_stored_byte_once(tmp
 
 
 @pytest.mark.slow
+def test_dcp_load_through_the_reader_reads_each_stored_byte_once(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    make_checkpoints(str(checkpoint), HOSTS, "replicated")
+    reports = run_job("dcp", checkpoint, tmp_path / "out")
+    # ``emb`` is all but a few KiB of the checkpoint; without read-once each of the 8 reads it.
+    assert sum(r["read"] for r in reports) <= 1.1 * stored_bytes(str(checkpoint))
+
+
+@pytest.mark.slow
 def test_rows_to_columns_reads_each_stored_byte_once(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     make_checkpoints(str(checkpoint), 2 * HOSTS, "columns")  # saved on 16, restored on 8

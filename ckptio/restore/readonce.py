@@ -53,7 +53,7 @@ from .execute import prepare
 from .plan import ReadPlan
 from .ranges import RangesBackend
 
-__all__ = ["CHUNK", "can_read_once", "owner", "restore_read_once"]
+__all__ = ["CHUNK", "can_read_once", "owner", "read_once", "restore_read_once"]
 
 #: Object byte space is owned in chunks of this many bytes (cut anywhere: the needer verifies
 #: whole checksum blocks after reassembly, so a chunk need not align with them).
@@ -119,20 +119,37 @@ def restore_read_once(
 def _restore(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any, coord: Coordinator,
              progress: Progress | None, chunk: int, round_bytes: int | None) -> Any:
     failure: BaseException | None = None
-    rounds: list[list[ReadRequest]] = []
     read_plan: ReadPlan | None = None
     try:
         read_plan = prepare(store, manifest, step_dir, target)
-        budget = round_bytes or _round_size(read_plan.nbytes)
-        # A request that lands in its final buffers splits at checksum blocks (each piece verifies
-        # alone), so a round holds a share of a large array, not all of it; one with copy-out stays
-        # whole (its callbacks need all of it).
-        pieces = [p for r in read_plan.requests for p in ([r] if r.after else split_request(r, budget))]
-        rounds = _rounds(pieces, budget)
     except Exception as e:
         failure = e
-    n = _agree(coord, failure, len(rounds))
+    read_once(store, read_plan.requests if read_plan else [], coord, progress=progress, failure=failure,
+              chunk=chunk, round_bytes=round_bytes)
     assert read_plan is not None
+    return read_plan.finish()
+
+
+def read_once(store: CheckpointStore, requests: list[ReadRequest], coord: Coordinator, *,
+              progress: Progress | None = None, failure: BaseException | None = None, chunk: int = CHUNK,
+              round_bytes: int | None = None) -> None:
+    """Read and verify ``requests`` as ``store.engine.read`` does, each stored byte read once
+    across the job (collective: every host of ``coord`` calls it, with its own requests).
+
+    ``failure``: what this host failed with before it had requests (planning them); it joins
+    the collectives anyway, and every host raises. Consumes ``requests`` as the engine does.
+    """
+    rounds: list[list[ReadRequest]] = []
+    if failure is None:
+        try:
+            budget = round_bytes or _round_size(sum(r.rng.length for r in requests))
+            # A request that lands in its final buffers splits at checksum blocks (each piece
+            # verifies alone), so a round holds a share of a large array, not all of it; one with
+            # copy-out stays whole (its callbacks need all of it).
+            rounds = _rounds([p for r in requests for p in ([r] if r.after else split_request(r, budget))], budget)
+        except Exception as e:
+            failure = e
+    n = _agree(coord, failure, len(rounds))
     received = RangesBackend(f"read-once:{store.url}")
     engine = Engine(received, store.engine.config)
     try:
@@ -141,7 +158,6 @@ def _restore(store: CheckpointStore, manifest: Manifest, step_dir: str, target: 
     finally:
         engine.close()
         received.clear()
-    return read_plan.finish()
 
 
 def _round(store: CheckpointStore, coord: Coordinator, engine: Engine, requests: list[ReadRequest], chunk: int,

@@ -46,9 +46,11 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     reads what it needs, as without it.
     """
     coord = coordinator or SingleProcess()
-    once = read_once and can_read_once(coord)
+    # A host-local store's objects are seen only by the host that wrote them: nobody reads for others.
+    once = read_once and can_read_once(coord) and not store.host_local
     if read_once and not once and coord.size > 1:
-        log.warning("read_once: %s does not exchange bytes; every host reads what it needs", type(coord).__name__)
+        log.warning("read_once: %s; every host reads what it needs", "the store is host-local" if store.host_local
+                    else f"{type(coord).__name__} does not exchange bytes")
     with _gc.paused():  # the caller waits anyway: no collections in the middle of the burst
         return _restore_step(store, step, target, progress, coord, once)
 
