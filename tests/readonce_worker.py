@@ -87,5 +87,29 @@ def dcp_replicated(root: str, read_once: bool) -> dict[str, Any]:
     return {"read": counting.bytes_read}
 
 
+def exchange(root: str, read_once: bool) -> dict[str, Any]:
+    """TorchCoordinator.exchange: empty and self messages, several buffers a message, read-only
+    buffers, pieces cut finer than a message (the piece size made tiny), lengths known or not."""
+    import ckptio._exchange as ex
+    from ckptio.distributed import default_coordinator
+
+    ex._PIECE = 1000  # so that messages and buffers are cut in several pieces
+    coord: Any = default_coordinator()
+    rank, size = coord.rank, coord.size
+
+    def payload(src: int, dst: int, part: int) -> bytes:
+        n = ((src * 7 + dst * 3 + part) % 4) * 1300  # some empty
+        return bytes((src * 31 + dst * 17 + part + i) % 251 for i in range(n))
+
+    sends = {d: [memoryview(payload(rank, d, p)) for p in range(3)] for d in range(size)}  # read-only bytes
+    want = {s: b"".join(payload(s, rank, p) for p in range(3)) for s in range(size)}
+    got = coord.exchange(sends)
+    assert {s: bytes(b) for s, b in got.items()} == {s: w for s, w in want.items() if w}, "without sizes"
+    sizes = {s: [len(payload(s, rank, p)) for p in range(3)] for s in range(size) if want[s]}
+    got = coord.exchange(sends, sizes)
+    assert {s: bytes(b) for s, b in got.items()} == {s: w for s, w in want.items() if w}, "with sizes"
+    return {"ok": True}
+
+
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated}))
+    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange}))

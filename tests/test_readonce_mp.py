@@ -38,6 +38,11 @@ def _check_job(reports: list[dict[str, Any]], stored: int) -> None:
 
 
 @pytest.mark.slow
+def test_torch_exchange_delivers_every_message_whole(tmp_path: Path) -> None:
+    assert all(r["ok"] for r in launch(WORKER, 3, ["exchange", str(tmp_path)], tmp_path / "out"))
+
+
+@pytest.mark.slow
 def test_replicated_restore_reads_each_stored_byte_once(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     make_checkpoints(str(checkpoint), HOSTS, "replicated")
