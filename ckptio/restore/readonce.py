@@ -29,7 +29,15 @@ round. Every round ends in a status round (gather to host 0, broadcast), so a
 failure on any host (a missing object, a checksum, a bad target) is raised on
 every host, naming the host and what failed, never a hang; the step fallback
 of :mod:`ckptio.restore.step` sees the same kind of error on every host and
-makes one decision.
+makes one decision. A restore that failed only on checksums is run once more
+by every host (the engine's own re-read would re-read the same received bytes).
+
+Transports (:class:`ckptio.distributed.ExchangeCoordinator`): torch.distributed
+(gloo ``all_to_all_single`` for lengths, isend/irecv for bytes) carries it
+fully; jax.distributed goes through the coordination service's key-value
+store, which relays every byte through process 0: right, O(own bytes) per
+client, but not a bulk path for a large job (that wants the bytes placed on
+the saved sharding and resharded on device, or a jax all-to-all).
 """
 
 from __future__ import annotations
