@@ -81,6 +81,8 @@ def restore(
     backend_options: dict[str, Any] | None = None,
     progress: Progress | bool | None = None,
     backend: Backend | None = None,
+    coordinator: Coordinator | None = None,
+    read_once: bool = False,
 ) -> Any:
     """Restore step ``step`` (default: the newest committed) from ``url``.
 
@@ -91,12 +93,21 @@ def restore(
     object and the item, and nothing is returned. A target leaf of another
     dtype is a checked cast; ``progress=True`` shows a tqdm bar of the bytes read, a callable
     ``(event, nbytes)`` is called as bytes come in (``event``: ``"read"``).
+
+    ``read_once=True`` (a multi-process job; every process passes it): each
+    stored byte is read from storage by one process and sent to the others
+    that need it over ``coordinator`` (default: torch.distributed's or
+    jax.distributed's, see :func:`ckptio.distributed.default_coordinator`),
+    still verified against its checksum by each process that uses it; with a
+    coordinator that cannot exchange bytes, every process reads what it needs.
     """
     store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend, engine_config=engine_config,
                                          backend_options=backend_options))
     callback, close_bar = progress_callback(progress, "restore")
+    if read_once and coordinator is None:
+        coordinator = default_coordinator()
     try:
-        return restore_step(store, step, target, progress=callback)
+        return restore_step(store, step, target, progress=callback, coordinator=coordinator, read_once=read_once)
     finally:
         close_bar()
         run_sync(store.close())

@@ -18,11 +18,14 @@ import sys
 import threading
 from typing import Any, Protocol
 
+from ._exchange import jax_exchange, joined, torch_exchange
+
 __all__ = [
     "AllGatherCoordinator",
     "BytesCoordinator",
     "Coordinator",
     "CountingCoordinator",
+    "ExchangeCoordinator",
     "JaxCoordinator",
     "SingleProcess",
     "TorchCoordinator",
@@ -93,6 +96,24 @@ class BytesCoordinator(Coordinator, Protocol):
         ...
 
 
+class ExchangeCoordinator(BytesCoordinator, Protocol):
+    """A :class:`BytesCoordinator` that also exchanges byte messages between every pair of hosts."""
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        """All-to-all of byte messages; collective (every host calls it, with its own ``sends``).
+
+        ``sends[dst]``: the message to host ``dst``, the concatenation of its
+        buffers (a message to itself is copied). Returns ``{src: message}`` for
+        every non-empty message sent to this host. ``sizes``, when every host
+        already knows the lengths of the buffers each host sends it
+        (``{src: [n, ...]}`` in order, no entry for none), saves the round that
+        exchanges lengths and sends the buffers without copying them. Traffic
+        per host: what it sends and receives, plus ``8·H`` bytes of lengths.
+        """
+        ...
+
+
 def gather_to_root(coord: AllGatherCoordinator, obj: Any) -> list[Any] | None:
     """``coord.gather(obj)``; for a coordinator without ``gather``, its all-gather (on rank 0 only)."""
     gather = getattr(coord, "gather", None)
@@ -144,6 +165,11 @@ class SingleProcess:
         if data is None:
             raise ValueError("broadcast_bytes: the source host has no data")
         return bytes(data)
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        mine = joined(sends.get(0, []))
+        return {0: mine} if mine else {}
 
 
 class _Ranked:
@@ -230,6 +256,12 @@ class TorchCoordinator(_Ranked):
                 self._dist.broadcast(t, src=self._global[src], group=self.group)
         return bytes(buf)
 
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
+        with self._lock:
+            return torch_exchange(self.group, self._global, self._rank, sends, sizes)
+
     @staticmethod
     def _wait(works: list[Any]) -> None:
         for w in works:
@@ -311,6 +343,11 @@ class JaxCoordinator(_Ranked):
             self._client.key_value_set(key, data)
             self._stale.append(n)
         return json.loads(data)
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None,
+                 timeout_ms: int = 3_600_000) -> dict[int, bytearray]:
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.jax_exchange`."""
+        return jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes, timeout_ms)
 
     def _all_started(self, n: int) -> None:
         """Process 0, having read every host's key of operation ``n``: every host is past the earlier ones."""

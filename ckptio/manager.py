@@ -324,10 +324,13 @@ class CheckpointManager:
             log.warning("%s: retention failed; the run goes on (on_save_error='warn'), the checkpoint is committed: "
                         "%r", self.url, err, exc_info=err)
 
-    def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None) -> Any:
+    def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None,
+                read_once: bool = False) -> Any:
         """Restore ``step`` (default: the newest restorable committed) as ``target`` asks (see
-        ``ckptio.restore``); with several hosts, every host must call it (one collective decision)."""
-        return restore_step(self.store, step, target, progress=progress, coordinator=self.coordinator)
+        ``ckptio.restore``); with several hosts, every host must call it (one collective decision).
+        ``read_once``: each stored byte read by one host and sent to the others that need it."""
+        return restore_step(self.store, step, target, progress=progress, coordinator=self.coordinator,
+                            read_once=read_once)
 
     def delete(self, step: int) -> None:
         """Delete one committed checkpoint (coordinator only)."""

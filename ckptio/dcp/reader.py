@@ -38,10 +38,12 @@ from torch.futures import Future
 
 from ckptio.backends.base import ByteRange, join_key
 
+from ..distributed import Coordinator, default_coordinator
 from ..engine import EngineConfig, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, Manifest
 from ..reshard import Region, plan_region
+from ..restore.readonce import can_read_once, read_once
 from ..store import CheckpointStore
 from . import _stock, _transforms
 from ._codec import ChunkRef, metadata_from_manifest, numpy_dtype_of, numpy_view
@@ -68,6 +70,9 @@ class Reader(Located, StorageReader):
         engine_config: concurrency, byte budget, retries.
         backend_options: options of the backend.
         allow_stock: read stock DCP checkpoints (their ``.metadata`` is a pickle).
+        read_once: every rank passes it: each stored byte of a ckptio checkpoint is read from
+            storage by one rank and sent to the ranks that need it over torch.distributed
+            (:mod:`ckptio.restore.readonce`); a stock checkpoint is read as without it.
         _extension_registry: DCP's ``ExtensionRegistry`` for transformed items (default: torch's).
     """
 
@@ -79,11 +84,13 @@ class Reader(Located, StorageReader):
         engine_config: EngineConfig | None = None,
         backend_options: dict[str, Any] | None = None,
         allow_stock: bool = True,
+        read_once: bool = False,
         _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
         self._init_location(url, step, engine_config, backend_options)
         self.allow_stock = allow_stock
+        self.read_once = read_once
         self.extension_registry = _extension_registry
         self._reset_state()
 
@@ -192,11 +199,13 @@ class Reader(Located, StorageReader):
         finish: list[Callable[[], None]] = []
         try:
             store = self._open()
-            if self._stock is not None:
-                requests = self._plan_stock(store, plan, planner, finish)
+            coord = default_coordinator() if self.read_once and self._stock is None else None
+            if coord is not None and can_read_once(coord) and not store.host_local:
+                requests = self._read_once(store, plan, planner, finish, coord)
             else:
-                requests = self._plan_manifest(plan, planner, finish)
-            run_sync(store.engine.read(requests))
+                requests = (self._plan_stock(store, plan, planner, finish) if self._stock is not None
+                            else self._plan_manifest(plan, planner, finish))
+                run_sync(store.engine.read(requests))
         except IntegrityError as e:  # name the checkpoint too, not only the object key under it
             raise IntegrityError(f"checkpoint {self.checkpoint_id}: {e}", key=e.key, item=e.item) from e
         except FileNotFoundError as e:
@@ -214,6 +223,18 @@ class Reader(Located, StorageReader):
         return fut
 
     # -- ckptio checkpoints --------------------------------------------------
+
+    def _read_once(self, store: CheckpointStore, plan: LoadPlan, planner: LoadPlanner,
+                   finish: list[Callable[[], None]], coord: Coordinator) -> list[ReadRequest]:
+        """Plan, then read with every rank (collective: a rank whose planning failed joins anyway)."""
+        requests: list[ReadRequest] = []
+        failure: BaseException | None = None
+        try:
+            requests = self._plan_manifest(plan, planner, finish)
+        except Exception as e:
+            failure = e
+        read_once(store, list(requests), coord, failure=failure)
+        return requests
 
     def _plan_manifest(self, plan: LoadPlan, planner: LoadPlanner, finish: list[Callable[[], None]]
                        ) -> list[ReadRequest]:

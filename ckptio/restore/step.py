@@ -18,6 +18,7 @@ from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
+from .readonce import can_read_once, restore_read_once
 
 __all__ = ["restore_step"]
 
@@ -25,7 +26,8 @@ log = logging.getLogger("ckptio.restore")
 
 
 def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *,
-                 progress: Progress | None = None, coordinator: Coordinator | None = None) -> Any:
+                 progress: Progress | None = None, coordinator: Coordinator | None = None,
+                 read_once: bool = False) -> Any:
     """Restore ``step`` (None: the newest restorable committed step) of ``store``.
 
     With ``step=None``, a step that turns out not to restore -- an object or a
@@ -36,9 +38,21 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     the step, every host tries it, and if any host fails every host moves on,
     so all restore the same step. With ``step=N`` the failure is raised,
     naming what is missing.
+
+    ``read_once=True`` (every host must pass the same): each stored byte is
+    read from storage by one host and redistributed over the coordinator
+    (:mod:`ckptio.restore.readonce`), where it exchanges bytes
+    (:func:`~ckptio.restore.readonce.can_read_once`); elsewhere every host
+    reads what it needs, as without it.
     """
+    coord = coordinator or SingleProcess()
+    # A host-local store's objects are seen only by the host that wrote them: nobody reads for others.
+    once = read_once and can_read_once(coord) and not store.host_local
+    if read_once and not once and coord.size > 1:
+        log.warning("read_once: %s; every host reads what it needs", "the store is host-local" if store.host_local
+                    else f"{type(coord).__name__} does not exchange bytes")
     with _gc.paused():  # the caller waits anyway: no collections in the middle of the burst
-        return _restore_step(store, step, target, progress, coordinator or SingleProcess())
+        return _restore_step(store, step, target, progress, coord, once)
 
 
 #: What makes a step not restore (as opposed to a bad target or a storage outage).
@@ -46,7 +60,8 @@ _LOST = (FileNotFoundError, IntegrityError, ManifestError, PermissionError)
 
 
 def _restore_step(
-    store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator
+    store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator,
+    once: bool,
 ) -> Any:
     tried: list[int] = []
     first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
@@ -63,7 +78,8 @@ def _restore_step(
         fatal = False  # a failure that another step would not mend (a bad target, an outage)
         out: Any = None
         try:
-            out = restore_checkpoint(store, manifest, step_dir, target, progress=progress)
+            out = (restore_read_once(store, manifest, step_dir, target, coord, progress=progress) if once
+                   else restore_checkpoint(store, manifest, step_dir, target, progress=progress))
         except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
             if not many:
                 raise

@@ -1,0 +1,213 @@
+"""Read-once restore: the storage bytes a whole job reads, with and without ``read_once``.
+
+:func:`run_readonce` saves two checkpoints (a 32 MiB float32 matrix as ``hosts``
+row shards; an 8 MiB vector and a small int64 vector, whole), then restores
+each in ``hosts`` real processes (torch.distributed, gloo) twice per case --
+plain, then ``read_once=True`` -- each process reading through a counting
+backend wrapper. Cases: ``replicated`` (every process restores the
+replicated arrays whole) and ``columns`` (each restores a column block of
+the row-sharded matrix). Reported per case and mode: total storage bytes
+read by the job over the checkpoint's bytes, and the largest peak-RSS growth
+of a process over the bytes it restored.
+
+    python -m ckptio.bench.readonce [HOSTS]
+
+Each process runs this module as a script (``worker``); tests reuse it
+(tests/test_readonce_mp.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "run_readonce", "spawn", "worker_main"]
+
+ROWS, COLS = 2048, 4096  # float32: 32 MiB
+REPLICATED = 2 << 20  # float32 elements: 8 MiB
+
+
+def expected() -> dict[str, np.ndarray]:
+    """The saved arrays (the same in every process: a fixed seed)."""
+    rng = np.random.default_rng(7)
+    return {"w": rng.standard_normal((ROWS, COLS), dtype=np.float32),
+            "emb": rng.standard_normal(REPLICATED, dtype=np.float32),
+            "bias": np.arange(1000, dtype=np.int64)}
+
+
+def make_checkpoints(root: str, shards: int, case: str, steps: tuple[int, ...] = (1,)) -> None:
+    """Each step of ``root``: for ``columns``, ``w`` saved as ``shards`` row shards; for
+    ``replicated``, ``emb`` and ``bias`` whole (saved from this process)."""
+    import ckptio
+
+    full = expected()
+    rows = ROWS // shards
+    pieces = [((slice(i * rows, (i + 1) * rows), slice(None)), full["w"][i * rows:(i + 1) * rows])
+              for i in range(shards)]
+    state = ({"w": ckptio.Sharded((ROWS, COLS), np.float32, pieces)} if case == "columns"
+             else {"emb": full["emb"], "bias": full["bias"]})
+    for step in steps:
+        ckptio.save(root, state, step=step).result()
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise LookupError(field)
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); the RSS in KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _kib("VmRSS")
+
+
+def restore_counted(root: str, step: int | None, target: Any, read_once: bool) -> tuple[Any, dict[str, int]]:
+    """``ckptio.restore`` through a counting backend: the tree, storage bytes read, peak RSS growth."""
+    import ckptio
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+
+    counting = CountingBackend(open_backend(root))
+    base = _reset_peak()
+    out = ckptio.restore(root, step, target, backend=counting, read_once=read_once)
+    return out, {"read": counting.bytes_read, "rss_growth": max(0, _kib("VmHWM") - base) * 1024}
+
+
+def replicated(root: str, read_once: bool) -> dict[str, Any]:
+    """Every process restores the replicated arrays whole (checked bit-exact)."""
+    full = expected()
+    out, stats = restore_counted(root, 1, {"emb": None, "bias": None}, read_once)
+    for name in ("emb", "bias"):
+        assert out[name].tobytes() == full[name].tobytes(), name
+    return {**stats, "restored": full["emb"].nbytes + full["bias"].nbytes}
+
+
+def columns(root: str, read_once: bool) -> dict[str, Any]:
+    """Each process restores its column block of the row-sharded matrix (checked bit-exact)."""
+    import ckptio
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    full = expected()["w"]
+    cols = COLS // world
+    ix = (slice(None), slice(rank * cols, (rank + 1) * cols))
+    out, stats = restore_counted(root, 1, {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None)])}, read_once)
+    got = out["w"].pieces[0][1]
+    assert got.tobytes() == np.ascontiguousarray(full[ix]).tobytes()
+    return {**stats, "restored": got.nbytes}
+
+
+SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {"replicated": replicated, "columns": columns}
+
+
+def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, bool], dict[str, Any]]]) -> int:
+    """One process: ``OUT_DIR SCENARIO ROOT [plain] [jax]``, writes ``OUT_DIR/<rank>.json``.
+
+    ``jax``: the job is jax.distributed (CPU), not torch.distributed."""
+    out_dir, scenario, root = argv[:3]
+    if "jax" in argv[3:]:
+        import jax
+
+        rank = int(os.environ["RANK"])
+        jax.distributed.initialize(f"127.0.0.1:{os.environ['MASTER_PORT']}", int(os.environ["WORLD_SIZE"]), rank)
+        from jax._src import distributed
+
+        def barrier() -> None:
+            distributed.global_state.client.wait_at_barrier("readonce-bench-end", 300_000)
+
+        shutdown = jax.distributed.shutdown
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, barrier, shutdown = dist.get_rank(), dist.barrier, dist.destroy_process_group
+    result = scenarios[scenario](root, "plain" not in argv[3:])
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    barrier()
+    shutdown()
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(script: str, n: int, args: list[str], timeout: float = 300) -> None:
+    """Run ``python script *args`` as the ``n`` ranks of a torch.distributed job on this machine;
+    AssertionError with their output if any fails (all are killed if one hangs past ``timeout``)."""
+    port = _free_port()
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    failed = [(i, p.returncode, o) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
+    assert not failed, "\n\n".join(f"rank {i} exited {rc}:\n{o[-3000:]}" for i, rc, o in failed)
+
+
+def launch(script: str, n: int, args: list[str], out: Path, timeout: float = 300) -> list[dict[str, Any]]:
+    """:func:`spawn` a worker (``script OUT_DIR *args``); each rank's report, in rank order."""
+    out.mkdir(parents=True, exist_ok=True)
+    spawn(script, n, [str(out), *args], timeout)
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
+
+
+def stored_bytes(root: str, step: str = "1") -> int:
+    """The checkpoint's bytes: every object of the step."""
+    return sum(p.stat().st_size for p in Path(root, step).iterdir())
+
+
+def run_readonce(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]]:
+    """Per case and mode: job storage bytes read, that over the checkpoint's bytes, worst RSS growth."""
+    rows = []
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        for case in SCENARIOS:
+            ckpt = os.path.join(tmp, case)
+            make_checkpoints(ckpt, hosts, case)
+            stored = stored_bytes(ckpt)
+            for mode in ("plain", "read_once"):
+                reports = launch(__file__, hosts, [case, ckpt] + (["plain"] if mode == "plain" else []),
+                                 Path(tmp, f"{case}-{mode}"))
+                total = sum(r["read"] for r in reports)
+                rows.append({"case": case, "mode": mode, "hosts": hosts, "stored": stored, "job_read": total,
+                             "read_over_stored": round(total / stored, 3),
+                             "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2)})
+    return rows
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print(f"{'case':<11} {'mode':<10} {'hosts':>5} {'stored MiB':>10} {'job read MiB':>12} "
+          f"{'read/stored':>11} {'peak RSS/restored':>17}")
+    for r in rows:
+        print(f"{r['case']:<11} {r['mode']:<10} {r['hosts']:>5} {r['stored'] / 2**20:>10.1f} "
+              f"{r['job_read'] / 2**20:>12.1f} {r['read_over_stored']:>11} {r['max_rss_over_restored']:>17}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2:  # a process of a job
+        sys.exit(worker_main(sys.argv[1:], SCENARIOS))
+    _print(run_readonce(int(sys.argv[1]) if len(sys.argv) > 1 else 8))

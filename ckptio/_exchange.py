@@ -1,0 +1,119 @@
+"""All-to-all byte exchanges on the frameworks' collectives: the transport of a read-once restore.
+
+:class:`ckptio.distributed.ExchangeCoordinator` says what an exchange is;
+here are its two transports. torch: one ``all_to_all_single`` of lengths
+(gloo has it on CPU) then isend/irecv pairs, zero copy where the caller gives
+the receivers' cut. jax: the coordination service's key-value store
+(``key_value_set_bytes`` / ``blocking_key_value_get_bytes``): O(own bytes)
+per host, but every byte passes through the service on process 0, so it
+suits metadata-sized exchanges and small jobs, not the bulk of a large
+restore (that wants device collectives: see the read-once notes in
+:mod:`ckptio.restore.readonce`). Frameworks are imported only when called.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from ._system import flat_bytes
+from ._system.bytes import gather_bytes
+
+__all__ = ["jax_exchange", "joined", "torch_exchange"]
+
+#: gloo point-to-point tag of an exchange's messages (apart from the gather's).
+_TAG = 0x6378
+#: A tensor sent or received at once is at most this large (gloo never sees 2 GiB).
+_PIECE = 16 << 20
+#: A key-value entry of the jax coordination service holds at most this much (gRPC messages
+#: have size limits; the service is not a bulk transport).
+_KV_PIECE = 1 << 20
+
+
+def joined(buffers: list[memoryview]) -> bytearray:
+    """One buffer holding ``buffers`` one after another (no copy for one whole bytearray)."""
+    if len(buffers) == 1 and isinstance(buffers[0].obj, bytearray) and buffers[0].nbytes == len(buffers[0].obj):
+        return buffers[0].obj
+    return gather_bytes([flat_bytes(b) for b in buffers])
+
+
+def _writable(b: memoryview) -> memoryview:
+    """``b`` as flat bytes torch can wrap (it wants writable memory, even to send)."""
+    return flat_bytes(b) if not b.readonly else memoryview(bytearray(b))
+
+
+def _tensors(torch: Any, buf: memoryview, lengths: list[int]) -> list[Any]:
+    """``buf`` cut at ``lengths`` (the sender's buffers), each cut again at :data:`_PIECE`, as uint8
+    tensors: both ends of a message cut it alike, so every send meets a receive of its size."""
+    out, pos = [], 0
+    for n in lengths:
+        out += [torch.frombuffer(buf, dtype=torch.uint8, count=min(_PIECE, n - lo), offset=pos + lo)
+                for lo in range(0, n, _PIECE)]
+        pos += n
+    return out
+
+
+def torch_exchange(group: Any, global_ranks: list[int], rank: int, sends: dict[int, list[memoryview]],
+                   sizes: dict[int, list[int]] | None) -> dict[int, bytearray]:
+    """An exchange over a gloo ``group`` (``global_ranks``: its ranks in the job): lengths by one
+    ``all_to_all_single`` unless ``sizes`` gives them, then every buffer as isend/irecv pairs, all
+    posted at once (no order between pairs, so no deadlock whatever the pattern). The caller
+    serializes calls on the group."""
+    import torch
+    import torch.distributed as dist
+
+    size = len(global_ranks)
+    if sizes is None:  # one buffer per message, the receiver learns its length
+        sends = {r: [memoryview(joined(b))] for r, b in sends.items() if sum(v.nbytes for v in b)}
+        got = torch.zeros(size, dtype=torch.int64)
+        lengths = [sum(v.nbytes for v in sends.get(r, [])) for r in range(size)]
+        dist.all_to_all_single(got, torch.tensor(lengths, dtype=torch.int64), group=group)
+        sizes = {r: [int(n)] for r, n in enumerate(got.tolist()) if n}
+    out = {r: bytearray(sum(n)) for r, n in sizes.items() if sum(n) and r != rank}
+    works = [dist.irecv(t, global_ranks[r], group=group, tag=_TAG)
+             for r, buf in out.items() for t in _tensors(torch, memoryview(buf), sizes[r])]
+    works += [dist.isend(t, global_ranks[r], group=group, tag=_TAG)
+              for r, bufs in sends.items() if r != rank for b in bufs for t in _tensors(torch, _writable(b), [b.nbytes])]
+    for w in works:
+        w.wait()
+    mine = joined(sends.get(rank, []))
+    if mine:
+        out[rank] = mine
+    return out
+
+
+def jax_exchange(client: Any, base: str, rank: int, sends: dict[int, list[memoryview]],
+                 sizes: dict[int, list[int]] | None, timeout_ms: int) -> dict[int, bytearray]:
+    """An exchange through the jax coordination service's key-value store, under key ``base``
+    (unique to this exchange): each message as ``<base>/to/<dst>/<src>/<piece>``. Without
+    ``sizes`` a barrier says every message is set, then each host lists its own directory;
+    with them it waits on exactly the keys it expects. Each host deletes its own directory."""
+    for dst, bufs in sends.items():
+        data = joined(bufs) if dst != rank else b""
+        for i, lo in enumerate(range(0, len(data), _KV_PIECE)):
+            client.key_value_set_bytes(f"{base}/to/{dst}/{rank}/{i:09d}", bytes(data[lo : lo + _KV_PIECE]))
+    out: dict[int, bytearray] = {}
+    if sizes is None:
+        client.wait_at_barrier(f"{base}/sent", timeout_ms)
+        pieces: dict[int, list[tuple[int, bytes]]] = collections.defaultdict(list)
+        for key, value in client.key_value_dir_get_bytes(f"{base}/to/{rank}/"):
+            src, i = key.rstrip("/").split("/")[-2:]
+            pieces[int(src)].append((int(i), value))
+        out = {src: bytearray(b"".join(v for _, v in sorted(p))) for src, p in pieces.items()}
+    else:
+        for src, lengths in sizes.items():
+            total = sum(lengths)
+            if src == rank or not total:
+                continue
+            buf = out[src] = bytearray(total)
+            for i, lo in enumerate(range(0, total, _KV_PIECE)):
+                value = client.blocking_key_value_get_bytes(f"{base}/to/{rank}/{src}/{i:09d}", timeout_ms)
+                buf[lo : lo + len(value)] = value
+    try:
+        client.key_value_delete(f"{base}/to/{rank}")  # the directory: only this host reads it
+    except Exception:  # an older jax without deletes: keep the keys, lose nothing
+        pass
+    mine = joined(sends.get(rank, []))
+    if mine:
+        out[rank] = mine
+    return out
