@@ -256,6 +256,9 @@ class TorchCoordinator(_Ranked):
                 self._dist.broadcast(t, src=self._global[src], group=self.group)
         return bytes(buf)
 
+    #: Bytes go host to host (gloo all_to_all / isend-irecv): read-once restores by default.
+    bulk_exchange = True
+
     def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
                  ) -> dict[int, bytearray]:
         """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
@@ -343,6 +346,9 @@ class JaxCoordinator(_Ranked):
             self._client.key_value_set(key, data)
             self._stale.append(n)
         return json.loads(data)
+
+    #: Every byte is relayed through the coordination service (process 0): read-once only when asked.
+    bulk_exchange = False
 
     def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None,
                  timeout_ms: int = 3_600_000) -> dict[int, bytearray]:

@@ -325,10 +325,17 @@ class CheckpointManager:
                         "%r", self.url, err, exc_info=err)
 
     def restore(self, step: int | None = None, target: Any = None, *, progress: Progress | None = None,
-                read_once: bool = False) -> Any:
+                read_once: bool | None = None) -> Any:
         """Restore ``step`` (default: the newest restorable committed) as ``target`` asks (see
         ``ckptio.restore``); with several hosts, every host must call it (one collective decision).
-        ``read_once``: each stored byte read by one host and sent to the others that need it."""
+
+        ``read_once``: each stored byte is read from storage by one host and sent to the others
+        that need it (replicated arrays, data-parallel replicas, a new sharding), still verified
+        by every host that uses it. The default (None) does so where the job's coordinator moves
+        bytes host to host (torch.distributed); over jax.distributed's coordination service,
+        which relays every byte through process 0, only when asked (True)."""
+        if read_once is None:
+            read_once = bool(getattr(self.coordinator, "bulk_exchange", False)) and self.coordinator.size > 1
         return restore_step(self.store, step, target, progress=progress, coordinator=self.coordinator,
                             read_once=read_once)
 

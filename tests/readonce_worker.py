@@ -87,6 +87,21 @@ def dcp_replicated(root: str, read_once: bool) -> dict[str, Any]:
     return {"read": counting.bytes_read}
 
 
+def manager_default(root: str, read_once: bool) -> dict[str, Any]:
+    """``CheckpointManager.restore()`` with no ``read_once``: over torch.distributed it reads once."""
+    import ckptio
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+
+    full = expected()
+    counting = CountingBackend(open_backend(root))
+    with ckptio.CheckpointManager(root, backend=counting) as mngr:
+        out = mngr.restore(1, {"emb": None, "bias": None})
+    for name in ("emb", "bias"):
+        assert out[name].tobytes() == full[name].tobytes(), name
+    return {"read": counting.bytes_read}
+
+
 def exchange(root: str, read_once: bool) -> dict[str, Any]:
     """TorchCoordinator.exchange: empty and self messages, several buffers a message, read-only
     buffers, pieces cut finer than a message (the piece size made tiny), lengths known or not."""
@@ -112,4 +127,5 @@ def exchange(root: str, read_once: bool) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange}))
+    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange,
+                                                "manager": manager_default}))

@@ -74,6 +74,14 @@ def test_dcp_load_through_the_reader_reads_each_stored_byte_once(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_checkpoint_manager_reads_once_by_default_over_torch_distributed(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    make_checkpoints(str(checkpoint), HOSTS, "replicated")
+    reports = run_job("manager", checkpoint, tmp_path / "out")
+    assert sum(r["read"] for r in reports) <= 1.1 * stored_bytes(str(checkpoint))
+
+
+@pytest.mark.slow
 def test_rows_to_columns_reads_each_stored_byte_once(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     make_checkpoints(str(checkpoint), 2 * HOSTS, "columns")  # saved on 16, restored on 8
