@@ -17,6 +17,7 @@ LAYERS = [
     "formats",
     "model",
     "geometry",
+    "table",
     "values",
     "seal",
     "itemjson",
