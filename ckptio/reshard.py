@@ -323,6 +323,8 @@ def _scattered_requests(p: dict[str, np.ndarray], ws: list[_Want], objects: list
     single = p["count"][sel] == 1
     reqs = _split_segments(p, sel[~single], ws, objects)
     sel, start, end = sel[single], start[single], end[single]
+    if not len(sel):
+        return reqs
     order = np.lexsort((start, p["obj"][sel]))
     sel, start, end = sel[order], start[order], end[order]
     cuts = _runs(p["obj"][sel], start, end, p["bs"][sel]).tolist()
