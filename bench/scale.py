@@ -91,7 +91,7 @@ def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
 def _plan(root: str, rank: int, hosts: int, resharded: bool, out: Any) -> None:
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.reshard import Region, plan_region
+    from ckptio.reshard import Region, plan_regions
     from ckptio.store import CheckpointStore
 
     t0 = time.perf_counter()
@@ -118,11 +118,11 @@ def _plan(root: str, rank: int, hosts: int, resharded: bool, out: Any) -> None:
                 boxes[name] = [((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, cols))]
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
     t_load = time.perf_counter() - t0
-    requests = 0
+    wants = []
     for name, [(off, shape)] in boxes.items():
         item = m.items[name]
-        dest = np.empty(shape, item.dtype)  # not touched: planning only
-        requests += len(plan_region(name, item, Region(off, dest), m.objects, m.block_size))
+        wants.append((name, item, Region(off, np.empty(shape, item.dtype))))  # not touched: planning only
+    requests = len(plan_regions(wants, m.objects, m.block_size))  # as restore.plan does
     out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": requests,
              "bytes_read": stored[0], "rss_mb": _rss_mb()})
 

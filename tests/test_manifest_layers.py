@@ -23,6 +23,7 @@ LAYERS = [
     "itemjson",
     "codec.packs",
     "codec.arrays",
+    "codec.columns",
     "codec.single",
     "codec.split",
     "codec",

@@ -13,6 +13,9 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          ``[dtype, shape, object, offset, crcs]``, for states of 100k leaves
 5        ``packs`` in a format-4 document: the small whole arrays of a pack as one
          columnar table (:mod:`.codec.packs`) instead of as items
+6        columnar fragments in a format-2 root: each fragment (version 3) holds its
+         shards as compressed int64/uint32 columns (:mod:`.codec.columns`), which a
+         reader that predates them cannot parse: it refuses the root instead
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -23,6 +26,7 @@ ckptio that can read it. Readers refuse any version above :data:`VERSION`.
 from __future__ import annotations
 
 __all__ = [
+    "COLUMNS_VERSION",
     "FEATURES",
     "FORMAT",
     "FRAGMENTS_VERSION",
@@ -37,19 +41,22 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 5
+VERSION = 6
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
 PACKS_VERSION = 5
+COLUMNS_VERSION = 6
 #: The least version that can express each feature a document may use.
-FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION}
+FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
+            "columns": COLUMNS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
 
 
-def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False) -> int:
+def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
+                columns: bool = False) -> int:
     """The lowest format version that expresses a document using the given features."""
-    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs}
+    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "columns": columns}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

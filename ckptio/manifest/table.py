@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from .model import ArrayItem, Extent, ShardRecord
 
-__all__ = ["ShardTable", "extent_block", "table_of"]
+__all__ = ["ShardList", "ShardTable", "extent_block", "table_of"]
 
 _I64 = np.int64
 
@@ -106,7 +107,7 @@ class ShardTable:
         crcs = self.crc_list()
         exts = [Extent(o, a, so, ln, crcs[c : c + k]) for o, a, so, ln, c, k in zip(
             self.object.tolist(), self.offset.tolist(), self.shard_offset.tolist(), self.length.tolist(),
-            self.crc0.tolist(), (self.crc0 + self.ncrc).tolist())]
+            self.crc0.tolist(), self.ncrc.tolist())]
         first = self.first.tolist()
         return [ShardRecord(tuple(off), tuple(sh), h, exts[a:b], tuple(t) if t and t[0] >= 0 else None)
                 for off, sh, h, t, a, b in zip(self.offsets.tolist(), self.shape.tolist(), self.host.tolist(),
@@ -141,6 +142,37 @@ class ShardTable:
         hi = np.minimum(self.offsets[rows] + self.shape[rows], box_hi)
         meets = (hi > lo).all(axis=1)
         return rows[meets], lo[meets], hi[meets]
+
+
+class ShardList(Sequence[ShardRecord]):
+    """An item's shards as :class:`ShardRecord` s, made from its table on first use (an item
+    read from a columnar fragment: planning never asks for them)."""
+
+    __slots__ = ("_records", "table")
+
+    def __init__(self, table: ShardTable) -> None:
+        self.table = table
+        self._records: list[ShardRecord] | None = None
+
+    def _list(self) -> list[ShardRecord]:
+        if self._records is None:
+            self._records = self.table.records()  # a benign race: equal lists
+        return self._records
+
+    def __len__(self) -> int:
+        return self.table.n
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._list()[i]
+
+    def __iter__(self) -> Iterator[ShardRecord]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
 
 
 def table_of(item: ArrayItem) -> ShardTable:

@@ -1,0 +1,238 @@
+"""Format-2 fragments as columns (fragment version 3): a host's shards in one compressed block.
+
+A version-2 fragment listed every shard as JSON rows: a reader parsed every
+row of every item of every fragment it opened into Python lists, dicts and
+then objects, ~100 us a shard. A version-3 fragment keeps its JSON small
+(objects, item names with their shard counts, column sizes) and puts every
+shard into one base64 block of zlib-compressed little-endian columns:
+
+* ``boxes`` int64 ``(rows, 3 * width)``: offsets, shape, tile per shard, padded to the
+  fragment's largest rank ``width`` (offset 0, length 1, tile -1 in the missing
+  dimensions; tile -1 everywhere for an untiled shard);
+* ``extent_counts`` int64 ``(rows,)``;
+* ``extents`` int64 ``(extents, 6)``: object (in the fragment's list), offset, shard offset,
+  length, checksum count, checksum block size (0: the manifest's);
+* ``crcs`` uint32: every extent's block checksums, in order.
+
+Rows are item by item, in the order the JSON names the items. A reader
+decodes a fragment with one decompression and takes the rows of the items it
+restores as array slices (:mod:`.split` checks them, as columns).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import ManifestError
+from ..geometry import check_tiling
+from ..limits import MAX_COUNT, MAX_DIM, MAX_NDIM, check_int
+from ..model import ArrayItem, Manifest
+from ..table import ShardList, ShardTable
+
+__all__ = ["COLUMNS_FRAGMENT_VERSION", "Columns", "decode_columns", "encode_columns", "from_columns"]
+
+#: The ``version`` of a fragment document holding its shards as columns.
+COLUMNS_FRAGMENT_VERSION = 3
+_LE64, _LE32 = np.dtype("<i8"), np.dtype("<u4")
+
+
+def encode_columns(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> dict[str, Any]:
+    """The column fields of a fragment document from each array item's shards (host-record form:
+    ``offsets``, ``shape``, ``extents`` ``[object, offset, shard_offset, length, crcs(, block)]``,
+    optional ``tile``)."""
+    width = max((len(s["shape"]) for _n, shards in items for s in shards), default=0)
+    boxes, counts, extents, crcs = [], [], [], []
+    for _name, shards in items:
+        for s in shards:
+            pad = width - len(s["shape"])
+            tile = s.get("tile")
+            boxes.append([*s["offsets"], *[0] * pad, *s["shape"], *[1] * pad,
+                          *(tile if tile is not None else [-1] * len(s["shape"])), *[-1] * pad])
+            counts.append(len(s["extents"]))
+            for e in s["extents"]:
+                extents.append([e[0], e[1], e[2], e[3], len(e[4]), e[5] if len(e) > 5 and e[5] else 0])
+                crcs += e[4]
+    raw = b"".join([np.array(boxes, _LE64).reshape(len(boxes), 3 * width).tobytes(),
+                    np.array(counts, _LE64).tobytes(), np.array(extents, _LE64).reshape(-1, 6).tobytes(),
+                    np.array(crcs, _LE32).tobytes()])
+    return {"items": {name: len(shards) for name, shards in items}, "width": width, "extents": len(extents),
+            "crcs": len(crcs), "columns": base64.b64encode(zlib.compress(raw, 1)).decode()}
+
+
+@dataclasses.dataclass(slots=True)
+class Columns:
+    """A version-3 fragment's shards, decoded (see the module docstring); ``starts[name]`` is the
+    first row of an item, ``counts[name]`` its rows."""
+
+    width: int
+    n_objects: int
+    starts: dict[str, int]
+    counts: dict[str, int]
+    boxes: np.ndarray
+    extent_counts: np.ndarray
+    extents: np.ndarray
+    crcs: np.ndarray
+
+
+def decode_columns(doc: Mapping[str, Any], here: str) -> Columns:
+    """The columns of a version-3 fragment document, their sizes checked (their values are
+    checked per item by the reader); ManifestError naming ``here``."""
+    items = doc["items"]
+    if not isinstance(items, dict):
+        raise ManifestError(f"{here}: 'items' must be a JSON object")
+    width = check_int(doc["width"], "width", here, hi=MAX_NDIM)
+    n_ext = check_int(doc["extents"], "extent count", here, hi=MAX_COUNT)
+    n_crc = check_int(doc["crcs"], "checksum count", here, hi=MAX_COUNT)
+    starts, counts, rows = {}, {}, 0
+    for name, count in items.items():
+        starts[name], counts[name] = rows, check_int(count, f"shard count of item {name!r}", here, hi=MAX_COUNT)
+        rows += count
+    sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
+    try:
+        text = doc["columns"]
+        raw = zlib.decompress(base64.b64decode(text, validate=True)) if isinstance(text, str) else None
+    except (ValueError, zlib.error) as e:
+        raise ManifestError(f"{here}: its shard columns are not readable: {e}") from e
+    if raw is None or len(raw) != sum(sizes):
+        raise ManifestError(f"{here}: its shard columns do not hold the {rows} shards and {n_ext} extents it names")
+    at = np.cumsum([0, *sizes]).tolist()
+    boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
+    counts_col = np.frombuffer(raw, _LE64, rows, at[1])
+    extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
+    crcs = np.frombuffer(raw, _LE32, n_crc, at[3])
+    if rows and (counts_col.min() < 0 or int(counts_col.sum()) != n_ext) or (n_ext and int(extents[:, 4].sum()) != n_crc):
+        raise ManifestError(f"{here}: its extent or checksum counts do not add up")
+    return Columns(width, len(doc["objects"]), starts, counts, boxes.astype(np.int64), counts_col.astype(np.int64),
+                   extents.astype(np.int64), crcs.astype(np.uint32))
+
+
+def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], n_objects: int, where: str,
+                 *, complete: bool) -> dict[str, ArrayItem]:
+    """The array items of a format-2 ``manifest`` that the columnar ``fragments`` (``(fragment
+    number, its first object in the loaded objects, its columns)``) hold rows of, each with its
+    :class:`ShardTable` made from those rows (replicas the root assigns to another fragment
+    dropped) and checked as columns: boxes inside the array, extents tiling each shard's bytes
+    with one checksum per block, objects that exist; with ``complete``, shards tiling the array."""
+    names = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+    cols = _concat(manifest, fragments, names, where)
+    width = cols["width"]
+    ncrc = cols["extents"][:, 4]
+    cols["efirst"] = np.concatenate([[0], np.cumsum(cols["ecount"])])
+    cols["cfirst"] = np.cumsum(ncrc) - ncrc
+    cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
+    order = np.argsort(cols["item"], kind="stable")
+    bounds = np.searchsorted(cols["item"][order], np.arange(len(names) + 1)).tolist()
+    loaded = np.array(sorted({f for f, _b, _c in fragments}), np.int64)
+    out: dict[str, ArrayItem] = {}
+    for i, name in enumerate(names):
+        if bounds[i] == bounds[i + 1]:
+            continue
+        item = manifest.items[name]
+        assert isinstance(item, ArrayItem)
+        here = f"{where}: item {name!r}"
+        rows = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        table = _table(item, rows, cols, width, manifest.block_size, here)
+        full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
+        full.table = table
+        if complete:
+            check_tiling(full.shards, item.shape, here)  # type: ignore[arg-type]
+        out[name] = full
+    return out
+
+
+def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], names: list[str],
+            where: str) -> dict[str, Any]:
+    """Every fragment's rows as one set of columns: ``item`` (index into ``names``), ``frag``,
+    ``boxes`` (widened to the widest rank), ``ecount``, ``extents`` (objects made global), ``crcs``."""
+    ids = {n: i for i, n in enumerate(names)}
+    width = max(c.width for _f, _b, c in fragments)
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents", "crcs")}
+    last: tuple[list[str], np.ndarray] | None = None
+    for f, base, c in fragments:
+        here = f"{where}: fragment {manifest.fragments[f].key!r}"  # type: ignore[index]
+        order = list(c.counts)
+        if last is None or last[0] != order:  # every host lists the same items: looked up once
+            unknown = [n for n in order if n not in ids]
+            if unknown:
+                raise ManifestError(f"{here}: names item {unknown[0]!r} that the root does not hold as an array")
+            last = (order, np.array([ids[n] for n in order], np.int64))
+        parts["item"].append(np.repeat(last[1], [c.counts[n] for n in order]))
+        parts["frag"].append(np.full(len(c.boxes), f, np.int64))
+        parts["boxes"].append(c.boxes if c.width == width else _widened(c.boxes, c.width, width))
+        parts["ecount"].append(c.extent_counts)
+        ext = c.extents
+        if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
+            raise ManifestError(f"{here}: an extent names an object the fragment does not list")
+        ext[:, 0] += base
+        parts["extents"].append(ext)
+        parts["crcs"].append(c.crcs)
+    out: dict[str, Any] = {k: np.concatenate(v) for k, v in parts.items()}
+    out["width"] = width
+    return out
+
+
+def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
+    """Boxes padded from rank ``width`` to ``to`` (offset 0, length 1, tile -1)."""
+    n, pad = len(boxes), to - width
+    return np.concatenate([boxes[:, :width], np.zeros((n, pad), np.int64), boxes[:, width : 2 * width],
+                           np.ones((n, pad), np.int64), boxes[:, 2 * width :], np.full((n, pad), -1, np.int64)], axis=1)
+
+
+def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, loaded: np.ndarray) -> np.ndarray:
+    """``rows`` without the replicas the root's locator assigns to another fragment."""
+    ndim = len(item.shape)
+    keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
+    loc = item.locator
+    mine = loc[np.isin(loc[:, 0], loaded)]
+    if len(mine) == len(keys):  # the common case: exactly the rows the root assigns these fragments
+        a = keys[np.lexsort(keys.T[::-1])]
+        b = mine[np.lexsort(mine.T[::-1])]
+        if (a == b).all():
+            return rows
+    assigned = set(map(tuple, mine.tolist()))
+    return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
+
+
+def _table(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, block_size: int,
+           here: str) -> ShardTable:
+    """The shard table of ``rows``, checked (ManifestError naming ``here``)."""
+    ndim, boxes = len(item.shape), cols["boxes"][rows]
+    offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
+    if ((boxes[:, ndim:width] != 0).any() or (boxes[:, width + ndim : 2 * width] != 1).any()
+            or (boxes[:, 2 * width + ndim :] != -1).any()):
+        raise ManifestError(f"{here}: a shard's rank differs from the array's {ndim}")
+    limit = np.asarray(item.shape, np.int64)
+    if (offs < 0).any() or (shape < 0).any() or (offs > limit - shape).any():
+        raise ManifestError(f"{here}: a shard lies outside the array shape {list(item.shape)}")
+    untiled = (tile == -1).all(axis=1)
+    if not (untiled | ((tile >= 1) & (tile <= np.maximum(shape, 1))).all(axis=1)).all():
+        raise ManifestError(f"{here}: a shard's tile does not fit its shape")
+    e0, e1 = cols["efirst"][rows], cols["efirst"][rows + 1]
+    counts = e1 - e0
+    e = _ranges(e0, counts)
+    ext = cols["extents"][e]
+    obj, at, so, length, ncrc, block = ext.T
+    prior = np.cumsum(length) - length  # bytes of this item's extents before each one
+    covered = prior - prior[np.repeat(np.cumsum(counts) - counts, counts)]  # ... within its shard
+    nbytes = np.prod(shape, axis=1, dtype=np.int64) * item.dtype.itemsize
+    total = np.zeros(len(rows), np.int64)
+    np.add.at(total, np.repeat(np.arange(len(rows)), counts), length)
+    bs = np.where(block > 0, block, block_size)
+    if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
+            or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
+        raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
+    c = _ranges(cols["cfirst"][e], ncrc)
+    return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
+                      obj, at, so, length, np.cumsum(ncrc) - ncrc, ncrc, block, cols["crcs"][c])
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated."""
+    rep = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return rep + np.arange(int(counts.sum()))
