@@ -327,23 +327,36 @@ def _scattered_requests(p: dict[str, np.ndarray], ws: list[_Want], objects: list
         return reqs
     order = np.lexsort((start, p["obj"][sel]))
     sel, start, end = sel[order], start[order], end[order]
-    cuts = _runs(p["obj"][sel], start, end, p["bs"][sel]).tolist()
-    fields = [p[k][sel].tolist() for k in ("seg_w", "a", "rb", "ra", "so", "bs", "c0")]
-    start_l, obj_l = start.tolist(), p["obj"][sel].tolist()
+    cuts = _runs(p["obj"][sel], start, end, p["bs"][sel])
+    run_of = np.repeat(np.arange(len(cuts)), np.diff(np.append(cuts, len(sel))))
+    at = start - start[cuts][run_of]  # each piece's place in its run's scratch
+    checks = _run_checks(p, sel, at, ws)
     # What a copy-out needs per piece: region, block, rows, and where its bytes start in the run.
     place = np.stack([p["seg_w"][sel], p["seg_blk"][sel], p["seg_r0"][sel], p["seg_r1"][sel],
-                      start - start[0] + (p["a"][sel] - p["ra"][sel]), p["b"][sel] - p["a"][sel]], axis=1)
-    for i, j in zip(cuts, [*cuts[1:], len(sel)]):
-        base = start_l[i]
-        scratch = Scratch(start_l[j - 1] + (fields[2][j - 1] - fields[3][j - 1]) - base)
-        checks = [_checks(ws[wi], ra, rb, so, bs, c0, s - base) for wi, ra, rb, so, bs, c0, s in zip(
-            fields[0][i:j], fields[3][i:j], fields[2][i:j], fields[4][i:j], fields[5][i:j], fields[6][i:j],
-            start_l[i:j])]
-        rows = place[i:j].copy()
-        rows[:, 4] -= base - start_l[0]
-        reqs.append(ReadRequest(objects[obj_l[i]], ByteRange(base, base + scratch.nbytes), [scratch.slice(0, scratch.nbytes)],
-                                checks, [_run_copier(ws, scratch, rows)], fields[5][i]))
+                      at + (p["a"][sel] - p["ra"][sel]), p["b"][sel] - p["a"][sel]], axis=1)
+    ends = np.append(cuts[1:], len(sel))
+    fields = zip(cuts.tolist(), ends.tolist(), start[cuts].tolist(), (end[ends - 1] - start[cuts]).tolist(),
+                 p["obj"][sel][cuts].tolist(), p["bs"][sel][cuts].tolist())
+    for i, j, base, n, obj, bs in fields:
+        scratch = Scratch(n)
+        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [scratch.slice(0, n)], checks[i:j],
+                                [_run_copier(ws, scratch, place[i:j])], bs))
     return reqs
+
+
+def _run_checks(p: dict[str, np.ndarray], sel: np.ndarray, at: np.ndarray,
+                ws: list[_Want]) -> list[tuple[int, int, list[int], str]]:
+    """The check of each piece ``sel`` (at ``at`` in its request), made as columns: a million
+    pieces of a column block must not cost a Python call each."""
+    crc_at = np.cumsum([0] + [w.table.crcs.size for w in ws])
+    flat = np.concatenate([w.table.crcs for w in ws]).tolist()
+    wi = p["seg_w"][sel]
+    ra, rb, bs = p["ra"][sel], p["rb"][sel], p["bs"][sel]
+    k0 = crc_at[wi] + p["c0"][sel] + (ra - p["so"][sel]) // bs
+    k1 = k0 + -(-(rb - ra) // bs)
+    crcs = [flat[a:b] for a, b in zip(k0.tolist(), k1.tolist())]
+    names = np.array([w.name for w in ws], dtype=object)[wi].tolist()
+    return list(zip(at.tolist(), (rb - ra).tolist(), crcs, names))
 
 
 def _place(w: _Want, blk: int, r0: int, r1: int, raw: np.ndarray) -> None:
