@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -124,8 +125,12 @@ def plan_regions(
     for w in ws:  # one block table per region (planning appended a group per call)
         if len(w.g_off) > 1:
             w.g_off, w.b_shape = [np.concatenate(w.g_off)], [np.concatenate(w.b_shape)]
-    pieces = _pieces(segs.columns(), ws, block_size)
-    return _direct_requests(pieces, ws, objects) + _scattered_requests(pieces, ws, objects)
+    seg = segs.columns()
+    ext = _Extents(ws)
+    pieces = _pieces(seg, ext, block_size)
+    direct = seg["direct"][pieces["seg"]] == 1
+    return (_direct_requests(pieces, np.flatnonzero(direct), seg, ext, ws, objects)
+            + _scattered_requests(pieces, np.flatnonzero(~direct), seg, ext, ws, objects))
 
 
 class _Segments:
@@ -139,16 +144,17 @@ class _Segments:
         self.w: list[np.ndarray] = []
         self.parts: dict[str, list[np.ndarray]] = {n: [] for n in self.NAMES}
 
-    def add(self, w: int, **cols: np.ndarray) -> None:
+    def add(self, w: int, **cols: Any) -> None:
         k = len(cols["row"])
         if not k:
             return
         self.w.append(np.full(k, w, _I64))
         for n in self.NAMES[1:]:
-            self.parts[n].append(np.broadcast_to(np.asarray(cols.get(n, 0), _I64), (k,)))
+            v = cols.get(n, 0)
+            self.parts[n].append(v if isinstance(v, np.ndarray) else np.full(k, v, _I64))
 
     def columns(self) -> dict[str, np.ndarray]:
-        out = {n: np.concatenate(p) for n, p in self.parts.items() if n != "w"}
+        out = {n: np.concatenate(p).astype(_I64, copy=False) for n, p in self.parts.items() if n != "w"}
         out["w"] = np.concatenate(self.w)
         return out
 
@@ -215,75 +221,83 @@ def _add_tiles(segs: _Segments, wi: int, w: _Want, row: int, lo: np.ndarray, hi:
     _add_row_runs(segs, wi, w, np.full(len(tiles), row, _I64), b_off, b_shape, first, last, row_bytes, pos)
 
 
-def _pieces(seg: dict[str, np.ndarray], ws: list[_Want], block_size: int) -> dict[str, np.ndarray]:
+class _Extents:
+    """The extent columns of every region's table, end to end (``base``: where each region's
+    rows, extents and checksums start), so pieces are cut for all regions in one pass."""
+
+    def __init__(self, ws: list[_Want]) -> None:
+        tabs = [w.table for w in ws]
+        self.row_base = np.cumsum([0] + [t.n for t in tabs])
+        ext_base = np.cumsum([0] + [t.object.size for t in tabs])
+        crc_base = np.cumsum([0] + [t.crcs.size for t in tabs])
+        self.first = np.concatenate([t.first[:-1] + b for t, b in zip(tabs, ext_base.tolist())])
+        self.count = np.concatenate([np.diff(t.first) for t in tabs])
+        cat = np.concatenate
+        self.object, self.offset = cat([t.object for t in tabs]), cat([t.offset for t in tabs])
+        self.shard_offset, self.length = cat([t.shard_offset for t in tabs]), cat([t.length for t in tabs])
+        self.block = cat([t.block for t in tabs])
+        self.crc0 = cat([t.crc0 + b for t, b in zip(tabs, crc_base.tolist())])
+        self.crcs = cat([t.crcs for t in tabs])
+
+
+def _pieces(seg: dict[str, np.ndarray], ext: _Extents, block_size: int) -> dict[str, np.ndarray]:
     """Segments cut by the extents holding them: per piece, its segment (``seg``), ``a``/``b``
     (its bytes, shard coordinates), ``ra``/``rb`` (rounded out to checksum blocks), the extent's
-    ``so``/``obj``/``at`` (shard offset, object, offset in it), ``bs`` and its checksums
-    ``c0``/``c1`` (indices into its table's crcs), and how many pieces its segment has."""
-    cols: dict[str, list[np.ndarray]] = {}
-    bounds = np.searchsorted(seg["w"], np.arange(len(ws) + 1)).tolist()  # segments come region by region
-    for wi, w in enumerate(ws):
-        mine = np.arange(bounds[wi], bounds[wi + 1])
-        if not len(mine):
-            continue
-        t = w.table
-        rows = seg["row"][mine]
-        e0, e1 = t.first[rows], t.first[rows + 1]
-        rep = np.repeat(np.arange(len(mine)), e1 - e0)
-        e = e0[rep] + (np.arange(len(rep)) - np.repeat(np.cumsum(e1 - e0) - (e1 - e0), e1 - e0))
-        so, ln = t.shard_offset[e], t.length[e]
-        a = np.maximum(seg["lo"][mine][rep], so)
-        b = np.minimum(seg["hi"][mine][rep], so + ln)
-        keep = a < b
-        e, a, b, so, ln, rep = e[keep], a[keep], b[keep], so[keep], ln[keep], rep[keep]
-        bs = np.where(t.block[e] > 0, t.block[e], block_size)
-        ra = so + (a - so) // bs * bs
-        rb = np.minimum(so + ln, so + -(-(b - so) // bs) * bs)
-        part = {"seg": mine[rep], "a": a, "b": b, "ra": ra, "rb": rb, "so": so, "end": so + ln, "bs": bs,
-                "obj": t.object[e], "at": t.offset[e], "c0": t.crc0[e], "c1": t.crc0[e] + t.ncrc[e]}
-        for k, v in part.items():
-            cols.setdefault(k, []).append(v)
-    out = {k: np.concatenate(v) for k, v in cols.items()}
-    out["count"] = np.bincount(out["seg"], minlength=len(seg["w"]))[out["seg"]]
-    out.update({f"seg_{k}": v[out["seg"]] for k, v in seg.items()})
-    return out
+    ``so``/``end``/``obj``/``at`` (shard offsets, object, offset in it), ``bs`` and its first
+    checksum ``c0`` (in ``ext.crcs``), and how many pieces its segment has (``count``)."""
+    grow = ext.row_base[seg["w"]] + seg["row"]
+    counts = ext.count[grow]
+    rep = np.repeat(np.arange(len(grow)), counts)
+    e = np.repeat(ext.first[grow] - (np.cumsum(counts) - counts), counts) + np.arange(len(rep))
+    so, ln = ext.shard_offset[e], ext.length[e]
+    a = np.maximum(seg["lo"][rep], so)
+    b = np.minimum(seg["hi"][rep], so + ln)
+    keep = a < b
+    e, a, b, so, ln, rep = e[keep], a[keep], b[keep], so[keep], ln[keep], rep[keep]
+    bs = np.where(ext.block[e] > 0, ext.block[e], block_size)
+    ra = so + (a - so) // bs * bs
+    rb = np.minimum(so + ln, so + -(-(b - so) // bs) * bs)
+    return {"seg": rep, "a": a, "b": b, "ra": ra, "rb": rb, "so": so, "end": so + ln, "bs": bs,
+            "obj": ext.object[e], "at": ext.offset[e], "c0": ext.crc0[e],
+            "count": np.bincount(rep, minlength=len(grow))[rep]}
 
 
-def _checks(w: _Want, a: int, b: int, so: int, bs: int, c0: int, at: int) -> tuple[int, int, list[int], str]:
+def _checks(crcs: np.ndarray, name: str, a: int, b: int, so: int, bs: int, c0: int,
+            at: int) -> tuple[int, int, list[int], str]:
     """The check of piece bytes ``[a, b)`` (block aligned within their extent, shard offset
-    ``so``, first checksum ``c0``) at ``at`` in its request."""
+    ``so``, first checksum ``c0`` in ``crcs``) at ``at`` in its request."""
     k0 = c0 + (a - so) // bs
-    return (at, b - a, w.table.crc_list()[k0 : k0 + -(-(b - a) // bs)], w.name)
+    return (at, b - a, crcs[k0 : k0 + -(-(b - a) // bs)].tolist(), name)
 
 
-def _direct_requests(p: dict[str, np.ndarray], ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
-    """Straight pieces: whole blocks read into the destination, partial blocks at either end
-    through scratch. One Python step per piece: a host's own rows are few pieces."""
+def _direct_requests(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str, np.ndarray], ext: _Extents,
+                     ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
+    """Straight pieces ``sel``: whole blocks read into the destination, partial blocks at either
+    end through scratch. One Python step per piece: a host's own rows are few pieces."""
     reqs: list[ReadRequest] = []
-    sel = np.flatnonzero(p["seg_direct"] == 1)
     if not len(sel):
         return reqs
     a, b, so, end, bs = (p[k][sel] for k in ("a", "b", "so", "end", "bs"))
     ma = so + -(-(a - so) // bs) * bs
     mb = np.where(b == end, b, so + (b - so) // bs * bs)
-    dest_at = p["seg_d0"][sel] + (a - p["seg_lo"][sel])
-    fields = (p["seg_w"][sel], a, b, p["ra"][sel], p["rb"][sel], ma, mb, so, bs, p["obj"][sel], p["at"][sel],
+    s = p["seg"][sel]
+    dest_at = seg["d0"][s] + (a - seg["lo"][s])
+    fields = (seg["w"][s], a, b, p["ra"][sel], p["rb"][sel], ma, mb, so, bs, p["obj"][sel], p["at"][sel],
               p["c0"][sel], dest_at)
+    dests = [w.region.dest.reshape(-1).view(np.uint8) for w in ws]
     for wi, a, b, ra, rb, ma, mb, so, bs, obj, at, c0, d in zip(*(f.tolist() for f in fields)):
-        w = ws[wi]
-        dest = w.region.dest.reshape(-1).view(np.uint8)
-        key = objects[obj]
+        name, dest, key = ws[wi].name, dests[wi], objects[obj]
         if ma < mb:
             view = memoryview(dest[d + (ma - a) : d + (mb - a)])
             reqs.append(ReadRequest(key, ByteRange(at + ma - so, at + mb - so), [view],
-                                    [_checks(w, ma, mb, so, bs, c0, 0)], [], bs))
+                                    [_checks(ext.crcs, name, ma, mb, so, bs, c0, 0)], [], bs))
         for sa, sb in ([(ra, ma), (mb, rb)] if ma < mb else [(ra, rb)]):
             if sa >= sb:
                 continue
             scratch = Scratch(sb - sa)
             ca, cb = max(a, sa), min(b, sb)
             reqs.append(ReadRequest(key, ByteRange(at + sa - so, at + sb - so), [scratch.slice(0, sb - sa)],
-                                    [_checks(w, sa, sb, so, bs, c0, 0)],
+                                    [_checks(ext.crcs, name, sa, sb, so, bs, c0, 0)],
                                     [_copier(dest, d + (ca - a), scratch, ca - sa, cb - ca)], bs))
     return reqs
 
@@ -311,52 +325,82 @@ def _runs(obj: np.ndarray, start: np.ndarray, end: np.ndarray, bs: np.ndarray) -
     return np.flatnonzero(cut)
 
 
-def _scattered_requests(p: dict[str, np.ndarray], ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
-    """Pieces copied out of scratch: those of single-piece segments coalesced into runs (one read
-    and one scratch each, every piece checked, then all copied out); a segment spanning extents
-    gets a scratch of its own, copied out once all its pieces are in."""
-    sel = np.flatnonzero(p["seg_direct"] == 0)
+def _scattered_requests(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str, np.ndarray], ext: _Extents,
+                        ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
+    """Pieces ``sel`` copied out of scratch: those of single-piece segments coalesced into runs
+    (one read and one scratch each, every piece checked, then all copied out); a segment spanning
+    extents gets a scratch of its own, copied out once all its pieces are in."""
     if not len(sel):
         return []
-    start = p["at"][sel] + (p["ra"][sel] - p["so"][sel])
-    end = start + (p["rb"][sel] - p["ra"][sel])
     single = p["count"][sel] == 1
-    reqs = _split_segments(p, sel[~single], ws, objects)
-    sel, start, end = sel[single], start[single], end[single]
+    reqs = _split_segments(p, sel[~single], seg, ext, ws, objects)
+    sel = sel[single]
     if not len(sel):
         return reqs
+    start = p["at"][sel] + (p["ra"][sel] - p["so"][sel])
     order = np.lexsort((start, p["obj"][sel]))
-    sel, start, end = sel[order], start[order], end[order]
+    sel, start = sel[order], start[order]
+    end = start + (p["rb"][sel] - p["ra"][sel])
     cuts = _runs(p["obj"][sel], start, end, p["bs"][sel])
     run_of = np.repeat(np.arange(len(cuts)), np.diff(np.append(cuts, len(sel))))
     at = start - start[cuts][run_of]  # each piece's place in its run's scratch
-    checks = _run_checks(p, sel, at, ws)
+    s = p["seg"][sel]
+    checks = _run_checks(p, sel, at, seg["w"][s], ext, ws)
     # What a copy-out needs per piece: region, block, rows, and where its bytes start in the run.
-    place = np.stack([p["seg_w"][sel], p["seg_blk"][sel], p["seg_r0"][sel], p["seg_r1"][sel],
+    place = np.stack([seg["w"][s], seg["blk"][s], seg["r0"][s], seg["r1"][s],
                       at + (p["a"][sel] - p["ra"][sel]), p["b"][sel] - p["a"][sel]], axis=1)
     ends = np.append(cuts[1:], len(sel))
     fields = zip(cuts.tolist(), ends.tolist(), start[cuts].tolist(), (end[ends - 1] - start[cuts]).tolist(),
                  p["obj"][sel][cuts].tolist(), p["bs"][sel][cuts].tolist())
     for i, j, base, n, obj, bs in fields:
         scratch = Scratch(n)
-        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [scratch.slice(0, n)], checks[i:j],
-                                [_run_copier(ws, scratch, place[i:j])], bs))
+        mine = _Checks(*(c[i:j] for c in checks[:5]), checks[5])
+        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [scratch.slice(0, n)],
+                                mine, [_run_copier(ws, scratch, place[i:j])], bs))  # type: ignore[arg-type]
     return reqs
 
 
-def _run_checks(p: dict[str, np.ndarray], sel: np.ndarray, at: np.ndarray,
-                ws: list[_Want]) -> list[tuple[int, int, list[int], str]]:
-    """The check of each piece ``sel`` (at ``at`` in its request), made as columns: a million
-    pieces of a column block must not cost a Python call each."""
-    crc_at = np.cumsum([0] + [w.table.crcs.size for w in ws])
-    flat = np.concatenate([w.table.crcs for w in ws]).tolist()
-    wi = p["seg_w"][sel]
+class _Checks(Sequence[tuple[int, int, list[int], str]]):
+    """The checks of one coalesced read (``(offset in the read, length, block crcs, item)`` per
+    piece), kept as columns until the read asks for them: a column block of a million shards
+    must not cost a million tuples and lists at planning, only at reading, read by read."""
+
+    __slots__ = ("_cols", "_list")
+
+    def __init__(self, at: np.ndarray, length: np.ndarray, k0: np.ndarray, k1: np.ndarray, names: np.ndarray,
+                 crcs: np.ndarray) -> None:
+        self._cols: tuple[np.ndarray, ...] | None = (at, length, k0, k1, names, crcs)
+        self._list: list[tuple[int, int, list[int], str]] = []
+
+    def _made(self) -> list[tuple[int, int, list[int], str]]:
+        cols = self._cols
+        if cols is not None:  # a benign race: two threads make equal lists
+            at, length, k0, k1, names, crcs = cols
+            lo = int(k0.min())
+            flat = crcs[lo : int(k1.max())].tolist()
+            self._list = list(zip(at.tolist(), length.tolist(),
+                                  [flat[a:b] for a, b in zip((k0 - lo).tolist(), (k1 - lo).tolist())], names.tolist()))
+            self._cols = None
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._cols[0]) if self._cols is not None else len(self._list)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._made()[i]
+
+    def __iter__(self) -> Iterator[tuple[int, int, list[int], str]]:
+        return iter(self._made())
+
+
+def _run_checks(p: dict[str, np.ndarray], sel: np.ndarray, at: np.ndarray, wi: np.ndarray, ext: _Extents,
+                ws: list[_Want]) -> tuple[np.ndarray, ...]:
+    """Per piece ``sel`` (of region ``wi``, at ``at`` in its read): its check's columns (see
+    :class:`_Checks`)."""
     ra, rb, bs = p["ra"][sel], p["rb"][sel], p["bs"][sel]
-    k0 = crc_at[wi] + p["c0"][sel] + (ra - p["so"][sel]) // bs
+    k0 = p["c0"][sel] + (ra - p["so"][sel]) // bs
     k1 = k0 + -(-(rb - ra) // bs)
-    crcs = [flat[a:b] for a, b in zip(k0.tolist(), k1.tolist())]
-    names = np.array([w.name for w in ws], dtype=object)[wi].tolist()
-    return list(zip(at.tolist(), (rb - ra).tolist(), crcs, names))
+    return at, rb - ra, k0, k1, np.array([w.name for w in ws], dtype=object)[wi], ext.crcs
 
 
 def _place(w: _Want, blk: int, r0: int, r1: int, raw: np.ndarray) -> None:
@@ -386,21 +430,21 @@ def _run_copier(ws: list[_Want], scratch: Scratch, rows: np.ndarray) -> Callable
     return copy_out
 
 
-def _split_segments(p: dict[str, np.ndarray], sel: np.ndarray, ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
+def _split_segments(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str, np.ndarray], ext: _Extents,
+                    ws: list[_Want], objects: list[str]) -> list[ReadRequest]:
     """Segments whose bytes span extents (a shard larger than an object): one scratch per
     segment, each extent's piece read into its part, copied out once all are in."""
     reqs: list[ReadRequest] = []
     for s in np.unique(p["seg"][sel]).tolist():
         mine = sel[p["seg"][sel] == s]
-        wi, blk, r0, r1 = (int(p[k][mine[0]]) for k in ("seg_w", "seg_blk", "seg_r0", "seg_r1"))
+        wi, blk, r0, r1, lo, hi = (int(seg[k][s]) for k in ("w", "blk", "r0", "r1", "lo", "hi"))
         w = ws[wi]
         base = int(p["ra"][mine].min())
         scratch = Scratch(int(p["rb"][mine].max()) - base)
         part = [ReadRequest(objects[obj], ByteRange(at + ra - so, at + rb - so), [scratch.slice(ra - base, rb - base)],
-                            [_checks(w, ra, rb, so, bs, c0, 0)], [], bs)
+                            [_checks(ext.crcs, w.name, ra, rb, so, bs, c0, 0)], [], bs)
                 for obj, at, ra, rb, so, bs, c0 in zip(*(p[k][mine].tolist()
                                                          for k in ("obj", "at", "ra", "rb", "so", "bs", "c0")))]
-        lo, hi = int(p["seg_lo"][mine[0]]), int(p["seg_hi"][mine[0]])
 
         def copy_out(w: _Want = w, scratch: Scratch = scratch, blk: int = blk, r0: int = r0, r1: int = r1,
                      lo: int = lo, hi: int = hi, base: int = base) -> None:

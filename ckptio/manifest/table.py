@@ -117,7 +117,10 @@ class ShardTable:
         # Along the dimension that separates the shards best, shards reaching into a box start
         # at most ``longest`` before it: two bisections bound the candidates.
         if self._index is None:
-            dim = max(range(self.ndim), key=lambda d: len(np.unique(self.offsets[:, d])))
+            # About how many distinct positions each dimension has (its span over its longest
+            # shard): O(n), where counting them exactly took a sort per dimension.
+            spans = np.ptp(self.offsets, axis=0) // np.maximum(self.shape.max(axis=0), 1)
+            dim = int(np.argmax(spans))
             order = np.argsort(self.offsets[:, dim], kind="stable")
             longest = int(self.shape[:, dim].max()) if self.n else 0
             self._index = (dim, order, self.offsets[order, dim], longest)  # a benign race: equal results

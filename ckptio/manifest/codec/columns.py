@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,19 +81,26 @@ class Columns:
     crcs: np.ndarray
 
 
-def decode_columns(doc: Mapping[str, Any], here: str) -> Columns:
+def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None) -> Columns:
     """The columns of a version-3 fragment document, their sizes checked (their values are
-    checked per item by the reader); ManifestError naming ``here``."""
+    checked per item by the reader); ManifestError naming ``here``. ``like``: the fragment decoded
+    before, whose item index is taken over when this one lists the same items and counts (every
+    host of a job does)."""
     items = doc["items"]
     if not isinstance(items, dict):
         raise ManifestError(f"{here}: 'items' must be a JSON object")
     width = check_int(doc["width"], "width", here, hi=MAX_NDIM)
     n_ext = check_int(doc["extents"], "extent count", here, hi=MAX_COUNT)
     n_crc = check_int(doc["crcs"], "checksum count", here, hi=MAX_COUNT)
-    starts, counts, rows = {}, {}, 0
-    for name, count in items.items():
-        starts[name], counts[name] = rows, check_int(count, f"shard count of item {name!r}", here, hi=MAX_COUNT)
-        rows += count
+    if like is not None and like.counts == items:
+        starts, counts = like.starts, like.counts
+    else:
+        starts, counts = {}, items
+        values = list(items.values())
+        if not set(map(type, values)) <= {int} or (values and not 0 <= min(values) <= max(values) <= MAX_COUNT):
+            raise ManifestError(f"{here}: every item's shard count must be an integer in [0, {MAX_COUNT}]")
+        starts = dict(zip(items, itertools.accumulate(values, initial=0)))
+    rows = sum(counts.values())
     sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
     try:
         text = doc["columns"]
@@ -112,15 +120,17 @@ def decode_columns(doc: Mapping[str, Any], here: str) -> Columns:
                    extents.astype(np.int64), crcs.astype(np.uint32))
 
 
-def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], n_objects: int, where: str,
-                 *, complete: bool) -> dict[str, ArrayItem]:
+def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
+                 *, complete: bool, names: Collection[str] | None = None) -> dict[str, ArrayItem]:
     """The array items of a format-2 ``manifest`` that the columnar ``fragments`` (``(fragment
     number, its first object in the loaded objects, its columns)``) hold rows of, each with its
     :class:`ShardTable` made from those rows (replicas the root assigns to another fragment
     dropped) and checked as columns: boxes inside the array, extents tiling each shard's bytes
-    with one checksum per block, objects that exist; with ``complete``, shards tiling the array."""
-    names = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
-    cols = _concat(manifest, fragments, names, where)
+    with one checksum per block, objects that exist; with ``complete``, shards tiling the array.
+    Only the items ``names`` lists (None: all): the rows of the others are not looked at."""
+    arrays = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+    cols = _concat(manifest, fragments, arrays, where, names)
+    names = arrays
     width = cols["width"]
     ncrc = cols["extents"][:, 4]
     cols["efirst"] = np.concatenate([[0], np.cumsum(cols["ecount"])])
@@ -146,32 +156,46 @@ def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns
     return out
 
 
-def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], names: list[str],
-            where: str) -> dict[str, Any]:
-    """Every fragment's rows as one set of columns: ``item`` (index into ``names``), ``frag``,
-    ``boxes`` (widened to the widest rank), ``ecount``, ``extents`` (objects made global), ``crcs``."""
-    ids = {n: i for i, n in enumerate(names)}
+def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], arrays: list[str],
+            where: str, names: Collection[str] | None) -> dict[str, Any]:
+    """The rows of items ``names`` (None: all) of every fragment as one set of columns: ``item``
+    (index into ``arrays``), ``frag``, ``boxes`` (widened to the widest rank), ``ecount``,
+    ``extents`` (objects made global), ``crcs``."""
+    ids = {n: i for i, n in enumerate(arrays)}
     width = max(c.width for _f, _b, c in fragments)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents", "crcs")}
-    last: tuple[list[str], np.ndarray] | None = None
+    # Every host lists the same items with the same counts (decode_columns then shares one
+    # dict): the item index of those rows, and which of them are wanted, are worked out once.
+    known: dict[int, tuple[np.ndarray, Any]] = {}
     for f, base, c in fragments:
         here = f"{where}: fragment {manifest.fragments[f].key!r}"  # type: ignore[index]
-        order = list(c.counts)
-        if last is None or last[0] != order:  # every host lists the same items: looked up once
-            unknown = [n for n in order if n not in ids]
+        seen = known.get(id(c.counts))
+        if seen is None:
+            unknown = [n for n in c.counts if n not in ids]
             if unknown:
                 raise ManifestError(f"{here}: names item {unknown[0]!r} that the root does not hold as an array")
-            last = (order, np.array([ids[n] for n in order], np.int64))
-        parts["item"].append(np.repeat(last[1], [c.counts[n] for n in order]))
-        parts["frag"].append(np.full(len(c.boxes), f, np.int64))
-        parts["boxes"].append(c.boxes if c.width == width else _widened(c.boxes, c.width, width))
-        parts["ecount"].append(c.extent_counts)
-        ext = c.extents
+            kept = list(c.counts) if names is None else [n for n in c.counts if n in names]
+            counts = np.array([c.counts[n] for n in kept], np.int64)
+            rows_of = (slice(None) if len(kept) == len(c.counts) else  # each item's rows are contiguous
+                       _ranges(np.array([c.starts[n] for n in kept], np.int64), counts))
+            seen = known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
+        parts["item"].append(seen[0])
+        rows = e = k = seen[1]
+        if not isinstance(rows, slice):
+            efirst = np.concatenate([[0], np.cumsum(c.extent_counts)])
+            e = _ranges(efirst[rows], c.extent_counts[rows])
+            cfirst = np.cumsum(c.extents[:, 4]) - c.extents[:, 4]
+            k = _ranges(cfirst[e], c.extents[e, 4])
+        boxes = c.boxes[rows]
+        parts["frag"].append(np.full(len(boxes), f, np.int64))
+        parts["boxes"].append(boxes if c.width == width else _widened(boxes, c.width, width))
+        parts["ecount"].append(c.extent_counts[rows])
+        ext = c.extents[e]
         if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
             raise ManifestError(f"{here}: an extent names an object the fragment does not list")
         ext[:, 0] += base
         parts["extents"].append(ext)
-        parts["crcs"].append(c.crcs)
+        parts["crcs"].append(c.crcs[k])
     out: dict[str, Any] = {k: np.concatenate(v) for k, v in parts.items()}
     out["width"] = width
     return out
@@ -189,12 +213,12 @@ def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     ndim = len(item.shape)
     keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
     loc = item.locator
-    mine = loc[np.isin(loc[:, 0], loaded)]
-    if len(mine) == len(keys):  # the common case: exactly the rows the root assigns these fragments
-        a = keys[np.lexsort(keys.T[::-1])]
-        b = mine[np.lexsort(mine.T[::-1])]
-        if (a == b).all():
-            return rows
+    mine = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    # The common case: exactly the rows the root assigns these fragments, in the root's order
+    # (fragment by fragment, each in its own order), or at least the same set of them.
+    if len(mine) == len(keys) and (np.array_equal(keys, mine) or np.array_equal(
+            keys[np.lexsort(keys.T[::-1])], mine[np.lexsort(mine.T[::-1])])):
+        return rows
     assigned = set(map(tuple, mine.tolist()))
     return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
 
@@ -221,8 +245,9 @@ def _table(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     prior = np.cumsum(length) - length  # bytes of this item's extents before each one
     covered = prior - prior[np.repeat(np.cumsum(counts) - counts, counts)]  # ... within its shard
     nbytes = np.prod(shape, axis=1, dtype=np.int64) * item.dtype.itemsize
-    total = np.zeros(len(rows), np.int64)
-    np.add.at(total, np.repeat(np.arange(len(rows)), counts), length)
+    ends = np.concatenate([[0], np.cumsum(length)])
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    total = ends[bounds[1:]] - ends[bounds[:-1]]  # each shard's extents' bytes
     bs = np.where(block > 0, block, block_size)
     if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
             or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):

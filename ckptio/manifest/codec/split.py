@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -94,13 +94,14 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str, where: str,
-                   *, complete: bool) -> Manifest:
+                   *, complete: bool, names: Collection[str] | None = None) -> Manifest:
     """``manifest`` (a format-2 root) with the shards and objects of the fragments in ``datas``.
 
     Each fragment must be the exact bytes the root recorded (size and crc32c), bound to the
     root's step, and hold the boxes the root's locators assign to it. Columnar fragments
     (version 3, :mod:`.columns`) become each item's :class:`~ckptio.manifest.table.ShardTable`
-    straight from their columns; version-2 fragments' rows are read one by one.
+    straight from their columns; version-2 fragments' rows are read one by one. ``names``: the
+    array items to give shards (None: all); the others keep none.
     """
     if manifest.complete:  # every shard already at hand (format 1, or all fragments read)
         return manifest
@@ -116,12 +117,12 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
         base = len(objects)
         objects += _fragment_objects(doc, here, step_dir)
         if doc.get("version") == COLUMNS_FRAGMENT_VERSION:
-            columnar.append((f, base, decode_columns(doc, here)))
+            columnar.append((f, base, decode_columns(doc, here, columnar[-1][2] if columnar else None)))
         else:
-            _rows_v2(manifest, f, doc, base, here, shards, owners, few=len(datas) <= 8)
+            _rows_v2(manifest, f, doc, base, here, shards, owners, few=len(datas) <= 8, names=names)
     if columnar and shards:
         raise ManifestError(f"{where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
-    built = from_columns(manifest, columnar, len(objects), where, complete=complete) if columnar else {}
+    built = from_columns(manifest, columnar, where, complete=complete, names=names) if columnar else {}
     items: dict[str, ArrayItem | ValueItem] = {}
     for name, item in manifest.items.items():
         if not isinstance(item, ArrayItem):
@@ -166,7 +167,7 @@ def _fragment_objects(doc: dict[str, Any], here: str, step_dir: str) -> list[str
 
 
 def _rows_v2(manifest: Manifest, f: int, doc: dict[str, Any], base: int, here: str, shards: dict[str, list[Any]],
-             owners: dict[str, dict[tuple[int, ...], int]], *, few: bool) -> None:
+             owners: dict[str, dict[tuple[int, ...], int]], *, few: bool, names: Collection[str] | None) -> None:
     """A version-2 fragment's shard rows (JSON lists) into ``shards``, as item JSON."""
     n_objects = len(doc["objects"])
     host = manifest.fragments[f].host  # type: ignore[index]
@@ -174,6 +175,8 @@ def _rows_v2(manifest: Manifest, f: int, doc: dict[str, Any], base: int, here: s
         item = manifest.items.get(name)
         if not isinstance(item, ArrayItem) or item.locator is None:
             raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
+        if names is not None and name not in names:
+            continue
         if few:  # a host reading its own fragment: its rows only, not every host's
             mine = {tuple(r) for r in item.locator[item.locator[:, 0] == f, 1:].tolist()}
             owned = (lambda box, mine=mine: box in mine)
