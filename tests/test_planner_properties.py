@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptio.checksum import block_crcs, verify_blocks
-from ckptio.errors import IntegrityError
-from ckptio.manifest import ArrayItem, Extent, ShardRecord
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.manifest import ArrayItem, Extent, FragmentRef, Manifest, ShardRecord
+from ckptio.manifest.codec.columns import decode_columns, encode_columns, from_columns
 from ckptio.readpieces import ConcatView
 from ckptio.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
 from ckptio.scratch import ScratchPool
@@ -196,3 +197,70 @@ def test_corrupt_bytes_never_reach_the_destination() -> None:
         dest = np.zeros(shape, np.int32)
         with pytest.raises(IntegrityError, match="'w'"):
             execute(plan_region("w", item, Region(off, dest), ["o"], 256), {"o": bytes(bad)})
+
+
+@PROFILE
+@given(st.data())
+def test_columnar_fragments_plan_and_restore_as_the_shards_they_were_written_from(data: st.DataObject) -> None:
+    """Format 2: shards written into columnar fragments (each fragment listing the objects), with a
+    replica in a second fragment that the root assigns to the first, read back as a ShardTable:
+    the same shards (replica dropped), the same reads as the format-1 item, bit-exact."""
+    item, full, objects, bs = data.draw(saved())
+    n_frag = data.draw(st.integers(1, 3))
+    owner = [data.draw(st.integers(0, n_frag - 1)) for _ in item.shards]
+    keys = list(objects)
+    per_frag: list[list[dict]] = [[] for _ in range(n_frag)]
+    for s, f in zip(item.shards, owner):
+        row = {"offsets": list(s.offsets), "shape": list(s.shape),
+               "extents": [[e.object, e.offset, e.shard_offset, e.length, e.crcs] for e in s.extents],
+               **({"tile": list(s.tile)} if s.tile is not None else {})}
+        per_frag[f].append(row)
+        if f + 1 < n_frag and data.draw(st.booleans()):
+            per_frag[f + 1].append(row)  # a replica: the root assigns the box to fragment f
+    locator = np.array([[f, *s.offsets, *s.shape] for s, f in zip(item.shards, owner)], np.int64).reshape(
+        len(item.shards), 1 + 2 * len(item.shape))
+    root_item = ArrayItem(item.dtype, item.shape, [])
+    root_item.locator = locator
+    refs = [FragmentRef(f"frag{f}", 0, 0, f) for f in range(n_frag)]
+    root = Manifest(1, "c", 0.0, bs, n_frag, None, {"x": root_item}, [], fragments=refs, complete=False)
+    cols = []
+    for f, rows in enumerate(per_frag):
+        doc = {"objects": keys, **encode_columns([("x", rows)] if rows else [])}
+        cols.append((f, f * len(keys), decode_columns(doc, f"frag{f}")))
+    got = from_columns(root, cols, "root", complete=True)["x"]
+    all_keys = keys * n_frag
+    assert sorted((s.offsets, s.shape, s.tile, [(all_keys[e.object], e.offset, e.shard_offset, e.length, e.crcs)
+                                                 for e in s.extents]) for s in got.shards) == \
+        sorted((s.offsets, s.shape, s.tile, [(keys[e.object], e.offset, e.shard_offset, e.length, e.crcs)
+                                             for e in s.extents]) for s in item.shards)
+    for off, shape in data.draw(target(item.shape)):
+        new = plan_region("x", got, Region(off, np.zeros(shape, item.dtype)), all_keys, bs)
+        old = plan_region("x", item, Region(off, np.zeros(shape, item.dtype)), keys, bs)
+        assert _ranges(new) == _ranges(old)
+        dest = np.zeros(shape, item.dtype)
+        execute(plan_region("x", got, Region(off, dest), all_keys, bs), objects)
+        assert dest.tobytes() == full[tuple(slice(o, o + n) for o, n in zip(off, shape))].tobytes()
+
+
+def test_a_columnar_fragment_that_lies_is_refused() -> None:
+    """Columns that do not add up, boxes outside the array and extents that do not hold a
+    shard's bytes are ManifestErrors naming the fragment or item, never a plan."""
+    shard = {"offsets": [0, 0], "shape": [4, 4], "extents": [[0, 0, 0, 64, [1]]]}
+    root_item = ArrayItem(np.dtype(np.float32), (4, 4), [])
+    root_item.locator = np.array([[0, 0, 0, 4, 4]], np.int64)
+    root = Manifest(1, "c", 0.0, 4096, 1, None, {"x": root_item}, [], fragments=[FragmentRef("f", 0, 0, 0)],
+                    complete=False)
+
+    def load(row: dict, **doc_changes: object) -> None:
+        doc = {"objects": ["o"], **encode_columns([("x", [row])]), **doc_changes}
+        from_columns(root, [(0, 0, decode_columns(doc, "frag f"))], "root", complete=True)
+
+    load(shard)  # as written: fine
+    with pytest.raises(ManifestError, match="frag f"):
+        load(shard, extents=2)
+    with pytest.raises(ManifestError, match="item 'x'"):  # a box the root does not assign it: not whole
+        load({**shard, "offsets": [1, 0]})
+    with pytest.raises(ManifestError, match="exactly its bytes"):
+        load({**shard, "extents": [[0, 0, 0, 60, [1]]]})
+    with pytest.raises(ManifestError, match="does not list"):
+        load({**shard, "extents": [[1, 0, 0, 64, [1]]]})
