@@ -140,6 +140,7 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
             boxes[name] = mine
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
     t_load = time.perf_counter() - t0
+    load_rss = _rss_mb()
     wants, needed = [], 0
     for name, [(off, shape)] in boxes.items():
         item = m.items[name]
@@ -148,7 +149,7 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     reqs = plan_regions(wants, m.objects, m.block_size)  # every region at once, as restore.plan does
     out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": len(reqs),
              "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
-             "storage_needed": needed})
+             "storage_needed": needed, "load_rss_mb": load_rss})
 
 
 def _rss_mb() -> float:

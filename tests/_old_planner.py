@@ -8,7 +8,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -18,6 +17,7 @@ from ckptio.backends.base import ByteRange
 from ckptio.engine import ReadRequest
 from ckptio.manifest import ArrayItem, Box, Extent, ShardRecord, overlap  # noqa: F401
 from ckptio.scratch import Scratch, ScratchSlice
+from ckptio.reshard_reads import _after_all, _copier
 from ckptio.tiling import tiles_meeting
 
 __all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid", "shards_meeting"]
@@ -177,14 +177,6 @@ def _direct(
     return reqs
 
 
-def _copier(dest: np.ndarray, d: int, src: Scratch, s: int, n: int) -> Callable[[], None]:
-    def copy() -> None:
-        dest[d : d + n] = src.array()[s : s + n]
-        src.release()
-
-    return copy
-
-
 def _through_scratch(
     name: str, shard: ShardRecord, lo: int, hi: int, objects: list[str], bs: int,
     place: Callable[[np.ndarray], None],
@@ -255,20 +247,3 @@ def _placer(
         dest[dst] = raw.view(dtype).reshape(shape)[src]
 
     return place
-
-
-def _after_all(n: int, fn: Callable[[], None], reqs: list[ReadRequest]) -> Callable[[], None]:
-    """Run ``fn`` once all ``n`` requests are done (each request's ``after`` counts down)."""
-    lock = threading.Lock()
-    left = [n]
-
-    def done() -> None:
-        with lock:
-            left[0] -= 1
-            fire = left[0] == 0
-        if fire:
-            fn()
-
-    for r in reqs[:-1]:
-        r.after.append(done)
-    return done

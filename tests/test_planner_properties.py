@@ -23,6 +23,7 @@ from ckptio.checksum import block_crcs, verify_blocks
 from ckptio.errors import IntegrityError, ManifestError
 from ckptio.manifest import ArrayItem, Extent, FragmentRef, Manifest, ShardRecord
 from ckptio.manifest.codec.columns import decode_columns, encode_columns, from_columns
+from ckptio import reshard
 from ckptio.readpieces import ConcatView
 from ckptio.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
 from ckptio.scratch import ScratchPool
@@ -161,6 +162,17 @@ def test_many_items_planned_together_restore_bit_exact(data: st.DataObject) -> N
             expect.append((dest, full[tuple(slice(o, o + n) for o, n in zip(off, shape))]))
             alone += plan_region(name, item, Region(off, np.zeros(shape, item.dtype)), keys, bs)
     reqs = plan_regions(wants, keys, bs)
+    assert _ranges(reqs) == _ranges(alone)
+    execute(reqs, objects)
+    for dest, want in expect:
+        assert dest.tobytes() == want.tobytes()
+    batch, reshard._BATCH_SEGMENTS = reshard._BATCH_SEGMENTS, 1  # every region planned in a batch of its own
+    try:
+        for _name, _item, region in wants:
+            region.dest[...] = 0
+        reqs = plan_regions(wants, keys, bs)
+    finally:
+        reshard._BATCH_SEGMENTS = batch
     assert _ranges(reqs) == _ranges(alone)
     execute(reqs, objects)
     for dest, want in expect:

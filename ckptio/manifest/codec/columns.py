@@ -68,24 +68,47 @@ def encode_columns(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> 
 
 @dataclasses.dataclass(slots=True)
 class Columns:
-    """A version-3 fragment's shards, decoded (see the module docstring); ``starts[name]`` is the
-    first row of an item, ``counts[name]`` its rows."""
+    """A version-3 fragment's shards (see the module docstring), decompressed only when asked
+    (:meth:`arrays`): a reader of thousands of fragments holds their compressed text, not their
+    columns. ``starts[name]`` is the first row of an item, ``counts[name]`` its rows."""
 
+    here: str
     width: int
     n_objects: int
     starts: dict[str, int]
     counts: dict[str, int]
-    boxes: np.ndarray
-    extent_counts: np.ndarray
-    extents: np.ndarray
-    crcs: np.ndarray
+    rows: int
+    n_ext: int
+    n_crc: int
+    text: str
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(boxes, extent_counts, extents, crcs)`` (read-only views of the decompressed bytes);
+        ManifestError naming the fragment if they are not what its document says."""
+        rows, width, n_ext, n_crc = self.rows, self.width, self.n_ext, self.n_crc
+        sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
+        try:
+            raw = zlib.decompress(base64.b64decode(self.text, validate=True))
+        except (ValueError, zlib.error) as e:
+            raise ManifestError(f"{self.here}: its shard columns are not readable: {e}") from e
+        if len(raw) != sum(sizes):
+            raise ManifestError(f"{self.here}: its shard columns do not hold the {rows} shards and {n_ext} "
+                                "extents it names")
+        at = np.cumsum([0, *sizes]).tolist()
+        boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
+        counts = np.frombuffer(raw, _LE64, rows, at[1])
+        extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
+        crcs = np.frombuffer(raw, _LE32, n_crc, at[3])
+        if rows and (counts.min() < 0 or int(counts.sum()) != n_ext) or (n_ext and int(extents[:, 4].sum()) != n_crc):
+            raise ManifestError(f"{self.here}: its extent or checksum counts do not add up")
+        return boxes, counts, extents, crcs
 
 
 def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None) -> Columns:
-    """The columns of a version-3 fragment document, their sizes checked (their values are
-    checked per item by the reader); ManifestError naming ``here``. ``like``: the fragment decoded
-    before, whose item index is taken over when this one lists the same items and counts (every
-    host of a job does)."""
+    """The columns of a version-3 fragment document (``here`` names it in errors), their sizes
+    checked; decompressed when asked (:meth:`Columns.arrays`), checked per item by the reader.
+    ``like``: the fragment decoded before, whose item index is taken over when this one lists the
+    same items and counts (every host of a job does)."""
     items = doc["items"]
     if not isinstance(items, dict):
         raise ManifestError(f"{here}: 'items' must be a JSON object")
@@ -93,31 +116,18 @@ def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = Non
     n_ext = check_int(doc["extents"], "extent count", here, hi=MAX_COUNT)
     n_crc = check_int(doc["crcs"], "checksum count", here, hi=MAX_COUNT)
     if like is not None and like.counts == items:
-        starts, counts = like.starts, like.counts
+        starts, counts, rows = like.starts, like.counts, like.rows
     else:
         starts, counts = {}, items
         values = list(items.values())
         if not set(map(type, values)) <= {int} or (values and not 0 <= min(values) <= max(values) <= MAX_COUNT):
             raise ManifestError(f"{here}: every item's shard count must be an integer in [0, {MAX_COUNT}]")
         starts = dict(zip(items, itertools.accumulate(values, initial=0)))
-    rows = sum(counts.values())
-    sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
-    try:
-        text = doc["columns"]
-        raw = zlib.decompress(base64.b64decode(text, validate=True)) if isinstance(text, str) else None
-    except (ValueError, zlib.error) as e:
-        raise ManifestError(f"{here}: its shard columns are not readable: {e}") from e
-    if raw is None or len(raw) != sum(sizes):
-        raise ManifestError(f"{here}: its shard columns do not hold the {rows} shards and {n_ext} extents it names")
-    at = np.cumsum([0, *sizes]).tolist()
-    boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
-    counts_col = np.frombuffer(raw, _LE64, rows, at[1])
-    extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
-    crcs = np.frombuffer(raw, _LE32, n_crc, at[3])
-    if rows and (counts_col.min() < 0 or int(counts_col.sum()) != n_ext) or (n_ext and int(extents[:, 4].sum()) != n_crc):
-        raise ManifestError(f"{here}: its extent or checksum counts do not add up")
-    return Columns(width, len(doc["objects"]), starts, counts, boxes.astype(np.int64), counts_col.astype(np.int64),
-                   extents.astype(np.int64), crcs.astype(np.uint32))
+        rows = sum(values)
+    text = doc["columns"]
+    if not isinstance(text, str):
+        raise ManifestError(f"{here}: its shard columns are not readable")
+    return Columns(here, width, len(doc["objects"]), starts, counts, rows, n_ext, n_crc, text)
 
 
 def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
@@ -129,15 +139,12 @@ def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns
     with one checksum per block, objects that exist; with ``complete``, shards tiling the array.
     Only the items ``names`` lists (None: all): the rows of the others are not looked at."""
     arrays = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
-    cols = _concat(manifest, fragments, arrays, where, names)
+    cols = _by_item(_concat(manifest, fragments, arrays, where, names))
     names = arrays
     width = cols["width"]
-    ncrc = cols["extents"][:, 4]
-    cols["efirst"] = np.concatenate([[0], np.cumsum(cols["ecount"])])
-    cols["cfirst"] = np.cumsum(ncrc) - ncrc
     cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
-    order = np.argsort(cols["item"], kind="stable")
-    bounds = np.searchsorted(cols["item"][order], np.arange(len(names) + 1)).tolist()
+    order = np.arange(len(cols["item"]))
+    bounds = np.searchsorted(cols["item"], np.arange(len(names) + 1)).tolist()
     loaded = np.array(sorted({f for f, _b, _c in fragments}), np.int64)
     out: dict[str, ArrayItem] = {}
     for i, name in enumerate(names):
@@ -146,7 +153,9 @@ def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns
         item = manifest.items[name]
         assert isinstance(item, ArrayItem)
         here = f"{where}: item {name!r}"
-        rows = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        if len(rows) == bounds[i + 1] - bounds[i]:  # every row owned: the table is views of the columns
+            rows = slice(bounds[i], bounds[i + 1])
         table = _table(item, rows, cols, width, manifest.block_size, here)
         full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
         full.table = table
@@ -160,45 +169,99 @@ def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], a
             where: str, names: Collection[str] | None) -> dict[str, Any]:
     """The rows of items ``names`` (None: all) of every fragment as one set of columns: ``item``
     (index into ``arrays``), ``frag``, ``boxes`` (widened to the widest rank), ``ecount``,
-    ``extents`` (objects made global), ``crcs``."""
+    ``extents`` (objects made global), ``crcs``. Fragments are decompressed one at a time, each
+    copied into columns allocated once (every row wanted) or sliced to the wanted items' rows."""
     ids = {n: i for i, n in enumerate(arrays)}
     width = max(c.width for _f, _b, c in fragments)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents", "crcs")}
     # Every host lists the same items with the same counts (decode_columns then shares one
     # dict): the item index of those rows, and which of them are wanted, are worked out once.
     known: dict[int, tuple[np.ndarray, Any]] = {}
-    for f, base, c in fragments:
-        here = f"{where}: fragment {manifest.fragments[f].key!r}"  # type: ignore[index]
-        seen = known.get(id(c.counts))
-        if seen is None:
+    for _f, _b, c in fragments:
+        if id(c.counts) not in known:
             unknown = [n for n in c.counts if n not in ids]
             if unknown:
-                raise ManifestError(f"{here}: names item {unknown[0]!r} that the root does not hold as an array")
+                raise ManifestError(f"{c.here}: names item {unknown[0]!r} that the root does not hold as an array")
             kept = list(c.counts) if names is None else [n for n in c.counts if n in names]
             counts = np.array([c.counts[n] for n in kept], np.int64)
             rows_of = (slice(None) if len(kept) == len(c.counts) else  # each item's rows are contiguous
                        _ranges(np.array([c.starts[n] for n in kept], np.int64), counts))
-            seen = known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
-        parts["item"].append(seen[0])
-        rows = e = k = seen[1]
+            known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
+    whole = all(isinstance(known[id(c.counts)][1], slice) for _f, _b, c in fragments)
+    sizes = [(sum(c.rows for _f, _b, c in fragments), sum(c.n_ext for _f, _b, c in fragments),
+              sum(c.n_crc for _f, _b, c in fragments))] if whole else None
+    out = _Filled(width, sizes[0] if sizes else None)
+    for f, base, c in fragments:
+        item, rows = known[id(c.counts)]
+        boxes, ecount, ext, crcs = c.arrays()
         if not isinstance(rows, slice):
-            efirst = np.concatenate([[0], np.cumsum(c.extent_counts)])
-            e = _ranges(efirst[rows], c.extent_counts[rows])
-            cfirst = np.cumsum(c.extents[:, 4]) - c.extents[:, 4]
-            k = _ranges(cfirst[e], c.extents[e, 4])
-        boxes = c.boxes[rows]
-        parts["frag"].append(np.full(len(boxes), f, np.int64))
-        parts["boxes"].append(boxes if c.width == width else _widened(boxes, c.width, width))
-        parts["ecount"].append(c.extent_counts[rows])
-        ext = c.extents[e]
+            efirst = np.concatenate([[0], np.cumsum(ecount)])
+            e = _ranges(efirst[rows], ecount[rows])
+            cfirst = np.cumsum(ext[:, 4]) - ext[:, 4]
+            boxes, ecount, crcs, ext = boxes[rows], ecount[rows], crcs[_ranges(cfirst[e], ext[e, 4])], ext[e]
         if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
-            raise ManifestError(f"{here}: an extent names an object the fragment does not list")
-        ext[:, 0] += base
-        parts["extents"].append(ext)
-        parts["crcs"].append(c.crcs[k])
-    out: dict[str, Any] = {k: np.concatenate(v) for k, v in parts.items()}
-    out["width"] = width
-    return out
+            raise ManifestError(f"{c.here}: an extent names an object the fragment does not list")
+        out.add(f, base, item, boxes if c.width == width else _widened(boxes, c.width, width), ecount, ext, crcs)
+    return out.done()
+
+
+class _Filled:
+    """Columns filled fragment by fragment: into arrays allocated once when the sizes are known
+    (``(rows, extents, crcs)``), else gathered and joined at the end."""
+
+    def __init__(self, width: int, sizes: tuple[int, int, int] | None) -> None:
+        self.width, self.sizes = width, sizes
+        self.at = [0, 0, 0]
+        if sizes is not None:
+            r, e, c = sizes
+            self.cols = {"item": np.empty(r, np.int64), "frag": np.empty(r, np.int64),
+                         "boxes": np.empty((r, 3 * width), np.int64), "ecount": np.empty(r, np.int64),
+                         "extents": np.empty((e, 6), np.int64), "crcs": np.empty(c, np.uint32)}
+        else:
+            self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents",
+                                                                        "crcs")}
+
+    def add(self, f: int, base: int, item: np.ndarray, boxes: np.ndarray, ecount: np.ndarray, ext: np.ndarray,
+            crcs: np.ndarray) -> None:
+        if self.sizes is None:
+            ext = ext.astype(np.int64)  # a copy: the object numbers are made global below
+            ext[:, 0] += base
+            for k, v in (("item", item), ("frag", np.full(len(boxes), f, np.int64)), ("boxes", boxes.astype(np.int64)),
+                         ("ecount", ecount.astype(np.int64)), ("extents", ext), ("crcs", crcs.astype(np.uint32))):
+                self.parts[k].append(v)
+            return
+        r, e, c = self.at
+        n, m, k = len(boxes), len(ext), len(crcs)
+        cols = self.cols
+        cols["item"][r : r + n], cols["frag"][r : r + n], cols["boxes"][r : r + n] = item, f, boxes
+        cols["ecount"][r : r + n], cols["extents"][e : e + m], cols["crcs"][c : c + k] = ecount, ext, crcs
+        cols["extents"][e : e + m, 0] += base
+        self.at = [r + n, e + m, c + k]
+
+    def done(self) -> dict[str, Any]:
+        out: dict[str, Any] = (self.cols if self.sizes is not None else
+                               {k: np.concatenate(v) for k, v in self.parts.items()})
+        out["width"] = self.width
+        return out
+
+
+def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
+    """``cols`` with rows (and their extents and checksums) in item order, so that each item's
+    table is views of them; ``efirst``/``cfirst``: each row's first extent, each extent's first crc."""
+    order = np.argsort(cols["item"], kind="stable")
+    for k in ("item", "frag", "boxes"):
+        cols[k] = cols[k][order]
+    ecount = cols["ecount"]
+    efirst = np.concatenate([[0], np.cumsum(ecount)])
+    e = _ranges(efirst[order], ecount[order])
+    cols["ecount"] = ecount = ecount[order]
+    ncrc = cols["extents"][:, 4]
+    c = _ranges((np.cumsum(ncrc) - ncrc)[e], ncrc[e])
+    cols["extents"] = cols["extents"][e]
+    cols["crcs"] = cols["crcs"][c]
+    ncrc = cols["extents"][:, 4]
+    cols["efirst"] = np.concatenate([[0], np.cumsum(ecount)])
+    cols["cfirst"] = np.cumsum(ncrc) - ncrc
+    return cols
 
 
 def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
@@ -223,9 +286,9 @@ def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
 
 
-def _table(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, block_size: int,
+def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int, block_size: int,
            here: str) -> ShardTable:
-    """The shard table of ``rows``, checked (ManifestError naming ``here``)."""
+    """The shard table of ``rows`` (a slice: views of ``cols``), checked (ManifestError naming ``here``)."""
     ndim, boxes = len(item.shape), cols["boxes"][rows]
     offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
     if ((boxes[:, ndim:width] != 0).any() or (boxes[:, width + ndim : 2 * width] != 1).any()
@@ -237,9 +300,11 @@ def _table(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     untiled = (tile == -1).all(axis=1)
     if not (untiled | ((tile >= 1) & (tile <= np.maximum(shape, 1))).all(axis=1)).all():
         raise ManifestError(f"{here}: a shard's tile does not fit its shape")
-    e0, e1 = cols["efirst"][rows], cols["efirst"][rows + 1]
-    counts = e1 - e0
-    e = _ranges(e0, counts)
+    counts = cols["ecount"][rows]
+    if isinstance(rows, slice):
+        e: np.ndarray | slice = slice(int(cols["efirst"][rows.start]), int(cols["efirst"][rows.stop]))
+    else:
+        e = _ranges(cols["efirst"][rows], counts)
     ext = cols["extents"][e]
     obj, at, so, length, ncrc, block = ext.T
     prior = np.cumsum(length) - length  # bytes of this item's extents before each one
@@ -252,7 +317,11 @@ def _table(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
             or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
         raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
-    c = _ranges(cols["cfirst"][e], ncrc)
+    if isinstance(e, slice):
+        c0 = int(cols["cfirst"][e.start]) if e.stop > e.start else 0
+        c: np.ndarray | slice = slice(c0, c0 + int(ncrc.sum()))
+    else:
+        c = _ranges(cols["cfirst"][e], ncrc)
     return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
                       obj, at, so, length, np.cumsum(ncrc) - ncrc, ncrc, block, cols["crcs"][c])
 
