@@ -196,7 +196,7 @@ def _scattered_requests(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str
                  p["obj"][sel][cuts].tolist(), p["bs"][sel][cuts].tolist())
     for i, j, base, n, obj, bs in fields:
         scratch = Scratch(n)
-        mine = _Checks(*(c[i:j] for c in checks[:5]), checks[5])
+        mine = _Checks(checks, i, j)
         reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [scratch.slice(0, n)],
                                 mine, [_run_copier(ws, scratch, place[i:j])], bs))  # type: ignore[arg-type]
     return reqs
@@ -207,26 +207,29 @@ class _Checks(Sequence[tuple[int, int, list[int], str]]):
     piece), kept as columns until the read asks for them: a column block of a million shards
     must not cost a million tuples and lists at planning, only at reading, read by read."""
 
-    __slots__ = ("_cols", "_list")
+    __slots__ = ("_cols", "_list", "_n")
 
-    def __init__(self, at: np.ndarray, length: np.ndarray, k0: np.ndarray, k1: np.ndarray, names: np.ndarray,
-                 crcs: np.ndarray) -> None:
-        self._cols: tuple[np.ndarray, ...] | None = (at, length, k0, k1, names, crcs)
+    def __init__(self, cols: tuple[np.ndarray, ...], i: int, j: int) -> None:
+        #: Columns ``(at, length, k0, k1, names, crcs)`` of a batch and this read's rows ``[i, j)``.
+        self._cols: tuple[tuple[np.ndarray, ...], int, int] | None = (cols, i, j)
         self._list: list[tuple[int, int, list[int], str]] = []
+        self._n = j - i
 
     def _made(self) -> list[tuple[int, int, list[int], str]]:
-        cols = self._cols
-        if cols is not None:  # a benign race: two threads make equal lists
-            at, length, k0, k1, names, crcs = cols
+        held = self._cols
+        if held is not None:  # a benign race: two threads make equal lists
+            (at, length, k0, k1, names, crcs), i, j = held
+            k0, k1 = k0[i:j], k1[i:j]
             lo = int(k0.min())
             flat = crcs[lo : int(k1.max())].tolist()
-            self._list = list(zip(at.tolist(), length.tolist(),
-                                  [flat[a:b] for a, b in zip((k0 - lo).tolist(), (k1 - lo).tolist())], names.tolist()))
+            self._list = list(zip(at[i:j].tolist(), length[i:j].tolist(),
+                                  [flat[a:b] for a, b in zip((k0 - lo).tolist(), (k1 - lo).tolist())],
+                                  names[i:j].tolist()))
             self._cols = None
         return self._list
 
     def __len__(self) -> int:
-        return len(self._cols[0]) if self._cols is not None else len(self._list)
+        return self._n
 
     def __getitem__(self, i: Any) -> Any:
         return self._made()[i]
