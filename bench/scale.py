@@ -5,8 +5,9 @@ Each host's record is built by the real save code (``layout.pack`` and ``ckptio.
 block checksums standing in for the engine's), its fragment written to a local root, and its summary
 (what it would send the coordinator) JSON round-tripped. The coordinator's commit
 (``fragments.build_root`` -> validation -> ``CheckpointStore.commit``) and one host's restore
-(root + the fragments its target meets + ``reshard.plan_region``, no data read) each run in a fresh
-process, so their time and peak RSS are theirs alone. The state is Llama-70B-like: per host,
+(root + the fragments its target meets + ``reshard.plan_regions``, no data read) each run in a fresh
+process, so their time and peak RSS are theirs alone: same layout, N -> N/2, N -> 2N, rows -> columns
+and one array wanted whole (:data:`CASES`). The state is Llama-70B-like: per host,
 SHARDS/4 parameters x (bf16 weight, fp32 master, Adam mu and nu), each row-sharded over the hosts.
 
 What a non-coordinator receives per save is the coordinator's verdict (``{"ok": true}``, 12 bytes)
@@ -88,10 +89,37 @@ def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
     out.put({"commit_s": time.perf_counter() - t0, "commit_rss_mb": _rss_mb(), "root_bytes": len(data)})
 
 
-def _plan(root: str, rank: int, hosts: int, resharded: bool, out: Any) -> None:
+#: The topology changes a host's restore is planned for: name -> what it shows.
+CASES = {
+    "same": "same layout",
+    "half": "N -> N/2 (same axis)",
+    "double": "N -> 2N (same axis)",
+    "resharded": "rows -> columns",
+    "whole": "one array wanted whole",
+}
+
+
+def _boxes(case: str, rank: int, hosts: int, name: str, shape: tuple[int, ...]) -> list[Any]:
+    """Host ``rank``'s target box of array ``name`` (``shape``) in ``case``: empty if it restores none."""
+    rows, cols = shape
+    if case == "same":
+        return [((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, cols))]
+    if case == "half":  # host rank // 2 of a job of hosts / 2: two saved hosts' rows
+        r = rank // 2
+        return [((r * 2 * ROWS_PER_HOST, 0), (2 * ROWS_PER_HOST, cols))]
+    if case == "double":  # host 2 * rank + 1 of a job of 2 * hosts: half a saved host's rows
+        half = ROWS_PER_HOST // 2
+        return [(((2 * rank + 1) * half, 0), (half, cols))]
+    if case == "resharded":  # a column block of every parameter: meets every host's rows
+        w = cols // hosts if cols >= hosts else 1
+        return [((0, (rank * w) % cols), (rows, w))]
+    return [((0, 0), (rows, cols))] if name == "layers/0/w" else []
+
+
+def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.reshard import Region, plan_region
+    from ckptio.reshard import Region, plan_regions
     from ckptio.store import CheckpointStore
 
     t0 = time.perf_counter()
@@ -108,23 +136,20 @@ def _plan(root: str, rank: int, hosts: int, resharded: bool, out: Any) -> None:
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
     boxes = {}
     for name, item in root_m.items.items():
-        if isinstance(item, ArrayItem):
-            rows, cols = item.shape
-            if resharded:  # a column block of every parameter: meets every host's rows
-                w = cols // hosts if cols >= hosts else 1
-                c0 = (rank * w) % cols
-                boxes[name] = [((0, c0), (rows, w))]
-            else:
-                boxes[name] = [((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, cols))]
+        if isinstance(item, ArrayItem) and (mine := _boxes(case, rank, hosts, name, item.shape)):
+            boxes[name] = mine
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
     t_load = time.perf_counter() - t0
-    requests = 0
+    load_rss = _rss_mb()
+    wants, needed = [], 0
     for name, [(off, shape)] in boxes.items():
         item = m.items[name]
-        dest = np.empty(shape, item.dtype)  # not touched: planning only
-        requests += len(plan_region(name, item, Region(off, dest), m.objects, m.block_size))
-    out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": requests,
-             "bytes_read": stored[0], "rss_mb": _rss_mb()})
+        wants.append((name, item, Region(off, np.empty(shape, item.dtype))))  # not touched: planning only
+        needed += int(np.prod(shape)) * item.dtype.itemsize
+    reqs = plan_regions(wants, m.objects, m.block_size)  # every region at once, as restore.plan does
+    out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": len(reqs),
+             "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
+             "storage_needed": needed, "load_rss_mb": load_rss})
 
 
 def _rss_mb() -> float:
@@ -168,10 +193,9 @@ def run_scale(hosts: int, shards: int, parent: str | None = None) -> dict[str, A
         frags = [os.path.getsize(os.path.join(frag_dir, n)) for n in os.listdir(frag_dir) if "fragment" in n]
         res["fragment_bytes_mean"] = int(np.mean(frags))
         rank = hosts // 2
-        same = _in_child(_plan, root, rank, hosts, False)
-        resh = _in_child(_plan, root, rank, hosts, True)
-        res.update({f"same_{k}": v for k, v in same.items() if v is not None})
-        res.update({f"resharded_{k}": v for k, v in resh.items() if v is not None})
+        for case in CASES:
+            got = _in_child(_plan, root, rank, hosts, case)
+            res.update({f"{case}_{k}": v for k, v in got.items() if v is not None})
         return res
 
 
@@ -185,10 +209,12 @@ def render(res: dict[str, Any]) -> str:
         f"  gathered at coordinator {res['gathered_bytes_at_coordinator'] / 2**20:.1f} MiB "
         f"({res['summary_bytes_per_host'] / 2**10:.1f} KiB per host)",
         f"  non-coordinator receives {res['received_per_non_coordinator']} B per save (the verdict) + transport framing",
-        f"  host restore, same layout  load {res['same_load_s']:.3f} s + plan {res['same_plan_s']:.3f} s, "
-        f"read {res['same_bytes_read'] / 2**20:.2f} MiB of metadata, RSS {res['same_rss_mb']:.0f} MB",
-        f"  host restore, resharded    load {res['resharded_load_s']:.3f} s + plan {res['resharded_plan_s']:.3f} s, "
-        f"read {res['resharded_bytes_read'] / 2**20:.2f} MiB of metadata, RSS {res['resharded_rss_mb']:.0f} MB",
+        "  host restore (per host)     load + plan        metadata read  peak RSS  requests  storage read / needed",
+        *(f"  {what:<27} {res[f'{c}_load_s']:.3f} + {res[f'{c}_plan_s']:.3f} s  {res[f'{c}_bytes_read'] / 2**20:9.2f} MiB "
+          f"{res[f'{c}_rss_mb']:6.0f} MB {res[f'{c}_requests']:9,}  "
+          f"{res[f'{c}_storage_read'] / max(res[f'{c}_storage_needed'], 1):.2f}x "
+          f"({res[f'{c}_storage_read'] / 2**20:.1f} / {res[f'{c}_storage_needed'] / 2**20:.1f} MiB)"
+          for c, what in CASES.items()),
         f"  (building {h} hosts' records with the save code took {res['records_s']:.1f} s in this one process)",
     ]
     return "\n".join(lines)

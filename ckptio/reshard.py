@@ -1,290 +1,241 @@
-"""Overlap arithmetic between saved slices and target slices.
+"""Overlap arithmetic between saved slices and target slices, as array operations.
 
 A restore asks for target regions (any sharding, not necessarily the saved
-one). For each saved shard that overlaps a region, the overlap is read as
-the span of the saved shard's rows (its outermost dimension) that the
-overlap touches, rounded out to the checksum blocks of the extents holding
-those bytes -- blocks are the unit that can be verified. Where the region
-and the saved shard share their inner dimensions, the bytes go straight into
-the destination; only partial blocks at the ends pass through a small
-scratch buffer. Otherwise a bounded scratch buffer holds a run of rows and a
-numpy copy scatters the overlap into place.
+one). Each array item's shards are a columnar table
+(:class:`ckptio.manifest.ShardTable`): the shards meeting a region are found
+with two bisections and a mask, and every overlap becomes *segments* -- a
+span of a saved shard's byte stream (a run of rows of the shard, or of one of
+its tiles) -- computed for all overlaps at once. Segments are cut by the
+extents holding them and rounded out to the checksum blocks of those extents:
+blocks are the unit that can be verified, so every byte is verified before
+it is copied anywhere.
 
-A tiled shard (ckptio.tiling) always goes through scratch, tile by tile: only
-the tiles that meet the region, so a column block of row-saved shards reads
-about what it asks for. Scratch (ckptio.scratch) gets its memory when its
-read starts and gives it back once copied out, so tiles reuse a few warm
-buffers instead of faulting in fresh pages each.
+* Where a region and a saved shard share their inner dimensions (untiled),
+  the bytes go straight into the destination; only partial blocks at the ends
+  pass through a small scratch buffer.
+* Everything else (a column block of row-saved shards, tiles) is read into
+  scratch and copied out once verified. Those reads are coalesced: pieces
+  adjacent in one object, from any shard of any array planned together
+  (:func:`plan_regions`), become one read of at most about
+  ``SCRATCH_ROWS_BYTES`` into one scratch buffer with many copies out. So the
+  requests and the Python steps of planning grow with object runs, not
+  shards; the bytes read are exactly those of the pieces (nothing between
+  them), and scratch is bounded per read.
+
+Scratch (ckptio.scratch) gets its memory when its read starts and gives it
+back once copied out. This module finds the segments; :mod:`ckptio.reshard_reads`
+turns them into read requests.
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import math
-import threading
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ckptio.backends.base import ByteRange
-
 from .engine import ReadRequest
-from .manifest import ArrayItem, Box, Extent, ShardRecord, overlap
-from .scratch import Scratch, ScratchSlice
+from .manifest import ArrayItem, Box, ShardRecord, overlap, table_of
+from .reshard_reads import SCRATCH_ROWS_BYTES, Region, Want, requests_for
 from .tiling import tiles_meeting
 
-__all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "shard_grid", "shards_meeting"]
+__all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "plan_regions", "shard_grid", "shards_meeting"]
 
-_SCRATCH_ROWS_BYTES = 32 << 20
-
-
-@dataclasses.dataclass(slots=True)
-class Region:
-    """A target slice of an array and the C-contiguous host buffer that receives it."""
-
-    offsets: tuple[int, ...]
-    dest: np.ndarray  # shape is the region's shape
+#: Segments planned at once: bounds planning memory (~200 bytes a segment) at a million overlaps.
+_BATCH_SEGMENTS = 1 << 17
+_I64 = np.int64
 
 
 def shard_grid(item: ArrayItem) -> tuple[int, ...]:
     """The coarsest regular grid whose cells each lie inside one saved shard: per dimension, the
     gcd of every shard boundary and the array's length (at least 1)."""
-    shape = []
+    t = table_of(item)
+    out = []
     for d, n in enumerate(item.shape):
-        g = n
-        for s in item.shards:
-            g = math.gcd(g, s.offsets[d], s.offsets[d] + s.shape[d])
-        shape.append(max(g, 1))
-    return tuple(shape)
-
-
-class _ShardIndex:
-    """The shards of one array sorted along the dimension that separates them best.
-
-    A restore, a verify pass or a zarr read plans one region at a time, and an
-    array at scale has thousands of shards (8192 for 1024 hosts x 8 devices):
-    scanning them all for every region made planning quadratic. Shards start
-    within ``max_len`` before a region's start along ``dim`` if they reach into
-    it, so two bisections bound the candidates.
-    """
-
-    __slots__ = ("dim", "max_len", "shards", "starts")
-
-    def __init__(self, shards: list[ShardRecord]) -> None:
-        ndim = len(shards[0].offsets) if shards else 0
-        self.dim = max(range(ndim), key=lambda d: len({s.offsets[d] for s in shards})) if ndim else -1
-        self.shards = sorted(shards, key=lambda s: s.offsets[self.dim]) if ndim else list(shards)
-        self.starts = [s.offsets[self.dim] for s in self.shards] if ndim else []
-        self.max_len = max((s.shape[self.dim] for s in self.shards), default=0) if ndim else 0
-
-    def candidates(self, off: tuple[int, ...], shape: tuple[int, ...]) -> list[ShardRecord]:
-        if self.dim < 0:
-            return self.shards
-        lo = bisect.bisect_right(self.starts, off[self.dim] - self.max_len)
-        hi = bisect.bisect_left(self.starts, off[self.dim] + shape[self.dim])
-        return self.shards[lo:hi]
+        g = np.gcd.reduce(np.concatenate([[n], t.offsets[:, d], t.offsets[:, d] + t.shape[:, d]]).astype(_I64))
+        out.append(max(int(g), 1))
+    return tuple(out)
 
 
 def shards_meeting(
     item: ArrayItem, off: tuple[int, ...], shape: tuple[int, ...]
 ) -> list[tuple[ShardRecord, Box]]:
     """The saved shards of ``item`` that overlap the box ``(off, shape)``, each with that overlap
-    (``(offsets, shape)`` in array coordinates), in index order."""
-    if len(item.shards) == 1:  # most items of a large state: no index to build
-        o = overlap(item.shards[0].offsets, item.shards[0].shape, off, shape)
-        return [] if o is None else [(item.shards[0], o)]
-    if item.index is None:
-        item.index = _ShardIndex(item.shards)  # a benign race: two threads build equal indexes
-    out = []
-    for s in item.index.candidates(off, shape):
-        o = overlap(s.offsets, s.shape, off, shape)
-        if o is not None:
-            out.append((s, o))
-    return out
+    (``(offsets, shape)`` in array coordinates), in shard order. For tools that want objects;
+    planning uses the table."""
+    rows, lo, hi = table_of(item).meeting(off, shape)
+    return [(item.shards[r], (tuple(a), tuple(b - a for a, b in zip(a, b))))
+            for r, a, b in zip(rows.tolist(), lo.tolist(), hi.tolist())]
 
 
 def coverage_gaps(item: ArrayItem, region_off: tuple[int, ...], region_shape: tuple[int, ...]) -> int:
     """Elements of the region that no saved shard covers (shards never overlap each other)."""
-    covered = sum(math.prod(o_shape) for _, (_, o_shape) in shards_meeting(item, region_off, region_shape))
+    _rows, lo, hi = table_of(item).meeting(region_off, region_shape)
+    covered = int(np.prod(hi - lo, axis=1, dtype=_I64).sum()) if len(lo) else 0
     return math.prod(region_shape) - covered
-
-
-def _pieces(shard: ShardRecord, lo: int, hi: int, bs: int) -> list[tuple[Extent, int, int, int, int]]:
-    """Cut shard bytes ``[lo, hi)`` by extent: ``(extent, lo, hi, block_lo, block_hi)`` in shard coordinates.
-
-    ``block_lo``/``block_hi`` round ``lo``/``hi`` out to the extent's own checksum blocks
-    (``Extent.block``; ``bs``, the manifest's, is what it holds unless the extent has its own).
-    """
-    out = []
-    for e in shard.extents:
-        a, b = max(lo, e.shard_offset), min(hi, e.shard_offset + e.length)
-        if a >= b:
-            continue
-        bs = e.block
-        ra = e.shard_offset + (a - e.shard_offset) // bs * bs
-        rb = min(e.shard_offset + e.length, e.shard_offset + -(-(b - e.shard_offset) // bs) * bs)
-        out.append((e, a, b, ra, rb))
-    return out
-
-
-def _check(e: Extent, ra: int, rb: int, bs: int, at: int, item: str) -> tuple[int, int, list[int], str]:
-    bs = e.block  # the extent's own checksum blocks
-    first = (ra - e.shard_offset) // bs
-    last = -(-(rb - e.shard_offset) // bs)
-    return (at, rb - ra, e.crcs[first:last], item)
-
-
-def _request(
-    objects: list[str], e: Extent, ra: int, rb: int, bs: int, buffers: list[memoryview | ScratchSlice], checks: list,
-    after: list,
-) -> ReadRequest:
-    start = e.offset + (ra - e.shard_offset)
-    return ReadRequest(objects[e.object], ByteRange(start, start + rb - ra), buffers, checks, after, e.block)
 
 
 def plan_region(
     name: str, item: ArrayItem, region: Region, objects: list[str], block_size: int
 ) -> list[ReadRequest]:
     """Read requests that fill ``region.dest`` from the saved shards of ``item``."""
-    shape = tuple(region.dest.shape)
-    itemsize = item.dtype.itemsize
-    dest_bytes = region.dest.reshape(-1).view(np.uint8) if region.dest.size else None
+    return plan_regions([(name, item, region)], objects, block_size)
+
+
+def plan_regions(
+    wants: Sequence[tuple[str, ArrayItem, Region]], objects: list[str], block_size: int
+) -> list[ReadRequest]:
+    """Read requests that fill every ``(name, item, region)`` of ``wants`` (one manifest's
+    ``objects`` and ``block_size``); scattered pieces adjacent in one object, across all of them,
+    are read together."""
     reqs: list[ReadRequest] = []
-    if dest_bytes is None:
-        return reqs
-    for shard, (o_off, o_shape) in shards_meeting(item, region.offsets, shape):
-        ndim = len(shape)
-        inner_same = ndim == 0 or (shard.shape[1:] == o_shape[1:] == shape[1:])
-        if shard.tile is None and inner_same:
-            row_bytes = (math.prod(shard.shape[1:]) if ndim else 1) * itemsize
-            r0 = o_off[0] - shard.offsets[0] if ndim else 0
-            nrows = o_shape[0] if ndim else 1
-            d0 = (o_off[0] - region.offsets[0]) * row_bytes if ndim else 0
-            reqs += _direct(name, shard, r0 * row_bytes, (r0 + nrows) * row_bytes, dest_bytes, d0, objects, block_size)
-        else:
-            reqs += _scattered(name, item, shard, region, o_off, o_shape, objects, block_size)
-    return reqs
+    segs = _Segments()
+    ws: list[Want] = []
+    for name, item, region in wants:
+        if not region.dest.size:
+            continue
+        w = Want(name, item, region, table_of(item))
+        ws.append(w)
+        _add_segments(segs, len(ws) - 1, w)
+        if segs.size >= _BATCH_SEGMENTS:
+            # Regions come in the order their arrays were saved (and packed): a batch of them
+            # still coalesces into one read per object run, with bounded planning memory.
+            reqs += _plan_batch(segs, ws, objects, block_size)
+            segs, ws = _Segments(), []
+    return reqs + _plan_batch(segs, ws, objects, block_size)
 
 
-def _direct(
-    name: str, shard: ShardRecord, lo: int, hi: int, dest: np.ndarray, d0: int, objects: list[str], bs: int
-) -> list[ReadRequest]:
-    """Shard bytes ``[lo, hi)`` go to ``dest[d0:]``; only partial end blocks use scratch."""
-    reqs = []
-    for e, a, b, ra, rb in _pieces(shard, lo, hi, bs):
-        bs = e.block
-        at = d0 + (a - lo)
-        # Aligned middle: whole blocks read straight into the destination.
-        ma = e.shard_offset + -(-(a - e.shard_offset) // bs) * bs
-        mb = b if b == e.shard_offset + e.length else e.shard_offset + (b - e.shard_offset) // bs * bs
-        if ma < mb:
-            view = memoryview(dest[at + (ma - a) : at + (mb - a)])
-            reqs.append(_request(objects, e, ma, mb, bs, [view], [_check(e, ma, mb, bs, 0, name)], []))
-        partial = [(ra, ma), (mb, rb)] if ma < mb else [(ra, rb)]
-        for sa, sb in partial:  # partial blocks at either end: through scratch
-            if sa >= sb:
-                continue
-            scratch = Scratch(sb - sa)
-            ca, cb = max(a, sa), min(b, sb)
-            copy = _copier(dest, at + (ca - a), scratch, ca - sa, cb - ca)
-            reqs.append(_request(objects, e, sa, sb, bs, [scratch.slice(0, sb - sa)], [_check(e, sa, sb, bs, 0, name)],
-                                 [copy]))
-    return reqs
+def _plan_batch(segs: _Segments, ws: list[Want], objects: list[str], block_size: int) -> list[ReadRequest]:
+    """The reads of regions ``ws`` (their segments ``segs``)."""
+    if not ws or not (segs.w or segs.one):
+        return []
+    for w in ws:  # one block table per region (planning appended a group per call)
+        if len(w.g_off) > 1:
+            w.g_off, w.b_shape = [np.concatenate(w.g_off)], [np.concatenate(w.b_shape)]
+    return requests_for(segs.columns(), ws, objects, block_size)
 
 
-def _copier(dest: np.ndarray, d: int, src: Scratch, s: int, n: int) -> Callable[[], None]:
-    def copy() -> None:
-        dest[d : d + n] = src.array()[s : s + n]
-        src.release()
+class _Segments:
+    """Segment columns, gathered per region: which region and shard, bytes ``[lo, hi)`` of the
+    shard's stream, whether they go straight to the destination (at byte ``d0``), and for the
+    others the block (``blk``: index into the region's ``g_off``) and its rows ``[r0, r1)``."""
 
-    return copy
+    NAMES = ("w", "row", "lo", "hi", "direct", "d0", "blk", "r0", "r1")
 
+    def __init__(self) -> None:
+        self.w: list[np.ndarray] = []
+        self.parts: dict[str, list[np.ndarray]] = {n: [] for n in self.NAMES}
+        self.one: list[tuple[int, int, int, int]] = []
+        self.size = 0
 
-def _through_scratch(
-    name: str, shard: ShardRecord, lo: int, hi: int, objects: list[str], bs: int,
-    place: Callable[[np.ndarray], None],
-) -> list[ReadRequest]:
-    """Read shard bytes ``[lo, hi)`` (rounded out to checksum blocks) into a scratch buffer of
-    their own (ckptio.scratch: memory from the read's start until the copy-out); once every
-    piece is in and verified, ``place`` gets those bytes to copy out."""
-    pieces = _pieces(shard, lo, hi, bs)
-    base = pieces[0][3]
-    scratch = Scratch(pieces[-1][4] - base)
-    reqs = [
-        _request(objects, e, ra, rb, bs, [scratch.slice(ra - base, rb - base)], [_check(e, ra, rb, bs, 0, name)], [])
-        for e, _a, _b, ra, rb in pieces
-    ]
+    def add(self, w: int, **cols: Any) -> None:
+        k = len(cols["row"])
+        if not k:
+            return
+        self.size += k
+        self.w.append(np.full(k, w, _I64))
+        for n in self.NAMES[1:]:
+            v = cols.get(n, 0)
+            self.parts[n].append(v if isinstance(v, np.ndarray) else np.full(k, v, _I64))
 
-    def copy_out() -> None:
-        place(scratch.array()[lo - base : hi - base])
-        scratch.release()
+    def add_one(self, w: int, lo: int, hi: int, d0: int) -> None:
+        """One straight segment of shard 0 of region ``w``, in plain integers (no array calls)."""
+        self.one.append((w, lo, hi, d0))
+        self.size += 1
 
-    reqs[-1].after.append(_after_all(len(reqs), copy_out, reqs))
-    return reqs
-
-
-def _scattered(
-    name: str,
-    item: ArrayItem,
-    shard: ShardRecord,
-    region: Region,
-    o_off: tuple[int, ...],
-    o_shape: tuple[int, ...],
-    objects: list[str],
-    bs: int,
-) -> list[ReadRequest]:
-    """The overlap ``(o_off, o_shape)`` of ``shard`` through scratch, block by block of its
-    stream: each tile it meets of a tiled shard, or the whole of a C-order one. Of each block,
-    the rows the overlap touches (a block is C order inside), in runs of at most
-    ``_SCRATCH_ROWS_BYTES``, are read and verified, then their part copied into place."""
-    isz = item.dtype.itemsize
-    rel = tuple(o - s for o, s in zip(o_off, shard.offsets))
-    blocks = ([((0,) * len(shard.shape), shard.shape, 0)] if shard.tile is None
-              else tiles_meeting(shard.shape, shard.tile, rel, o_shape))
-    reqs: list[ReadRequest] = []
-    for b_off, b_shape, pos in blocks:
-        g_off = tuple(s + b for s, b in zip(shard.offsets, b_off))
-        part = overlap(g_off, b_shape, o_off, o_shape)
-        assert part is not None
-        row = math.prod(b_shape[1:]) * isz
-        first = part[0][0] - g_off[0]
-        last = first + part[1][0]
-        src = (slice(None),) + tuple(slice(p - g, p - g + n) for p, g, n in zip(part[0][1:], g_off[1:], part[1][1:]))
-        inner = tuple(slice(p - r, p - r + n) for p, r, n in zip(part[0][1:], region.offsets[1:], part[1][1:]))
-        rows_per = max(1, _SCRATCH_ROWS_BYTES // max(row, 1))
-        for r0 in range(first, last, rows_per):
-            r1 = min(last, r0 + rows_per)
-            d0 = g_off[0] + r0 - region.offsets[0]
-            dst = (slice(d0, d0 + r1 - r0), *inner)
-            reqs += _through_scratch(name, shard, pos * isz + r0 * row, pos * isz + r1 * row, objects, bs,
-                                     _placer(region.dest, dst, item.dtype, (r1 - r0, *b_shape[1:]), src))
-    return reqs
+    def columns(self) -> dict[str, np.ndarray]:
+        if self.one:
+            w, lo, hi, d0 = (np.array(c, _I64) for c in zip(*self.one))
+            self.one = []
+            self.w.append(w)
+            zero = np.zeros(len(w), _I64)
+            for n, v in (("row", zero), ("lo", lo), ("hi", hi), ("direct", zero + 1), ("d0", d0), ("blk", zero),
+                         ("r0", zero), ("r1", zero)):
+                self.parts[n].append(v)
+        out = {n: np.concatenate(p).astype(_I64, copy=False) for n, p in self.parts.items() if n != "w"}
+        out["w"] = np.concatenate(self.w)
+        return out
 
 
-def _placer(
-    dest: np.ndarray, dst: tuple[slice, ...], dtype: np.dtype, shape: tuple[int, ...], src: tuple[slice, ...]
-) -> Callable[[np.ndarray], None]:
-    """Copies ``src`` of the bytes it is given (viewed as ``dtype[shape]``) to ``dest[dst]``."""
+def _add_segments(segs: _Segments, wi: int, w: Want) -> None:
+    """The segments of every saved shard meeting region ``w``: straight runs of rows, C-order
+    shards' row runs through scratch (at most ``SCRATCH_ROWS_BYTES`` each), and tiles."""
+    t, region = w.table, w.region
+    if t.n == 1 and _one_shard(segs, wi, w):
+        return
+    shape = np.asarray(region.dest.shape, _I64)
+    rows, lo, hi = t.meeting(region.offsets, region.dest.shape)
+    if not len(rows):
+        return
+    isz = w.item.dtype.itemsize
+    ndim = t.ndim
+    if ndim == 0:
+        segs.add(wi, row=rows, lo=0, hi=isz, direct=1, d0=0)
+        return
+    s_off, s_shape = t.offsets[rows], t.shape[rows]
+    tiled = t.tiled[rows]
+    inner = ((s_shape[:, 1:] == hi[:, 1:] - lo[:, 1:]) & (hi[:, 1:] - lo[:, 1:] == shape[1:])).all(axis=1)
+    row_bytes = np.prod(s_shape[:, 1:], axis=1, dtype=_I64) * isz
+    first, last = lo[:, 0] - s_off[:, 0], hi[:, 0] - s_off[:, 0]
+    d = ~tiled & inner
+    segs.add(wi, row=rows[d], lo=first[d] * row_bytes[d], hi=last[d] * row_bytes[d], direct=1,
+             d0=(lo[d, 0] - region.offsets[0]) * row_bytes[d])
+    c = ~tiled & ~inner
+    if c.any():
+        _add_row_runs(segs, wi, w, rows[c], s_off[c], s_shape[c], first[c], last[c], row_bytes[c], 0)
+    for k in np.flatnonzero(tiled).tolist():
+        _add_tiles(segs, wi, w, int(rows[k]), lo[k], hi[k], isz)
 
-    def place(raw: np.ndarray) -> None:
-        dest[dst] = raw.view(dtype).reshape(shape)[src]
 
-    return place
+def _one_shard(segs: _Segments, wi: int, w: Want) -> bool:
+    """The commonest region of all (a host's own rows of an array it saved alone, or a whole small
+    array) in plain integers: an untiled shard whose rows it wants whole. False: not that case."""
+    t, region = w.table, w.region
+    off, sh, shape = t.offsets[0].tolist(), t.shape[0].tolist(), region.dest.shape
+    if t.tile[0, 0] >= 0 if sh else False:
+        return False
+    if sh and (sh[1:] != list(shape[1:]) or off[1:] != list(region.offsets[1:])):
+        return False
+    r0 = max(off[0], region.offsets[0]) if sh else 0
+    r1 = min(off[0] + sh[0], region.offsets[0] + shape[0]) if sh else 1
+    if r1 <= r0 or 0 in sh:
+        return True  # the region misses the shard: nothing to read from it
+    row = math.prod(sh[1:]) * w.item.dtype.itemsize
+    a = r0 - off[0] if sh else 0
+    segs.add_one(wi, a * row, (a + r1 - r0) * row, ((r0 - region.offsets[0]) * row) if sh else 0)
+    return True
 
 
-def _after_all(n: int, fn: Callable[[], None], reqs: list[ReadRequest]) -> Callable[[], None]:
-    """Run ``fn`` once all ``n`` requests are done (each request's ``after`` counts down)."""
-    lock = threading.Lock()
-    left = [n]
+def _add_row_runs(segs: _Segments, wi: int, w: Want, rows: np.ndarray, g_off: np.ndarray, b_shape: np.ndarray,
+                  first: np.ndarray, last: np.ndarray, row_bytes: np.ndarray, base: np.ndarray | int) -> None:
+    """Rows ``[first, last)`` of blocks (``g_off``/``b_shape``; stream byte ``base`` of their
+    shard ``rows``) through scratch, in runs of at most ``SCRATCH_ROWS_BYTES``."""
+    per = np.maximum(1, SCRATCH_ROWS_BYTES // np.maximum(row_bytes, 1))
+    runs = -(-(last - first) // per)
+    rep = np.repeat(np.arange(len(rows)), runs)
+    j = np.arange(len(rep)) - np.repeat(np.cumsum(runs) - runs, runs)
+    r0 = first[rep] + j * per[rep]
+    r1 = np.minimum(last[rep], r0 + per[rep])
+    blk0 = sum(len(g) for g in w.g_off)
+    w.g_off.append(g_off)
+    w.b_shape.append(b_shape)
+    base = np.broadcast_to(np.asarray(base, _I64), (len(rows),))
+    segs.add(wi, row=rows[rep], lo=base[rep] + r0 * row_bytes[rep], hi=base[rep] + r1 * row_bytes[rep], direct=0,
+             blk=blk0 + rep, r0=r0, r1=r1)
 
-    def done() -> None:
-        with lock:
-            left[0] -= 1
-            fire = left[0] == 0
-        if fire:
-            fn()
 
-    for r in reqs[:-1]:
-        r.after.append(done)
-    return done
+def _add_tiles(segs: _Segments, wi: int, w: Want, row: int, lo: np.ndarray, hi: np.ndarray, isz: int) -> None:
+    """The tiles of tiled shard ``row`` that meet its overlap ``[lo, hi)``: of each, the rows
+    the overlap touches (a tile is C order inside)."""
+    t = w.table
+    s_off, tile = t.offsets[row], t.tile[row]
+    tiles = tiles_meeting(tuple(t.shape[row].tolist()), tuple(tile.tolist()), tuple((lo - s_off).tolist()),
+                          tuple((hi - lo).tolist()))
+    b_off = np.array([b for b, _s, _p in tiles], _I64) + s_off
+    b_shape = np.array([s for _b, s, _p in tiles], _I64)
+    pos = np.array([p for _b, _s, p in tiles], _I64) * isz
+    first = np.maximum(lo[0], b_off[:, 0]) - b_off[:, 0]
+    last = np.minimum(hi[0], b_off[:, 0] + b_shape[:, 0]) - b_off[:, 0]
+    row_bytes = np.prod(b_shape[:, 1:], axis=1, dtype=_I64) * isz
+    _add_row_runs(segs, wi, w, np.full(len(tiles), row, _I64), b_off, b_shape, first, last, row_bytes, pos)

@@ -8,6 +8,7 @@ One package, its modules layered bottom to top (each imports only those above it
 * :mod:`.model` -- the in-memory manifest: Manifest, ArrayItem, ShardRecord, Extent,
   ValueItem, PackTable / Items, FragmentRef (dataclasses, no JSON);
 * :mod:`.geometry` -- box overlaps and "these shards tile the array exactly once";
+* :mod:`.table` -- an array item's shards as numpy columns (:class:`~.table.ShardTable`), for planning;
 * :mod:`.values`, :mod:`.seal` -- value items' JSON; the checksummed envelope of a stored manifest;
 * :mod:`.itemjson` -- the one writer of item JSON (objects, compact rows, pack tables);
 * :mod:`.codec` -- one reader per format family (``single``: 1/3/4/5, ``split``: 2 and 3 with
@@ -43,6 +44,7 @@ from .formats import (
 )
 from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, summary_of
 from .geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
+from .table import ShardTable, table_of
 from .itemjson import array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
 from .lazy import Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_shards_meeting
 from .limits import MAX_MANIFEST_BYTES
@@ -89,6 +91,7 @@ __all__ = [
     "ObjectNumbers",
     "PackTable",
     "ShardRecord",
+    "ShardTable",
     "ValueItem",
     "Wanted",
     "array_item",
@@ -126,6 +129,7 @@ __all__ = [
     "split_items",
     "summary_of",
     "table_doc",
+    "table_of",
     "table_from_doc",
     "unseal",
     "validated",

@@ -19,6 +19,9 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          shard is checksummed in small blocks and a partial read of it rounds out
          little; a reader that predates it would verify with the manifest's
          ``block_size`` and report corruption, so it refuses the checkpoint instead
+7        columnar fragments in a format-2 root: each fragment (version 3) holds its
+         shards as compressed int64/uint32 columns (:mod:`.codec.columns`), which a
+         reader that predates them cannot parse: it refuses the root instead
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 __all__ = [
     "BLOCKS_VERSION",
+    "COLUMNS_VERSION",
     "FEATURES",
     "FORMAT",
     "FRAGMENTS_VERSION",
@@ -44,23 +48,25 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 6
+VERSION = 7
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
 PACKS_VERSION = 5
 BLOCKS_VERSION = 6
+COLUMNS_VERSION = 7
 #: The least version that can express each feature a document may use.
 FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
-            "blocks": BLOCKS_VERSION}
+            "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
 
 
 def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
-                blocks: bool = False) -> int:
+                blocks: bool = False, columns: bool = False) -> int:
     """The lowest format version that expresses a document using the given features (``blocks``:
-    some extent records a checksum block size of its own)."""
-    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks}
+    some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns)."""
+    used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks,
+            "columns": columns}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

@@ -38,6 +38,7 @@ import numpy as np
 from ckptio.backends.base import join_key
 
 from ..errors import ManifestError
+from .codec.columns import COLUMNS_FRAGMENT_VERSION, encode_columns
 from .codec.split import FRAGMENT_FORMAT
 from .formats import FORMAT, version_for
 from .geometry import without_replicas
@@ -56,12 +57,12 @@ def fragment_key(step_dir: str, save_id: str) -> str:
 # -- a host's side --------------------------------------------------------------------------------
 
 def fragment_doc(record: Mapping[str, Any], step: int | None, save_id: str, host: int) -> bytes:
-    """A host's fragment, sealed, from its format-1 record (``save._host_record``)."""
-    items = {name: [[s["offsets"], s["shape"], s["extents"], *([s["tile"]] if "tile" in s else [])]
-                    for s in it["shards"]]
-             for name, it in record["items"].items() if it["kind"] == "array" and it["shards"]}
-    return seal({"format": FRAGMENT_FORMAT, "version": 2, "step": step, "save_id": save_id, "host": host,
-                 "objects": record["objects"], "items": items})
+    """A host's fragment, sealed, from its format-1 record (``save._host_record``): its shards as
+    columns (fragment version 3, :mod:`.codec.columns`), so a reader decodes them without parsing
+    a row per shard."""
+    items = [(name, it["shards"]) for name, it in record["items"].items() if it["kind"] == "array" and it["shards"]]
+    return seal({"format": FRAGMENT_FORMAT, "version": COLUMNS_FRAGMENT_VERSION, "step": step, "save_id": save_id,
+                 "host": host, "objects": record["objects"], **encode_columns(items)})
 
 
 _META_KEYS = ("kind", "dtype", "shape", "scalar", "origin")
@@ -152,7 +153,7 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
             lid = by_content[digest] = str(len(locators))
             locators[lid] = base64.b64encode(zlib.compress(raw, 6)).decode()
         items[name] = {**it, "locator": lid}
-    version = version_for(fragments=True, tiles=any(s.get("tiled") for s in summaries),
+    version = version_for(fragments=True, columns=True, tiles=any(s.get("tiled") for s in summaries),
                           blocks=any(s.get("blocks") for s in summaries))
     return {**head, "format": FORMAT, "version": version, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}

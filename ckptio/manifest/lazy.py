@@ -64,16 +64,21 @@ def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
 
 async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, step_dir: str,
                               where: str) -> Manifest:
-    """``manifest`` with every shard that meets ``wanted`` at hand (``wanted`` None: every shard).
+    """``manifest`` with every shard that meets ``wanted`` at hand (``wanted`` None: every shard);
+    array items ``wanted`` does not name are left without shards.
 
     ``fetch`` reads the fragments it is given (their numbers in ``manifest.fragments``); it is
     called only when some are needed. ``where`` (the manifest's URL) names the faults.
     """
-    numbers = fragments_for(manifest, wanted)
     if manifest.complete:
         return manifest
+    if callable(wanted):
+        wanted = wanted()
+    numbers = fragments_for(manifest, wanted)
     datas = await fetch(numbers) if numbers else {}
-    return load_fragments(manifest, datas, step_dir, where, complete=wanted is None)
+    # Only the wanted items' rows are made into shards: nobody parses what it does not restore.
+    return load_fragments(manifest, datas, step_dir, where, complete=wanted is None,
+                          names=None if wanted is None else set(wanted))
 
 
 async def with_every_shard(manifest: Manifest, fetch: Fetch, step_dir: str, where: str) -> Manifest:

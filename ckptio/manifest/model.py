@@ -85,8 +85,9 @@ class ArrayItem:
     shards: list[ShardRecord]
     scalar: bool = False  # saved from a numpy scalar: restored as one
     origin: str = "numpy"  # numpy | jax | torch | sharded: a hint for adapters
-    #: Owned by :func:`ckptio.reshard.shards_meeting`, which builds it on first use (not part of the record).
-    index: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    #: Its shards as columns (:class:`ckptio.manifest.table.ShardTable`, row ``i`` = ``shards[i]``): made on
+    #: first use by :func:`~ckptio.manifest.table.table_of`, or straight from a fragment (not part of the record).
+    table: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
     #: Format 2: the int64 table ``[fragment, offsets..., shape...]`` of every shard (see .fragments).
     locator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 

@@ -26,7 +26,7 @@ from ..engine import EngineConfig, ReadRequest
 from ..errors import CheckpointNotFoundError
 from ..manifest import ArrayItem, Extent, Manifest, ValueItem
 from ..manifest import PackTable, split_items
-from ..reshard import coverage_gaps, plan_region
+from ..reshard import Region, coverage_gaps, plan_regions
 from ..tree import flatten_named, unflatten
 from .buffers import Finish
 from .packed import BULK_ITEM_BYTES, Batch, bulk_reads, table_reads
@@ -133,7 +133,9 @@ def plan(manifest: Manifest, target: Any = None, *, where: str = "", max_read: i
         builder.add(name, tgt)
     bulk_requests, bulk_finish = bulk_reads(builder.small, manifest.objects, manifest.block_size, max_read)
     table_requests, table_finish = table_reads(sel.tables, manifest.objects, manifest.block_size, max_read)
-    return ReadPlan(builder.requests + bulk_requests + table_requests, sel.structure, builder.finishers,
+    # Every region at once: scattered pieces adjacent in one object, of any array, are one read.
+    region_requests = plan_regions(builder.regions, manifest.objects, manifest.block_size)
+    return ReadPlan(region_requests + bulk_requests + table_requests, sel.structure, builder.finishers,
                     [bulk_finish, table_finish], builder.into, builder.placed)
 
 
@@ -142,7 +144,7 @@ class _Builder:
 
     def __init__(self, manifest: Manifest, where: str) -> None:
         self.manifest, self.where = manifest, where
-        self.requests: list[ReadRequest] = []
+        self.regions: list[tuple[str, ArrayItem, Region]] = []
         self.finishers: dict[str, Finish] = {}
         self.small: list[tuple[str, ArrayItem, Extent]] = []
         self.placed: dict[str, Any] = {}
@@ -192,5 +194,5 @@ class _Builder:
             if gaps:
                 raise CheckpointNotFoundError(
                     f"{self.where}: item {name!r}: {gaps} elements of the target slice are not saved")
-            self.requests += plan_region(name, item, r, self.manifest.objects, self.manifest.block_size)
+            self.regions.append((name, item, r))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from ..model import ArrayItem, FragmentRef, Manifest, ValueItem
 from ..seal import unseal
 from ..values import decode_value
 from .arrays import array_item
+from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
 from .single import head_fields
 
 __all__ = ["FRAGMENT_FORMAT", "load_fragments", "root_from_doc"]
@@ -93,11 +94,14 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str, where: str,
-                   *, complete: bool) -> Manifest:
+                   *, complete: bool, names: Collection[str] | None = None) -> Manifest:
     """``manifest`` (a format-2 root) with the shards and objects of the fragments in ``datas``.
 
     Each fragment must be the exact bytes the root recorded (size and crc32c), bound to the
-    root's step, and hold the boxes the root's locators assign to it.
+    root's step, and hold the boxes the root's locators assign to it. Columnar fragments
+    (version 3, :mod:`.columns`) become each item's :class:`~ckptio.manifest.table.ShardTable`
+    straight from their columns; version-2 fragments' rows are read one by one. ``names``: the
+    array items to give shards (None: all); the others keep none.
     """
     if manifest.complete:  # every shard already at hand (format 1, or all fragments read)
         return manifest
@@ -105,57 +109,88 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
     objects: list[str] = []
     shards: dict[str, list[Any]] = {}
     owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
-    few = len(datas) <= 8
+    columnar: list[tuple[int, int, Columns]] = []  # (fragment, its first object, its columns)
     for f in sorted(datas):
-        ref, data = manifest.fragments[f], datas[f]
+        ref = manifest.fragments[f]
         here = f"{where}: fragment {ref.key!r}"
-        if len(data) != ref.size or crc32c(data) != ref.crc32c:
-            raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
-        try:
-            doc = _json.loads(unseal(data, here))
-        except (ValueError, RecursionError) as e:
-            raise ManifestError(f"{here}: not valid JSON: {e}") from e
-        if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT or doc.get("step") != manifest.step:
-            raise ManifestError(f"{here}: not a fragment of step {manifest.step}")
+        doc = _fragment_doc(manifest, ref, datas[f], here)
         base = len(objects)
-        for key in doc["objects"]:
-            try:
-                check_key(key)
-            except (ValueError, TypeError) as e:
-                raise ManifestError(f"{here}: bad object key: {e}") from e
-            if step_of_key(key) != step_dir:
-                raise ManifestError(f"{here}: object {key!r} lies outside this checkpoint's step")
-            objects.append(key)
-        for name, rows in doc["items"].items():
-            item = manifest.items.get(name)
-            if not isinstance(item, ArrayItem) or item.locator is None:
-                raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
-            if few:  # a host reading its own fragment: its rows only, not every host's
-                mine = {tuple(r) for r in item.locator[item.locator[:, 0] == f, 1:].tolist()}
-                owned = (lambda box, mine=mine: box in mine)
-            else:
-                owner = owners.get(name)
-                if owner is None:
-                    owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
-                owned = (lambda box, owner=owner, f=f: owner.get(box) == f)
-            for row in rows:
-                if not isinstance(row, list) or len(row) not in (3, 4):
-                    raise ManifestError(f"{here}: malformed shard row of item {name!r}")
-                offsets, shape, extents = row[:3]
-                if not owned((*offsets, *shape)):
-                    continue  # a replica the root assigns to another fragment
-                shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": ref.host, "extents": [
-                    [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < len(doc["objects"]) else -1, *e[1:]]
-                    for e in extents], "tile": row[3] if len(row) == 4 else None})
+        objects += _fragment_objects(doc, here, step_dir)
+        if doc.get("version") == COLUMNS_FRAGMENT_VERSION:
+            columnar.append((f, base, decode_columns(doc, here, columnar[-1][2] if columnar else None)))
+        else:
+            _rows_v2(manifest, f, doc, base, here, shards, owners, few=len(datas) <= 8, names=names)
+    if columnar and shards:
+        raise ManifestError(f"{where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
+    built = from_columns(manifest, columnar, where, complete=complete, names=names) if columnar else {}
     items: dict[str, ArrayItem | ValueItem] = {}
     for name, item in manifest.items.items():
         if not isinstance(item, ArrayItem):
             items[name] = item
             continue
-        raw = {"dtype": None, "shape": list(item.shape),
-               "shards": shards.get(name, []), "scalar": item.scalar, "origin": item.origin}
-        full = array_item(raw, f"{where}: item {name!r}", len(objects), manifest.block_size,
-                          tiling=complete, dtype=item.dtype)
+        full = built.get(name)
+        if full is None:
+            raw = {"dtype": None, "shape": list(item.shape),
+                   "shards": shards.get(name, []), "scalar": item.scalar, "origin": item.origin}
+            full = array_item(raw, f"{where}: item {name!r}", len(objects), manifest.block_size,
+                              tiling=complete, dtype=item.dtype)
         full.locator = item.locator
         items[name] = full
     return dataclasses.replace(manifest, items=items, objects=objects, complete=complete)
+
+
+def _fragment_doc(manifest: Manifest, ref: FragmentRef, data: bytes, here: str) -> dict[str, Any]:
+    """A fragment's document, checked against the root's record of it and bound to its step."""
+    if len(data) != ref.size or crc32c(data) != ref.crc32c:
+        raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
+    try:
+        doc = _json.loads(unseal(data, here))
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{here}: not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FRAGMENT_FORMAT or doc.get("step") != manifest.step:
+        raise ManifestError(f"{here}: not a fragment of step {manifest.step}")
+    return doc
+
+
+def _fragment_objects(doc: dict[str, Any], here: str, step_dir: str) -> list[str]:
+    keys = doc["objects"]
+    if not isinstance(keys, list):
+        raise ManifestError(f"{here}: 'objects' must be a list")
+    for key in keys:
+        try:
+            check_key(key)
+        except (ValueError, TypeError) as e:
+            raise ManifestError(f"{here}: bad object key: {e}") from e
+        if step_of_key(key) != step_dir:
+            raise ManifestError(f"{here}: object {key!r} lies outside this checkpoint's step")
+    return keys
+
+
+def _rows_v2(manifest: Manifest, f: int, doc: dict[str, Any], base: int, here: str, shards: dict[str, list[Any]],
+             owners: dict[str, dict[tuple[int, ...], int]], *, few: bool, names: Collection[str] | None) -> None:
+    """A version-2 fragment's shard rows (JSON lists) into ``shards``, as item JSON."""
+    n_objects = len(doc["objects"])
+    host = manifest.fragments[f].host  # type: ignore[index]
+    for name, rows in doc["items"].items():
+        item = manifest.items.get(name)
+        if not isinstance(item, ArrayItem) or item.locator is None:
+            raise ManifestError(f"{here}: names item {name!r} that the root does not hold as an array")
+        if names is not None and name not in names:
+            continue
+        if few:  # a host reading its own fragment: its rows only, not every host's
+            mine = {tuple(r) for r in item.locator[item.locator[:, 0] == f, 1:].tolist()}
+            owned = (lambda box, mine=mine: box in mine)
+        else:
+            owner = owners.get(name)
+            if owner is None:
+                owner = owners[name] = {tuple(r[1:]): r[0] for r in item.locator.tolist()}
+            owned = (lambda box, owner=owner, f=f: owner.get(box) == f)
+        for row in rows:
+            if not isinstance(row, list) or len(row) not in (3, 4):
+                raise ManifestError(f"{here}: malformed shard row of item {name!r}")
+            offsets, shape, extents = row[:3]
+            if not owned((*offsets, *shape)):
+                continue  # a replica the root assigns to another fragment
+            shards.setdefault(name, []).append({"offsets": offsets, "shape": shape, "host": host, "extents": [
+                [e[0] + base if isinstance(e[0], int) and 0 <= e[0] < n_objects else -1, *e[1:]]
+                for e in extents], "tile": row[3] if len(row) == 4 else None})

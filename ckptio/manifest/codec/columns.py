@@ -1,0 +1,332 @@
+"""Format-2 fragments as columns (fragment version 3): a host's shards in one compressed block.
+
+A version-2 fragment listed every shard as JSON rows: a reader parsed every
+row of every item of every fragment it opened into Python lists, dicts and
+then objects, ~100 us a shard. A version-3 fragment keeps its JSON small
+(objects, item names with their shard counts, column sizes) and puts every
+shard into one base64 block of zlib-compressed little-endian columns:
+
+* ``boxes`` int64 ``(rows, 3 * width)``: offsets, shape, tile per shard, padded to the
+  fragment's largest rank ``width`` (offset 0, length 1, tile -1 in the missing
+  dimensions; tile -1 everywhere for an untiled shard);
+* ``extent_counts`` int64 ``(rows,)``;
+* ``extents`` int64 ``(extents, 6)``: object (in the fragment's list), offset, shard offset,
+  length, checksum count, checksum block size (0: the manifest's);
+* ``crcs`` uint32: every extent's block checksums, in order.
+
+Rows are item by item, in the order the JSON names the items. A reader
+decodes a fragment with one decompression and takes the rows of the items it
+restores as array slices (:mod:`.split` checks them, as columns).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import zlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import ManifestError
+from ..geometry import check_tiling
+from ..limits import MAX_COUNT, MAX_DIM, MAX_NDIM, check_int
+from ..model import ArrayItem, Manifest
+from ..table import ShardList, ShardTable
+
+__all__ = ["COLUMNS_FRAGMENT_VERSION", "Columns", "decode_columns", "encode_columns", "from_columns"]
+
+#: The ``version`` of a fragment document holding its shards as columns.
+COLUMNS_FRAGMENT_VERSION = 3
+_LE64, _LE32 = np.dtype("<i8"), np.dtype("<u4")
+
+
+def encode_columns(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> dict[str, Any]:
+    """The column fields of a fragment document from each array item's shards (host-record form:
+    ``offsets``, ``shape``, ``extents`` ``[object, offset, shard_offset, length, crcs(, block)]``,
+    optional ``tile``)."""
+    width = max((len(s["shape"]) for _n, shards in items for s in shards), default=0)
+    boxes, counts, extents, crcs = [], [], [], []
+    for _name, shards in items:
+        for s in shards:
+            pad = width - len(s["shape"])
+            tile = s.get("tile")
+            boxes.append([*s["offsets"], *[0] * pad, *s["shape"], *[1] * pad,
+                          *(tile if tile is not None else [-1] * len(s["shape"])), *[-1] * pad])
+            counts.append(len(s["extents"]))
+            for e in s["extents"]:
+                extents.append([e[0], e[1], e[2], e[3], len(e[4]), e[5] if len(e) > 5 and e[5] else 0])
+                crcs += e[4]
+    raw = b"".join([np.array(boxes, _LE64).reshape(len(boxes), 3 * width).tobytes(),
+                    np.array(counts, _LE64).tobytes(), np.array(extents, _LE64).reshape(-1, 6).tobytes(),
+                    np.array(crcs, _LE32).tobytes()])
+    return {"items": {name: len(shards) for name, shards in items}, "width": width, "extents": len(extents),
+            "crcs": len(crcs), "columns": base64.b64encode(zlib.compress(raw, 1)).decode()}
+
+
+@dataclasses.dataclass(slots=True)
+class Columns:
+    """A version-3 fragment's shards (see the module docstring), decompressed only when asked
+    (:meth:`arrays`): a reader of thousands of fragments holds their compressed text, not their
+    columns. ``starts[name]`` is the first row of an item, ``counts[name]`` its rows."""
+
+    here: str
+    width: int
+    n_objects: int
+    starts: dict[str, int]
+    counts: dict[str, int]
+    rows: int
+    n_ext: int
+    n_crc: int
+    text: str
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(boxes, extent_counts, extents, crcs)`` (read-only views of the decompressed bytes);
+        ManifestError naming the fragment if they are not what its document says."""
+        rows, width, n_ext, n_crc = self.rows, self.width, self.n_ext, self.n_crc
+        sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
+        try:
+            raw = zlib.decompress(base64.b64decode(self.text, validate=True))
+        except (ValueError, zlib.error) as e:
+            raise ManifestError(f"{self.here}: its shard columns are not readable: {e}") from e
+        if len(raw) != sum(sizes):
+            raise ManifestError(f"{self.here}: its shard columns do not hold the {rows} shards and {n_ext} "
+                                "extents it names")
+        at = np.cumsum([0, *sizes]).tolist()
+        boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
+        counts = np.frombuffer(raw, _LE64, rows, at[1])
+        extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
+        crcs = np.frombuffer(raw, _LE32, n_crc, at[3])
+        if rows and (counts.min() < 0 or int(counts.sum()) != n_ext) or (n_ext and int(extents[:, 4].sum()) != n_crc):
+            raise ManifestError(f"{self.here}: its extent or checksum counts do not add up")
+        return boxes, counts, extents, crcs
+
+
+def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None) -> Columns:
+    """The columns of a version-3 fragment document (``here`` names it in errors), their sizes
+    checked; decompressed when asked (:meth:`Columns.arrays`), checked per item by the reader.
+    ``like``: the fragment decoded before, whose item index is taken over when this one lists the
+    same items and counts (every host of a job does)."""
+    items = doc["items"]
+    if not isinstance(items, dict):
+        raise ManifestError(f"{here}: 'items' must be a JSON object")
+    width = check_int(doc["width"], "width", here, hi=MAX_NDIM)
+    n_ext = check_int(doc["extents"], "extent count", here, hi=MAX_COUNT)
+    n_crc = check_int(doc["crcs"], "checksum count", here, hi=MAX_COUNT)
+    if like is not None and like.counts == items:
+        starts, counts, rows = like.starts, like.counts, like.rows
+    else:
+        starts, counts = {}, items
+        values = list(items.values())
+        if not set(map(type, values)) <= {int} or (values and not 0 <= min(values) <= max(values) <= MAX_COUNT):
+            raise ManifestError(f"{here}: every item's shard count must be an integer in [0, {MAX_COUNT}]")
+        starts = dict(zip(items, itertools.accumulate(values, initial=0)))
+        rows = sum(values)
+    text = doc["columns"]
+    if not isinstance(text, str):
+        raise ManifestError(f"{here}: its shard columns are not readable")
+    return Columns(here, width, len(doc["objects"]), starts, counts, rows, n_ext, n_crc, text)
+
+
+def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
+                 *, complete: bool, names: Collection[str] | None = None) -> dict[str, ArrayItem]:
+    """The array items of a format-2 ``manifest`` that the columnar ``fragments`` (``(fragment
+    number, its first object in the loaded objects, its columns)``) hold rows of, each with its
+    :class:`ShardTable` made from those rows (replicas the root assigns to another fragment
+    dropped) and checked as columns: boxes inside the array, extents tiling each shard's bytes
+    with one checksum per block, objects that exist; with ``complete``, shards tiling the array.
+    Only the items ``names`` lists (None: all): the rows of the others are not looked at."""
+    arrays = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+    cols = _by_item(_concat(manifest, fragments, arrays, where, names))
+    names = arrays
+    width = cols["width"]
+    cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
+    order = np.arange(len(cols["item"]))
+    bounds = np.searchsorted(cols["item"], np.arange(len(names) + 1)).tolist()
+    loaded = np.array(sorted({f for f, _b, _c in fragments}), np.int64)
+    out: dict[str, ArrayItem] = {}
+    for i, name in enumerate(names):
+        if bounds[i] == bounds[i + 1]:
+            continue
+        item = manifest.items[name]
+        assert isinstance(item, ArrayItem)
+        here = f"{where}: item {name!r}"
+        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        if len(rows) == bounds[i + 1] - bounds[i]:  # every row owned: the table is views of the columns
+            rows = slice(bounds[i], bounds[i + 1])
+        table = _table(item, rows, cols, width, manifest.block_size, here)
+        full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
+        full.table = table
+        if complete:
+            check_tiling(full.shards, item.shape, here)  # type: ignore[arg-type]
+        out[name] = full
+    return out
+
+
+def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], arrays: list[str],
+            where: str, names: Collection[str] | None) -> dict[str, Any]:
+    """The rows of items ``names`` (None: all) of every fragment as one set of columns: ``item``
+    (index into ``arrays``), ``frag``, ``boxes`` (widened to the widest rank), ``ecount``,
+    ``extents`` (objects made global), ``crcs``. Fragments are decompressed one at a time, each
+    copied into columns allocated once (every row wanted) or sliced to the wanted items' rows."""
+    ids = {n: i for i, n in enumerate(arrays)}
+    width = max(c.width for _f, _b, c in fragments)
+    # Every host lists the same items with the same counts (decode_columns then shares one
+    # dict): the item index of those rows, and which of them are wanted, are worked out once.
+    known: dict[int, tuple[np.ndarray, Any]] = {}
+    for _f, _b, c in fragments:
+        if id(c.counts) not in known:
+            unknown = [n for n in c.counts if n not in ids]
+            if unknown:
+                raise ManifestError(f"{c.here}: names item {unknown[0]!r} that the root does not hold as an array")
+            kept = list(c.counts) if names is None else [n for n in c.counts if n in names]
+            counts = np.array([c.counts[n] for n in kept], np.int64)
+            rows_of = (slice(None) if len(kept) == len(c.counts) else  # each item's rows are contiguous
+                       _ranges(np.array([c.starts[n] for n in kept], np.int64), counts))
+            known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
+    whole = all(isinstance(known[id(c.counts)][1], slice) for _f, _b, c in fragments)
+    sizes = [(sum(c.rows for _f, _b, c in fragments), sum(c.n_ext for _f, _b, c in fragments),
+              sum(c.n_crc for _f, _b, c in fragments))] if whole else None
+    out = _Filled(width, sizes[0] if sizes else None)
+    for f, base, c in fragments:
+        item, rows = known[id(c.counts)]
+        boxes, ecount, ext, crcs = c.arrays()
+        if not isinstance(rows, slice):
+            efirst = np.concatenate([[0], np.cumsum(ecount)])
+            e = _ranges(efirst[rows], ecount[rows])
+            cfirst = np.cumsum(ext[:, 4]) - ext[:, 4]
+            boxes, ecount, crcs, ext = boxes[rows], ecount[rows], crcs[_ranges(cfirst[e], ext[e, 4])], ext[e]
+        if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
+            raise ManifestError(f"{c.here}: an extent names an object the fragment does not list")
+        out.add(f, base, item, boxes if c.width == width else _widened(boxes, c.width, width), ecount, ext, crcs)
+    return out.done()
+
+
+class _Filled:
+    """Columns filled fragment by fragment: into arrays allocated once when the sizes are known
+    (``(rows, extents, crcs)``), else gathered and joined at the end."""
+
+    def __init__(self, width: int, sizes: tuple[int, int, int] | None) -> None:
+        self.width, self.sizes = width, sizes
+        self.at = [0, 0, 0]
+        if sizes is not None:
+            r, e, c = sizes
+            self.cols = {"item": np.empty(r, np.int64), "frag": np.empty(r, np.int64),
+                         "boxes": np.empty((r, 3 * width), np.int64), "ecount": np.empty(r, np.int64),
+                         "extents": np.empty((e, 6), np.int64), "crcs": np.empty(c, np.uint32)}
+        else:
+            self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents",
+                                                                        "crcs")}
+
+    def add(self, f: int, base: int, item: np.ndarray, boxes: np.ndarray, ecount: np.ndarray, ext: np.ndarray,
+            crcs: np.ndarray) -> None:
+        if self.sizes is None:
+            ext = ext.astype(np.int64)  # a copy: the object numbers are made global below
+            ext[:, 0] += base
+            for k, v in (("item", item), ("frag", np.full(len(boxes), f, np.int64)), ("boxes", boxes.astype(np.int64)),
+                         ("ecount", ecount.astype(np.int64)), ("extents", ext), ("crcs", crcs.astype(np.uint32))):
+                self.parts[k].append(v)
+            return
+        r, e, c = self.at
+        n, m, k = len(boxes), len(ext), len(crcs)
+        cols = self.cols
+        cols["item"][r : r + n], cols["frag"][r : r + n], cols["boxes"][r : r + n] = item, f, boxes
+        cols["ecount"][r : r + n], cols["extents"][e : e + m], cols["crcs"][c : c + k] = ecount, ext, crcs
+        cols["extents"][e : e + m, 0] += base
+        self.at = [r + n, e + m, c + k]
+
+    def done(self) -> dict[str, Any]:
+        out: dict[str, Any] = (self.cols if self.sizes is not None else
+                               {k: np.concatenate(v) for k, v in self.parts.items()})
+        out["width"] = self.width
+        return out
+
+
+def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
+    """``cols`` with rows (and their extents and checksums) in item order, so that each item's
+    table is views of them; ``efirst``/``cfirst``: each row's first extent, each extent's first crc."""
+    order = np.argsort(cols["item"], kind="stable")
+    for k in ("item", "frag", "boxes"):
+        cols[k] = cols[k][order]
+    ecount = cols["ecount"]
+    efirst = np.concatenate([[0], np.cumsum(ecount)])
+    e = _ranges(efirst[order], ecount[order])
+    cols["ecount"] = ecount = ecount[order]
+    ncrc = cols["extents"][:, 4]
+    c = _ranges((np.cumsum(ncrc) - ncrc)[e], ncrc[e])
+    cols["extents"] = cols["extents"][e]
+    cols["crcs"] = cols["crcs"][c]
+    ncrc = cols["extents"][:, 4]
+    cols["efirst"] = np.concatenate([[0], np.cumsum(ecount)])
+    cols["cfirst"] = np.cumsum(ncrc) - ncrc
+    return cols
+
+
+def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
+    """Boxes padded from rank ``width`` to ``to`` (offset 0, length 1, tile -1)."""
+    n, pad = len(boxes), to - width
+    return np.concatenate([boxes[:, :width], np.zeros((n, pad), np.int64), boxes[:, width : 2 * width],
+                           np.ones((n, pad), np.int64), boxes[:, 2 * width :], np.full((n, pad), -1, np.int64)], axis=1)
+
+
+def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, loaded: np.ndarray) -> np.ndarray:
+    """``rows`` without the replicas the root's locator assigns to another fragment."""
+    ndim = len(item.shape)
+    keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
+    loc = item.locator
+    mine = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    # The common case: exactly the rows the root assigns these fragments, in the root's order
+    # (fragment by fragment, each in its own order), or at least the same set of them.
+    if len(mine) == len(keys) and (np.array_equal(keys, mine) or np.array_equal(
+            keys[np.lexsort(keys.T[::-1])], mine[np.lexsort(mine.T[::-1])])):
+        return rows
+    assigned = set(map(tuple, mine.tolist()))
+    return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
+
+
+def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int, block_size: int,
+           here: str) -> ShardTable:
+    """The shard table of ``rows`` (a slice: views of ``cols``), checked (ManifestError naming ``here``)."""
+    ndim, boxes = len(item.shape), cols["boxes"][rows]
+    offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
+    if ((boxes[:, ndim:width] != 0).any() or (boxes[:, width + ndim : 2 * width] != 1).any()
+            or (boxes[:, 2 * width + ndim :] != -1).any()):
+        raise ManifestError(f"{here}: a shard's rank differs from the array's {ndim}")
+    limit = np.asarray(item.shape, np.int64)
+    if (offs < 0).any() or (shape < 0).any() or (offs > limit - shape).any():
+        raise ManifestError(f"{here}: a shard lies outside the array shape {list(item.shape)}")
+    untiled = (tile == -1).all(axis=1)
+    if not (untiled | ((tile >= 1) & (tile <= np.maximum(shape, 1))).all(axis=1)).all():
+        raise ManifestError(f"{here}: a shard's tile does not fit its shape")
+    counts = cols["ecount"][rows]
+    if isinstance(rows, slice):
+        e: np.ndarray | slice = slice(int(cols["efirst"][rows.start]), int(cols["efirst"][rows.stop]))
+    else:
+        e = _ranges(cols["efirst"][rows], counts)
+    ext = cols["extents"][e]
+    obj, at, so, length, ncrc, block = ext.T
+    prior = np.cumsum(length) - length  # bytes of this item's extents before each one
+    covered = prior - prior[np.repeat(np.cumsum(counts) - counts, counts)]  # ... within its shard
+    nbytes = np.prod(shape, axis=1, dtype=np.int64) * item.dtype.itemsize
+    ends = np.concatenate([[0], np.cumsum(length)])
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    total = ends[bounds[1:]] - ends[bounds[:-1]]  # each shard's extents' bytes
+    bs = np.where(block > 0, block, block_size)
+    if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
+            or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
+        raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
+    if isinstance(e, slice):
+        c0 = int(cols["cfirst"][e.start]) if e.stop > e.start else 0
+        c: np.ndarray | slice = slice(c0, c0 + int(ncrc.sum()))
+    else:
+        c = _ranges(cols["cfirst"][e], ncrc)
+    return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
+                      obj, at, so, length, np.cumsum(ncrc) - ncrc, ncrc, bs, cols["crcs"][c])
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated."""
+    rep = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return rep + np.arange(int(counts.sum()))
