@@ -42,7 +42,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
     from ckptio.engine import WrittenObject
     from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
     from ckptio.checksum import crc32c
-    from ckptio.layout import FlatNaming, Piece, pack
+    from ckptio.layout import FlatNaming, Piece, extent_block, pack
     from ckptio.manifest import host_record as _host_record
     from ckptio.staging import StagedArray
 
@@ -58,10 +58,13 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
             nbytes = ROWS_PER_HOST * COLS * dt.itemsize
             shard = ((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, COLS), np.empty(0, np.uint8))
             staged[name] = StagedArray(dt, (hosts * ROWS_PER_HOST, COLS), False, "jax", [shard])
-            pieces.append(Piece(name, 0, scratch[:nbytes]))
+            pieces.append(Piece(name, 0, scratch[:nbytes], block=extent_block(nbytes, False, block)))
     save_id = f"{rank:012x}"
     plans = pack(pieces, object_size=64 << 20, key_for=lambda n: FlatNaming().object_key("1", save_id, rank, hosts, n))
-    written = [WrittenObject(pl.key, pl.size, [[0] * -(-e.length // block) for e in pl.extents]) for pl in plans]
+    # Checksums as random as real ones (zeros would compress away and flatter the metadata sizes).
+    rng = np.random.default_rng(rank)
+    written = [WrittenObject(pl.key, pl.size, [rng.integers(0, 2**32, -(-e.length // (e.block or block))).tolist()
+                                               for e in pl.extents]) for pl in plans]
     record = _host_record(staged, plans, written, rank, include_values=rank == 0)
     data = fragment_doc(record, 1, save_id, rank)
     key = fragment_key("1", save_id)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec.split import load_fragments
+from .codec.split import FragmentLoader
 from .model import ArrayItem, Box, Manifest
 
 __all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "with_shards_meeting"]
@@ -28,8 +28,10 @@ __all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "wit
 Boxes = Mapping[str, Iterable[Box]]
 #: The boxes a reader wants: themselves, made on demand, or None for every shard.
 Wanted = Boxes | Callable[[], Boxes] | None
-#: Reads fragments by number: the store's reads, with its retries and errors.
+#: Reads fragments by number: the store's reads, with its retries and errors (a new mapping a call).
 Fetch = Callable[[list[int]], Awaitable[Mapping[int, bytes]]]
+#: Fragments read at a time (each a few KiB to a few hundred): enough to keep the store busy.
+FETCH_BATCH = 256
 
 
 def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
@@ -75,10 +77,18 @@ async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, 
     if callable(wanted):
         wanted = wanted()
     numbers = fragments_for(manifest, wanted)
-    datas = await fetch(numbers) if numbers else {}
     # Only the wanted items' rows are made into shards: nobody parses what it does not restore.
-    return load_fragments(manifest, datas, step_dir, where, complete=wanted is None,
-                          names=None if wanted is None else set(wanted))
+    # Fragments are read in batches and each dropped once decoded: a host that meets every
+    # fragment holds one batch of their bytes, not all of them.
+    loader = FragmentLoader(manifest, step_dir, where, complete=wanted is None,
+                            names=None if wanted is None else set(wanted), few=len(numbers) <= 8)
+    for i in range(0, len(numbers), FETCH_BATCH):
+        batch = numbers[i : i + FETCH_BATCH]
+        datas = await fetch(batch)
+        for f in batch:
+            loader.add(f, datas[f])
+        del datas
+    return loader.done()
 
 
 async def with_every_shard(manifest: Manifest, fetch: Fetch, step_dir: str, where: str) -> Manifest:

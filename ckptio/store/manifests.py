@@ -72,9 +72,8 @@ class Manifests:
         None: all) at hand: a format-2 root's fragments holding them read, any other manifest as is."""
         where = f"{self.ctx.where(step_dir)}/{MANIFEST_NAME}"
         refs = root.fragments or []
-        datas: dict[int, bytes] = {}
 
-        async def one(i: int) -> None:
+        async def one(i: int, datas: dict[int, bytes]) -> None:
             key = refs[i].key
             try:
                 datas[i] = await self.ctx.io.read(key)
@@ -82,7 +81,8 @@ class Manifests:
                 raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
 
         async def fetch(numbers: list[int]) -> dict[int, bytes]:
-            await gather_or_cancel((one(i) for i in numbers), limit=self.ctx.concurrency * 2)
+            datas: dict[int, bytes] = {}  # a new one per batch: the caller drops each once decoded
+            await gather_or_cancel((one(i, datas) for i in numbers), limit=self.ctx.concurrency * 2)
             return datas
 
         return await with_shards_meeting(root, wanted, fetch, step_dir, where)

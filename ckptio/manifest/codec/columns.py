@@ -81,10 +81,19 @@ class Columns:
     n_ext: int
     n_crc: int
     text: str
+    #: The items and shard counts the document lists, their first rows and all its rows
+    #: (``counts``, ``starts`` and ``rows`` may be fewer: those kept).
+    listed: dict[str, int] = dataclasses.field(default_factory=dict)
+    listed_starts: dict[str, int] = dataclasses.field(default_factory=dict)
+    listed_rows: int = 0
+    #: The kept rows' columns, decompressed when the fragment was decoded (``text`` then dropped).
+    kept: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(boxes, extent_counts, extents, crcs)`` (read-only views of the decompressed bytes);
         ManifestError naming the fragment if they are not what its document says."""
+        if self.kept is not None:
+            return self.kept
         rows, width, n_ext, n_crc = self.rows, self.width, self.n_ext, self.n_crc
         sizes = [rows * 3 * width * 8, rows * 8, n_ext * 6 * 8, n_crc * 4]
         try:
@@ -104,30 +113,68 @@ class Columns:
         return boxes, counts, extents, crcs
 
 
-def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None) -> Columns:
+def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None, *,
+                   keep: Collection[str] | None = None, arrays: Collection[str] | None = None) -> Columns:
     """The columns of a version-3 fragment document (``here`` names it in errors), their sizes
-    checked; decompressed when asked (:meth:`Columns.arrays`), checked per item by the reader.
-    ``like``: the fragment decoded before, whose item index is taken over when this one lists the
-    same items and counts (every host of a job does)."""
+    checked, checked per item by the reader. ``like``: the fragment decoded before, whose item
+    index is taken over when this one lists the same items and counts (every host of a job does).
+    ``arrays``: the root's array items (an item the fragment lists beyond them is refused).
+
+    ``keep`` None: the columns stay compressed until asked (:meth:`Columns.arrays`). Otherwise
+    they are decompressed now and only the rows of the items ``keep`` names are kept: the
+    document's text can then be dropped, and a reader of thousands of fragments that wants one
+    array holds that array's rows only."""
     items = doc["items"]
     if not isinstance(items, dict):
         raise ManifestError(f"{here}: 'items' must be a JSON object")
     width = check_int(doc["width"], "width", here, hi=MAX_NDIM)
     n_ext = check_int(doc["extents"], "extent count", here, hi=MAX_COUNT)
     n_crc = check_int(doc["crcs"], "checksum count", here, hi=MAX_COUNT)
-    if like is not None and like.counts == items:
-        starts, counts, rows = like.starts, like.counts, like.rows
+    if like is not None and like.listed == items:
+        listed, lstarts, lrows, counts, starts = like.listed, like.listed_starts, like.listed_rows, like.counts, \
+            like.starts
     else:
-        starts, counts = {}, items
+        listed = items
         values = list(items.values())
         if not set(map(type, values)) <= {int} or (values and not 0 <= min(values) <= max(values) <= MAX_COUNT):
             raise ManifestError(f"{here}: every item's shard count must be an integer in [0, {MAX_COUNT}]")
-        starts = dict(zip(items, itertools.accumulate(values, initial=0)))
-        rows = sum(values)
+        unknown = [] if arrays is None else [n for n in items if n not in arrays]
+        if unknown:
+            raise ManifestError(f"{here}: names item {unknown[0]!r} that the root does not hold as an array")
+        lstarts = dict(zip(items, itertools.accumulate(values, initial=0)))
+        lrows = sum(values)
+        counts = items if keep is None else {n: c for n, c in items.items() if n in keep}
+        # The kept rows are numbered from 0, item after item.
+        starts = lstarts if len(counts) == len(items) else dict(zip(counts, itertools.accumulate(counts.values(),
+                                                                                                   initial=0)))
     text = doc["columns"]
     if not isinstance(text, str):
         raise ManifestError(f"{here}: its shard columns are not readable")
-    return Columns(here, width, len(doc["objects"]), starts, counts, rows, n_ext, n_crc, text)
+    cols = Columns(here, width, len(doc["objects"]), lstarts, counts, lrows, n_ext, n_crc, text, listed, lstarts,
+                   lrows)
+    if keep is None:
+        return cols
+    full = cols.arrays()
+    if len(counts) == len(listed):
+        cols.kept = full
+    else:
+        cols.kept = _take_rows(full, _ranges(np.array([lstarts[n] for n in counts], np.int64),
+                                             np.array(list(counts.values()), np.int64)))
+        cols.starts = starts
+        cols.rows, cols.n_ext, cols.n_crc = len(cols.kept[0]), len(cols.kept[2]), len(cols.kept[3])
+    cols.text = ""
+    return cols
+
+
+def _take_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``rows`` of a fragment's ``(boxes, extent_counts, extents, crcs)``, with their
+    extents and checksums (copies)."""
+    boxes, ecount, ext, crcs = arrays
+    efirst = np.concatenate([[0], np.cumsum(ecount)])
+    e = _ranges(efirst[rows], ecount[rows])
+    cfirst = np.cumsum(ext[:, 4]) - ext[:, 4]
+    return boxes[rows], ecount[rows], ext[e], crcs[_ranges(cfirst[e], ext[e, 4])]
 
 
 def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
@@ -194,10 +241,7 @@ def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], a
         item, rows = known[id(c.counts)]
         boxes, ecount, ext, crcs = c.arrays()
         if not isinstance(rows, slice):
-            efirst = np.concatenate([[0], np.cumsum(ecount)])
-            e = _ranges(efirst[rows], ecount[rows])
-            cfirst = np.cumsum(ext[:, 4]) - ext[:, 4]
-            boxes, ecount, crcs, ext = boxes[rows], ecount[rows], crcs[_ranges(cfirst[e], ext[e, 4])], ext[e]
+            boxes, ecount, ext, crcs = _take_rows((boxes, ecount, ext, crcs), rows)
         if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
             raise ManifestError(f"{c.here}: an extent names an object the fragment does not list")
         out.add(f, base, item, boxes if c.width == width else _widened(boxes, c.width, width), ecount, ext, crcs)

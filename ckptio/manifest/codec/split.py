@@ -35,7 +35,7 @@ from .arrays import array_item
 from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
 from .single import head_fields
 
-__all__ = ["FRAGMENT_FORMAT", "load_fragments", "root_from_doc"]
+__all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc"]
 
 #: The ``format`` of a fragment document.
 FRAGMENT_FORMAT = "ckptio-fragment"
@@ -101,42 +101,71 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
     root's step, and hold the boxes the root's locators assign to it. Columnar fragments
     (version 3, :mod:`.columns`) become each item's :class:`~ckptio.manifest.table.ShardTable`
     straight from their columns; version-2 fragments' rows are read one by one. ``names``: the
-    array items to give shards (None: all); the others keep none.
+    array items to give shards (None: all); the others keep none. (:class:`FragmentLoader`
+    takes the fragments one at a time, so a reader of thousands holds few of them at once.)
     """
     if manifest.complete:  # every shard already at hand (format 1, or all fragments read)
         return manifest
-    assert manifest.fragments is not None
-    objects: list[str] = []
-    shards: dict[str, list[Any]] = {}
-    owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
-    columnar: list[tuple[int, int, Columns]] = []  # (fragment, its first object, its columns)
+    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(datas) <= 8)
     for f in sorted(datas):
-        ref = manifest.fragments[f]
-        here = f"{where}: fragment {ref.key!r}"
-        doc = _fragment_doc(manifest, ref, datas[f], here)
-        base = len(objects)
-        objects += _fragment_objects(doc, here, step_dir)
+        loader.add(f, datas[f])
+    return loader.done()
+
+
+class FragmentLoader:
+    """Reads a format-2 root's fragments one at a time (:meth:`add`, in fragment order), then
+    makes the manifest with their shards (:meth:`done`; see :func:`load_fragments`).
+
+    A columnar fragment is decompressed as it is added and only the rows of the items ``names``
+    lists are kept, so its bytes can be dropped at once: a host that wants one array of a
+    checkpoint of 4096 fragments holds one fragment's bytes and that array's rows, not every
+    fragment."""
+
+    def __init__(self, manifest: Manifest, step_dir: str, where: str, *, complete: bool,
+                 names: Collection[str] | None, few: bool) -> None:
+        assert manifest.fragments is not None and not manifest.complete
+        self.manifest, self.step_dir, self.where = manifest, step_dir, where
+        self.complete, self.names, self.few = complete, names, few
+        self.arrays = {n for n, it in manifest.items.items() if isinstance(it, ArrayItem)}
+        self.objects: list[str] = []
+        self.shards: dict[str, list[Any]] = {}
+        self.owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
+        self.columnar: list[tuple[int, int, Columns]] = []  # (fragment, its first object, its columns)
+
+    def add(self, f: int, data: bytes) -> None:
+        """Fragment number ``f``'s bytes, checked against the root's record of it."""
+        ref = self.manifest.fragments[f]  # type: ignore[index]
+        here = f"{self.where}: fragment {ref.key!r}"
+        doc = _fragment_doc(self.manifest, ref, data, here)
+        base = len(self.objects)
+        self.objects += _fragment_objects(doc, here, self.step_dir)
         if doc.get("version") == COLUMNS_FRAGMENT_VERSION:
-            columnar.append((f, base, decode_columns(doc, here, columnar[-1][2] if columnar else None)))
+            like = self.columnar[-1][2] if self.columnar else None
+            self.columnar.append((f, base, decode_columns(doc, here, like, keep=self.names, arrays=self.arrays)))
         else:
-            _rows_v2(manifest, f, doc, base, here, shards, owners, few=len(datas) <= 8, names=names)
-    if columnar and shards:
-        raise ManifestError(f"{where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
-    built = from_columns(manifest, columnar, where, complete=complete, names=names) if columnar else {}
-    items: dict[str, ArrayItem | ValueItem] = {}
-    for name, item in manifest.items.items():
-        if not isinstance(item, ArrayItem):
-            items[name] = item
-            continue
-        full = built.get(name)
-        if full is None:
-            raw = {"dtype": None, "shape": list(item.shape),
-                   "shards": shards.get(name, []), "scalar": item.scalar, "origin": item.origin}
-            full = array_item(raw, f"{where}: item {name!r}", len(objects), manifest.block_size,
-                              tiling=complete, dtype=item.dtype)
-        full.locator = item.locator
-        items[name] = full
-    return dataclasses.replace(manifest, items=items, objects=objects, complete=complete)
+            _rows_v2(self.manifest, f, doc, base, here, self.shards, self.owners, few=self.few, names=self.names)
+        if self.columnar and self.shards:
+            raise ManifestError(f"{self.where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
+
+    def done(self) -> Manifest:
+        """The manifest with the shards of every fragment added."""
+        manifest, where, objects = self.manifest, self.where, self.objects
+        built = (from_columns(manifest, self.columnar, where, complete=self.complete, names=self.names)
+                 if self.columnar else {})
+        items: dict[str, ArrayItem | ValueItem] = {}
+        for name, item in manifest.items.items():
+            if not isinstance(item, ArrayItem):
+                items[name] = item
+                continue
+            full = built.get(name)
+            if full is None:
+                raw = {"dtype": None, "shape": list(item.shape),
+                       "shards": self.shards.get(name, []), "scalar": item.scalar, "origin": item.origin}
+                full = array_item(raw, f"{where}: item {name!r}", len(objects), manifest.block_size,
+                                  tiling=self.complete, dtype=item.dtype)
+            full.locator = item.locator
+            items[name] = full
+        return dataclasses.replace(manifest, items=items, objects=objects, complete=self.complete)
 
 
 def _fragment_doc(manifest: Manifest, ref: FragmentRef, data: bytes, here: str) -> dict[str, Any]:
