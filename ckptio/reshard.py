@@ -17,7 +17,7 @@ it is copied anywhere.
   scratch and copied out once verified. Those reads are coalesced: pieces
   adjacent in one object, from any shard of any array planned together
   (:func:`plan_regions`), become one read of at most about
-  ``SCRATCH_ROWS_BYTES`` into one scratch buffer with many copies out. So the
+  ``RUN_BYTES`` (2 MiB) into one scratch buffer with many copies out. So the
   requests and the Python steps of planning grow with object runs, not
   shards; the bytes read are exactly those of the pieces (nothing between
   them), and scratch is bounded per read.

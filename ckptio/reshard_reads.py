@@ -28,6 +28,10 @@ __all__ = ["SCRATCH_ROWS_BYTES", "Region", "Want", "requests_for"]
 
 #: The most bytes one read through scratch holds (rows of a C-order shard, a run of pieces).
 SCRATCH_ROWS_BYTES = 32 << 20
+#: Pieces back to back in one object are read together up to about this many bytes: enough that
+#: a million small pieces make a few thousand reads, small enough that a read's scratch (and what
+#: a read-once round holds for it) stays small beside what a host restores.
+RUN_BYTES = 2 << 20
 _I64 = np.int64
 
 
@@ -154,14 +158,14 @@ def _copier(dest: np.ndarray, d: int, src: Scratch, s: int, n: int) -> Callable[
 
 def _runs(obj: np.ndarray, start: np.ndarray, end: np.ndarray, bs: np.ndarray) -> np.ndarray:
     """Run starts over pieces sorted by (object, start): a run is pieces back to back in one
-    object with one block size, cut after about ``SCRATCH_ROWS_BYTES`` (scratch stays bounded)."""
+    object with one block size, cut after about ``RUN_BYTES`` (scratch stays bounded)."""
     k = len(obj)
     brk = np.ones(k, bool)
     brk[1:] = (obj[1:] != obj[:-1]) | (start[1:] != end[:-1]) | (bs[1:] != bs[:-1])
     group = np.cumsum(brk) - 1
     length = end - start
     before = np.cumsum(length) - length
-    sub = (before - before[brk][group]) // SCRATCH_ROWS_BYTES
+    sub = (before - before[brk][group]) // RUN_BYTES
     cut = brk.copy()
     cut[1:] |= sub[1:] != sub[:-1]
     return np.flatnonzero(cut)

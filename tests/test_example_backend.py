@@ -26,7 +26,7 @@ def test_a_checkpoint_saved_and_restored_through_the_example_backend(tmp_path: P
     assert back["step"] == 3 and np.array_equal(back["w"], state["w"])
 
 
-def test_the_readme_shows_this_very_example() -> None:
+def test_the_docs_show_this_very_example() -> None:
     root = Path(__file__).resolve().parent.parent
     example = (root / "tests" / "example_backend.py").read_text().rstrip()
-    assert example in (root / "README.md").read_text()
+    assert example in (root / "docs" / "backends.md").read_text()
