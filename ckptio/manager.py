@@ -335,7 +335,8 @@ class CheckpointManager:
         bytes host to host (torch.distributed); over jax.distributed's coordination service,
         which relays every byte through process 0, only when asked (True)."""
         if read_once is None:
-            read_once = bool(getattr(self.coordinator, "bulk_exchange", False)) and self.coordinator.size > 1
+            read_once = (bool(getattr(self.coordinator, "bulk_exchange", False)) and self.coordinator.size > 1
+                         and not self.store.host_local)  # each host's own disk: nothing shared to read once
         return restore_step(self.store, step, target, progress=progress, coordinator=self.coordinator,
                             read_once=read_once)
 
