@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +136,21 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("block", _of("bash"))
 def test_bash_block_runs(block: Block, tmp_path: Path) -> None:
-    _run(["bash", "-euo", "pipefail", "-c", block.code], tmp_path)
+    argv = ["bash", "-euo", "pipefail", "-c", block.code]
+    if "torch.distributed.run" not in block.code:
+        _run(argv, tmp_path)
+        return
+    # The torchrun example failed 2 times in ~10 runs of this file beside other tests (never in 10
+    # runs alone); the cause is not found yet. One more try in a fresh directory, the first
+    # failure shown as a warning so that it stays visible.
+    first = subprocess.run(argv, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                           timeout=BLOCK_TIMEOUT_S)
+    if first.returncode != 0:
+        warnings.warn(f"{block.id}: torchrun example failed once (exit {first.returncode}), retried:\n"
+                      f"{first.stderr[-3000:]}", stacklevel=1)
+        fresh = tmp_path / "retry"
+        fresh.mkdir()
+        _run(argv, fresh)
 
 
 @pytest.mark.parametrize("block", _of("toml"))
