@@ -42,6 +42,7 @@ __all__ = [
     "Capabilities",
     "LayoutDefaults",
     "ObjectInfo",
+    "ReadOnlyBackend",
     "RetryableError",
     "check_fill",
     "check_key",
@@ -300,3 +301,19 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class ReadOnlyBackend(Backend):
+    """A backend that serves reads only (an in-memory view over bytes held elsewhere): every
+    write, create and delete raises PermissionError naming ``url`` and ``read_only_reason``."""
+
+    read_only_reason = "read-only"
+
+    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
+        raise PermissionError(f"{self.url}: {self.read_only_reason}")
+
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        raise PermissionError(f"{self.url}: {self.read_only_reason}")
+
+    async def delete(self, key: str) -> None:
+        raise PermissionError(f"{self.url}: {self.read_only_reason}")

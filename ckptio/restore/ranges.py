@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 from ckptio._system import flat_bytes
 from ckptio._system.bytes import copy_bytes
-from ckptio.backends import Backend
-from ckptio.backends.base import ByteRange, Capabilities, ObjectInfo, check_fill
+from ckptio.backends.base import ByteRange, Capabilities, ObjectInfo, ReadOnlyBackend, check_fill
 
 __all__ = ["RangesBackend"]
 
@@ -24,7 +23,7 @@ __all__ = ["RangesBackend"]
 _THREAD_MIN = 1 << 20
 
 
-class RangesBackend(Backend):
+class RangesBackend(ReadOnlyBackend):
     """Disjoint byte ranges of objects (``add``), served by ``read_into``; nothing else."""
 
     def __init__(self, url: str) -> None:
@@ -84,14 +83,6 @@ class RangesBackend(Backend):
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return [await self.stat(k) for k in sorted(self._starts) if k.startswith(prefix)]
 
-    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
-        raise PermissionError(f"{self._url}: read-only")
-
-    async def create_if_absent(self, key: str, data: bytes) -> None:
-        raise PermissionError(f"{self._url}: read-only")
-
-    async def delete(self, key: str) -> None:
-        raise PermissionError(f"{self._url}: read-only")
 
 
 def _copy(sources: list[memoryview], buffers: Sequence[memoryview]) -> None:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ckptio._system import scatter_bytes
-from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, ReadOnlyBackend
 
 from ..checksum import verify_blocks
 from ..copy import StoredExtent, object_extents, object_writers
@@ -286,11 +286,13 @@ def fetch_from_peers(
     return got
 
 
-class RoutedBackend(Backend):
+class RoutedBackend(ReadOnlyBackend):
     """A read-only view that sends each key to where this host's plan says its bytes are.
 
     Counts the bytes read from each tier (``bytes_from``), for the restore report.
     """
+
+    read_only_reason = "a restore view is read-only"
 
     def __init__(self, url: str, received: dict[str, bytearray]) -> None:
         self._url = url
@@ -330,14 +332,6 @@ class RoutedBackend(Backend):
         info = await backend.stat(there)
         return ObjectInfo(key, info.size, info.mtime)
 
-    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
-        raise PermissionError(f"{self._url}: a restore view is read-only")
-
-    async def create_if_absent(self, key: str, data: bytes) -> None:
-        raise PermissionError(f"{self._url}: a restore view is read-only")
-
-    async def delete(self, key: str) -> None:
-        raise PermissionError(f"{self._url}: a restore view is read-only")
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         return []
