@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 __all__ = ["cast_checked", "is_inexact", "is_numeric"]
@@ -33,6 +32,8 @@ def is_inexact(dtype: Any) -> bool:
         return True
     if dtype.kind != "V":
         return False
+    import ml_dtypes  # imported once a 'V' dtype is seen: see ckptio.dtypes
+
     try:
         ml_dtypes.finfo(dtype)
     except ValueError:

@@ -554,12 +554,17 @@ def check_deletions(events: list[dict[str, Any]], deaths: dict[str, float]) -> d
     return counts
 
 
-def _root_of_last_save(root: str, logs: str, trial: int) -> bool:
-    """Whether the step host 0 of ``trial`` was saving when it died has a root manifest."""
+def _root_of_last_save(root: str, logs: str, trial: int) -> str:
+    """Where the step host 0 of ``trial`` was saving when it died stands: "root-made-it" (its root
+    manifest exists), "no-root", or "no-save" (host 0 died before it began any save: a job too slow
+    to reach the phase, killed with the rest)."""
     from ckptio.manifest import MANIFEST_NAME
 
-    last = [e for e in read_events(logs) if e["proc"] == f"{trial}/host0" and e["op"] == "intent"][-1]
-    return os.path.exists(os.path.join(root, last["key"].split("/")[0], MANIFEST_NAME))
+    intents = [e for e in read_events(logs) if e["proc"] == f"{trial}/host0" and e["op"] == "intent"]
+    if not intents:
+        return "no-save"
+    step = intents[-1]["key"].split("/")[0]
+    return "root-made-it" if os.path.exists(os.path.join(root, step, MANIFEST_NAME)) else "no-root"
 
 
 def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, notice: float = 0.3,
@@ -679,7 +684,7 @@ def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, noti
             deaths[f"{trial}/{name}"] = p.died or time.time()
         if mode == "phase" and phase == "commit-during" and procs["host0"].died:
             # Did the kill land before the root's rename (no checkpoint) or just after it?
-            count("commit-during:" + ("root-made-it" if _root_of_last_save(root, logs, trial) else "no-root"))
+            count("commit-during:" + _root_of_last_save(root, logs, trial))
         out = procs["restorer"].p.stdout.read().decode() if procs["restorer"].p.stdout else ""
         bad = [line for line in out.splitlines() if line.startswith(("MISMATCH", "ERROR"))]
         restores["restored"] += sum(line.startswith("restored") for line in out.splitlines())

@@ -148,3 +148,19 @@ def test_every_package_is_installed() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m in MODULES if _is_package(m) and not m.startswith("ckptio.bench")} | {"ckptio.bench"}
     assert packages - listed == set()
+
+
+def test_import_ckptio_loads_no_framework_and_no_ml_dtypes() -> None:
+    """`import ckptio` (and so every CLI call) stays light: no torch, jax or ml_dtypes (whose import
+    alone took ~1.4 s here) until a save or restore needs one; a bfloat16 manifest still decodes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckptio, ckptio.cli\n"
+        "heavy = [m for m in ('torch', 'jax', 'ml_dtypes') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from ckptio.dtypes import decode_dtype\n"
+        "assert str(decode_dtype('bfloat16')) == 'bfloat16'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
