@@ -201,3 +201,20 @@ def test_two_jax_distributed_processes_save_and_restore(tmp_path):
     failed = [(i, p.returncode, o) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode]
     assert not failed, "\n\n".join(f"process {i} exited {rc}:\n{o[-4000:]}" for i, rc, o in failed)
     assert all(f"process {i}: ok" in o for i, o in enumerate(outs))
+
+
+def test_register_twice_and_unregister_print_no_orbax_warning() -> None:
+    """#36: register() replaced Orbax's handlers with two absl warnings at every call."""
+    code = (
+        "import jax, numpy as np\n"
+        "from orbax.checkpoint import type_handlers as types\n"
+        "import ckptio.orbax as co\n"
+        "stock = types.get_type_handler(jax.Array)\n"
+        "co.register(); co.register()\n"
+        "assert isinstance(types.get_type_handler(jax.Array), co.CkptioArrayHandler)\n"
+        "co.unregister()\n"
+        "assert types.get_type_handler(jax.Array) is stock\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "overriding" not in out.stderr, out.stderr

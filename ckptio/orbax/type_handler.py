@@ -373,6 +373,17 @@ def _install_not_registered() -> None:
         types.register_type_handler(_Unmatched, _NotRegistered(), func=lambda ty: False)
 
 
+def _override(ty: type, handler: Any) -> None:
+    """``types.register_type_handler(ty, handler, override=True)`` without Orbax's warning: replacing
+    its handler is what :func:`register` is for, and absl printed two warnings at every call."""
+    from orbax.checkpoint._src.serialization import type_handler_registry as registry
+
+    try:
+        registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(ty, handler, None, True, ignore_warnings=True)
+    except (AttributeError, TypeError):  # an Orbax without the flag: its warning it is
+        types.register_type_handler(ty, handler, override=True)
+
+
 def register(handler: CkptioArrayHandler | None = None) -> CkptioArrayHandler:
     """Route every ``jax.Array`` leaf of Orbax's pytree handlers through ckptio; returns the handler."""
     h = handler or CkptioArrayHandler()
@@ -381,11 +392,11 @@ def register(handler: CkptioArrayHandler | None = None) -> CkptioArrayHandler:
         h.fallback = prev
     elif h.fallback is None:
         h.fallback = prev.fallback
-    types.register_type_handler(jax.Array, h, override=True)
+    _override(jax.Array, h)
     prev_np = types.get_type_handler(np.ndarray)
     if isinstance(prev_np, CkptioNumpyHandler):
         prev_np = prev_np.wrapped
-    types.register_type_handler(np.ndarray, CkptioNumpyHandler(prev_np, h), override=True)
+    _override(np.ndarray, CkptioNumpyHandler(prev_np, h))
     return h
 
 
@@ -393,10 +404,10 @@ def unregister() -> None:
     """Give ``jax.Array`` back to the handler that had it before :func:`register`."""
     cur = types.get_type_handler(jax.Array)
     if isinstance(cur, CkptioArrayHandler) and cur.fallback is not None:
-        types.register_type_handler(jax.Array, cur.fallback, override=True)
+        _override(jax.Array, cur.fallback)
     cur_np = types.get_type_handler(np.ndarray)
     if isinstance(cur_np, CkptioNumpyHandler):
-        types.register_type_handler(np.ndarray, cur_np.wrapped, override=True)
+        _override(np.ndarray, cur_np.wrapped)
 
 
 _install_not_registered()
