@@ -213,6 +213,34 @@ def test_missing_uncommitted_and_existing_checkpoints_are_named(tmp_path):
         Reader(root, step=7).read_metadata()
 
 
+def test_reader_of_a_root_of_steps_reads_its_newest_committed_step(tmp_path):
+    """#36: ``Reader(root)`` without a step takes the newest committed step, as ``ckptio.restore`` does,
+    decided afresh at each load; an uncommitted newer step is passed over."""
+    root = str(tmp_path / "run")
+    for step in (1, 2):
+        dcp.save({"w": torch.full((3,), float(step))}, storage_writer=Writer(root, step=step))
+    reader = Reader(root)
+    sd = {"w": torch.zeros(3)}
+    dcp.load(sd, storage_reader=reader)
+    assert sd["w"].tolist() == [2.0] * 3 and reader.checkpoint_id.endswith("/2")
+    dcp.save({"w": torch.full((3,), 3.0)}, storage_writer=Writer(root, step=3))
+    dcp.save({"w": torch.full((3,), 4.0)}, storage_writer=Writer(root, step=4))
+    os.remove(os.path.join(root, "4", MANIFEST_NAME))  # step 4's save never committed
+    dcp.load(sd, storage_reader=reader)  # the same reader: step 3 is the newest now
+    assert sd["w"].tolist() == [3.0] * 3
+    sd2 = {"w": torch.zeros(3)}
+    dcp.load(sd2, storage_reader=Reader("unused"), checkpoint_id=root)
+    assert sd2["w"].tolist() == [3.0] * 3
+
+
+def test_ranks_that_chose_different_newest_steps_fail_the_load_by_name(tmp_path):
+    reader = Reader(tmp_path / "run")
+    plans = [LoadPlan([], storage_data={"ckptio.reads": f"{tmp_path}/run/{s}"}) for s in (5, 6)]
+    with pytest.raises(CheckpointNotFoundError, match=r"different newest steps.*run/5.*run/6.*step=N"):
+        reader.prepare_global_plan(plans)
+    assert reader.prepare_global_plan(plans[:1]) == plans[:1]
+
+
 def test_corrupt_object_is_named(tmp_path):
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.arange(1000.0), "b": torch.ones(4)}, storage_writer=Writer(url))

@@ -21,6 +21,7 @@ code; ``allow_stock=False`` refuses it).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -52,6 +53,7 @@ from ._location import Located
 __all__ = ["Reader"]
 
 log = logging.getLogger("ckptio.dcp")
+_READS = "ckptio.reads"  # a LoadPlan's storage_data key: the checkpoint a rank chose (Reader without a step)
 
 
 class Reader(Located, StorageReader):
@@ -66,7 +68,10 @@ class Reader(Located, StorageReader):
 
     Args:
         url: checkpoint URL or path (a ``checkpoint_id`` given to ``dcp.load`` replaces it).
-        step: read step ``step`` under ``url``.
+        step: read step ``step`` under ``url``. Without it, ``url`` is the checkpoint, or, if ``url`` is
+            a root of steps (``Writer(root, step=N)``, ``CheckpointManager``, ``ckptio.save``), its
+            newest committed step, chosen afresh at each load (every rank must choose the same: a save
+            committing between their looks fails the load with a clear error; pass ``step`` then).
         engine_config: concurrency, byte budget, retries.
         backend_options: options of the backend.
         allow_stock: read stock DCP checkpoints (their ``.metadata`` is a pickle).
@@ -124,7 +129,12 @@ class Reader(Located, StorageReader):
         try:
             if rank is not None:
                 return self._stock_metadata(store, rank)
+            if self.step is None:
+                self.step_dir = ""  # "the newest step" is decided afresh at every load
             manifest, stock = run_sync(_find(store, self.step_dir))
+            if manifest is None and not stock and self.step is None:
+                manifest = self._newest_step(store)
+                where = self.checkpoint_id
             if manifest is not None and stock:
                 raise ManifestError(
                     f"{where} holds both a ckptio checkpoint ({MANIFEST_NAME}) and a stock DCP one (.metadata): "
@@ -153,6 +163,17 @@ class Reader(Located, StorageReader):
         self._manifest, self._chunks, self._stock = manifest, chunks, None
         self._index(metadata)
         return metadata
+
+    def _newest_step(self, store: CheckpointStore) -> Manifest | None:
+        """With no step, a root of steps reads its newest committed one (as ``ckptio.restore`` does);
+        None if the root holds none."""
+        try:
+            step_dir, manifest = run_sync(store.resolve_manifest(None))
+        except CheckpointNotFoundError:
+            return None
+        self.step_dir = step_dir
+        log.info("%s: reading its newest committed step, %s", self.url, step_dir)
+        return manifest
 
     def _index(self, metadata: Metadata) -> None:
         """Each tensor's saved dtype and each saved chunk's shape, by FQN and chunk offsets."""
@@ -187,9 +208,17 @@ class Reader(Located, StorageReader):
             self.read_metadata(rank=kwargs["rank"]) if per_rank else self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self.step is None and plan.storage_data is None:  # the coordinator checks every rank chose the same
+            return dataclasses.replace(plan, storage_data={_READS: self.checkpoint_id})
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        chosen = {p.storage_data[_READS] for p in plans if isinstance(p.storage_data, dict) and _READS in p.storage_data}
+        if len(chosen) > 1:  # a save committed between two ranks' looks at the root
+            raise CheckpointNotFoundError(
+                f"ranks chose different newest steps: {sorted(chosen)}; a save committed while they looked. "
+                "Pass the step (Reader(root, step=N)) to load one"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
