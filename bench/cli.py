@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from . import report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
-from .harness import run_interleaved, run_job, select_cases
+from .harness import QUICK_CASES, run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
 from .targets import GCSTarget, Target, open_target
@@ -74,6 +74,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--cache-drop", default="auto", choices=["auto", "drop_caches", "fadvise", "none"],
                    help="how restores are made cold (auto: drop_caches if permitted, else fadvise)")
     g = p.add_argument_group("what")
+    g.add_argument("--full", action="store_true",
+                   help="every default case and every ratio table (~12 min at 1GiB here); without it, and without "
+                        "--cases, the quick set: " + ", ".join(QUICK_CASES))
     g.add_argument("--cases", type=_csv, default=None,
                    help="comma-separated case names/globs (default: every default case; --list shows them)")
     g.add_argument("--skip", type=_csv, default=[], help="comma-separated case names/globs to leave out")
@@ -111,6 +114,8 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--from-json", metavar="FILE", help="report (tables, --plot, --advise) from an earlier --json")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--strict", action="store_true", help="exit 1 if any case failed")
+    g.add_argument("--check", action="store_true", help="exit 1 if any goal this run could judge was missed "
+                                                       "(or any case failed)")
     return p
 
 
@@ -220,7 +225,8 @@ def _list_cases(scheme: str) -> int:
     for cls in all_cases():
         why = cls.unavailable() or ("" if "*" in cls.schemes or scheme in cls.schemes else f"not on {scheme}://")
         rows.append([cls.name, cls.kind, cls.framework, "yes" if not why else f"no: {why}",
-                     "" if cls.in_default_run else "opt-in", cls.description])
+                     ("quick" if cls.name in QUICK_CASES else "--full") if cls.in_default_run else "opt-in",
+                     cls.description])
     report.print_table("bench cases", ["case", "kind", "state", "runs here", "default", "what"], rows)
     return 0
 
@@ -382,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")
+    if args.full and args.cases is not None:
+        return _error("--full runs every default case: it cannot be combined with --cases")
+    if args.cases is None and not args.full and not args.from_json:
+        args.cases = list(QUICK_CASES)
     unknown = _unknown_cases(args.cases) + _unknown_cases(args.skip)
     if unknown and not args.from_json:
         return _error(f"no case is called {', '.join(map(repr, unknown))} "
@@ -406,8 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["ratios"] = report.compute_ratios(results)
     doc["goals"] = report.check_goals(results)
     report.render_main(results, skipped, _header(doc))
-    report.render_ratios(results, doc["ratios"])
+    if args.full or args.from_json:
+        report.render_ratios(results, doc["ratios"])
     report.render_goals(doc["goals"])
+    missed = report.verdict_line(doc["goals"], check=args.check)
     if doc.get("sweep"):
         from .sweep import render_sweep
 
@@ -426,4 +438,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [r["case"] for r in results if r.get("status") != "ok"]
     if failed:
         print(f"failed cases: {', '.join(failed)} (see the table / --json for why)", file=sys.stderr)
-    return 1 if failed and args.strict else 0
+    return 1 if (failed and (args.strict or args.check)) or (missed and args.check) else 0

@@ -27,7 +27,7 @@ from .spec import Job
 from .targets import Target
 from .worker import EVENT_PREFIX
 
-__all__ = ["Selection", "run_interleaved", "run_job", "select_cases"]
+__all__ = ["QUICK_CASES", "Selection", "run_interleaved", "run_job", "select_cases"]
 
 Event = dict[str, Any]
 
@@ -42,6 +42,14 @@ class Selection:
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+#: The default run (without --full or --cases): ckptio, under each framework, beside the anchors its
+#: headline goals compare with; a few minutes at 1 GiB on a 2-core VM.
+QUICK_CASES: tuple[str, ...] = (
+    "raw-disk", "raw-aiohttp", "memcpy", "orbax-default", "dcp", "dcp-async",
+    "ckptio", "ckptio-orbax", "ckptio-dcp", "ckptio-dcp-async",
+)
 
 
 def select_cases(include: Sequence[str] | None, exclude: Sequence[str], scheme: str) -> Selection:

@@ -25,6 +25,7 @@ __all__ = [
     "render_main",
     "render_ratios",
     "summarize",
+    "verdict_line",
 ]
 
 GIB = float(1 << 30)
@@ -240,6 +241,17 @@ def render_ratios(results: Sequence[dict[str, Any]], ratios: Mapping[str, Any], 
         rows = [[ref, *(fmt_ratio(cells.get(f)) for f, _, _ in FIGURES)] for ref, cells in ratios[case].items()]
         print_table(f"{case} ÷ each case (throughput: >1 is better; stall, RSS: <1 is better)",
                     ["vs", *(_LABELS[f] for f, _, _ in FIGURES)], rows, out=out)
+
+
+def verdict_line(goals: Sequence[Mapping[str, Any]], *, check: bool, out: TextIO | None = None) -> int:
+    """One line: how many goals this run judged were met and missed; returns the number missed."""
+    judged = [g for g in goals if g["met"] is not None]
+    missed = [g for g in judged if not g["met"]]
+    hint = "" if check or not missed else " (--check exits 1 on a missed goal)"
+    names = "; missed: " + ", ".join(f"{g['case']} {_LABELS.get(g['figure'], g['figure'])} vs {g['vs']}"
+                                      for g in missed) if missed else ""
+    print(f"goals: {len(judged) - len(missed)} of {len(judged)} met{names}{hint}", file=out or sys.stdout)
+    return len(missed)
 
 
 def render_goals(goals: Sequence[Mapping[str, Any]], out: TextIO | None = None) -> None:

@@ -47,7 +47,7 @@ CKPTIO_CASES = ["ckptio"] + (["ckptio-jax"] if _have("jax") else []) + (
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "ckptio.bench", "--size", "4MiB", "--rounds", "1", "--dir", str(out / "work"),
+    cmd = [sys.executable, "-m", "ckptio.bench", "--full", "--size", "4MiB", "--rounds", "1", "--dir", str(out / "work"),
            "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"), "--advise", "--mtbf", "4h"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -91,3 +91,39 @@ def test_interleave_refuses_the_per_case_fake_gcs_server(capsys: pytest.CaptureF
     rc = main(["--interleave", "--fake-gcs", "--cases", "ckptio", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "--interleave" in err and "--fake-gcs" in err and "Traceback" not in err
+
+
+def _fake_doc(ckptio_save: float) -> dict[str, Any]:
+    def case(name: str, kind: str, save: float) -> dict[str, Any]:
+        fig = {"median": save, "min": save, "max": save, "n": 1}
+        return {"case": name, "kind": kind, "framework": "numpy", "description": "", "durability": "",
+                "status": "ok", "samples": [], "summary": {"save_gibps": fig, "restore_gibps": fig}}
+
+    return {"config": {"state": {"total_bytes": 1 << 20, "count": 32, "dtype": "float32"}, "rounds": 1,
+                       "target": {"dir": "/tmp/x"}},
+            "cache_drop": {"method": "none"},
+            "cases": [case("raw-disk", "anchor", 1.0), case("ckptio", "ckptio", ckptio_save)]}
+
+
+@pytest.mark.parametrize("ckptio_save, check, code", [(0.5, True, 1), (0.5, False, 0), (1.0, True, 0)])
+def test_the_default_run_is_the_quick_set_with_one_verdict_line_and_check_exits_1_on_a_miss(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ckptio_save: float, check: bool, code: int) -> None:
+    """#36: the default bench is the quick set (``--full`` for every case and the ratio tables); one
+    line says how many judged goals were met; ``--check`` exits 1 when one was missed."""
+    from ckptio.bench import cli
+    from ckptio.bench.harness import QUICK_CASES
+
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "_measure", lambda args, argv: seen.append(args.cases) or _fake_doc(ckptio_save))
+    assert main(["--no-progress", *(["--check"] if check else [])]) == code
+    assert seen == [list(QUICK_CASES)]
+    out = capsys.readouterr().out
+    assert "÷ each case" not in out  # the ratio tables are --full's
+    met = "0 of 2 met" if ckptio_save < 0.9 else "2 of 2 met"
+    assert f"goals: {met}" in out
+    if ckptio_save < 0.9:
+        assert "missed: ckptio save GiB/s vs raw-disk, ckptio restore GiB/s vs raw-disk" in out
+    assert main(["--no-progress", "--full"]) == 0 and seen[-1] is None  # every default case
+    assert "÷ each case" in capsys.readouterr().out
+    assert main(["--full", "--cases", "ckptio"]) == 2
