@@ -130,3 +130,15 @@ def test_a_state_of_only_per_host_values_saves_from_many_hosts(tmp_path):
                                         {"pos": PerHost(r), "step": 1}, coordinator=c).result())
     assert ckptio.restore(tmp_path, target={"pos": PerHost(None, on_resize=take_modulo), "step": 0}) == {
         "pos": PerHost(0), "step": 1}
+
+
+def test_tools_show_a_per_host_item_and_a_copy_keeps_it(tmp_path, capsys):
+    from ckptio.cli import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    ckptio.save(src, {"w": np.arange(4.0), "pos": PerHost({"at": 3})}, step=1).result()
+    assert main(["inspect", "--json", str(src)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["items"]["pos"]["per_host"]["hosts"] == 1
+    assert main(["cp", str(src), str(dst)]) == 0
+    assert ckptio.restore(dst)["pos"] == {"at": 3}
