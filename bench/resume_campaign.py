@@ -53,7 +53,7 @@ def _torch_loop() -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     g = torch.Generator()
     g.manual_seed(1)
-    data = StatefulDataLoader(torch.randn(1 << 16, 8), batch_size=16, shuffle=True, num_workers=2, generator=g)
+    data = StatefulDataLoader(torch.randn(1 << 17, 8), batch_size=16, shuffle=True, num_workers=2, generator=g)
 
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         w = state["w"].clone().requires_grad_(True)
@@ -73,7 +73,7 @@ def _flax_loop() -> tuple[Any, Any, Any]:
 
     opt = optax.adam(0.01)
     params = {"w": jnp.zeros(8), "b": jnp.zeros(())}
-    ds = grain.MapDataset.range(1 << 16).shuffle(seed=5).map(
+    ds = grain.MapDataset.range(1 << 17).shuffle(seed=5).map(
         lambda i: np.sin(np.arange(8, dtype=np.float32) * (i % 97))).batch(16)
 
     @jax.jit

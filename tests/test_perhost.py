@@ -142,3 +142,26 @@ def test_tools_show_a_per_host_item_and_a_copy_keeps_it(tmp_path, capsys):
     assert doc["items"]["pos"]["per_host"]["hosts"] == 1
     assert main(["cp", str(src), str(dst)]) == 0
     assert ckptio.restore(dst)["pos"] == {"at": 3}
+
+
+def test_orbax_adapter_saves_a_grain_iterator_per_process_and_restores_it_in_place(tmp_path):
+    grain = pytest.importorskip("grain")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jax.numpy as jnp
+
+    import ckptio.orbax
+
+    def fresh():
+        return iter(grain.MapDataset.range(40).shuffle(seed=1).batch(2))
+
+    it = fresh()
+    seen = [next(it).tolist() for _ in range(3)]
+    mngr = ocp.CheckpointManager(tmp_path)
+    mngr.save(3, args=ckptio.orbax.Save({"w": jnp.ones(3), "data": it}))
+    after = [next(it).tolist() for _ in range(2)]  # the state was taken when the save was made
+    mngr.wait_until_finished()
+    again = fresh()
+    out = mngr.restore(3, args=ckptio.orbax.Restore({"w": None, "data": again}))
+    assert out["data"] is again and [next(again).tolist() for _ in range(2)] == after
+    assert seen != after
+    mngr.close()
