@@ -55,8 +55,9 @@ def test_sigterm_is_a_notice_once_asked(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_on_one_of_four_processes_saves_one_step_on_all(tmp_path):
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("kind", ["torch", "jax"])
+def test_sigterm_on_one_of_four_processes_saves_one_step_on_all(tmp_path, kind):
+    pytest.importorskip(kind)
     from ckptio.bench.readonce import _free_port
 
     root, out = str(tmp_path / "ckpt"), tmp_path
@@ -64,8 +65,8 @@ def test_sigterm_on_one_of_four_processes_saves_one_step_on_all(tmp_path):
     procs = []
     for rank in range(4):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, WORKER, root, str(out)], env=env,
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+        procs.append(subprocess.Popen([sys.executable, WORKER, kind, root, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         deadline = time.monotonic() + 120
