@@ -91,6 +91,17 @@ def _flax_loop() -> tuple[Any, Any, Any]:
     return {"params": params, "opt": opt.init(params), "key": jax.random.key(0)}, iter(ds), step
 
 
+def _save(mngr: Any, step: int, tree: Any, fd: int) -> bool:
+    """Save ``step`` if due; False (and a ``save_refused`` line) where ckptio refuses it: a step that an
+    earlier launch was killed in the middle of committing cannot be saved again until that save's lease
+    ends (ckptio's fencing; ``ckptio gc`` settles it), so a resumed run that gets there again goes on."""
+    try:
+        return mngr.save(step, tree) is not None
+    except FileExistsError:
+        os.write(fd, (json.dumps({"save_refused": step}) + "\n").encode())
+        return False
+
+
 def loop(kind: str, root: str, log_path: str, steps: int, every: int, sleep: float) -> int:
     """One launch: resume from the newest checkpoint (if any), then train to ``steps``."""
     import ckptio
@@ -112,12 +123,12 @@ def loop(kind: str, root: str, log_path: str, steps: int, every: int, sleep: flo
         os.write(fd, (json.dumps(line) + "\n").encode())
         time.sleep(sleep)
         if mngr.reached_preemption(s):
-            mngr.save(s, {"state": state, "data": data, "step": s})
-            mngr.wait_until_finished()
-            os.write(fd, (json.dumps({"preempted": s}) + "\n").encode())
+            if _save(mngr, s, {"state": state, "data": data, "step": s}, fd):
+                mngr.wait_until_finished()
+                os.write(fd, (json.dumps({"preempted": s}) + "\n").encode())
             mngr.close()
             return 0
-        mngr.save(s, {"state": state, "data": data, "step": s})  # on the interval only
+        _save(mngr, s, {"state": state, "data": data, "step": s}, fd)  # on the interval only
     mngr.wait_until_finished()
     os.write(fd, (json.dumps({"done": steps}) + "\n").encode())
     mngr.close()
@@ -200,7 +211,8 @@ def drive(args: argparse.Namespace) -> int:
                 problems.append(f"step {d['s']}: {d} != reference {ref.get(d['s'])}")
     done = any("done" in d for d in events)
     report = {"kind": args.kind, "steps": args.steps, "launches": launches, "kills": kills,
-              "preemption_saves_resumed_exactly": preempted_ok, "step_lines_checked": checked,
+              "preemption_saves_resumed_exactly": preempted_ok,
+              "saves_refused_after_a_kill_mid_commit": sum("save_refused" in d for d in events), "step_lines_checked": checked,
               "finished": done, "mismatches": len(problems), "seconds": round(time.time() - t0, 1), "work": work}
     print(json.dumps(report))
     for msg in problems[:10]:
