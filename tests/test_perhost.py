@@ -165,3 +165,30 @@ def test_orbax_adapter_saves_a_grain_iterator_per_process_and_restores_it_in_pla
     assert out["data"] is again and [next(again).tolist() for _ in range(2)] == after
     assert seen != after
     mngr.close()
+
+
+@pytest.mark.slow
+def test_dcp_per_rank_loaders_each_come_back_to_their_own_rank(tmp_path):
+    """Two gloo ranks save their own StatefulDataLoader (2 workers) with dcp.save through ckptio's
+    Writer, wrapped in ckptio.dcp.PerRank; fresh processes dcp.load them: each rank goes on with
+    its own next batches."""
+    pytest.importorskip("torchdata")
+    from ckptio.bench.readonce import spawn
+
+    worker = os.path.join(os.path.dirname(__file__), "dcp_perrank_worker.py")
+    root = str(tmp_path / "ckpt")
+    spawn(worker, 2, ["save", root, str(tmp_path)], 240)
+    spawn(worker, 2, ["resume", root, str(tmp_path)], 240)
+    after = [json.loads((tmp_path / f"save-{r}.json").read_text()) for r in range(2)]
+    assert [json.loads((tmp_path / f"resume-{r}.json").read_text()) for r in range(2)] == after
+    assert after[0] != after[1]
+    spawn(worker, 1, ["resume-one", root, str(tmp_path)], 240)  # one rank now: it takes saved rank 0's
+    assert json.loads((tmp_path / "resume-one-0.json").read_text()) == after[0]
+
+
+def test_dcp_per_rank_refuses_another_rank_count_without_a_hook():
+    pytest.importorskip("torch")
+    from ckptio.dcp import PerRank
+
+    with pytest.raises(ValueError, match="saved by 4 ranks, loaded by 1"):
+        PerRank(Counter(), saved_world=4).state_dict()
