@@ -20,6 +20,7 @@ from .errors import (
 )
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from .manager import CheckpointManager
+from .perhost import PerHost
 from .save import SaveHandle
 from .staging import Sharded, StagingPool
 from .states import SaveState
@@ -36,6 +37,7 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "Naming",
+    "PerHost",
     "Progress",
     "SaveFailedError",
     "SaveHandle",

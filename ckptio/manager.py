@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from ckptio.backends import Backend, RetryableError
@@ -23,6 +24,7 @@ from .engine import EngineConfig, Progress, run_sync
 from .errors import IntegrityError
 from .layout import Naming
 from .manifest import Manifest
+from .preemption import Preemption
 from .restore import restore_step
 from .collective import join_as_failed
 from .retention import Retention, SaveInterval
@@ -92,6 +94,8 @@ class CheckpointManager:
             goes ahead (a storage outage costs saves, not the run). A save refused before it
             starts for bad input (an unsupported leaf, bad metrics, a re-save of a committed
             step) raises at once in both modes: no retry fixes the caller's mistake.
+        preemption_signals: the signals :meth:`reached_preemption` counts as a preemption notice
+            (handled from its first call on; default SIGTERM).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class CheckpointManager:
         naming: Naming | None = None,
         backend_options: dict[str, Any] | None = None,
         backend: Backend | None = None,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
     ) -> None:
         self.retention = Retention(max_to_keep, keep_period)
         if best_mode not in ("min", "max"):
@@ -139,6 +144,8 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()
         self._retention_error: BaseException | None = None
+        self._preemption_signals = tuple(preemption_signals)
+        self._preemption: Preemption | None = None
 
     # -- queries ---------------------------------------------------------
 
@@ -152,11 +159,30 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is on the save interval and newer than the latest committed step."""
-        if not self.interval.due(step):
+        """True if ``step`` is on the save interval (or is the preemption step: see
+        :meth:`reached_preemption`) and newer than the latest committed step."""
+        preempted = self._preemption is not None and step == self._preemption.sync_step
+        if not preempted and not self.interval.due(step):
             return False  # no listing for a step off the interval (nor an error from one in an outage)
         latest = self.latest_step()
         return latest is None or step > latest
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every host at the same step once any host got a preemption notice (Orbax's name
+        and meaning): save that step then (:meth:`save` saves it even off the interval) and wait
+        for it (:meth:`wait_until_finished`) before exiting. Every host calls it every step; when
+        no notice came it only reads a flag. A notice is a signal of ``preemption_signals`` from
+        the first call on, or :meth:`notify_preemption`. See :mod:`ckptio.preemption`."""
+        return self._preemption_watch().reached(step)
+
+    def notify_preemption(self) -> None:
+        """Tell the job this host is about to be preempted (for a handler of your own; signal-safe)."""
+        self._preemption_watch().notify()
+
+    def _preemption_watch(self) -> Preemption:
+        if self._preemption is None:
+            self._preemption = Preemption(self.coordinator, signals=self._preemption_signals)
+        return self._preemption
 
     # -- save / restore --------------------------------------------------
 
@@ -349,6 +375,8 @@ class CheckpointManager:
         return run_sync(self.store.sweep(grace_seconds, dry_run=dry_run)).deleted
 
     def close(self) -> None:
+        if self._preemption is not None:
+            self._preemption.close()
         self.wait_until_finished()
         self._pool.clear()
         run_sync(self.store.close())

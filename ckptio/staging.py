@@ -24,6 +24,8 @@ from ckptio._system import POPULATE_MIN, fresh_pages, populate
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
+from .manifest.hoststate import StagedHostState, staged_host_state
+from .perhost import is_per_host_leaf, state_of
 from .tiling import tile_for
 
 __all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
@@ -416,7 +418,7 @@ def stage_leaf(
     host: int,
     area: StagingArea | None,
     tile_bytes: int = 0,
-) -> StagedArray | ValueItem:
+) -> StagedArray | ValueItem | StagedHostState:
     """Stage one leaf (``where`` is its pytree path, used in errors).
 
     Mutable arrays get a snapshot buffer in ``area`` (filled later by
@@ -472,6 +474,8 @@ def stage_leaf(
         if host == 0:
             shards.append(((0,) * arr.ndim, tuple(arr.shape), own(arr, area)))
         return StagedArray(arr.dtype, tuple(arr.shape), scalar, origin, shards, tiles)
+    if is_per_host_leaf(leaf):  # snapshotted now, as JSON: the iterator moves on after the step returns
+        return staged_host_state(where, state_of(leaf), host)
     try:
         encode_value(leaf, where)
     except TypeError:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .perhost import is_per_host_leaf
 from .restore import _PY_SCALARS, _is_target_leaf
 from .staging import Sharded
 from .tree import flatten_named, unflatten
@@ -34,7 +35,9 @@ def restore_target(state: Any, *, inplace: bool = False) -> Any:
     * a :class:`ckptio.Sharded`: its pieces' slices, which restore those slices;
     * Python scalars (int, float, bool, complex, str, bytes), numpy scalars,
       ``None`` and ``jax.ShapeDtypeStruct``: themselves (a Python scalar
-      restores the saved value as its type, refusing an incompatible one).
+      restores the saved value as its type, refusing an incompatible one);
+    * a ``ckptio.PerHost`` or a stateful object (a data loader): itself, which
+      restores this host's state into it (:mod:`ckptio.perhost`).
 
     ``inplace=True`` keeps C-contiguous writeable numpy arrays, torch tensors
     and Sharded pieces themselves as their targets: the restore fills them (no
@@ -76,6 +79,8 @@ def _target(name: str, leaf: Any, inplace: bool, jax: Any, torch: Any) -> Any:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     if torch is not None and isinstance(leaf, torch.Tensor):
         return leaf if inplace else torch.empty_like(leaf.detach(), device="meta")
+    if is_per_host_leaf(leaf):  # a data loader, a PerHost: its own target, restored in place
+        return leaf
     raise TypeError(
         f"leaf {name or '<root>'!r} is a {type(leaf).__name__}, which restore_target does not know: leaves may be "
         "jax / numpy arrays, torch tensors, ckptio.Sharded, numpy scalars, int, float, bool, complex, str, bytes "

@@ -40,6 +40,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 
 from .engine import run_sync
 from .manifest import ArrayItem, Manifest, ValueItem
+from .manifest.hoststate import HostStateItem
 from .reshard import Region, plan_region, shard_grid
 from .store import CheckpointStore
 
@@ -111,6 +112,9 @@ class CheckpointZarrStore(Store):
         for name, item in self._m.items.items():
             if isinstance(item, ValueItem):
                 values[name] = _value_json(item.value)
+                continue
+            if isinstance(item, HostStateItem):  # one state per host: no array to serve
+                unsupported.append(name)
                 continue
             served = _zarr_type(item.dtype)
             if served is None or name == "":

@@ -20,6 +20,7 @@ LAYERS = [
     "table",
     "values",
     "seal",
+    "hoststate",
     "itemjson",
     "codec.packs",
     "codec.arrays",

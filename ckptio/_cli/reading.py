@@ -11,6 +11,7 @@ from typing import Any
 from ..engine import run_sync
 from ..errors import IntegrityError
 from ..manifest import MANIFEST_NAME, ArrayItem, Manifest
+from ..manifest.hoststate import HostStateItem
 from ..orbax_steps import OrbaxStep
 from ..urls import local_path
 from ..verify import verify_checkpoint
@@ -123,6 +124,9 @@ def inspect(args: argparse.Namespace) -> int:
                 per_host[s.host] = per_host.get(s.host, 0) + s.size * it.dtype.itemsize
             items[name] = {"dtype": str(it.dtype), "shape": list(it.shape), "origin": it.origin,
                            "shards": [{"offsets": list(s.offsets), "shape": list(s.shape), "host": s.host} for s in it.shards]}
+        elif isinstance(it, HostStateItem):  # its size per host: the states themselves may be many
+            items[name] = {"per_host": {"hosts": it.num_hosts,
+                                        "json_bytes": [len(json.dumps(d, separators=(",", ":"))) for d in it.docs]}}
         else:
             items[name] = {"value": repr(it.value)}
     blocks = sum(len(e.crcs) for it in m.items.values() if isinstance(it, ArrayItem) for s in it.shards
@@ -142,6 +146,9 @@ def inspect(args: argparse.Namespace) -> int:
     for name, it in items.items():
         if "value" in it:
             print(f"  {name}: {it['value']}")
+        elif "per_host" in it:
+            sizes = it["per_host"]["json_bytes"]
+            print(f"  {name}: per-host state of {len(sizes)} host(s), {max(sizes)} bytes of JSON at most")
         else:
             print(f"  {name}: {it['dtype']}{it['shape']} in {len(it['shards'])} shard(s)")
     return 0

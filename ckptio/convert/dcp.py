@@ -41,6 +41,7 @@ import numpy as np
 
 from ..engine import Progress, run_sync
 from ..manifest import ArrayItem, Manifest, ValueItem, decode
+from ..manifest.hoststate import HostStateItem
 from ..reshard import Region, plan_region
 from ..store import CheckpointStore
 from ..stream import StreamWriter
@@ -225,6 +226,8 @@ def _plans(manifest: Manifest, where: str) -> tuple[list[_Plan], dict[str, Any] 
         it = manifest.items[item_name]
         if isinstance(it, ValueItem):
             plans.append(_Plan(fqn, "value", None, value=it.value))
+        elif isinstance(it, HostStateItem):
+            log.warning("%s: item %r is a per-host state (one per saving host); not converted to DCP", where, item_name)
         elif item_name in names:
             plans.append(_Plan(fqn, "tensor", item_name, props[item_name]))
         else:

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..engine import Progress, run_sync, submit
 from ..manifest import ArrayItem, Manifest, ValueItem
+from ..manifest.hoststate import HostStateItem
 from ..reshard import Region, plan_region, shard_grid
 from ..store import CheckpointStore
 from ..stream import StreamWriter
@@ -404,6 +405,9 @@ def ckptio_to_orbax(
                 )
                 return np.frombuffer(it.value, np.uint8).copy()
             return it.value
+        if isinstance(it, HostStateItem):
+            raise ValueError(f"{src.url}: item {name!r} is a per-host state (one per saving host): an Orbax PyTree "
+                             "checkpoint has no place for it")
         if it.scalar:  # a numpy scalar: tiny, and Orbax saves it as a scalar
             dest = np.empty(it.shape, it.dtype)
             run_sync(

@@ -16,8 +16,9 @@ result is also a native ckptio checkpoint (``ckptio.restore(url)`` returns
 from __future__ import annotations
 
 from ._codec import ChunkLocation
+from .perrank import PerRank
 from .reader import Reader
 from .staging import DEFAULT_BUFFERS, HostBuffers, Stager, stage_state_dict
 from .writer import Writer
 
-__all__ = ["DEFAULT_BUFFERS", "ChunkLocation", "HostBuffers", "Reader", "Stager", "Writer", "stage_state_dict"]
+__all__ = ["DEFAULT_BUFFERS", "ChunkLocation", "HostBuffers", "PerRank", "Reader", "Stager", "Writer", "stage_state_dict"]

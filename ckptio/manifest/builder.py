@@ -26,6 +26,7 @@ from ..errors import ManifestError, SaveFailedError
 from .codec import decode
 from .formats import version_for
 from .itemjson import array_json, dtype_code, item_row, item_to_json, row_object, shard_json, table_doc
+from .hoststate import StagedHostState, has_host_states, merge_host_state
 from .model import Manifest, ValueItem
 
 __all__ = [
@@ -126,7 +127,8 @@ def host_record(
 ) -> dict[str, Any]:
     """This host's part of the manifest, with object numbers local to the host.
 
-    ``staged``: each item's :class:`StagedArray`, :class:`~.model.ValueItem` or :data:`PACKED`.
+    ``staged``: each item's :class:`StagedArray`, :class:`~.model.ValueItem`,
+    :class:`~.hoststate.StagedHostState` or :data:`PACKED`.
     Its packs' members are compact rows among the items or, with ``tables`` (format 5; a
     single-host save, whose record is the whole manifest), one table per pack.
     """
@@ -149,6 +151,8 @@ def host_record(
         if item is PACKED:
             if not tables:
                 items[name] = packed[name]
+        elif isinstance(item, StagedHostState):  # every host's own: in every host's record
+            items[name] = item.record()
         elif not isinstance(item, ValueItem):
             items[name] = _array_record(item, extents, name, rank)
         elif include_values:
@@ -217,6 +221,9 @@ def merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) 
                 for s in it["shards"]:
                     for e in s["extents"]:
                         e[0] += base
+            elif it["kind"] == "per_host":
+                merge_host_state(items, name, it, where)
+                continue
             mine = items.get(name)
             if mine is None:
                 items[name] = it
@@ -252,7 +259,8 @@ def merged_doc(records: list[dict[str, Any]], head: dict[str, Any], where: str) 
         if it["kind"] == "array":
             tiled = tiled or any("tile" in sh for sh in it["shards"])
             blocks = blocks or any(len(e) > 5 for sh in it["shards"] for e in sh["extents"])
-    version = version_for(tiles=tiled, rows=rows, packs=bool(tables), blocks=blocks)
+    version = version_for(tiles=tiled, rows=rows, packs=bool(tables), blocks=blocks,
+                          host_states=has_host_states(items.values()))
     if tables:
         return {**head, "version": version, "objects": objects, "items": items, "packs": tables}
     return {**head, "version": version, "objects": objects, "items": items}

@@ -22,6 +22,10 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
 7        columnar fragments in a format-2 root: each fragment (version 3) holds its
          shards as compressed int64/uint32 columns (:mod:`.codec.columns`), which a
          reader that predates them cannot parse: it refuses the root instead
+8        per-host state items (:mod:`.hoststate`): ``{"kind": "per_host", "states":
+         {host: state}}``, each host's own small state (a data loader's position)
+         inline, in a document of any format above; a reader that predates them
+         refuses the checkpoint rather than restore one host's state on every host
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -37,6 +41,7 @@ __all__ = [
     "FEATURES",
     "FORMAT",
     "FRAGMENTS_VERSION",
+    "HOST_STATES_VERSION",
     "MANIFEST_NAME",
     "PACKS_VERSION",
     "ROWS_VERSION",
@@ -48,25 +53,27 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 7
+VERSION = 8
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
 PACKS_VERSION = 5
 BLOCKS_VERSION = 6
 COLUMNS_VERSION = 7
+HOST_STATES_VERSION = 8
 #: The least version that can express each feature a document may use.
 FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
-            "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION}
+            "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION, "host_states": HOST_STATES_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
 
 
 def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
-                blocks: bool = False, columns: bool = False) -> int:
+                blocks: bool = False, columns: bool = False, host_states: bool = False) -> int:
     """The lowest format version that expresses a document using the given features (``blocks``:
-    some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns)."""
+    some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns;
+    ``host_states``: some item is per-host)."""
     used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks,
-            "columns": columns}
+            "columns": columns, "host_states": host_states}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

@@ -42,6 +42,7 @@ from .codec.columns import COLUMNS_FRAGMENT_VERSION, encode_columns
 from .codec.split import FRAGMENT_FORMAT
 from .formats import FORMAT, version_for
 from .geometry import without_replicas
+from .hoststate import has_host_states, merge_host_state
 from .model import FragmentRef
 from .seal import seal
 
@@ -80,7 +81,8 @@ def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinato
     width = max((len(m[3]) for m in meta), default=0)
     rows = [[*s["offsets"], *[0] * (width - len(s["offsets"])), *s["shape"], *[1] * (width - len(s["shape"]))]
             for it in record["items"].values() if it["kind"] == "array" for s in it["shards"]]
-    table = np.array(rows, dtype=np.int64).reshape(-1, 2 * width)
+    # len(rows), not -1: a state with no arrays at all (only values) has width 0
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * width)
     doc: dict[str, Any] = {
         "ok": True, "fragment": dataclasses.asdict(ref) if ref is not None else None, "meta_digest": _digest(meta),
         "counts": [len(it["shards"]) for it in record["items"].values() if it["kind"] == "array"],
@@ -123,7 +125,8 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
         counts = np.asarray(s["counts"], dtype=np.int64)
         if len(counts) != n_items:
             raise ManifestError(f"{where}: a host's summary does not list every array")
-        table = np.frombuffer(zlib.decompress(base64.b64decode(s["boxes"])), dtype=np.int64).reshape(-1, 2 * width)
+        table = np.frombuffer(zlib.decompress(base64.b64decode(s["boxes"])), dtype=np.int64)
+        table = table.reshape(len(table) // (2 * width) if width else 0, 2 * width)
         if len(table) != counts.sum():
             raise ManifestError(f"{where}: a host's summary holds {len(table)} boxes, its counts say {counts.sum()}")
         if len(table):
@@ -136,7 +139,11 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
     frags = np.concatenate(frag_ids) if frag_ids else np.zeros(0, np.int64)
     order = np.argsort(ids, kind="stable")
     bounds = np.searchsorted(ids[order], np.arange(n_items + 1))
-    items: dict[str, Any] = dict(summaries[0]["values"])
+    items: dict[str, Any] = {n: it for n, it in summaries[0]["values"].items() if it["kind"] != "per_host"}
+    for s in summaries:  # every host sends its own per-host states (each host's own, no one else's)
+        for n, it in s["values"].items():
+            if it["kind"] == "per_host":
+                merge_host_state(items, n, it, where)
     locators: dict[str, str] = {}
     by_content: dict[bytes, str] = {}
     for k, (name, *fields) in enumerate(meta):
@@ -154,6 +161,6 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
             locators[lid] = base64.b64encode(zlib.compress(raw, 6)).decode()
         items[name] = {**it, "locator": lid}
     version = version_for(fragments=True, columns=True, tiles=any(s.get("tiled") for s in summaries),
-                          blocks=any(s.get("blocks") for s in summaries))
+                          blocks=any(s.get("blocks") for s in summaries), host_states=has_host_states(items.values()))
     return {**head, "format": FORMAT, "version": version, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}

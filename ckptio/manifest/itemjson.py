@@ -12,7 +12,8 @@ compared and checksummed as bytes) is defined once:
 * a compact row (format 4): ``[dtype, shape, object, offset, crcs]`` plus
   ``{host, origin, scalar}`` where not the defaults;
 * a pack table (format 5): see :mod:`ckptio.manifest.codec.packs`;
-* a value item: :func:`ckptio.manifest.values.encode_value`.
+* a value item: :func:`ckptio.manifest.values.encode_value`;
+* a per-host item (format 8): :func:`ckptio.manifest.hoststate.host_state_json`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..dtypes import decode_dtype, encode_dtype
 from .formats import FORMAT
+from .hoststate import HostStateItem, host_state_json
 from .model import ArrayItem, Extent, ValueItem
 from .values import encode_value
 
@@ -78,11 +80,13 @@ def array_json(dtype: Any, shape: list[int], scalar: bool, origin: str, shards: 
     return {"kind": "array", "dtype": dtype, "shape": shape, "scalar": scalar, "origin": origin, "shards": shards}
 
 
-def item_to_json(item: ArrayItem | ValueItem, name: str, block_size: int = 0) -> dict[str, Any]:
+def item_to_json(item: ArrayItem | ValueItem | HostStateItem, name: str, block_size: int = 0) -> dict[str, Any]:
     """The manifest's JSON form of one item (an array's extents against the manifest's ``block_size``:
     see :func:`extent_json`)."""
     if isinstance(item, ValueItem):
         return encode_value(item.value, name)
+    if isinstance(item, HostStateItem):
+        return host_state_json(item)
     return array_json(encode_dtype(item.dtype), list(item.shape), item.scalar, item.origin, [
         shard_json(list(s.offsets), list(s.shape), s.host, [extent_json(e, block_size) for e in s.extents], s.tile)
         for s in item.shards

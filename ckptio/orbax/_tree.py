@@ -16,6 +16,7 @@ everything else is an immutable value.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 
 from ckptio.errors import UnsupportedLeafError
 from ckptio.manifest import ArrayItem, Manifest, encode_value
+from ckptio.manifest.hoststate import HostStateItem
+from ckptio.perhost import PerHost, is_per_host_leaf, state_of
 from ckptio.staging import Sharded, index_to_box
 from ckptio.tree import path_str, tree_leaf_paths, unflatten
 
@@ -131,7 +134,7 @@ def _is_key_array(x: Any) -> bool:
 
 
 def _check_leaf(where: str, v: Any) -> None:
-    if isinstance(v, jax.Array) or v is None:
+    if isinstance(v, jax.Array) or v is None or is_per_host_leaf(v):
         return
     if isinstance(v, (np.ndarray, np.generic)):
         if v.dtype.hasobject:
@@ -198,6 +201,8 @@ def stage_tree(state: Any) -> StagedTree:
         elif isinstance(v, np.ndarray):
             staged.append(np.array(v, copy=True, order="C"))  # mutable: the step may change it next
             nbytes += v.nbytes
+        elif is_per_host_leaf(v):  # a data iterator: its state now, as Orbax saves grain's per process
+            staged.append(PerHost(copy.deepcopy(state_of(v))))
         else:  # numpy scalars and values: immutable
             staged.append(v)
     meta = {"version": 1, "leaves": kinds}
@@ -322,6 +327,8 @@ def _leaf_target(
     or truncated, as Orbax does).
     """
     abstract = _from_metadata(abstract)
+    if isinstance(item, HostStateItem):  # this host's own state, loaded into a stateful target in place
+        return (abstract if is_per_host_leaf(abstract) else None), _identity
     if not isinstance(item, ArrayItem):
         return None, _identity  # a value: as saved
     if kind.get("kind") == "key":

@@ -23,12 +23,14 @@ from .plan import ReadPlan, plan, select
 __all__ = ["execute", "prepare", "restore_checkpoint"]
 
 
-def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any = None) -> ReadPlan:
+def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any = None,
+            host: tuple[int, int] | None = None) -> ReadPlan:
     """The plan of restoring ``manifest`` (of ``store``'s ``step_dir``) as ``target`` asks.
 
     Reads only what planning needs: a format-2 manifest's fragments holding the
     shards this restore meets, and (unless the store is host-local) the objects'
-    sizes, so that nothing is allocated from a manifest whose objects are gone.
+    sizes, so that nothing is allocated from a manifest whose objects are gone. ``host``: see
+    :func:`~ckptio.restore.plan.plan`.
     """
     where = store.where(step_dir)
     sel = select(manifest, target, where)
@@ -38,7 +40,7 @@ def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: A
     manifest = run_sync(store.load_fragments(step_dir, root, lambda: sel.boxes(root)))
     if not store.host_local:
         run_sync(store.check_objects(manifest, where))
-    return plan(manifest, sel, where=where, max_read=store.engine.config.max_read_size)
+    return plan(manifest, sel, where=where, max_read=store.engine.config.max_read_size, host=host)
 
 
 def execute(read_plan: ReadPlan, engine: Engine, progress: Progress | None = None) -> Any:
@@ -57,6 +59,7 @@ def restore_checkpoint(
     target: Any = None,
     *,
     progress: Progress | None = None,
+    host: tuple[int, int] | None = None,
 ) -> Any:
-    """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree."""
-    return execute(prepare(store, manifest, step_dir, target), store.engine, progress)
+    """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree (``host``: see ``prepare``)."""
+    return execute(prepare(store, manifest, step_dir, target, host), store.engine, progress)

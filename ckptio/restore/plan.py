@@ -28,7 +28,9 @@ from ..manifest import ArrayItem, Extent, Manifest, ValueItem
 from ..manifest import PackTable, split_items
 from ..reshard import Region, coverage_gaps, plan_regions
 from ..tree import flatten_named, unflatten
+from ..manifest.hoststate import HostStateItem
 from .buffers import Finish
+from .hoststates import host_state_finisher
 from .packed import BULK_ITEM_BYTES, Batch, bulk_reads, table_reads
 from .scalars import PY_SCALARS, scalar_value
 from .targets import Box, inplace_view, is_target_leaf, replicated_jax, target_boxes, target_regions
@@ -122,13 +124,15 @@ class ReadPlan:
         return unflatten(self.structure, results.__getitem__)
 
 
-def plan(manifest: Manifest, target: Any = None, *, where: str = "", max_read: int = _MAX_READ) -> ReadPlan:
+def plan(manifest: Manifest, target: Any = None, *, where: str = "", max_read: int = _MAX_READ,
+         host: tuple[int, int] | None = None) -> ReadPlan:
     """The :class:`ReadPlan` of restoring ``manifest``'s items as ``target`` asks (a target tree or a
     :class:`Selection` of it). Pure: no IO. A format-2 manifest must hold the fragments the target
     meets (see :meth:`Selection.boxes`). ``where`` names the checkpoint in errors; ``max_read``
-    bounds one bulk read."""
+    bounds one bulk read; ``host`` = ``(rank, num_hosts)`` picks each per-host item's state
+    (None: the default coordinator's, :mod:`ckptio.restore.hoststates`)."""
     sel = target if isinstance(target, Selection) else select(manifest, target, where)
-    builder = _Builder(manifest, where)
+    builder = _Builder(manifest, where, host)
     for name, tgt in sel.wanted.items():
         builder.add(name, tgt)
     bulk_requests, bulk_finish = bulk_reads(builder.small, manifest.objects, manifest.block_size, max_read)
@@ -142,8 +146,8 @@ def plan(manifest: Manifest, target: Any = None, *, where: str = "", max_read: i
 class _Builder:
     """The per-leaf part of :func:`plan`: each wanted leaf becomes reads and a finisher, or joins the bulk."""
 
-    def __init__(self, manifest: Manifest, where: str) -> None:
-        self.manifest, self.where = manifest, where
+    def __init__(self, manifest: Manifest, where: str, host: tuple[int, int] | None = None) -> None:
+        self.manifest, self.where, self.host = manifest, where, host
         self.regions: list[tuple[str, ArrayItem, Region]] = []
         self.finishers: dict[str, Finish] = {}
         self.small: list[tuple[str, ArrayItem, Extent]] = []
@@ -155,6 +159,9 @@ class _Builder:
 
     def add(self, name: str, tgt: Any) -> None:
         item = self.manifest.items[name]
+        if isinstance(item, HostStateItem):
+            self.finishers[name] = host_state_finisher(name, item, tgt, self.host, self.where)
+            return
         if isinstance(item, ValueItem):
             value = item.value
             if isinstance(tgt, PY_SCALARS):

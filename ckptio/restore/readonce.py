@@ -129,7 +129,7 @@ def _restore(store: CheckpointStore, manifest: Manifest, step_dir: str, target: 
     failure: BaseException | None = None
     read_plan: ReadPlan | None = None
     try:
-        read_plan = prepare(store, manifest, step_dir, target)
+        read_plan = prepare(store, manifest, step_dir, target, (coord.rank, coord.size))
     except Exception as e:
         failure = e
     read_once(store, read_plan.requests if read_plan else [], coord, progress=progress, failure=failure,

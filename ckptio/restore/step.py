@@ -46,13 +46,16 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     reads what it needs, as without it.
     """
     coord = coordinator or SingleProcess()
+    # Who this host is, for per-host items: the coordinator's, else the job's default one's (a
+    # restore called without a coordinator in a multi-process job still gives each host its own).
+    host = (coord.rank, coord.size) if coordinator is not None else None
     # A host-local store's objects are seen only by the host that wrote them: nobody reads for others.
     once = read_once and can_read_once(coord) and not store.host_local
     if read_once and not once and coord.size > 1:
         log.warning("read_once: %s; every host reads what it needs", "the store is host-local" if store.host_local
                     else f"{type(coord).__name__} does not exchange bytes")
     with _gc.paused():  # the caller waits anyway: no collections in the middle of the burst
-        return _restore_step(store, step, target, progress, coord, once)
+        return _restore_step(store, step, target, progress, coord, once, host)
 
 
 #: What makes a step not restore (as opposed to a bad target or a storage outage).
@@ -61,7 +64,7 @@ _LOST = (FileNotFoundError, IntegrityError, ManifestError, PermissionError)
 
 def _restore_step(
     store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator,
-    once: bool,
+    once: bool, host: tuple[int, int] | None,
 ) -> Any:
     tried: list[int] = []
     first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
@@ -79,7 +82,7 @@ def _restore_step(
         out: Any = None
         try:
             out = (restore_read_once(store, manifest, step_dir, target, coord, progress=progress) if once
-                   else restore_checkpoint(store, manifest, step_dir, target, progress=progress))
+                   else restore_checkpoint(store, manifest, step_dir, target, progress=progress, host=host))
         except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
             if not many:
                 raise

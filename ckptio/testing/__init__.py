@@ -33,9 +33,12 @@ from ckptio.backends.wrappers import (
 
 from .conformance import BackendConformance, backend_test
 from .model import machine_for, split_views
+from .resume import ResumeReport, check_resume
 
 __all__ = [
     "BackendConformance",
+    "ResumeReport",
+    "check_resume",
     "CountingBackend",
     "FaultInjectingBackend",
     "LatencyBackend",

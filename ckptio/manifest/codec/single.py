@@ -32,11 +32,12 @@ from ckptio.backends.base import check_key
 
 from ...errors import ManifestError
 from ...tree import tree_leaf_names
-from ..formats import PACKS_VERSION, version_for
+from ..formats import HOST_STATES_VERSION, PACKS_VERSION, version_for
 from ..itemjson import document, item_to_json
 from ..limits import MAX_COUNT, check_int
 from ..model import ArrayItem, Items, Manifest, ValueItem, split_items
 from ..values import decode_value
+from ..hoststate import HostStateItem, host_state_item
 from .arrays import array_item, row_item
 from .packs import table_from_doc
 
@@ -71,6 +72,8 @@ def from_doc(doc: dict[str, Any], version: int, where: str) -> Manifest:
             items[name] = ValueItem(decode_value(raw, here))
         elif raw.get("kind") == "array":
             items[name] = array_item(raw, here, len(objects), block_size)
+        elif raw.get("kind") == "per_host" and version >= HOST_STATES_VERSION:
+            items[name] = host_state_item(raw, here)
         else:
             raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
     if "packs" in doc:
@@ -123,8 +126,9 @@ def encode(manifest: Manifest) -> dict[str, Any]:
     tiles = any(s.tile for it in arrays for s in it.shards)
     bs = manifest.block_size
     blocks = any(e.block != bs for it in arrays for s in it.shards for e in s.extents)
+    host_states = any(isinstance(it, HostStateItem) for it in manifest.items.values())
     return document(
-        version=version_for(tiles=tiles, blocks=blocks), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
+        version=version_for(tiles=tiles, blocks=blocks, host_states=host_states), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
         created=manifest.created, block_size=bs, num_hosts=manifest.num_hosts, tree=manifest.tree,
         objects=manifest.objects, items={name: item_to_json(item, name, bs) for name, item in manifest.items.items()},
         metadata=manifest.metadata, fence=manifest.fence,

@@ -26,7 +26,9 @@ from ... import _json
 from ...checksum import crc32c
 from ...errors import IntegrityError, ManifestError
 from ...names import step_of_key
+from ..formats import HOST_STATES_VERSION
 from ..geometry import check_table
+from ..hoststate import host_state_item
 from ..limits import U32, check_int
 from ..model import ArrayItem, FragmentRef, Manifest, ValueItem
 from ..seal import unseal
@@ -68,6 +70,9 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
             raise ManifestError(f"{here}: not a JSON object")
         if raw.get("kind") == "value":
             items[name] = ValueItem(decode_value(raw, here))
+            continue
+        if raw.get("kind") == "per_host" and doc["version"] >= HOST_STATES_VERSION:
+            items[name] = host_state_item(raw, here)
             continue
         if raw.get("kind") != "array":
             raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
