@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
 from ckptio.backends.base import Backend, ByteRange
+from ckptio.backends.budget import RequestRate, budgeted
 from ckptio.backends.retrying import RetryPolicy, retry_call
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
@@ -51,6 +52,15 @@ class EngineConfig:
     retries: int = 8
     backoff_initial: float = 0.05
     backoff_max: float = 8.0
+    #: A call the storage throttles (429/503) is retried until this many seconds have passed,
+    #: however many attempts that takes (``ckptio.backends.retrying``).
+    throttle_patience_s: float = 600.0
+    #: The job's request budget on this storage (``ckptio.backends.budget.RequestRate``): every
+    #: request of this engine and of its store (saves, restores, listings, gc, retention) waits
+    #: for a slot of this host's share. None: no budget, requests go out as fast as concurrency
+    #: allows. A manager, ``ckptio.save`` and ``ckptio.restore`` fill in the host's rank and the
+    #: job's size from their coordinator (:meth:`for_host`).
+    request_rate: RequestRate | None = None
     #: Adjacent ranges of one object are merged into reads of at most this many bytes.
     max_read_size: int = 64 << 20
     #: A merged read is issued in pieces of about this many bytes (cut at checksum block
@@ -75,6 +85,18 @@ class EngineConfig:
     #: variable, else "thread". The engine never reads it: a save maps it once to a
     #: ``ckptio.writers.Writer`` (``ckptio.sidecar.writer_for``).
     writer: str | None = None
+
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The retry knobs above, as the retry loop takes them."""
+        return RetryPolicy(self.retries, self.backoff_initial, self.backoff_max, self.throttle_patience_s)
+
+    def for_host(self, rank: int, hosts: int) -> EngineConfig:
+        """These knobs for host ``rank`` of a job of ``hosts``: its share of ``request_rate``."""
+        if self.request_rate is None or self.request_rate.hosts is not None:
+            return self
+        return dataclasses.replace(self, request_rate=self.request_rate.for_host(rank, hosts))
 
 
 # -- the shared event-loop thread -------------------------------------------
@@ -166,8 +188,8 @@ class Engine:
     """Reads and writes objects of one backend, concurrently and within a byte budget."""
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
-        self.backend = backend
         self.config = config or EngineConfig()
+        self.backend = budgeted(backend, self.config.request_rate)
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None  # a read's checks: _read_pool()
         self._cpu_lock = threading.Lock()
@@ -203,8 +225,7 @@ class Engine:
         """Run ``call()``, retrying RetryableError as :func:`ckptio.backends.retrying.retry_call` does,
         with this engine's policy. Only the engine's own data reads and writes go through here:
         everything else reaches storage through the store's retrying backend (``store.io``)."""
-        cfg = self.config
-        return await retry_call(what, call, RetryPolicy(cfg.retries, cfg.backoff_initial, cfg.backoff_max))
+        return await retry_call(what, call, self.config.retry_policy)
 
     # -- writing ---------------------------------------------------------
 

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo
-from ckptio.backends.retrying import RetryingBackend, RetryPolicy
+from ckptio.backends.budget import budgeted
+from ckptio.backends.retrying import RetryingBackend
 
 from ..engine import Engine, gather_or_cancel
 from ..layout import HashedNaming, Naming
@@ -36,8 +37,10 @@ class StoreContext:
         self.reopenable = options.backend is None
         self.engine = options.engine if options.engine is not None else Engine(backend, options.engine_config)
         cfg = self.engine.config
+        # The engine's request budget covers the services' calls too (one share per host).
+        backend = budgeted(backend, cfg.request_rate)
         #: The backend, each call retried with the engine's policy: what the services call.
-        self.io = RetryingBackend(backend, RetryPolicy(cfg.retries, cfg.backoff_initial, cfg.backoff_max))
+        self.io = RetryingBackend(backend, cfg.retry_policy)
         self.naming: Naming = options.naming or default_naming(backend)
         self.lease_s = options.resolved_lease_s()
         self.host_local = options.host_local
