@@ -46,7 +46,7 @@ T = TypeVar("T")
 #: Each call's class: its own slots, its own rate.
 READ, WRITE = "read", "write"
 #: A throttled host's rate never drops below this fraction of its share.
-_MIN_PENALTY = 1 / 64
+_MIN_BOOST = 1 / 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RequestRate:
     writes_per_s: float = 1000.0
     ramp_period_s: float = 1200.0
     ramp_limit: float = 8.0
-    recover_s: float = 10.0
+    recover_s: float = 2.0
     hosts: int | None = None
     rank: int | None = None
 
@@ -97,26 +97,45 @@ class RequestRate:
 
 
 class _Slots:
-    """One class's slots for one host: a grid of wall-clock times, the host's own phase on it."""
+    """One class's slots for one host: a grid of wall-clock times, the host's own phase on it,
+    spaced by its share times ``boost`` (AIMD: grown while the host waits for slots, halved by a throttle)."""
 
     def __init__(self, job_rate: float, rank: int, hosts: int) -> None:
         self.job_rate, self.rank, self.hosts = job_rate, rank, hosts
-        self.next = 0.0  # the earliest time the next slot may start
-        self.low = 1.0  # the fraction of its share a throttle left this host, at ``halved_at``
+        self.next = -math.inf  # the earliest time the next slot may start
+        self.boost = 1.0  # the multiple of its share this host sends at
+        self.changed = -math.inf  # when ``boost`` last grew or was halved
         self.halved_at = -math.inf
 
-    def penalty(self, now: float, recover_s: float) -> float:
-        """The fraction of its share this host sends now: ``low`` doubling back every ``recover_s``."""
-        return min(1.0, self.low * 2.0 ** ((now - self.halved_at) / recover_s))
+    def take(self, now: float, share: float, recover_s: float) -> float:
+        """Reserve the next slot at or after ``now``; returns when it starts.
 
-    def take(self, now: float, rate: float) -> float:
-        """Reserve the next slot at or after ``now`` at ``rate`` (this host's requests/s); returns when it starts."""
-        step = 1.0 / rate
+        A host whose previous slot is still ahead has more to send than its rate allows: its boost
+        grows, at most once a slot, doubling until the storage first throttles it and by an
+        eighth after that (within ``recover_s``), up to the job's whole rate. An idle host's boost
+        halves each second down to its share, so that idle hosts do not all come back in a burst.
+        """
+        if now > self.next and self.boost != 1.0:  # idle: back towards its share (down each second, up each recover_s)
+            idle = now - max(self.next, self.changed)
+            self.boost = max(1.0, self.boost * 0.5 ** idle) if self.boost > 1 else min(1.0, self.boost * 2 ** (idle / recover_s))
+            self.changed = now
+        step = 1.0 / (share * self.boost)
         phase = self.rank * step / self.hosts  # host r's slots sit r job-wide slots into each round
-        aligned = phase + math.ceil((now - phase) / step) * step
-        start = max(self.next, aligned)
-        self.next = start + step
+        start = max(self.next, phase + math.ceil((now - phase) / step) * step)
+        if self.next > now and now - self.changed >= step and self.boost < self.hosts:  # held back: grow
+            self.boost = min(float(self.hosts), self.boost * (1.125 if now - self.halved_at < recover_s else 2.0))
+            self.changed = now
+        self.next = start + 1.0 / (share * self.boost)
         return start
+
+    def halve(self, now: float, share: float) -> bool:
+        """Halve the boost, once per burst of throttles (those in flight answer alike); True if it did."""
+        if now - self.halved_at < max(0.5, 4.0 / (share * self.boost)):
+            return False
+        self.boost = max(_MIN_BOOST, self.boost / 2)
+        self.halved_at = self.changed = now
+        self.next = max(self.next, now + 1.0 / (share * self.boost))
+        return True
 
 
 class RequestBudget:
@@ -137,36 +156,30 @@ class RequestBudget:
         self.throttles = 0
         self.slowdowns = 0
 
-    def _rate(self, kind: str, now: float) -> float:
-        """This host's requests per second of ``kind`` at ``now``: its share, ramped, throttled."""
-        r, slots = self.rate, self._slots[kind]
+    def share(self, kind: str, now: float | None = None) -> float:
+        """This host's share of the job's ``kind`` rate at ``now``: ``1/hosts`` of it, ramped."""
+        r = self.rate
+        now = self._clock() if now is None else now
         ramp = min(r.ramp_limit, 2.0 ** max(0.0, (now - self._started) / r.ramp_period_s))
-        return slots.job_rate * ramp * slots.penalty(now, r.recover_s) / self.hosts
+        return self._slots[kind].job_rate * ramp / self.hosts
+
+    def host_rate(self, kind: str) -> float:
+        """This host's current requests per second of ``kind``: its share times its boost."""
+        with self._lock:
+            return self.share(kind) * self._slots[kind].boost
 
     def reserve(self, kind: str) -> float:
         """Reserve a slot of ``kind`` ("read" or "write"); returns the seconds to wait for it."""
         with self._lock:
             now = self._clock()
-            return max(0.0, self._slots[kind].take(now, self._rate(kind, now)) - now)
-
-    def host_rate(self, kind: str) -> float:
-        """This host's current requests per second of ``kind``."""
-        with self._lock:
-            return self._rate(kind, self._clock())
+            return max(0.0, self._slots[kind].take(now, self.share(kind, now), self.rate.recover_s) - now)
 
     def throttled(self, kind: str) -> None:
-        """The storage said "slow down" to a ``kind`` request: halve this host's rate of it, once
-        per burst (the requests already in flight answer alike; one halving answers them all)."""
+        """The storage said "slow down" to a ``kind`` request: halve this host's rate of it."""
         with self._lock:
             now = self._clock()
-            slots = self._slots[kind]
             self.throttles += 1
-            burst = max(0.5, 4.0 / self._rate(kind, now))
-            if now - slots.halved_at < burst:
-                return  # the same burst: already halved for it
-            slots.low = max(_MIN_PENALTY, slots.penalty(now, self.rate.recover_s) / 2)
-            slots.halved_at = now
-            self.slowdowns += 1
+            self.slowdowns += self._slots[kind].halve(now, self.share(kind, now))
 
     async def wait(self, kind: str) -> None:
         """Wait for a slot of ``kind``."""
