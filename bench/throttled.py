@@ -118,3 +118,29 @@ def _phase(name: str, proxy: RateLimitProxy, hosts: int, body: Any) -> Phase:
             phase.failures.append(o)
             phase.no_checkpoint += o.startswith("no checkpoint")
     return phase
+
+
+def main_rate_limit(limit: float, hosts: int, budget: str) -> int:
+    """``ckptio bench --fake-gcs --rate-limit R``: a fresh fake GCS, the proxy, one run; 1 if anything failed."""
+    import os
+    import uuid
+
+    from .fakegcs import FakeGCS
+
+    fraction = None if budget.strip().lower() == "none" else float(budget)
+    server = FakeGCS().start()
+    saved = os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        server.create_bucket("ckptio-bench")
+        with RateLimitProxy(server.url, limit) as proxy:
+            os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+            run = run_throttled(f"gs://ckptio-bench/rate-{uuid.uuid4().hex[:8]}", proxy, hosts,
+                                budget=None if fraction is None else fraction * limit)
+    finally:
+        if saved is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = saved
+        server.stop()
+    print(run.report())
+    return 1 if any(p.failures for p in run.phases) else 0
