@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
 from ckptio.backends.base import Backend, ByteRange
 from ckptio.backends.budget import RequestRate, budgeted
+from ckptio.backends.deadline import Deadlines, with_deadlines
 from ckptio.backends.retrying import RetryPolicy, retry_call
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
@@ -61,6 +62,11 @@ class EngineConfig:
     #: allows. A manager, ``ckptio.save`` and ``ckptio.restore`` fill in the host's rank and the
     #: job's size from their coordinator (:meth:`for_host`).
     request_rate: RequestRate | None = None
+    #: How long one storage call may take before it is cancelled and fails naming the host, the
+    #: object and what it waited for (``ckptio.backends.deadline``): a floor plus the call's bytes
+    #: over the throughput measured so far, or one fixed deadline (``Deadlines(fixed_s=...)``).
+    #: None: no deadline (a call that never answers hangs its save or restore).
+    deadlines: Deadlines | None = Deadlines()
     #: Adjacent ranges of one object are merged into reads of at most this many bytes.
     max_read_size: int = 64 << 20
     #: A merged read is issued in pieces of about this many bytes (cut at checksum block
@@ -91,6 +97,11 @@ class EngineConfig:
     def retry_policy(self) -> RetryPolicy:
         """The retry knobs above, as the retry loop takes them."""
         return RetryPolicy(self.retries, self.backoff_initial, self.backoff_max, self.throttle_patience_s)
+
+    def drive(self, backend: Backend) -> Backend:
+        """``backend`` as these knobs drive it: each call under its deadline, within the request budget
+        (the budget's wait is not part of a call's deadline)."""
+        return budgeted(with_deadlines(backend, self.deadlines), self.request_rate)
 
     def for_host(self, rank: int, hosts: int) -> EngineConfig:
         """These knobs for host ``rank`` of a job of ``hosts``: its share of ``request_rate``."""
@@ -189,7 +200,7 @@ class Engine:
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self.backend = budgeted(backend, self.config.request_rate)
+        self.backend = self.config.drive(backend)
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None  # a read's checks: _read_pool()
         self._cpu_lock = threading.Lock()

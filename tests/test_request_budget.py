@@ -115,7 +115,8 @@ def test_the_engine_and_the_store_share_one_budget_per_storage() -> None:
     again = budgeted(backend, rate)
     assert isinstance(engine.backend, BudgetedBackend) and isinstance(again, BudgetedBackend)
     assert engine.backend.budget is again.budget
-    assert Engine(backend).backend is backend, "no budget unless asked for"
+    assert not isinstance(Engine(backend).backend, BudgetedBackend), "no budget unless asked for"
+    assert Engine(backend, EngineConfig(deadlines=None)).backend is backend
 
 
 class Throttling(WrapperBackend):

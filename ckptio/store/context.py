@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo
-from ckptio.backends.budget import budgeted
 from ckptio.backends.retrying import RetryingBackend
 
 from ..engine import Engine, gather_or_cancel
@@ -37,10 +36,10 @@ class StoreContext:
         self.reopenable = options.backend is None
         self.engine = options.engine if options.engine is not None else Engine(backend, options.engine_config)
         cfg = self.engine.config
-        # The engine's request budget covers the services' calls too (one share per host).
-        backend = budgeted(backend, cfg.request_rate)
-        #: The backend, each call retried with the engine's policy: what the services call.
-        self.io = RetryingBackend(backend, cfg.retry_policy)
+        self._raw = backend
+        #: The backend, each call retried with the engine's policy, under the engine's deadlines and
+        #: request budget (one share per host): what the services call.
+        self.io = RetryingBackend(cfg.drive(backend), cfg.retry_policy)
         self.naming: Naming = options.naming or default_naming(backend)
         self.lease_s = options.resolved_lease_s()
         self.host_local = options.host_local
@@ -48,12 +47,13 @@ class StoreContext:
     @property
     def backend(self) -> Backend:
         """The backend as opened (or handed in): what the engine, and whoever reopens it, use."""
-        return self.io.inner
+        return self._raw
 
     @backend.setter
     def backend(self, backend: Backend) -> None:
         # A test swaps in a failing wrapper mid-run: every service retries through the new one.
-        self.io.inner = backend
+        self._raw = backend
+        self.io.inner = self.engine.config.drive(backend)
 
     @property
     def concurrency(self) -> int:
