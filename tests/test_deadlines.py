@@ -114,3 +114,17 @@ def test_a_host_stuck_on_one_object_fails_the_save_and_the_restore_on_every_host
     restored = run(("read_into",), restore)
     assert all("did not finish within its deadline" in m and "reading" in m for m in restored), restored
     assert "host 1" in restored[0]
+
+
+@pytest.mark.parametrize("mode", ["save", "restore"])
+def test_two_real_processes_fail_by_name_when_one_object_never_answers(tmp_path: Path, mode: str) -> None:
+    """torch.distributed (gloo), 2 processes: rank 1's data objects never answer. Both ranks exit
+    having failed with the deadline error (rank 0's names host 1), well before the spawn's timeout."""
+    pytest.importorskip("torch")
+    from ckptio.bench.readonce import spawn
+
+    root = str(tmp_path / "ckpt")
+    if mode == "restore":
+        full = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+        ckptio.save(root, {"w": full, "step": 1}, step=1).result()
+    spawn(str(Path(__file__).with_name("stall_worker.py")), 2, [mode, root], timeout=120)
