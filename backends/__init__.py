@@ -13,7 +13,8 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from .base import (
-    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key, join_key,
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, ThrottledError, check_key,
+    join_key,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "LayoutDefaults",
     "ObjectInfo",
     "RetryableError",
+    "ThrottledError",
     "check_key",
     "detect_scheme",
     "join_key",

@@ -13,7 +13,7 @@ import errno
 import inspect
 from typing import Any
 
-from .base import RetryableError
+from .base import RetryableError, ThrottledError
 
 __all__ = ["close_filesystem", "translate_error"]
 
@@ -82,7 +82,9 @@ def translate_error(e: BaseException, what: str) -> BaseException:
             return FileExistsError(f"{what}: object exists (HTTP 412: {e})")
         if status in (401, 403):
             return PermissionError(f"{what}: HTTP {status}: {e}")
-        if status in (408, 429) or status >= 500:
+        if status in (429, 503):  # "slow down": the request budget lowers this host's rate
+            return ThrottledError(f"{what}: HTTP {status}: {e}")
+        if status == 408 or status >= 500:
             return RetryableError(f"{what}: HTTP {status}: {e}")
         if status == 416:
             return ValueError(f"{what}: runs past the end (HTTP 416)")

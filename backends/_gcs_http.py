@@ -62,7 +62,7 @@ from aiohttp.abc import AbstractStreamWriter
 from ckptio._system.bytes import copy_bytes
 
 from ._perloop import PerLoop
-from .base import ByteRange, RetryableError
+from .base import ByteRange, RetryableError, ThrottledError
 
 __all__ = [
     "BuffersPayload",
@@ -246,7 +246,8 @@ async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
 
     404 -> FileNotFoundError, 412 -> FileExistsError (a failed
     ``ifGenerationMatch=0``), 401/403 -> PermissionError, 416 -> ValueError
-    (range past the end), 408/429/5xx -> RetryableError with ``Retry-After``,
+    (range past the end), 429/503 -> ThrottledError and 408/other 5xx -> RetryableError,
+    both with ``Retry-After``,
     a 400 about a hash mismatch -> RetryableError (bytes damaged in transit),
     other 4xx -> ValueError.
     """
@@ -265,7 +266,9 @@ async def raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
         raise PermissionError(message)
     if status == 416:
         raise ValueError(f"{message} (byte range runs past the end of the object)")
-    if status in (408, 429) or status >= 500:
+    if status in (429, 503):  # "slow down": the request budget lowers this host's rate
+        raise ThrottledError(message, retry_after=parse_retry_after(resp.headers.get("Retry-After")))
+    if status == 408 or status >= 500:
         raise RetryableError(message, retry_after=parse_retry_after(resp.headers.get("Retry-After")))
     if status == 400 and any(w in detail.lower() for w in ("crc32c", "md5", "checksum", "hash")):
         raise RetryableError(message)

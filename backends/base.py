@@ -24,7 +24,9 @@ Contract every backend keeps (the conformance suite shipped as
 * Errors leave a backend as builtins (``FileNotFoundError``,
   ``FileExistsError``, ``PermissionError``, ``ValueError``) or as
   :class:`RetryableError`; only the latter is retried. Backends
-  translate their native errors once, here at the boundary.
+  translate their native errors once, here at the boundary; the storage
+  asking to slow down (HTTP 429, 503 / SlowDown) is :class:`ThrottledError`,
+  a RetryableError that a request budget answers by slowing its host down.
 * Capabilities are declared data, not discovered by failure: what the storage
   is (:class:`Capabilities`) apart from how checkpoints are best laid out on it
   (:class:`LayoutDefaults`).
@@ -44,6 +46,7 @@ __all__ = [
     "ObjectInfo",
     "ReadOnlyBackend",
     "RetryableError",
+    "ThrottledError",
     "check_fill",
     "check_key",
     "check_prefix",
@@ -61,6 +64,17 @@ class RetryableError(Exception):
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ThrottledError(RetryableError):
+    """The storage asked this host to slow down (HTTP 429, 503, S3's SlowDown).
+
+    Retried like every RetryableError, but with a patience measured in time rather than in
+    attempts (``ckptio.backends.retrying.RetryPolicy.throttle_patience_s``), and it makes a
+    request budget (``ckptio.backends.budget``) lower this host's rate. When the patience runs
+    out it propagates as itself: a throttled listing is "the storage is throttled", never
+    "no checkpoint".
+    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

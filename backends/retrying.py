@@ -1,6 +1,11 @@
 """Retries, once: :class:`RetryingBackend` retries :class:`RetryableError` with exponential
 backoff and full jitter (:class:`RetryPolicy`). The store wraps its backend in it, so no
 caller wraps a call in a retry loop of its own.
+
+A :class:`ThrottledError` (the storage said "slow down") is retried for as long as
+``throttle_patience_s`` allows, however many attempts that takes: throttling says the
+storage is busy, not that the call is wrong, and at a job's restart every host meets it
+at once. When even that runs out, the error says the storage is throttled.
 """
 
 from __future__ import annotations
@@ -9,10 +14,11 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .base import Backend, ByteRange, ObjectInfo, RetryableError
+from .base import Backend, ByteRange, ObjectInfo, RetryableError, ThrottledError
 from .wrappers import WrapperBackend
 
 __all__ = ["RetryPolicy", "RetryingBackend", "retry_call"]
@@ -28,26 +34,44 @@ class RetryPolicy:
     retries: int = 8
     backoff_initial: float = 0.05
     backoff_max: float = 8.0
+    #: A throttled call is retried until this many seconds have passed since its first attempt.
+    throttle_patience_s: float = 600.0
 
 
 async def retry_call(what: str, call: Callable[[], Awaitable[T]], policy: RetryPolicy) -> T:
     """Run ``call()``, retrying RetryableError with exponential backoff and full jitter.
 
     A server's ``retry_after`` lengthens the wait (up to ``backoff_max``); the last
-    attempt's error propagates. Every other exception propagates at once.
+    attempt's error propagates. A ThrottledError is retried past ``retries`` until
+    ``throttle_patience_s`` has passed, then raised as "the storage is throttled".
+    Every other exception propagates at once.
     """
-    for attempt in range(policy.retries + 1):
+    began = time.monotonic()
+    attempt = 0
+    while True:
         try:
             return await call()
+        except ThrottledError as e:
+            waited = time.monotonic() - began
+            if attempt >= policy.retries and waited >= policy.throttle_patience_s:
+                raise ThrottledError(f"the storage is throttled: {what} was still refused after "
+                                     f"{attempt + 1} attempts over {waited:.0f}s: {e}") from e
+            delay = _backoff(attempt, e, policy)
         except RetryableError as e:
-            if attempt == policy.retries:
+            if attempt >= policy.retries:
                 raise
-            delay = random.uniform(0, min(policy.backoff_max, policy.backoff_initial * 2**attempt))
-            if e.retry_after is not None:
-                delay = max(delay, min(e.retry_after, policy.backoff_max))
-            log.debug("retrying %s in %.2fs after %s", what, delay, e)
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
+            delay = _backoff(attempt, e, policy)
+        log.debug("retrying %s in %.2fs (attempt %d)", what, delay, attempt + 1)
+        await asyncio.sleep(delay)
+        attempt += 1
+
+
+def _backoff(attempt: int, e: RetryableError, policy: RetryPolicy) -> float:
+    """Full jitter over an exponential ceiling; a server's ``retry_after`` lengthens it."""
+    delay = random.uniform(0, min(policy.backoff_max, policy.backoff_initial * 2 ** min(attempt, 60)))
+    if e.retry_after is not None:
+        delay = max(delay, min(e.retry_after, policy.backoff_max))
+    return delay
 
 
 class RetryingBackend(WrapperBackend):

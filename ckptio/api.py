@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptio.backends import Backend
 
-from .distributed import Coordinator, default_coordinator
+from .distributed import Coordinator, config_for_host, default_coordinator
 from .engine import EngineConfig, Progress, run_sync
 from .layout import Naming
 from .progress import progress_callback
@@ -54,7 +54,8 @@ def save(
     if problem:
         raise NotADirectoryError(problem)
     store = CheckpointStore(StoreOptions(
-        os.fspath(url), backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+        os.fspath(url), backend=backend, engine_config=config_for_host(engine_config, coordinator), naming=naming,
+        backend_options=backend_options,
     ))
     callback, close_bar = progress_callback(progress, "save")
 
@@ -101,7 +102,8 @@ def restore(
     still verified against its checksum by each process that uses it; with a
     coordinator that cannot exchange bytes, every process reads what it needs.
     """
-    store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend, engine_config=engine_config,
+    store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend,
+                                         engine_config=config_for_host(engine_config, coordinator),
                                          backend_options=backend_options))
     callback, close_bar = progress_callback(progress, "restore")
     if read_once and coordinator is None:

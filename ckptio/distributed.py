@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._exchange import jax_exchange, joined, torch_exchange
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
 
 __all__ = [
     "AllGatherCoordinator",
@@ -447,3 +450,12 @@ def reset_default_coordinator() -> None:
     """Forget the cached coordinator (after a process group is destroyed)."""
     global _default
     _default = None
+
+
+def config_for_host(config: EngineConfig | None, coordinator: AllGatherCoordinator | None) -> EngineConfig | None:
+    """``config`` with this host's share of its request budget: rank and size from ``coordinator``
+    (None: :func:`default_coordinator`); as is without a budget, or one that names its host."""
+    if config is None or config.request_rate is None or config.request_rate.hosts is not None:
+        return config
+    coord = coordinator or default_coordinator()
+    return config.for_host(coord.rank, coord.size)

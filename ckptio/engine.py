@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
 from ckptio.backends.base import Backend, ByteRange
+from ckptio.backends.budget import RequestRate, budgeted
+from ckptio.backends.deadline import Deadlines, with_deadlines
 from ckptio.backends.retrying import RetryPolicy, retry_call
 
 from .checksum import DEFAULT_BLOCK_SIZE, block_crcs, crc32c, member_crcs, verify_blocks
@@ -51,6 +53,20 @@ class EngineConfig:
     retries: int = 8
     backoff_initial: float = 0.05
     backoff_max: float = 8.0
+    #: A call the storage throttles (429/503) is retried until this many seconds have passed,
+    #: however many attempts that takes (``ckptio.backends.retrying``).
+    throttle_patience_s: float = 600.0
+    #: The job's request budget on this storage (``ckptio.backends.budget.RequestRate``): every
+    #: request of this engine and of its store (saves, restores, listings, gc, retention) waits
+    #: for a slot of this host's share. None: no budget, requests go out as fast as concurrency
+    #: allows. A manager, ``ckptio.save`` and ``ckptio.restore`` fill in the host's rank and the
+    #: job's size from their coordinator (:meth:`for_host`).
+    request_rate: RequestRate | None = None
+    #: How long one storage call may take before it is cancelled and fails naming the host, the
+    #: object and what it waited for (``ckptio.backends.deadline``): a floor plus the call's bytes
+    #: over the throughput measured so far, or one fixed deadline (``Deadlines(fixed_s=...)``).
+    #: None: no deadline (a call that never answers hangs its save or restore).
+    deadlines: Deadlines | None = Deadlines()
     #: Adjacent ranges of one object are merged into reads of at most this many bytes.
     max_read_size: int = 64 << 20
     #: A merged read is issued in pieces of about this many bytes (cut at checksum block
@@ -75,6 +91,23 @@ class EngineConfig:
     #: variable, else "thread". The engine never reads it: a save maps it once to a
     #: ``ckptio.writers.Writer`` (``ckptio.sidecar.writer_for``).
     writer: str | None = None
+
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """The retry knobs above, as the retry loop takes them."""
+        return RetryPolicy(self.retries, self.backoff_initial, self.backoff_max, self.throttle_patience_s)
+
+    def drive(self, backend: Backend) -> Backend:
+        """``backend`` as these knobs drive it: each call under its deadline, within the request budget
+        (the budget's wait is not part of a call's deadline)."""
+        return budgeted(with_deadlines(backend, self.deadlines), self.request_rate)
+
+    def for_host(self, rank: int, hosts: int) -> EngineConfig:
+        """These knobs for host ``rank`` of a job of ``hosts``: its share of ``request_rate``."""
+        if self.request_rate is None or self.request_rate.hosts is not None:
+            return self
+        return dataclasses.replace(self, request_rate=self.request_rate.for_host(rank, hosts))
 
 
 # -- the shared event-loop thread -------------------------------------------
@@ -166,8 +199,8 @@ class Engine:
     """Reads and writes objects of one backend, concurrently and within a byte budget."""
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
-        self.backend = backend
         self.config = config or EngineConfig()
+        self.backend = self.config.drive(backend)
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None  # a read's checks: _read_pool()
         self._cpu_lock = threading.Lock()
@@ -203,8 +236,7 @@ class Engine:
         """Run ``call()``, retrying RetryableError as :func:`ckptio.backends.retrying.retry_call` does,
         with this engine's policy. Only the engine's own data reads and writes go through here:
         everything else reaches storage through the store's retrying backend (``store.io``)."""
-        cfg = self.config
-        return await retry_call(what, call, RetryPolicy(cfg.retries, cfg.backoff_initial, cfg.backoff_max))
+        return await retry_call(what, call, self.config.retry_policy)
 
     # -- writing ---------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from ckptio.backends import Backend, RetryableError
 
 from .best import BestMode, BestN, Metric, metrics_of, with_metrics
-from .distributed import Coordinator, default_coordinator
+from .distributed import Coordinator, config_for_host, default_coordinator
 from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
 from .errors import IntegrityError
@@ -130,15 +130,16 @@ class CheckpointManager:
         problem = file_in_the_way(url) if backend is None else None
         if problem:
             raise NotADirectoryError(problem)
+        self.coordinator = coordinator or default_coordinator()
         self.store = CheckpointStore(StoreOptions(
-            os.fspath(url), backend=backend, engine_config=engine_config, naming=naming, backend_options=backend_options
+            os.fspath(url), backend=backend, engine_config=config_for_host(engine_config, self.coordinator),
+            naming=naming, backend_options=backend_options,
         ))
         self.url = self.store.url
         self.max_to_keep = max_to_keep
         self.keep_period = keep_period
         self.save_interval_steps = max(1, save_interval_steps)
         self.interval = SaveInterval(self.save_interval_steps)
-        self.coordinator = coordinator or default_coordinator()
         self._pool = StagingPool()
         sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         self._pending: SaveHandle | None = None

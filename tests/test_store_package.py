@@ -69,7 +69,8 @@ def test_the_store_retries_with_the_engines_policy_once(tmp_path: Path) -> None:
     flaky = FaultInjectingBackend(open_backend(str(tmp_path)), rate=0.3, seed=7)
     store = CheckpointStore(str(tmp_path), backend=flaky, engine_config=EngineConfig(retries=40, backoff_initial=0.0))
     try:
-        assert isinstance(store.io, RetryingBackend) and store.io.inner is flaky and store.backend is flaky
+        # Between the retries and the backend: its deadlines (ckptio.backends.deadline).
+        assert isinstance(store.io, RetryingBackend) and store.io.inner.inner is flaky and store.backend is flaky
         assert store.io.policy.retries == 40
         for s in range(5):
             run_sync(store.announce(str(s), f"{s:012x}", 0, 60.0))

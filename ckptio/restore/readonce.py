@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import json
 import logging
 import zlib
@@ -159,7 +160,8 @@ def read_once(store: CheckpointStore, requests: list[ReadRequest], coord: Coordi
             failure = e
     n = _agree(coord, failure, len(rounds))
     received = RangesBackend(f"read-once:{store.url}")
-    engine = Engine(received, store.engine.config)
+    # Bytes already in this process: nothing to wait for, no storage to budget.
+    engine = Engine(received, dataclasses.replace(store.engine.config, deadlines=None, request_rate=None))
     try:
         for r in range(n):
             _round(store, coord, engine, rounds[r] if r < len(rounds) else [], chunk, progress)

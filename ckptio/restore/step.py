@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ckptio.backends.base import RetryableError, ThrottledError
+
 from .. import _gc
 from ..distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
 from ..engine import Progress, run_sync
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..errors import CheckpointNotFoundError, CkptioError, IntegrityError, ManifestError
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
@@ -115,17 +117,36 @@ def _restore_step(
 
 
 def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coordinator) -> tuple[str, Manifest]:
-    """Host 0's choice of the step to try, read on every host (one decision for the whole job)."""
+    """Host 0's choice of the step to try, read on every host (one decision for the whole job).
+
+    Host 0's failure reaches every host as its own kind: only "no checkpoint" says there is
+    none; a throttled or failing listing stays an outage (a job that took it for "no checkpoint"
+    would start from scratch over its checkpoints).
+    """
     choice: dict[str, Any] = {}
     if coord.rank == 0:
         try:
             choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
         except BaseException as e:  # every host must raise it, not wait for a choice
-            choice = {"error": f"{type(e).__name__}: {e}"}
+            kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "other")
+            choice = {"error": f"{type(e).__name__}: {e}", "kind": kind}
     choice = broadcast_from_root(coord, choice)
     if "error" in choice:
-        raise CheckpointNotFoundError(f"{store.url}: {choice['error']}")
+        cls = _KINDS.get(choice.get("kind", ""), CkptioError)
+        raise cls(f"{store.url}: host 0 could not pick the step to restore: {choice['error']}")
     return choice["step_dir"], run_sync(store.read_manifest(choice["step_dir"], shards=False))
+
+
+#: The kinds of failure host 0's choice of a step travels as (the first that matches), by name.
+_KINDS: dict[str, type[BaseException]] = {
+    "not-found": CheckpointNotFoundError,
+    "throttled": ThrottledError,
+    "retryable": RetryableError,
+    "manifest": ManifestError,
+    "integrity": IntegrityError,
+    "permission": PermissionError,
+    "missing": FileNotFoundError,
+}
 
 
 def _lost(store: CheckpointStore, step: int | None, step_dir: str, manifest: Manifest, e: BaseException

@@ -128,7 +128,7 @@ class Commits:
         if not step_dir:
             return  # a root checkpoint may be replaced in place: never cached
         try:
-            info = await self.ctx.backend.stat(key)  # one try: a miss only costs a read later
+            info = await self.ctx.io.inner.stat(key)  # one try: a miss only costs a read later
         except Exception:  # noqa: BLE001 -- committed already: a cache miss only costs a read later
             return
         if info.size == size:  # ours (create_if_absent is exclusive): keyed like any read of it

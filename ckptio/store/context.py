@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo
-from ckptio.backends.retrying import RetryingBackend, RetryPolicy
+from ckptio.backends.retrying import RetryingBackend
 
 from ..engine import Engine, gather_or_cancel
 from ..layout import HashedNaming, Naming
@@ -36,8 +36,10 @@ class StoreContext:
         self.reopenable = options.backend is None
         self.engine = options.engine if options.engine is not None else Engine(backend, options.engine_config)
         cfg = self.engine.config
-        #: The backend, each call retried with the engine's policy: what the services call.
-        self.io = RetryingBackend(backend, RetryPolicy(cfg.retries, cfg.backoff_initial, cfg.backoff_max))
+        self._raw = backend
+        #: The backend, each call retried with the engine's policy, under the engine's deadlines and
+        #: request budget (one share per host): what the services call.
+        self.io = RetryingBackend(cfg.drive(backend), cfg.retry_policy)
         self.naming: Naming = options.naming or default_naming(backend)
         self.lease_s = options.resolved_lease_s()
         self.host_local = options.host_local
@@ -45,12 +47,13 @@ class StoreContext:
     @property
     def backend(self) -> Backend:
         """The backend as opened (or handed in): what the engine, and whoever reopens it, use."""
-        return self.io.inner
+        return self._raw
 
     @backend.setter
     def backend(self, backend: Backend) -> None:
         # A test swaps in a failing wrapper mid-run: every service retries through the new one.
-        self.io.inner = backend
+        self._raw = backend
+        self.io.inner = self.engine.config.drive(backend)
 
     @property
     def concurrency(self) -> int:

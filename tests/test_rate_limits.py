@@ -1,0 +1,49 @@
+"""64 simulated hosts save and restore one checkpoint at once behind a rate-limiting proxy in front
+of fake-gcs-server (issue 38, part 1): no save fails, no restore says "no checkpoint", every host
+gets its rows back. Times are measured by ``ckptio bench --fake-gcs --rate-limit R``, not here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckptio.bench.ratelimit import RateLimitProxy, request_prefix
+from ckptio.bench.throttled import run_throttled
+from fake_gcs import FakeGCS, unique_prefix
+
+HOSTS = 64
+LIMIT = 100.0  # requests/s per class: 64 hosts unbudgeted send several times that at the start
+
+
+def test_64_hosts_save_and_restore_at_once_behind_a_rate_limit(
+    fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with RateLimitProxy(fake_gcs.url, LIMIT) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        run = run_throttled(f"gs://ckptio-test/{unique_prefix(tmp_path)}", proxy, HOSTS, budget=0.8 * LIMIT)
+    print(run.report())
+    save, restore = run.phases
+    assert save.failures == [] and restore.failures == [], run.report()
+    assert restore.no_checkpoint == 0
+    assert save.admitted >= 3 * HOSTS and restore.admitted >= 3 * HOSTS, "every host went through the proxy"
+
+
+def test_the_proxy_limits_each_prefix_and_class_and_refuses_with_429(fake_gcs: FakeGCS) -> None:
+    import urllib.error
+    import urllib.request
+
+    assert request_prefix("/storage/v1/b/bk/o/a%2Fb%2Fc?alt=media", 0) == "bk"
+    assert request_prefix("/storage/v1/b/bk/o/a%2Fb%2Fc?alt=media", 2) == "bk/a/b"
+    assert request_prefix("/upload/storage/v1/b/bk/o?uploadType=media&name=x%2Fy", 1) == "bk/x"
+    assert request_prefix("/storage/v1/b/bk/o?prefix=p%2Fq%2F", 1) == "bk/p"
+    with RateLimitProxy(fake_gcs.url, 2.0, burst_s=1.0) as proxy:  # two tokens, refilled at 2/s
+        statuses = []
+        for _ in range(6):
+            try:
+                with urllib.request.urlopen(f"{proxy.url}/storage/v1/b/ckptio-test/o") as r:
+                    statuses.append(r.status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+    assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}, statuses
+    assert proxy.refused["read"] == statuses.count(429) and proxy.admitted["read"] == statuses.count(200)

@@ -1,0 +1,193 @@
+"""The request budget (ckptio.backends.budget) and throttling: shares, ramp, slow-down, patience,
+and a throttled listing that is never read as "no checkpoint" (issue 38, part 1)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import ckptio
+from ckptio.backends import ThrottledError, open_backend
+from ckptio.backends.budget import BudgetedBackend, RequestBudget, RequestRate, budgeted
+from ckptio.backends.memory import MemoryBackend
+from ckptio.backends.retrying import RetryPolicy, retry_call
+from ckptio.backends.wrappers import WrapperBackend
+from ckptio.engine import Engine, EngineConfig
+from ckptio.errors import CheckpointNotFoundError
+from hosts import on_hosts
+
+
+class Clock:
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def slots(budget: RequestBudget, kind: str, n: int, clock: Clock) -> list[float]:
+    """The start times of ``n`` slots reserved at once (no time passes)."""
+    return [clock.now + budget.reserve(kind) for _ in range(n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(hosts=st.integers(1, 96), rate=st.floats(1.0, 5000.0), start=st.floats(0.0, 1e6))
+def test_the_hosts_first_slots_interleave_at_the_job_rate(hosts: int, rate: float, start: float) -> None:
+    """Each host's slots come from its rank and the job's size alone, yet when every host of a
+    restarting job asks at once, their slots are spaced 1/rate apart: no two hosts fire together,
+    and no central server is asked."""
+    clock = Clock(start)
+    budgets = [RequestBudget(RequestRate(reads_per_s=rate, hosts=hosts, rank=r), clock=clock) for r in range(hosts)]
+    times = sorted(slots(b, "read", 1, clock)[0] for b in budgets)
+    gaps = np.diff(np.asarray(times))
+    assert gaps.size == 0 or gaps.min() >= (1 / rate) * (1 - 1e-6) - 1e-9 * abs(start), (gaps.min(), 1 / rate)
+
+
+@settings(max_examples=30, deadline=None)
+@given(hosts=st.integers(1, 64), rate=st.floats(1.0, 5000.0), requests=st.integers(1, 300),
+       latency=st.floats(0.0, 0.5))
+def test_a_held_back_host_grows_to_at_most_the_job_rate(hosts: int, rate: float, requests: int,
+                                                       latency: float) -> None:
+    """A host that has more to send than its share (others idle) grows its rate while it is held
+    back, up to the whole job's rate and never past it."""
+    clock = Clock()
+    b = RequestBudget(RequestRate(reads_per_s=rate, ramp_period_s=1e12, hosts=hosts, rank=hosts - 1), clock=clock)
+    times = []
+    for _ in range(requests):  # one request at a time, the next asked ``latency`` after the last started
+        times.append(clock.now + b.reserve("read"))
+        clock.now = times[-1] + latency * (1 / rate)
+    gaps = np.diff(np.asarray(times))
+    assert gaps.size == 0 or gaps.min() >= (1 / rate) * (1 - 1e-6)
+    assert b.host_rate("read") <= rate * (1 + 1e-9)
+    if requests > 40 and hosts > 1:
+        assert b.host_rate("read") > rate / hosts, "held back, it grew past its share"
+
+
+def test_a_host_gets_its_share_and_ramps_up_to_the_limit() -> None:
+    clock = Clock()
+    rate = RequestRate(reads_per_s=1000, writes_per_s=100, ramp_period_s=60, ramp_limit=4, hosts=10, rank=3)
+    b = RequestBudget(rate, clock=clock)
+    assert b.host_rate("read") == pytest.approx(100) and b.host_rate("write") == pytest.approx(10)
+    clock.now += 60
+    assert b.host_rate("read") == pytest.approx(200)
+    clock.now += 600
+    assert b.host_rate("read") == pytest.approx(400), "the ramp stops at ramp_limit"
+
+
+def test_a_throttle_halves_the_rate_once_per_burst_and_it_recovers() -> None:
+    clock = Clock()
+    b = RequestBudget(RequestRate(writes_per_s=64, recover_s=10, hosts=4, rank=0), clock=clock)
+    assert b.host_rate("write") == pytest.approx(16)
+    for _ in range(20):  # twenty requests in flight all answered 429: one halving
+        b.throttled("write")
+    assert b.host_rate("write") == pytest.approx(8) and b.slowdowns == 1 and b.throttles == 20
+    clock.now += 1  # a new burst: halved again
+    b.throttled("write")
+    assert b.slowdowns == 2 and b.host_rate("write") < 8
+    assert b.host_rate("read") == pytest.approx(5000 / 4, rel=0.01), "reads keep their own rate (ramped a little)"
+    clock.now += 100
+    b.reserve("write")  # the next request, idle ~100 s after the throttle: recover_s doublings since
+    assert b.host_rate("write") == pytest.approx(16 * 2 ** (101 / 1200)), "back to its share (ramped a little)"
+
+
+def test_rank_and_size_come_from_the_coordinator_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RequestRate().resolved() == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert RequestRate().resolved() == (5, 8)
+    assert RequestRate().for_host(2, 4).resolved() == (2, 4)
+    assert RequestRate(hosts=3, rank=1).for_host(2, 4).resolved() == (1, 3), "a rate that names its host keeps it"
+    cfg = EngineConfig(request_rate=RequestRate()).for_host(1, 2)
+    assert cfg.request_rate is not None and cfg.request_rate.resolved() == (1, 2)
+    with pytest.raises(ValueError, match="reads_per_s"):
+        RequestRate(reads_per_s=0)
+
+
+def test_the_engine_and_the_store_share_one_budget_per_storage() -> None:
+    rate = RequestRate(hosts=2, rank=1)
+    backend = MemoryBackend()
+    engine = Engine(backend, EngineConfig(request_rate=rate))
+    again = budgeted(backend, rate)
+    assert isinstance(engine.backend, BudgetedBackend) and isinstance(again, BudgetedBackend)
+    assert engine.backend.budget is again.budget
+    assert not isinstance(Engine(backend).backend, BudgetedBackend), "no budget unless asked for"
+    assert Engine(backend, EngineConfig(deadlines=None)).backend is backend
+
+
+class Throttling(WrapperBackend):
+    """Answers the first ``times`` calls of ``methods`` (every one: -1) with ThrottledError."""
+
+    def __init__(self, inner: Any, methods: tuple[str, ...], times: int = -1) -> None:
+        super().__init__(inner)
+        self.methods, self.left, self.refused = methods, times, 0
+
+    def _gate(self, method: str) -> None:
+        if method in self.methods and self.left != 0:
+            self.left -= 1
+            self.refused += 1
+            raise ThrottledError(f"{method}: HTTP 429 slow down")
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        self._gate("list_children")
+        return await super().list_children(prefix)
+
+    async def write(self, key: str, buffers: Any) -> None:
+        self._gate("write")
+        await super().write(key, buffers)
+
+
+def test_a_throttled_call_is_retried_past_its_retries_and_slows_the_host() -> None:
+    backend = Throttling(MemoryBackend(), ("write",), times=12)
+    budget = RequestBudget(RequestRate(writes_per_s=1000))
+    b = BudgetedBackend(backend, budget)
+    policy = RetryPolicy(retries=2, backoff_initial=0.001, backoff_max=0.002, throttle_patience_s=30)
+    asyncio.run(retry_call("write 'k'", lambda: b.write("k", [memoryview(b"x")]), policy))
+    assert backend.refused == 12 and budget.throttles == 12 and budget.slowdowns >= 1
+    assert asyncio.run(b.read("k")) == b"x"
+
+
+def test_when_patience_runs_out_the_error_says_the_storage_is_throttled() -> None:
+    backend = Throttling(MemoryBackend(), ("list_children",))
+    policy = RetryPolicy(retries=1, backoff_initial=0.001, backoff_max=0.002, throttle_patience_s=0.05)
+    with pytest.raises(ThrottledError, match="the storage is throttled: list '' was still refused"):
+        asyncio.run(retry_call("list ''", lambda: backend.list_children(""), policy))
+
+
+QUICK = EngineConfig(retries=1, backoff_initial=0.001, backoff_max=0.01, throttle_patience_s=0.1)
+
+
+def test_a_throttled_listing_is_never_no_checkpoint(tmp_path: Path) -> None:
+    ckptio.save(tmp_path, {"w": np.arange(10.0)}, step=3).result()
+    throttled = Throttling(open_backend(str(tmp_path)), ("list_children",))
+    with pytest.raises(ThrottledError, match="throttled") as e:
+        ckptio.restore(tmp_path, backend=throttled, engine_config=QUICK)
+    assert not isinstance(e.value, CheckpointNotFoundError)
+    with ckptio.CheckpointManager(tmp_path, backend=throttled, engine_config=QUICK) as m:
+        with pytest.raises(ThrottledError):
+            m.restore()
+
+
+def test_a_throttled_listing_on_host_0_is_never_no_checkpoint_on_any_host(tmp_path: Path) -> None:
+    """Host 0 picks the step for the job: its throttled listing reaches every host as throttling,
+    not as "no checkpoint" (on which a job would start from scratch)."""
+    ckptio.save(tmp_path, {"w": np.arange(10.0)}, step=3).result()
+    seen: list[BaseException] = []
+
+    def host(rank: int, coord: Any) -> None:
+        throttled = Throttling(open_backend(str(tmp_path)), ("list_children",))
+        with ckptio.CheckpointManager(tmp_path, backend=throttled, engine_config=QUICK, coordinator=coord) as m:
+            try:
+                m.restore()
+            except BaseException as e:  # noqa: BLE001 - judged below, host by host
+                seen.append(e)
+
+    on_hosts(2, host)
+    assert len(seen) == 2
+    for e in seen:
+        assert isinstance(e, ThrottledError) and not isinstance(e, CheckpointNotFoundError), repr(e)
+        assert "throttled" in str(e)
