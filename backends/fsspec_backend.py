@@ -71,7 +71,6 @@ from .base import (
     Capabilities,
     LayoutDefaults,
     ObjectInfo,
-    RetryableError,
     check_fill,
     check_key,
     check_prefix,
