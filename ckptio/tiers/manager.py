@@ -14,8 +14,9 @@ durable replicators, and the fast tier's retention runs. ``result()`` on the
 handle returns when all of that is done -- the replication itself runs in
 the background.
 
-A restore is collective: every host reports what it holds, every host
-computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), and the
+A restore is collective: every host reports what it holds to host 0, which
+plans (:func:`ckptio.tiers.policy.plan_restore`) and broadcasts the compact
+plan, and the
 core restore's read plan is routed: peers send the objects a host lacks, the
 rest is read from the host's own fast tier or the durable tier, every
 checksum checked (:mod:`ckptio.tiers.restore`). A restore
