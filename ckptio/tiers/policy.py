@@ -56,6 +56,12 @@ class TierPolicy:
         max_backlog: durable steps owed (failed, waiting for a retry) at most; beyond that the oldest is
             given up (logged): it keeps a host's fast tier bounded while the durable tier is down.
         lag_warn_steps: log a warning whenever the durable tier is at least this many steps behind.
+        replica_before_save: a save first waits until the previous step's peer round is done (its replica
+            marked complete on the partner, or the round failed), so losing one host costs at most one
+            save interval, under load too. The cost: when a peer round takes longer than the interval
+            between saves, the training step waits out the difference at the next save. False: saves
+            never wait for peers; replication may then fall behind (up to ``queue_size`` steps, older
+            ones coalesced away) and a host loss costs every step since its newest replicated one.
     """
 
     replicate_every: int = 1
@@ -70,6 +76,7 @@ class TierPolicy:
     retry_backoff_max_s: float = 120.0
     max_backlog: int = 4
     lag_warn_steps: int = 2
+    replica_before_save: bool = True
 
     def __post_init__(self) -> None:
         if (self.replicate_every < 0 or self.queue_size < 1 or self.save_interval_steps < 1
