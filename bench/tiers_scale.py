@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .scale import _in_child, _rss_mb, host_record
+from .scale import _in_child, host_record
 
 __all__ = ["SimGroup", "parse_tiers_scale", "render_tiers_scale", "run_tiers_scale"]
 
@@ -43,6 +43,21 @@ COLS = 1024
 #: lacks the lost host's shards: the plan falls back one step).
 RESTARTS = {"restart": False, "behind": True}
 RESTART_TITLES = {"restart": "replicas of the newest step:", "behind": "replicas one step behind (falls back one):"}
+
+
+def _rss_mb() -> float:
+    """This process's own peak RSS (VmHWM: its memory's, which starts afresh at exec; ``ru_maxrss`` would
+    carry the launching process's peak into a spawned child)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class SimGroup:
@@ -156,12 +171,22 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     if mngr._hook_error is not None:
         raise mngr._hook_error
     t_all = time.perf_counter() - t0
+    # A restart's first step on this host: what it holds (the real scan, of this one committed step).
+    from ckptio.engine import run_sync
+    from ckptio.tiers.peer import holdings
+
+    for key in records[rank]["objects"]:  # the scan checks that this host's objects are there (no data)
+        run_sync(mngr.fast.io.write(key, [memoryview(b"")]))
+    t1 = time.perf_counter()
+    held = holdings(mngr.fast, mngr.replica, rank)
+    t_held = time.perf_counter() - t1
+    assert [h.step for h in held] == [NEWEST], held
     if rank == 0:
         with open(replay_path, "w") as f:
             json.dump([b.hex() for b in sim.broadcasts], f)
     manifest_bytes = sum(os.path.getsize(os.path.join(dp, n)) for dp, _d, ns in os.walk(root) for n in ns
                          if n.startswith("ckptio.manifest") and dp.startswith(os.path.join(root, f"fast{rank}")))
-    out.put({"commit_s": t_commit, "save_s": t_all, "received": sim.received, "sent": sim.sent,
+    out.put({"commit_s": t_commit, "save_s": t_all, "holdings_s": t_held, "received": sim.received, "sent": sim.sent,
              "rss_mb": _rss_mb(), "manifest_bytes": manifest_bytes})
 
 
@@ -251,6 +276,7 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
                 "save_commit_s": coord["commit_s"], "save_coordinator_s": coord["save_s"],
                 "save_coordinator_rss_mb": coord["rss_mb"], "save_host_s": other["save_s"],
                 "save_host_rss_mb": other["rss_mb"], "save_received_per_host": other["received"],
+                "holdings_scan_s": other["holdings_s"],
                 "save_total": sum(sizes[1:]) + other["received"] * (hosts - 1),
             })
         lost = hosts // 2
@@ -274,9 +300,11 @@ def render_tiers_scale(res: dict[str, Any]) -> str:
             f"  per save  fast-tier manifest {_mb(res['manifest_bytes'])}; received per non-coordinator "
             f"{_mb(res['save_received_per_host'])}; gathered at coordinator {_mb(res['gathered_at_coordinator'])}; "
             f"total {_mb(res['save_total'])}",
-            f"            coordinator commit {res['save_commit_s']:.2f} s (+ after-save: {res['save_coordinator_s']:.2f} s), "
+            f"            coordinator commit {res['save_commit_s']:.2f} s (with the after-save hook: {res['save_coordinator_s']:.2f} s), "
             f"RSS {res['save_coordinator_rss_mb']:.0f} MB; other host {res['save_host_s']:.2f} s, "
             f"RSS {res['save_host_rss_mb']:.0f} MB",
+            f"  restart   a host's scan of what it holds (one committed step: its whole manifest read) "
+            f"{res['holdings_scan_s']:.2f} s, not part of the plan times below",
         ]
     lines.append(f"  restart, host {h // 2} lost          plan s  sources s   received       sent   peak RSS")
     for case in (c for c in RESTARTS if f"{c}_coordinator_plan_s" in res):

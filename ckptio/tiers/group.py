@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ckptio._system import flat_bytes
-from ckptio.distributed import BytesCoordinator, SingleProcess, TorchCoordinator
+from ckptio.distributed import ExchangeCoordinator, SingleProcess, TorchCoordinator
 
 __all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "refuse_other_multihost", "torch_world"]
 
@@ -47,8 +47,9 @@ class Message:
     tag: Any = dataclasses.field(default=None, compare=False)
 
 
-class PeerGroup(BytesCoordinator, Protocol):
-    """What the tiers need from the hosts of a job: ckptio's coordinator, plus byte transfers between hosts."""
+class PeerGroup(ExchangeCoordinator, Protocol):
+    """What the tiers need from the hosts of a job: ckptio's coordinator (with its exchange), plus byte
+    transfers between hosts."""
 
     def transfer(
         self,
