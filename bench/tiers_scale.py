@@ -173,12 +173,15 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     t_all = time.perf_counter() - t0
     # A restart's first step on this host: what it holds (the real scan, of this one committed step).
     from ckptio.engine import run_sync
+    from ckptio.store import CheckpointStore
     from ckptio.tiers.peer import holdings
 
     for key in records[rank]["objects"]:  # the scan checks that this host's objects are there (no data)
         run_sync(mngr.fast.io.write(key, [memoryview(b"")]))
+    # Fresh stores, as a restarted process has them: nothing cached from the commit above.
+    fast, replica = (CheckpointStore(s.url, host_local=True) for s in (mngr.fast, mngr.replica))
     t1 = time.perf_counter()
-    held = holdings(mngr.fast, mngr.replica, rank)
+    held = holdings(fast, replica, rank)
     t_held = time.perf_counter() - t1
     assert [h.step for h in held] == [NEWEST], held
     if rank == 0:
