@@ -239,7 +239,8 @@ class TieredCheckpointManager:
     ) -> SaveHandle | None:
         """Save ``state`` as ``step`` to the fast tier (collective); returns once staged.
 
-        Waits for the previous save's hooks first. Returns None for a step off
+        Waits for the previous save's hooks first and, with ``policy.replica_before_save``
+        (the default), for the previous step's peer round. Returns None for a step off
         ``save_interval_steps`` or one every host already holds (``force``:
         raise FileExistsError for the latter). A stale copy of ``step`` on
         some hosts only (left by a crash between commits) is deleted first.
