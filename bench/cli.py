@@ -101,6 +101,13 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--tiers", type=int, nargs="?", const=2, default=None, metavar="HOSTS",
                    help="time to recover from each tier (local SSD, partner's replica, durable fake GCS) and a "
                         "whole restart, with HOSTS processes (2-4, default 2) of --tiers-mib each, see bench/tiers.py")
+    g.add_argument("--tiers-scale", type=_csv, default=None, metavar="HOSTS[,...]",
+                   help="simulate the tiers' fast-tier save coordination and the restart plan after a host loss "
+                        "at these host counts (e.g. 64,512,4096), with the tiers' own code, see bench/tiers_scale.py")
+    g.add_argument("--tiers-scale-shards", type=int, default=16, metavar="N",
+                   help="shards per host for --tiers-scale (default 16)")
+    g.add_argument("--tiers-scale-no-save", dest="tiers_scale_save", action="store_false",
+                   help="--tiers-scale: simulate the restart plan only (the save part builds every host's record)")
     g.add_argument("--reshard", action="store_true",
                    help="restore one row/column block of a --size array saved as 16 row or column blocks: bytes "
                         "read per byte needed, time and peak RSS, tiled and plain layouts (bench/reshard.py)")
@@ -346,15 +353,21 @@ def _scale(args: argparse.Namespace) -> int:
         sizes = [parse_scale(x) for x in args.scale]
     except ValueError as e:
         return _error(str(e))
+    _each(args, "scale", [lambda h=h, s=s: run_scale(h, s, args.dir) for h, s in sizes], render)
+    return 0
+
+
+def _each(args: argparse.Namespace, key: str, runs: Sequence[Callable[[], dict[str, Any]]],
+          render: Callable[[dict[str, Any]], str]) -> None:
+    """Run each simulation, print it as it ends, and write them all to ``--json`` under ``key``."""
     results = []
-    for hosts, shards in sizes:
-        res = run_scale(hosts, shards, args.dir)
+    for run in runs:
+        res = run()
         print(render(res), flush=True)
         results.append(res)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"schema": SCHEMA, "scale": results}, f, indent=1)
-    return 0
+            json.dump({"schema": SCHEMA, key: results}, f, indent=1)
 
 
 def _tiers(args: argparse.Namespace) -> int:
@@ -368,6 +381,19 @@ def _tiers(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": SCHEMA, "tiers": res}, f, indent=1)
+    return 0
+
+
+def _tiers_scale(args: argparse.Namespace) -> int:
+    from .tiers_scale import parse_tiers_scale, render_tiers_scale, run_tiers_scale
+
+    try:
+        hosts = parse_tiers_scale(args.tiers_scale)
+    except ValueError as e:
+        return _error(str(e))
+    _each(args, "tiers_scale", [lambda h=h: run_tiers_scale(h, args.tiers_scale_shards, args.dir,
+                                                            save=args.tiers_scale_save) for h in hosts],
+          render_tiers_scale)
     return 0
 
 
@@ -390,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _scale(args)
     if args.tiers is not None:
         return _tiers(args)
+    if args.tiers_scale:
+        return _tiers_scale(args)
     if args.reshard:
         return _reshard(args)
     if args.rate_limit is not None:

@@ -35,37 +35,47 @@ KINDS = (("w", "bfloat16"), ("master", "float32"), ("mu", "float32"), ("nu", "fl
 VERDICT = {"ok": True}
 
 
-def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]:
-    """Host ``rank``'s fragment (written under ``root``) and its summary, from the real save code."""
-    import ml_dtypes  # noqa: F401  (bfloat16 by name)
+def host_record(hosts: int, shards: int, rank: int, step_dir: str = "1", cols: int = COLS) -> dict[str, Any]:
+    """Host ``rank``'s record of a Llama-like state (``shards`` row-sharded pieces, no data), from the real
+    save code: staged arrays, ``layout.pack``, block checksums as random as real ones, ``host_record``."""
+    import importlib
 
     from ckptio.engine import WrittenObject
-    from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
-    from ckptio.checksum import crc32c
     from ckptio.layout import FlatNaming, Piece, extent_block, pack
     from ckptio.manifest import host_record as _host_record
     from ckptio.staging import StagedArray
 
+    importlib.import_module("ml_dtypes")  # bfloat16 by name
     params = max(1, shards // len(KINDS))
     block = 4 << 20
     staged: dict[str, Any] = {}
     pieces = []
-    scratch = memoryview(bytearray(ROWS_PER_HOST * COLS * 4))  # one buffer behind every piece: no data
+    scratch = memoryview(bytearray(ROWS_PER_HOST * cols * 4))  # one buffer behind every piece: no data
     for p in range(params):
         for kind, dtype in KINDS:
             dt = np.dtype(dtype)
             name = f"layers/{p}/{kind}"
-            nbytes = ROWS_PER_HOST * COLS * dt.itemsize
-            shard = ((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, COLS), np.empty(0, np.uint8))
-            staged[name] = StagedArray(dt, (hosts * ROWS_PER_HOST, COLS), False, "jax", [shard])
+            nbytes = ROWS_PER_HOST * cols * dt.itemsize
+            shard = ((rank * ROWS_PER_HOST, 0), (ROWS_PER_HOST, cols), np.empty(0, np.uint8))
+            staged[name] = StagedArray(dt, (hosts * ROWS_PER_HOST, cols), False, "jax", [shard])
             pieces.append(Piece(name, 0, scratch[:nbytes], block=extent_block(nbytes, False, block)))
     save_id = f"{rank:012x}"
-    plans = pack(pieces, object_size=64 << 20, key_for=lambda n: FlatNaming().object_key("1", save_id, rank, hosts, n))
+    plans = pack(pieces, object_size=64 << 20,
+                 key_for=lambda n: FlatNaming().object_key(step_dir, save_id, rank, hosts, n))
     # Checksums as random as real ones (zeros would compress away and flatter the metadata sizes).
     rng = np.random.default_rng(rank)
     written = [WrittenObject(pl.key, pl.size, [rng.integers(0, 2**32, -(-e.length // (e.block or block))).tolist()
                                                for e in pl.extents]) for pl in plans]
-    record = _host_record(staged, plans, written, rank, include_values=rank == 0)
+    return _host_record(staged, plans, written, rank, include_values=rank == 0)
+
+
+def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]:
+    """Host ``rank``'s fragment (written under ``root``) and its summary, from the real save code."""
+    from ckptio.checksum import crc32c
+    from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
+
+    record = host_record(hosts, shards, rank)
+    save_id = f"{rank:012x}"
     data = fragment_doc(record, 1, save_id, rank)
     key = fragment_key("1", save_id)
     with open(os.path.join(root, key), "wb") as f:

@@ -18,6 +18,10 @@ Modes:
   phasekill    save --steps one at a time (each replicated before the next); host --victims kills itself
                (SIGKILL) at replication --phase of the last step (the test then kills the others)
   durabledown  save --steps with every durable write failing; report the lag, exit
+  keepup       save --steps back to back while each peer round takes --slow-peer s and the last step's
+               round never ends (the node dies mid-replication); after each save, report the newest
+               step every host has replicated and the replication lag; exit without closing
+               (--no-keep-up: TierPolicy(replica_before_save=False))
 """
 
 from __future__ import annotations
@@ -212,6 +216,33 @@ def restore_and_report(mgr: TieredCheckpointManager, args: argparse.Namespace, r
     }), flush=True)
 
 
+def keep_up(args: argparse.Namespace, rank: int, world: int, steps: Sequence[int]) -> None:
+    """The ``keepup`` mode (see the module's docstring); ends the process."""
+    import ckptio.tiers.manager as tm
+
+    real = tm.replicate_to_partner
+
+    def slow(group: object, own: object, replica: object, step: int, *a: object, **k: object) -> None:
+        time.sleep(3600 if step == steps[-1] else args.slow_peer)  # a loaded network; the last: a dying node
+        real(group, own, replica, step, *a, **k)  # type: ignore[arg-type]
+
+    tm.replicate_to_partner = slow  # type: ignore[assignment]
+    policy = TierPolicy(replicate_every=0, fast=Retention(args.keep), replica_before_save=args.keep_up)
+    mgr = TieredCheckpointManager(os.path.join(args.root, "fast", f"r{rank}"), None, policy=policy,
+                                  fast_options={"object_size": args.object_size, "fsync": False})
+    seen = []
+    for s in steps:
+        handle = mgr.save(s, state_for(s, rank, world, args.arrays))
+        lag = mgr.replication_lag
+        assert lag is not None and handle is not None
+        rep = mgr.replicated_steps
+        seen.append({"step": s, "replicated": min(rep.values()) if len(rep) == world else None,
+                     "uncopied": lag.uncopied})
+    handle.result()  # the last step committed in every fast tier; its replication never ends
+    print(json.dumps({"rank": rank, "seen": seen, "tiers": mgr.tier_steps()}), flush=True)
+    os._exit(0)  # the node dies: no close, no wait for the replica in flight
+
+
 def main() -> int:
     if os.environ.get("TIERS_LOG"):
         import logging
@@ -231,6 +262,8 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=0)
     p.add_argument("--restore-step", type=int)
     p.add_argument("--phase")
+    p.add_argument("--slow-peer", type=float, default=0.0)
+    p.add_argument("--no-keep-up", dest="keep_up", action="store_false")
     args = p.parse_args()
     steps = [int(s) for s in args.steps.split(",") if s]
     victims = {int(v) for v in args.victims.split(",") if v}
@@ -319,6 +352,8 @@ def main() -> int:
             mgr.close()
         except ReplicationError:
             pass  # a retry that ran (and failed) after the wait above: reported again, as it should be
+    elif args.mode == "keepup":
+        keep_up(args, rank, world, steps)
     elif args.mode == "restore":
         counter = counted(args)
         mgr = manager(args, rank, durable_backend=counter)

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ckptio._system import flat_bytes
-from ckptio.distributed import BytesCoordinator, SingleProcess, TorchCoordinator
+from ckptio.distributed import ExchangeCoordinator, SingleProcess, TorchCoordinator
 
-__all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "torch_world"]
+__all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "refuse_other_multihost", "torch_world"]
 
 #: Point-to-point messages travel in chunks of at most this many bytes, so that reading the
 #: next chunk from storage overlaps sending this one (and gloo never sees a 2 GiB buffer).
@@ -47,8 +47,9 @@ class Message:
     tag: Any = dataclasses.field(default=None, compare=False)
 
 
-class PeerGroup(BytesCoordinator, Protocol):
-    """What the tiers need from the hosts of a job: ckptio's coordinator, plus byte transfers between hosts."""
+class PeerGroup(ExchangeCoordinator, Protocol):
+    """What the tiers need from the hosts of a job: ckptio's coordinator (with its exchange), plus byte
+    transfers between hosts."""
 
     def transfer(
         self,
@@ -97,6 +98,22 @@ def torch_world() -> tuple[int, int] | None:
         return None
     size = torch.distributed.get_world_size()
     return (torch.distributed.get_rank(), size) if size > 1 else None
+
+
+def refuse_other_multihost() -> None:
+    """Peers talk over torch.distributed only: a multi-process JAX job without it would have every
+    host commit a manifest of its own shards alone, so it is refused rather than half-working."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    try:
+        multi = jax is not None and jax.process_count() > 1
+    except RuntimeError:
+        multi = False
+    if multi:
+        raise NotImplementedError(
+            "TieredCheckpointManager needs torch.distributed (gloo) across hosts; this is a multi-process "
+            "JAX job without it")
 
 
 class TorchGroup(TorchCoordinator):

@@ -14,8 +14,9 @@ durable replicators, and the fast tier's retention runs. ``result()`` on the
 handle returns when all of that is done -- the replication itself runs in
 the background.
 
-A restore is collective: every host reports what it holds, every host
-computes the same plan (:func:`ckptio.tiers.policy.plan_restore`), and the
+A restore is collective: every host reports what it holds to host 0, which
+plans (:func:`ckptio.tiers.policy.plan_restore`) and broadcasts the compact
+plan, and the
 core restore's read plan is routed: peers send the objects a host lacks, the
 rest is read from the host's own fast tier or the durable tier, every
 checksum checked (:mod:`ckptio.tiers.restore`). A restore
@@ -28,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -43,7 +43,7 @@ from ..save import SaveHandle, start_save
 from ..staging import StagingPool
 from ..states import SaveState
 from ..store import CheckpointStore
-from .group import LocalGroup, PeerGroup, TorchGroup, torch_world
+from .group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
 from .peer import holdings, replicate_to_partner, retire_replica
 from .policy import TIERS, Holding, TierPolicy
 from .durable import durable_recovery, durable_round
@@ -99,7 +99,7 @@ class TieredCheckpointManager:
             peer_group: PeerGroup = TorchGroup()
             durable_group: PeerGroup = TorchGroup()
         else:
-            _refuse_other_multihost()
+            refuse_other_multihost()
             self.coordinator = SingleProcess()
             self._control = peer_group = durable_group = LocalGroup()
         self.rank, self.size = self._control.rank, self._control.size
@@ -179,6 +179,16 @@ class TieredCheckpointManager:
         return self.durable_worker.lag() if self.durable_worker is not None else None
 
     @property
+    def replication_lag(self) -> Lag | None:
+        """How far the partners' replicas are behind this host's fast tier (None without peer replication).
+
+        ``steps`` committed here are not yet replicated to the partner (queued or in a round); with
+        ``policy.replica_before_save`` (the default) that is at most the step just saved, so a lost
+        host costs at most one save interval. ``last_done`` is the newest step whose round finished.
+        """
+        return self.peer_worker.lag() if self.peer_worker is not None else None
+
+    @property
     def replicated_steps(self) -> dict[int, int]:
         """Per host, the newest step whose replica is marked complete on its partner."""
         with self._retention_lock:
@@ -229,7 +239,8 @@ class TieredCheckpointManager:
     ) -> SaveHandle | None:
         """Save ``state`` as ``step`` to the fast tier (collective); returns once staged.
 
-        Waits for the previous save's hooks first. Returns None for a step off
+        Waits for the previous save's hooks first and, with ``policy.replica_before_save``
+        (the default), for the previous step's peer round. Returns None for a step off
         ``save_interval_steps`` or one every host already holds (``force``:
         raise FileExistsError for the latter). A stale copy of ``step`` on
         some hosts only (left by a crash between commits) is deleted first.
@@ -242,6 +253,9 @@ class TieredCheckpointManager:
         self._wait_save()
         if not force and not self.policy.interval.due(step):
             return None
+        if self.peer_worker is not None and self.policy.replica_before_save:
+            # The loss bound: the previous step is replicated (or its round failed) before this one begins.
+            self.peer_worker.wait()
         if self._resumed_from is not None:
             # Before the check below: a re-saved step number of the abandoned timeline must not count as held.
             with self._replicators_paused():
@@ -467,20 +481,6 @@ class TieredCheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _refuse_other_multihost() -> None:
-    """Peers talk over torch.distributed only: a multi-process JAX job without it would have every
-    host commit a manifest of its own shards alone, so it is refused rather than half-working."""
-    jax = sys.modules.get("jax")
-    try:
-        multi = jax is not None and jax.process_count() > 1
-    except RuntimeError:
-        multi = False
-    if multi:
-        raise NotImplementedError(
-            "TieredCheckpointManager needs torch.distributed (gloo) across hosts; this is a multi-process "
-            "JAX job without it")
 
 
 def _sub_url(url: str, name: str) -> str:

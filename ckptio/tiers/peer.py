@@ -16,6 +16,7 @@ receiver checks each extent's block checksums before keeping it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -26,6 +27,7 @@ from ..checksum import verify_blocks
 from ..copy import StoredExtent, object_extents, object_writers
 from ..distributed import join_errors
 from ..engine import run_sync
+from ..errors import CheckpointNotFoundError
 from ..manifest import Manifest
 from ..names import parse_replica_mark, replica_mark_key
 from ..store import CheckpointStore
@@ -249,31 +251,20 @@ def fetch_from_peers(
     """
     sizes = object_sizes(manifest)
     writers = object_writers(manifest)
-    # A true all-gather: each provider must learn which of its objects every other host asks it
-    # for (what it sends, and in which global order). It is a restore's, not a save's, and the
-    # plan it checks against already spans every host.
-    asks = group.all_gather(sorted(set(needed)))
-    messages = []
-    for needer, idxs in enumerate(asks):
-        for i in idxs:
-            w = writers[i]
-            if w is None:
-                raise RuntimeError(f"host {needer} asked for object {i}, which no shard refers to")
-            tier, provider = plan.source(needer, w)
-            if tier != PEER or provider is None:
-                raise RuntimeError(f"host {needer} asked a peer for object {i}, which its plan reads from {tier}")
-            messages.append(Message((i, needer), provider, needer, sizes[i], i))
+    messages, bad = _asks(group, plan, writers, sizes, needed)
     got: dict[int, bytearray] = {}
 
     def provide(msg: Message) -> Iterator[memoryview]:
         w = writers[msg.tag]
-        assert w is not None
+        if w is None or msg.tag in bad:  # zeros go instead (the transfer keeps the stream aligned)
+            raise RuntimeError(f"object {msg.tag}: {bad.get(msg.tag, 'no shard refers to it')}")
         return read_chunks(store_for(w), manifest.objects[msg.tag], msg.nbytes)
 
     def deliver(msg: Message, buf: bytearray) -> None:
         got[msg.tag] = buf
 
-    error = f"host {group.rank}: {local_error}" if local_error else None
+    problem = local_error or next(iter(bad.values()), None)
+    error = f"host {group.rank}: {problem}" if problem else None
     try:
         group.transfer(messages, provide, deliver)
     except BaseException as e:
@@ -284,6 +275,47 @@ def fetch_from_peers(
     if verdict:
         raise RuntimeError(f"restore of step {plan.step}: fetching objects from peers failed: {verdict}")
     return got
+
+
+def _asks(group: PeerGroup, plan: RestorePlan, writers: Sequence[int | None], sizes: Sequence[int],
+          needed: Sequence[int]) -> tuple[list[Message], dict[int, str]]:
+    """Collective: the messages this host receives (its asks) and sends (what needers ask of it), and
+    the objects it must not send, with why.
+
+    Each needer tells only the providers it asks (an exchange: what a host receives grows with
+    what is asked of it, plus 8 bytes of lengths per host), not every host every ask. A bad ask
+    (not what the needer's plan sources from this provider) is still answered -- with zeros -- so
+    that no receive waits forever; its error fails every host in the status round.
+    """
+    rank = group.rank
+    bad: dict[int, str] = {}
+    mine: dict[int, list[int]] = {}
+    for i in sorted(set(needed)):
+        src = _peer_source(plan, rank, writers[i] if 0 <= i < len(writers) else None)
+        if src is None:
+            bad[i] = f"host {rank}: object {i} is not one its plan fetches from a peer"
+        else:
+            mine.setdefault(src, []).append(i)
+    asked = group.exchange({p: [memoryview(json.dumps(idxs).encode())] for p, idxs in mine.items()})
+    messages = [Message((i, rank), p, rank, sizes[i], i) for p, idxs in mine.items() for i in idxs]
+    for needer, data in sorted(asked.items()):
+        for i in json.loads(data):
+            ok = 0 <= i < len(sizes)
+            if not ok or _peer_source(plan, needer, writers[i]) != rank:
+                bad[i] = f"host {needer} asked for object {i}, which its plan does not fetch from host {rank}"
+            messages.append(Message((i, needer), rank, needer, sizes[i] if ok else 0, i))
+    return messages, bad
+
+
+def _peer_source(plan: RestorePlan, needer: int, writer: int | None) -> int | None:
+    """The peer ``needer`` fetches ``writer``'s objects from; None if not a peer (or no writer)."""
+    if writer is None:
+        return None
+    try:
+        tier, provider = plan.source(needer, writer)
+    except CheckpointNotFoundError:
+        return None
+    return provider if tier == PEER else None
 
 
 class RoutedBackend(ReadOnlyBackend):

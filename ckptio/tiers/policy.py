@@ -9,7 +9,7 @@ further round trip.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
@@ -24,6 +24,7 @@ __all__ = [
     "RestorePlan",
     "Retention",
     "TierPolicy",
+    "check_tiers",
     "plan_restore",
 ]
 
@@ -55,6 +56,12 @@ class TierPolicy:
         max_backlog: durable steps owed (failed, waiting for a retry) at most; beyond that the oldest is
             given up (logged): it keeps a host's fast tier bounded while the durable tier is down.
         lag_warn_steps: log a warning whenever the durable tier is at least this many steps behind.
+        replica_before_save: a save first waits until the previous step's peer round is done (its replica
+            marked complete on the partner, or the round failed), so losing one host costs at most one
+            save interval, under load too. The cost: when a peer round takes longer than the interval
+            between saves, the training step waits out the difference at the next save. False: saves
+            never wait for peers; replication may then fall behind (up to ``queue_size`` steps, older
+            ones coalesced away) and a host loss costs every step since its newest replicated one.
     """
 
     replicate_every: int = 1
@@ -69,6 +76,7 @@ class TierPolicy:
     retry_backoff_max_s: float = 120.0
     max_backlog: int = 4
     lag_warn_steps: int = 2
+    replica_before_save: bool = True
 
     def __post_init__(self) -> None:
         if (self.replicate_every < 0 or self.queue_size < 1 or self.save_interval_steps < 1
@@ -119,12 +127,15 @@ class Holding:
 
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:
-    """What every host restores and from where.
+    """What every host restores and from where, in a size that does not grow with the job's pairs of hosts.
 
-    ``sources[(needer, writer)]`` is ``(tier, provider)``: ``LOCAL`` (the
-    needer holds it), ``PEER`` (``provider`` sends it) or ``DURABLE``
-    (provider None). ``manifest_from`` is the host that broadcasts the
-    manifest (None: every host reads it from the durable tier).
+    Per writer, the plan keeps the hosts that hold its objects (its own copy first, then replicas,
+    lowest rank first); :meth:`source` derives any host's source from them in O(1). Holders follow
+    one rule -- writer ``w`` is held by ``w`` itself and, with ``replica_offset``, by
+    ``(w + replica_offset) % world`` -- except for the writers listed in ``exceptions`` (lost hosts,
+    missing replicas, writers beyond a resized job): what the coordinator broadcasts after a loss
+    grows with what went wrong, not with the number of hosts. ``manifest_from`` is the host that
+    broadcasts the manifest (None: every host reads it from the durable tier).
     """
 
     step: int
@@ -132,43 +143,86 @@ class RestorePlan:
     num_hosts: int | None
     manifest_from: int | None
     in_durable: bool
-    sources: dict[tuple[int, int], tuple[str, int | None]]
+    world: int = 1
+    tiers: tuple[str, ...] = TIERS
+    replica_offset: int | None = None
+    exceptions: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def holders(self, writer: int) -> tuple[int, ...]:
+        """The hosts that hold ``writer``'s objects of the step, in the order they serve them."""
+        if self.checkpoint_id is None or self.num_hosts is None or not 0 <= writer < self.num_hosts:
+            return ()
+        got = self.exceptions.get(writer)
+        return got if got is not None else _rule(writer, self.world, self.replica_offset)
 
     def source(self, needer: int, writer: int) -> tuple[str, int | None]:
-        """Where ``needer`` gets ``writer``'s objects (only ever asked for the step's writers)."""
-        if (needer, writer) in self.sources:
-            return self.sources[(needer, writer)]
-        if self.manifest_from is None and self.in_durable:
+        """Where ``needer`` gets ``writer``'s objects: ``(LOCAL, needer)`` (it holds them), ``(PEER,
+        provider)`` or ``(DURABLE, None)``; CheckpointNotFoundError when no tier allowed has them for it."""
+        tiers = self.tiers
+        hs = self.holders(writer) if (LOCAL in tiers or PEER in tiers) else ()
+        if LOCAL in tiers and needer in hs:
+            return (LOCAL, needer)
+        if PEER in tiers:
+            for h in hs:
+                if h != needer:
+                    return (PEER, h)
+        if DURABLE in tiers and self.in_durable:
             return (DURABLE, None)
         raise CheckpointNotFoundError(
             f"step {self.step}: host {needer} cannot get host {writer}'s objects from the tiers allowed")
 
+    def to_json(self) -> dict[str, Any]:
+        """The plan as the coordinator broadcasts it (its exceptions sorted, for a stable encoding)."""
+        return {"step": self.step, "checkpoint_id": self.checkpoint_id, "num_hosts": self.num_hosts,
+                "manifest_from": self.manifest_from, "in_durable": self.in_durable, "world": self.world,
+                "tiers": list(self.tiers), "replica_offset": self.replica_offset,
+                "exceptions": [[w, list(hs)] for w, hs in sorted(self.exceptions.items())]}
 
-def _sources_for(
-    holders: dict[int, list[Holding]], num_hosts: int, world: int, in_durable: bool, tiers: Collection[str]
-) -> dict[tuple[int, int], tuple[str, int | None]] | None:
-    """Every (needer, writer) source of one checkpoint; None if some writer's objects are nowhere allowed.
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RestorePlan:
+        return cls(int(d["step"]), d["checkpoint_id"], d["num_hosts"], d["manifest_from"], bool(d["in_durable"]),
+                   int(d["world"]), tuple(d["tiers"]), d["replica_offset"],
+                   {int(w): tuple(int(h) for h in hs) for w, hs in d["exceptions"]})
 
-    A pair may stay without a source only when ``tiers`` rules out peers (a
-    host then reads only what it holds itself): that host fails if its
-    target needs that writer's objects.
-    """
-    out: dict[tuple[int, int], tuple[str, int | None]] = {}
-    for w in range(num_hosts):
-        hs = holders.get(w, []) if (LOCAL in tiers or PEER in tiers) else []
-        if not hs and not (DURABLE in tiers and in_durable):
-            return None
-        # The writer's own copy first (it is the one kept longest), then replicas; lowest rank breaks ties.
-        ranked = sorted(hs, key=lambda h: (not h.own, h.rank))
-        for r in range(world):
-            others = [h for h in ranked if h.rank != r]
-            if LOCAL in tiers and any(h.rank == r for h in hs):
-                out[(r, w)] = (LOCAL, r)
-            elif PEER in tiers and others:
-                out[(r, w)] = (PEER, others[0].rank)
-            elif DURABLE in tiers and in_durable:
-                out[(r, w)] = (DURABLE, None)
-    return out
+
+def _rule(writer: int, world: int, offset: int | None) -> tuple[int, ...]:
+    """The holders the plan's rule gives ``writer``: itself, then its partner at ``offset``."""
+    if writer >= world:
+        return ()
+    if offset is None or (writer + offset) % world == writer:
+        return (writer,)
+    return (writer, (writer + offset) % world)
+
+
+def _ranked_holders(hs: Sequence[Holding]) -> tuple[int, ...]:
+    """The holders of one writer's objects in the order they serve: its own copy (kept longest)
+    first, then replicas; the lowest rank breaks ties."""
+    return tuple(dict.fromkeys(h.rank for h in sorted(hs, key=lambda h: (not h.own, h.rank))))
+
+
+def _compact(ranked: Mapping[int, tuple[int, ...]], num_hosts: int, world: int
+             ) -> tuple[int | None, dict[int, tuple[int, ...]]]:
+    """The partner offset whose rule fits the most writers, and the writers it does not fit."""
+    offsets: dict[int, int] = {}
+    for w, hs in ranked.items():
+        for h in hs[1:2]:  # a replica, when the writer's own copy comes first
+            if hs[0] == w:
+                d = (h - w) % world
+                offsets[d] = offsets.get(d, 0) + 1
+    best: tuple[int | None, dict[int, tuple[int, ...]]] | None = None
+    for off in [None, *sorted(offsets, key=lambda d: -offsets[d])[:1]]:
+        exc = {w: hs for w in range(num_hosts) if (hs := ranked.get(w, ())) != _rule(w, world, off)}
+        if best is None or len(exc) < len(best[1]):
+            best = (off, exc)
+    assert best is not None
+    return best
+
+
+def check_tiers(tiers: Collection[str]) -> None:
+    """ValueError unless ``tiers`` is a non-empty subset of :data:`TIERS`."""
+    bad = set(tiers) - set(TIERS)
+    if bad or not tiers:
+        raise ValueError(f"tiers must be a non-empty subset of {TIERS}, got {sorted(tiers)}")
 
 
 def plan_restore(
@@ -179,17 +233,18 @@ def plan_restore(
     step: int | None = None,
     tiers: Collection[str] = TIERS,
 ) -> RestorePlan:
-    """The newest checkpoint complete in some tier (or ``step``), and each host's source per writer.
+    """The newest checkpoint complete in some tier (or ``step``), and where each writer's objects are.
 
     A checkpoint is complete in the fast tiers when every writer's objects
     are held by some host (its own copy or a partner's replica) under the
     same checkpoint id; it is complete in the durable tier when committed
     there. Per writer, a host reads what it holds itself, else what a peer
-    holds, else the durable tier: the fastest place first.
+    holds, else the durable tier: the fastest place first
+    (:meth:`RestorePlan.source`). Time: linear in the holdings and the
+    writers of the checkpoints tried, never in pairs of hosts.
     """
-    bad = set(tiers) - set(TIERS)
-    if bad or not tiers:
-        raise ValueError(f"tiers must be a non-empty subset of {TIERS}, got {sorted(tiers)}")
+    check_tiers(tiers)
+    tiers = tuple(t for t in TIERS if t in tiers)
     durable = set(durable_steps) if DURABLE in tiers else set()
     by_ckpt: dict[tuple[int, str], list[Holding]] = {}
     for h in holdings:
@@ -201,24 +256,28 @@ def plan_restore(
         candidates = [c for c in candidates if c[0] == step]
     # Newest step first; for one step, a fast-tier checkpoint (with a known id) before the durable one.
     candidates.sort(key=lambda c: (c[0], c[1], c[2] or ""), reverse=True)
+    fast = LOCAL in tiers or PEER in tiers
     for s, _pref, maybe_id in candidates:
         in_durable = s in durable
         if maybe_id is None:
             # Only the durable tier has it. (A step with fast-tier copies too was tried
             # first, with the durable tier filling in the writers the fast tiers lack.)
-            return RestorePlan(s, None, None, None, True, {})
-        cid = maybe_id
-        hs = by_ckpt[(s, cid)]
+            return RestorePlan(s, None, None, None, True, world, tiers)
+        hs = by_ckpt[(s, maybe_id)]
         num_hosts = hs[0].num_hosts
-        holders: dict[int, list[Holding]] = {}
+        per_writer: dict[int, list[Holding]] = {}
         for h in hs:
-            holders.setdefault(h.writer, []).append(h)
-        sources = _sources_for(holders, num_hosts, world, in_durable, tiers)
-        if sources is None:
-            continue
-        return RestorePlan(s, cid, num_hosts, min(h.rank for h in hs), in_durable, sources)
+            per_writer.setdefault(h.writer, []).append(h)
+        if not in_durable and not (fast and all(w in per_writer for w in range(num_hosts))):
+            continue  # some writer's objects are nowhere allowed
+        ranked = {w: _ranked_holders(v) for w, v in per_writer.items() if w < num_hosts}
+        offset, exceptions = _compact(ranked, num_hosts, world)
+        return RestorePlan(s, maybe_id, num_hosts, min(h.rank for h in hs), in_durable, world, tiers,
+                           offset, exceptions)
     what = f"step {step}" if step is not None else "any checkpoint"
+    held = sorted({(h.step, h.writer, h.rank) for h in holdings})
+    shown = ", ".join(map(str, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
     raise CheckpointNotFoundError(
         f"no tier among {list(tiers)} holds {what} completely "
-        f"(fast-tier copies: {sorted({(h.step, h.writer, h.rank) for h in holdings})}; durable: {sorted(durable)})"
+        f"(fast-tier copies (step, writer, host): [{shown}]; durable: {sorted(durable)[-8:]})"
     )

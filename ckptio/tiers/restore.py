@@ -1,8 +1,8 @@
 """A tiered restore: agree where each writer's objects come from, then route the core restore's read plan there.
 
-Every host reports what it holds; every host computes the same
-:class:`~ckptio.tiers.policy.RestorePlan` (who reads which writer's objects
-from which tier); one host broadcasts the manifest, read through its store
+Every host reports what it holds to host 0, which plans and broadcasts one
+compact :class:`~ckptio.tiers.policy.RestorePlan` (who reads which writer's
+objects from which tier); one host broadcasts the manifest, read through its store
 (size cap, tombstone, binding and fence checked). Then the core restore's
 :class:`~ckptio.restore.ReadPlan` says which objects this host reads: they
 are routed to its own fast tier, its replicas or the durable tier, or
@@ -22,13 +22,13 @@ from typing import Any
 
 from ..copy import object_writers
 from ..engine import Progress, run_sync
-from ..errors import IntegrityError
+from ..errors import CheckpointNotFoundError, IntegrityError
 from ..manifest import Manifest
 from ..restore import execute, prepare
 from ..store import CheckpointStore
 from .group import PeerGroup
 from .peer import RoutedBackend, fetch_from_peers, holdings
-from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, plan_restore
+from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
 
 __all__ = ["HostTiers", "RestoreReport", "restore_from_tiers"]
 
@@ -106,16 +106,31 @@ def restore_from_tiers(
     writers = range(plan.num_hosts if plan.num_hosts is not None else manifest.num_hosts)
     report = RestoreReport(
         step=plan.step, checkpoint_id=manifest.checkpoint_id,
-        sources={w: (plan.sources.get((t.rank, w), ("none", None))[0] if plan.manifest_from is not None
-                     else DURABLE) for w in writers},
+        sources={w: _tier_of(plan, t.rank, w) for w in writers},
         bytes_from=dict(routed.bytes_from), seconds=time.perf_counter() - t0, plan_seconds=t_plan,
         fetch_seconds=fetch_seconds,
     )
     return report, out
 
 
+def _tier_of(plan: RestorePlan, needer: int, writer: int) -> str:
+    """Where ``needer`` reads ``writer``'s objects from, for its report (``none``: nowhere allowed)."""
+    try:
+        return plan.source(needer, writer)[0]
+    except CheckpointNotFoundError:
+        return "none"
+
+
 def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tuple[RestorePlan, list[Holding]]:
-    """The tier plan every host computes alike from every host's holdings, and this host's holdings."""
+    """The tier plan, the same on every host, and this host's holdings.
+
+    Every host sends host 0 what it holds (a gather: O(its own holdings)); host 0 plans from
+    everyone's (:func:`plan_restore`, linear in the holdings) and broadcasts the plan, whose size
+    grows with the writers that break its rule (lost hosts, missing replicas), not with the
+    job: a non-coordinator receives a few hundred bytes after one host loss, whatever the number
+    of hosts. Any host then derives any host's source from it in O(1).
+    """
+    check_tiers(tiers)  # the same argument on every host: refused everywhere alike, before any collective
     # Nothing before a collective may raise on one host only (the others would wait forever):
     # a host that cannot read its fast tier holds nothing, a durable tier that cannot be listed has nothing.
     mine: list[Holding] = []
@@ -130,11 +145,23 @@ def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tu
             rec["durable"] = run_sync(t.durable.committed_steps())
         except Exception as e:
             log.error("%s: cannot list the durable tier, restoring without it: %r", t.durable.url, e)
-    # A true all-gather: every host computes the same plan from every host's holdings, and the
-    # plan (who sends which writer's objects to whom) spans every pair of hosts. A restore's, not a save's.
-    recs = t.group.all_gather(rec)
-    everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
-    return plan_restore(everything, recs[0]["durable"], t.group.size, step=step, tiers=tiers), mine
+    recs = t.group.gather(rec)
+    decided: dict[str, Any] | None = None
+    if recs is not None:
+        try:
+            everything = [Holding.from_json(h) for r in recs for h in r["holdings"]]
+            decided = {"plan": plan_restore(everything, recs[0]["durable"], t.group.size, step=step,
+                                            tiers=tiers).to_json()}
+        except CheckpointNotFoundError as e:  # raised on every host below, as itself
+            decided = {"not_found": str(e)}
+        except Exception as e:  # noqa: BLE001 -- every host must fail alike
+            decided = {"error": f"host 0 could not plan the restore: {type(e).__name__}: {e}"}
+    decided = t.group.broadcast(decided)
+    if "not_found" in decided:
+        raise CheckpointNotFoundError(decided["not_found"])
+    if "error" in decided:
+        raise RuntimeError(decided["error"])
+    return RestorePlan.from_json(decided["plan"]), mine
 
 
 def _manifest(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
