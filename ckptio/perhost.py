@@ -29,6 +29,11 @@ host counts, unless the target's ``PerHost`` has ``on_resize``: a function
 ``(saved_states, host, num_hosts) -> state`` that gives host ``host`` of
 ``num_hosts`` its state from the list of every saved host's state
 (:func:`take_modulo`: host ``i`` takes saved host ``i mod len(saved)``).
+One exception, as DCP treats a ``Stateful``: a stateful target that is not a
+data pipeline (not iterable: an LR scheduler, a metrics tracker) holds the
+same state on every host, so on another host count every host takes the
+state saved by host 0 (:func:`take_first`). Data loaders and iterators, and
+anything wrapped in ``PerHost``, keep the refusal.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["OnResize", "PerHost", "is_per_host_leaf", "is_stateful", "load_state", "state_of",
-           "take_modulo"]
+__all__ = ["OnResize", "PerHost", "is_data_pipeline", "is_per_host_leaf", "is_stateful", "load_state",
+           "resize_hook", "state_of", "take_first", "take_modulo"]
 
 #: ``(saved_states, host, num_hosts) -> this host's state``: see :class:`PerHost`.
 OnResize = Callable[[Sequence[Any], int, int], Any]
@@ -89,6 +94,28 @@ def is_stateful(obj: Any) -> bool:
         return False
     return ((callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
             or (callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))))
+
+
+def take_first(saved: Sequence[Any], host: int, num_hosts: int) -> Any:
+    """An ``on_resize`` hook: every host takes the state saved by host 0 (a state the same on every host)."""
+    return saved[0]
+
+
+def is_data_pipeline(obj: Any) -> bool:
+    """True for a stateful object whose state is a position in data: an iterable or an iterator
+    (``StatefulDataLoader``, grain's iterators), which each host holds its own of."""
+    return callable(getattr(obj, "__iter__", None)) or callable(getattr(obj, "__next__", None))
+
+
+def resize_hook(target: Any) -> OnResize | None:
+    """How a restore by another number of hosts maps saved states to a host for ``target``: its
+    ``PerHost``'s ``on_resize``, :func:`take_first` for a stateful object that is not a data
+    pipeline, else None (refused)."""
+    if isinstance(target, PerHost):
+        return target.on_resize
+    if is_stateful(target) and not is_data_pipeline(target):
+        return take_first
+    return None
 
 
 def is_per_host_leaf(leaf: Any) -> bool:

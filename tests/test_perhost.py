@@ -100,6 +100,48 @@ def test_each_of_four_hosts_restores_its_own_and_a_host_count_change_needs_the_h
     assert [o["pos"].value["rank"] for o in outs] == [0, 1, 2, 3, 0, 1]
 
 
+class Schedule:
+    """A stateful object of torch's protocol that is not a data pipeline (an LR scheduler)."""
+
+    def __init__(self, last: int = 0) -> None:
+        self.last = last
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last": self.last}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.last = state["last"]
+
+
+class Loader(Schedule):
+    """The same, iterable: a data loader, each host's own position."""
+
+    def __iter__(self):
+        return iter(range(self.last, 100))
+
+
+def test_on_another_host_count_a_scheduler_takes_host_0s_state_and_a_loader_is_refused(tmp_path):
+    """As DCP treats a Stateful: a non-iterable stateful leaf holds one state on every host, so a
+    restore by another number of hosts gives each the state host 0 saved; a data loader's is its own."""
+    from ckptio.store import CheckpointStore, StoreOptions
+    from ckptio.save import start_save
+    from ckptio.restore import restore_step
+
+    def store():
+        return CheckpointStore(StoreOptions(str(tmp_path)))
+
+    on_hosts(2, lambda r, c: start_save(store(), 3, {"sched": Schedule(40 + r), "loader": Loader(10 + r)},
+                                        coordinator=c).result())
+    outs = on_hosts(3, lambda r, c: restore_step(store(), None, {"sched": Schedule()}, coordinator=c))
+    assert [o["sched"].last for o in outs] == [40, 40, 40]
+    with pytest.raises(ValueError, match=r"'loader'.*saved by 2 hosts, restored by 3"):
+        on_hosts(3, lambda r, c: restore_step(store(), None, {"sched": Schedule(), "loader": Loader()},
+                                              coordinator=c))
+    outs = on_hosts(2, lambda r, c: restore_step(store(), None, {"sched": Schedule(), "loader": Loader()},
+                                                 coordinator=c))
+    assert [(o["sched"].last, o["loader"].last) for o in outs] == [(40, 10), (41, 11)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("hosts", [1, 4])
 def test_real_loaders_resume_bit_exact_in_new_processes(tmp_path, hosts):

@@ -4,7 +4,8 @@ A per-host item holds one state per saving host. A restore by as many hosts
 gives host ``r`` the state host ``r`` saved; a restore by another number of
 hosts is refused, naming the item and both counts, unless the target is a
 ``ckptio.PerHost`` with ``on_resize`` (which then maps the saved states to
-this host). A stateful target (a data loader) gets its state loaded in place
+this host) or a stateful object that is not a data pipeline (every host takes
+host 0's state: :func:`ckptio.perhost.resize_hook`). A stateful target (a data loader) gets its state loaded in place
 once every read of the restore is verified.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..distributed import default_coordinator
 from ..manifest.hoststate import HostStateItem
-from ..perhost import PerHost, load_state
+from ..perhost import load_state, resize_hook
 from .buffers import Finish
 
 __all__ = ["host_state_finisher"]
@@ -30,7 +31,7 @@ def host_state_finisher(name: str, item: HostStateItem, target: Any, host: tuple
     rank, size = host
     at = f"{where}: item {name!r}"
     saved = item.num_hosts
-    hook = target.on_resize if isinstance(target, PerHost) else None
+    hook = resize_hook(target)
     if saved != size and hook is None:
         raise ValueError(
             f"{at}: per-host state saved by {saved} hosts, restored by {size}; each host's state (a data "
