@@ -20,7 +20,7 @@ from .best import BestMode, BestN, Metric, metrics_of, with_metrics
 from .distributed import Coordinator, default_coordinator
 from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
-from .errors import IntegrityError
+from .errors import IntegrityError, StepBusyError
 from .layout import Naming
 from .manifest import Manifest
 from .restore import restore_step
@@ -65,7 +65,10 @@ class SaveFailures:
 def _is_outage(e: BaseException) -> bool:
     """True for storage failing, which ``on_save_error="warn"`` lets pass even before a save starts;
     the caller's mistakes are other types (a bad leaf: TypeError / ValueError; a re-save of a
-    committed step: FileExistsError) and raise in every mode."""
+    committed step: FileExistsError) and raise in every mode. A step busy with another save's
+    unconfirmed commit (StepBusyError) is no mistake of the caller's: a restart within a lease."""
+    if isinstance(e, StepBusyError):
+        return True
     return isinstance(e, (OSError, RetryableError)) and not isinstance(e, FileExistsError)
 
 

@@ -13,7 +13,9 @@ import logging
 
 from ckptio.backends.base import join_key
 
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, UnconfirmedCommitError
+from ..errors import (
+    CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError, UnconfirmedCommitError,
+)
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, new_id
@@ -135,7 +137,11 @@ class Commits:
             self.manifests.remember(step_dir, info.size, info.mtime, manifest)
 
     async def prepare_save(self, step_dir: str) -> None:
-        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""
+        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step.
+
+        StepBusyError (a FileExistsError) for a manifest whose commit is not confirmed yet: whether
+        its save is dead (and settled) or alive (and waited for) is :mod:`ckptio.store.resave`'s call.
+        """
         ctx = self.ctx
         where = ctx.where(step_dir)
         if await ctx.exists(join_key(step_dir, TOMBSTONE_NAME)):
@@ -146,9 +152,10 @@ class Commits:
                 await self.manifests.read_root(step_dir)
             except UnconfirmedCommitError as e:
                 if e.outcome != REVOKED:
-                    raise FileExistsError(
+                    raise StepBusyError(
                         f"checkpoint {where} has a manifest whose commit is not confirmed: a save of this "
-                        "step is committing, or died mid-commit (`ckptio gc` settles it once its lease ends)"
+                        "step is committing, or died mid-commit (`ckptio gc` settles it once its lease ends)",
+                        manifest=e.manifest,
                     ) from None
                 log.warning("%s: removing the manifest of a revoked save before saving", where)
                 await self.deletion.delete(step_dir)
