@@ -32,19 +32,35 @@ def _emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-def stall_before_fence(inner: Any, step: int, go: str) -> Any:
-    """``inner``, whose fence claims in ``step`` wait (without blocking the loop) until the file ``go`` exists."""
+def stall_before_fence(inner: Any, step: int, go: str, at: str) -> Any:
+    """``inner``, whose commit of ``step`` waits (without blocking the loop) until the file ``go``
+    exists: before its fence claim (``at="claim"``) or before it lists the step's revocations
+    (``at="revocations"``, ckptio.fence step 3), once its manifest is created either way."""
     from ckptio.backends.wrappers import WrapperBackend
-    from ckptio.names import FENCE_PREFIX
+    from ckptio.manifest import MANIFEST_NAME
+    from ckptio.names import FENCE_PREFIX, revoked_prefix
+
+    async def stall(key: str) -> None:
+        _emit("stalled", key=key)
+        while not os.path.exists(go):
+            await asyncio.sleep(0.01)
 
     class StallBeforeFence(WrapperBackend):
+        manifest_made = False
+
         async def create_if_absent(self, key: str, data: bytes) -> None:
             where, _, name = key.rpartition("/")
-            if where == str(step) and name.startswith(FENCE_PREFIX) and data == b"commit":
-                _emit("stalled", key=key)
-                while not os.path.exists(go):
-                    await asyncio.sleep(0.01)
+            if at == "claim" and where == str(step) and name.startswith(FENCE_PREFIX) and data == b"commit":
+                await stall(key)
             await super().create_if_absent(key, data)
+            if key == f"{step}/{MANIFEST_NAME}":
+                self.manifest_made = True
+
+        async def list(self, prefix: str = "") -> Any:
+            if at == "revocations" and self.manifest_made and prefix == revoked_prefix(str(step)):
+                self.manifest_made = False
+                await stall(prefix)
+            return await super().list(prefix)
 
     return StallBeforeFence(inner)
 
@@ -55,13 +71,14 @@ def main() -> int:
     ap.add_argument("--good", type=int, required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--go", required=True)
+    ap.add_argument("--stall-at", choices=["claim", "revocations"], default="claim")
     a = ap.parse_args()
 
     import ckptio
     from ckptio.backends import open_backend
     from crash_campaign import state_for
 
-    backend = stall_before_fence(open_backend(a.root, object_size=1 << 20), a.step, a.go)
+    backend = stall_before_fence(open_backend(a.root, object_size=1 << 20), a.step, a.go, a.stall_at)
     mngr = ckptio.CheckpointManager(a.root, backend=backend)
     mngr.save(a.good, state_for(a.good), force=True)
     mngr.wait_until_finished()

@@ -46,10 +46,10 @@ GOOD, STEP = 1, 2
 class Saver:
     """The worker process; its JSON events are read by a thread (no blocking pipe)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, stall_at: str = "claim") -> None:
         self.go = root.parent / "go"
         argv = [sys.executable, str(HERE / "resave_worker.py"), "--root", str(root), "--good", str(GOOD),
-                "--step", str(STEP), "--go", str(self.go)]
+                "--step", str(STEP), "--go", str(self.go), "--stall-at", stall_at]
         self.err = root.parent / "saver.err"
         with open(self.err, "wb") as err:
             self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
@@ -78,11 +78,12 @@ class Saver:
 
 
 @pytest.fixture
-def stalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A saver whose save of STEP has created its manifest and not claimed its fence."""
+def stalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """A saver whose save of STEP has created its manifest and not claimed its fence (indirect
+    parameter: where it stalls, see tests/resave_worker.py; default "claim")."""
     monkeypatch.setenv("CKPTIO_LEASE_S", str(LEASE_S))
     root = tmp_path / "run"
-    saver = Saver(root)
+    saver = Saver(root, getattr(request, "param", "claim"))
     try:
         saver.expect("ready")
         saver.expect("stalled")
@@ -191,3 +192,27 @@ def test_two_hosts_resave_after_a_kill(stalled: Any) -> None:
         assert mngr.all_steps() == [GOOD, STEP]
     finally:
         mngr.close()
+
+
+@pytest.mark.parametrize("stalled", ["claim", "revocations"], indirect=True)
+def test_a_writer_paused_past_its_lease_loses_and_harms_nothing(stalled: Any) -> None:
+    """A writer stopped (SIGSTOP) past its lease after its manifest (before listing revocations, or
+    before its fence claim) is settled by the re-save, which commits; once resumed, the writer fails
+    (revoked) and the re-save's commit stands."""
+    root, saver = stalled
+    saver.p.send_signal(signal.SIGSTOP)
+    try:
+        mngr = ckptio.CheckpointManager(root)
+        try:
+            handle = mngr.save(STEP, state_for(STEP), force=True)
+            assert handle is not None
+            mngr.wait_until_finished()
+            assert handle.state.value == "committed"
+        finally:
+            mngr.close()
+    finally:
+        saver.p.send_signal(signal.SIGCONT)
+    saver.go.touch()
+    got = saver.expect("failed")
+    assert "SaveRevokedError" in got["error"], got
+    _audit(root, STEP)

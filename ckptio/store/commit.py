@@ -75,11 +75,7 @@ class Commits:
         except FileExistsError:
             # A retried create may meet its own first attempt, which won but lost its reply:
             # the manifest is unique to this save (id, time), so equal bytes mean we won.
-            try:
-                ours = await ctx.io.read(key) == data
-            except FileNotFoundError:
-                ours = False
-            if not ours:
+            if not await self._holds(key, data):
                 raise FileExistsError(f"checkpoint {where} is already committed") from None
         await self._confirm(step_dir, key, manifest, data)
         await self._remember(step_dir, key, manifest, len(data))
@@ -100,13 +96,23 @@ class Commits:
             raise SaveRevokedError(f"commit of {ctx.where(step_dir)} rolled back: the save stalled past its "
                                    f"lease ({ctx.lease_s:g} s) and its step was deleted meanwhile")
         # Our manifest can never count (its fence says revoked): out of the way of a re-save. The
-        # objects are the deleter's to remove (revoked, so no commit can name them again).
-        await ctx.delete_keys([key])
+        # objects are the deleter's to remove (revoked, so no commit can name them again). Only if the
+        # key still holds our bytes: the deleter may have settled the step already and a re-save
+        # committed its own manifest there (#34: deleting the key unread lost that committed step).
+        if await self._holds(key, data):
+            await ctx.delete_keys([key])
         who = f"save {sorted(revoked)[0]}" if revoked else "this save"
         raise SaveRevokedError(
             f"commit of {ctx.where(step_dir)} rolled back: {who} stalled past its lease "
             f"({ctx.lease_s:g} s) and a deleter (gc, retention) revoked it and took its objects"
         )
+
+    async def _holds(self, key: str, data: bytes) -> bool:
+        """True if ``key`` holds exactly ``data`` (a manifest's bytes are unique to its save)."""
+        try:
+            return await self.ctx.io.read(key) == data
+        except FileNotFoundError:
+            return False
 
     async def _still_ours(self, key: str, fence: str, data: bytes) -> bool:
         """True if the manifest at ``key`` is the one this commit created (it names our fence)."""
