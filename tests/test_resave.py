@@ -216,3 +216,45 @@ def test_a_writer_paused_past_its_lease_loses_and_harms_nothing(stalled: Any) ->
     got = saver.expect("failed")
     assert "SaveRevokedError" in got["error"], got
     _audit(root, STEP)
+
+
+def test_gc_settling_the_same_dead_commit_spares_the_resave_that_followed(stalled: Any) -> None:
+    """gc judges the killed save's commit dead; while it deletes that save's objects, a re-save settles
+    the step itself and commits: gc must not then delete the manifest key, now the re-save's."""
+    import asyncio
+
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import WrapperBackend
+    from ckptio.store import CheckpointStore
+
+    root, saver = stalled
+    saver.p.send_signal(signal.SIGKILL)
+    saver.stop()
+    time.sleep(LEASE_S * 1.25 + 0.5)  # dead by gc's rule
+    resaved: list[str] = []
+    started: list[str] = []
+
+    def resave() -> None:
+        mngr = ckptio.CheckpointManager(root)
+        try:
+            handle = mngr.save(STEP, state_for(STEP), force=True)
+            assert handle is not None
+            mngr.wait_until_finished()
+            resaved.append(handle.state.value)
+        finally:
+            mngr.close()
+
+    class ResaveDuringGc(WrapperBackend):
+        async def delete(self, key: str) -> None:
+            if not started and key.startswith(f"{STEP}/") and "ckptio." not in key:  # the dead save's first object
+                started.append(key)
+                await asyncio.to_thread(resave)
+            await super().delete(key)
+
+    store = CheckpointStore(str(root), backend=ResaveDuringGc(open_backend(str(root))))
+    try:
+        run_sync(store.sweep(0))
+    finally:
+        run_sync(store.close())
+    assert resaved == ["committed"]
+    _audit(root, STEP)
