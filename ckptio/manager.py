@@ -94,7 +94,11 @@ class CheckpointManager:
             and counted in :attr:`save_failures`, nothing of it is committed, and the next save
             goes ahead (a storage outage costs saves, not the run). A save refused before it
             starts for bad input (an unsupported leaf, bad metrics, a re-save of a committed
-            step) raises at once in both modes: no retry fixes the caller's mistake.
+            step) raises at once in both modes: no retry fixes the caller's mistake. A re-save of
+            a step whose earlier save died mid-commit (a restart) is no mistake: the dead commit is
+            settled, at once or in the save's background once its lease ends (ckptio.store.resave);
+            if that save turns out alive and confirms, this one fails "already committed", and a
+            StepBusyError (the wait ran out) counts as a failed save under "warn".
     """
 
     def __init__(
