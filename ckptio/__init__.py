@@ -16,6 +16,7 @@ from .errors import (
     IntegrityError,
     ManifestError,
     SaveFailedError,
+    StepBusyError,
     UnsupportedLeafError,
 )
 from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
@@ -44,6 +45,7 @@ __all__ = [
     "SaveState",
     "Sharded",
     "StagingPool",
+    "StepBusyError",
     "UnsupportedLeafError",
     "restore",
     "restore_target",

@@ -9,6 +9,7 @@ __all__ = [
     "ManifestError",
     "SaveFailedError",
     "SaveRevokedError",
+    "StepBusyError",
     "UnconfirmedCommitError",
     "UnsupportedLeafError",
 ]
@@ -59,3 +60,16 @@ class UnconfirmedCommitError(CheckpointNotFoundError):
         super().__init__(message)
         self.manifest = manifest
         self.outcome = outcome
+
+
+class StepBusyError(CkptioError, FileExistsError):
+    """A step holds the manifest of another save whose commit is not confirmed, and that save may be alive.
+
+    Raised where a save of the step cannot wait for that save's lease to end (see
+    :mod:`ckptio.store.resave`). ``manifest``: the other save's manifest (None if unknown).
+    Not a caller's mistake: ``CheckpointManager(on_save_error="warn")`` counts it as a failed save.
+    """
+
+    def __init__(self, message: str, *, manifest: object = None) -> None:
+        super().__init__(message)
+        self.manifest = manifest

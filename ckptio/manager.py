@@ -21,7 +21,7 @@ from .best import BestMode, BestN, Metric, metrics_of, with_metrics
 from .distributed import Coordinator, config_for_host, default_coordinator
 from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
-from .errors import IntegrityError
+from .errors import IntegrityError, StepBusyError
 from .layout import Naming
 from .manifest import Manifest
 from .preemption import Preemption
@@ -67,7 +67,10 @@ class SaveFailures:
 def _is_outage(e: BaseException) -> bool:
     """True for storage failing, which ``on_save_error="warn"`` lets pass even before a save starts;
     the caller's mistakes are other types (a bad leaf: TypeError / ValueError; a re-save of a
-    committed step: FileExistsError) and raise in every mode."""
+    committed step: FileExistsError) and raise in every mode. A step busy with another save's
+    unconfirmed commit (StepBusyError) is no mistake of the caller's: a restart within a lease."""
+    if isinstance(e, StepBusyError):
+        return True
     return isinstance(e, (OSError, RetryableError)) and not isinstance(e, FileExistsError)
 
 
@@ -93,7 +96,11 @@ class CheckpointManager:
             and counted in :attr:`save_failures`, nothing of it is committed, and the next save
             goes ahead (a storage outage costs saves, not the run). A save refused before it
             starts for bad input (an unsupported leaf, bad metrics, a re-save of a committed
-            step) raises at once in both modes: no retry fixes the caller's mistake.
+            step) raises at once in both modes: no retry fixes the caller's mistake. A re-save of
+            a step whose earlier save died mid-commit (a restart) is no mistake: the dead commit is
+            settled, at once or in the save's background once its lease ends (ckptio.store.resave);
+            if that save turns out alive and confirms, this one fails "already committed", and a
+            StepBusyError (the wait ran out) counts as a failed save under "warn".
         preemption_signals: the signals :meth:`reached_preemption` counts as a preemption notice
             (handled from its first call on; default SIGTERM).
     """

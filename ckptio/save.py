@@ -27,6 +27,7 @@ from .handle import SaveHandle, SaveOptions
 from .engine import Progress, WrittenObject, run_sync
 from .errors import SaveFailedError
 from .store.intents import Lease, new_id
+from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
 from .checksum import crc32c
 from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of
@@ -164,6 +165,9 @@ class SaveJob:
         self.split = self.coord.size > 1 and not store.host_local
         self.deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the save's thread
         self.manifest: Manifest | None = None
+        #: Set on the coordinator when the step is busy (ckptio.store.resave): the latest
+        #: ``time.time()`` its commit waits until for the other save to confirm or be settled.
+        self.busy_until: float | None = None
 
     # -- stage: the calling thread ---------------------------------------------
 
@@ -201,8 +205,13 @@ class SaveJob:
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if rank == 0:
-            run_sync(store.prepare_save(self.step_dir))  # finishes an interrupted deletion of this step
-        elif run_sync(store.is_committed(self.step_dir)):
+            # Finishes an interrupted deletion, settles a dead save's unconfirmed commit; one whose save
+            # may be alive makes this save busy: it writes, and waits before its commit (ckptio.store.resave).
+            if run_sync(store.prepare_save(self.step_dir, defer=True)):
+                self.busy_until = time.time() + wait_bound(store.lease_s)
+        elif run_sync(store.commit_stands(self.step_dir)):
+            # An unconfirmed commit is host 0's to settle or wait for: refusing it here would fail a
+            # save host 0 lets go ahead (and its verdict fails every host anyway if host 0 refuses).
             raise FileExistsError(f"checkpoint {self.where} is already committed")
 
     def _layout(self) -> None:
@@ -302,6 +311,8 @@ class SaveJob:
                 doc = _merged_doc(records, self.head, where)
                 manifest = _validated(doc, where)
                 data = seal(doc)
+        if self.busy_until is not None:
+            run_sync(self.store.wait_step_free(self.step_dir, self.busy_until))
         run_sync(self.store.commit(self.step_dir, manifest, data))
         self.manifest = manifest
 

@@ -22,7 +22,7 @@ Layers, each importing only those above it in this list:
 once, there) -> :mod:`~ckptio.store.manifests`, :mod:`~ckptio.store.objects`,
 :mod:`~ckptio.store.intents` -> :mod:`~ckptio.store.catalog`,
 :mod:`~ckptio.store.deletion` -> :mod:`~ckptio.store.commit`,
-:mod:`~ckptio.store.gc` -> :mod:`~ckptio.store.facade` (:class:`CheckpointStore`).
+:mod:`~ckptio.store.gc` -> :mod:`~ckptio.store.resave` -> :mod:`~ckptio.store.facade` (:class:`CheckpointStore`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ import logging
 
 from ckptio.backends.base import join_key
 
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, UnconfirmedCommitError
+from ..errors import (
+    CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError, UnconfirmedCommitError,
+)
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, new_id
@@ -73,11 +75,7 @@ class Commits:
         except FileExistsError:
             # A retried create may meet its own first attempt, which won but lost its reply:
             # the manifest is unique to this save (id, time), so equal bytes mean we won.
-            try:
-                ours = await ctx.io.read(key) == data
-            except FileNotFoundError:
-                ours = False
-            if not ours:
+            if not await self._holds(key, data):
                 raise FileExistsError(f"checkpoint {where} is already committed") from None
         await self._confirm(step_dir, key, manifest, data)
         await self._remember(step_dir, key, manifest, len(data))
@@ -98,13 +96,23 @@ class Commits:
             raise SaveRevokedError(f"commit of {ctx.where(step_dir)} rolled back: the save stalled past its "
                                    f"lease ({ctx.lease_s:g} s) and its step was deleted meanwhile")
         # Our manifest can never count (its fence says revoked): out of the way of a re-save. The
-        # objects are the deleter's to remove (revoked, so no commit can name them again).
-        await ctx.delete_keys([key])
+        # objects are the deleter's to remove (revoked, so no commit can name them again). Only if the
+        # key still holds our bytes: the deleter may have settled the step already and a re-save
+        # committed its own manifest there (#34: deleting the key unread lost that committed step).
+        if await self._holds(key, data):
+            await ctx.delete_keys([key])
         who = f"save {sorted(revoked)[0]}" if revoked else "this save"
         raise SaveRevokedError(
             f"commit of {ctx.where(step_dir)} rolled back: {who} stalled past its lease "
             f"({ctx.lease_s:g} s) and a deleter (gc, retention) revoked it and took its objects"
         )
+
+    async def _holds(self, key: str, data: bytes) -> bool:
+        """True if ``key`` holds exactly ``data`` (a manifest's bytes are unique to its save)."""
+        try:
+            return await self.ctx.io.read(key) == data
+        except FileNotFoundError:
+            return False
 
     async def _still_ours(self, key: str, fence: str, data: bytes) -> bool:
         """True if the manifest at ``key`` is the one this commit created (it names our fence)."""
@@ -135,7 +143,11 @@ class Commits:
             self.manifests.remember(step_dir, info.size, info.mtime, manifest)
 
     async def prepare_save(self, step_dir: str) -> None:
-        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""
+        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step.
+
+        StepBusyError (a FileExistsError) for a manifest whose commit is not confirmed yet: whether
+        its save is dead (and settled) or alive (and waited for) is :mod:`ckptio.store.resave`'s call.
+        """
         ctx = self.ctx
         where = ctx.where(step_dir)
         if await ctx.exists(join_key(step_dir, TOMBSTONE_NAME)):
@@ -146,9 +158,10 @@ class Commits:
                 await self.manifests.read_root(step_dir)
             except UnconfirmedCommitError as e:
                 if e.outcome != REVOKED:
-                    raise FileExistsError(
+                    raise StepBusyError(
                         f"checkpoint {where} has a manifest whose commit is not confirmed: a save of this "
-                        "step is committing, or died mid-commit (`ckptio gc` settles it once its lease ends)"
+                        "step is committing, or died mid-commit (`ckptio gc` settles it once its lease ends)",
+                        manifest=e.manifest,
                     ) from None
                 log.warning("%s: removing the manifest of a revoked save before saving", where)
                 await self.deletion.delete(step_dir)

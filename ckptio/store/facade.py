@@ -31,6 +31,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import DEFAULT_LEASE_S, StoreOptions
+from .resave import Resaves
 
 __all__ = ["CheckpointStore"]
 
@@ -63,6 +64,7 @@ class CheckpointStore:
         self.catalog = Catalog(ctx, manifests, objects, intents)
         self.commits = Commits(ctx, manifests, objects, self.fences, deletion)
         self.gc = Collector(ctx, manifests, intents, self.fences, deletion)
+        self.resaves = Resaves(ctx, self.catalog, manifests, intents, self.commits, self.gc)
 
     # -- what the store is built from ---------------------------------------
 
@@ -219,9 +221,21 @@ class CheckpointStore:
         """Write the manifest once, atomically, after checking its objects; fenced (:mod:`ckptio.fence`)."""
         await self.commits.commit(step_dir, manifest, data)
 
-    async def prepare_save(self, step_dir: str) -> None:
-        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step."""
-        await self.commits.prepare_save(step_dir)
+    async def prepare_save(self, step_dir: str, *, defer: bool = False) -> bool:
+        """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step;
+        settle a dead save's unconfirmed commit (as gc). A commit whose save may be alive raises
+        StepBusyError, or with ``defer`` returns True: commit only after :meth:`wait_step_free`
+        (:mod:`ckptio.store.resave`)."""
+        return await self.resaves.prepare(step_dir, defer=defer)
+
+    async def wait_step_free(self, step_dir: str, deadline: float) -> None:
+        """Wait until no unconfirmed commit is in the way of committing ``step_dir`` (settling a dead
+        one), until ``deadline`` (``time.time()``): FileExistsError if it committed, else StepBusyError."""
+        await self.resaves.wait_free(step_dir, deadline)
+
+    async def commit_stands(self, step_dir: str) -> bool:
+        """True if ``step_dir`` holds a commit that stands (an unconfirmed one does not)."""
+        return await self.resaves.commit_stands(step_dir)
 
     async def delete(self, step_dir: str) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, manifest, tombstone (crash-safe order).

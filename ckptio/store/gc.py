@@ -184,8 +184,10 @@ class Collector:
         if not rnd.dry_run:
             await self.ctx.delete_keys(report.objects)
             await self.ctx.delete_keys(report.intents)
-        # A revoked commit's manifest goes after the objects it names: it never counted anyway.
-        manifests = [join_key(d, MANIFEST_NAME) for d in dead]
+        # A revoked commit's manifest goes after the objects it names: it never counted anyway. Only
+        # while it is still there: another deleter (a re-save's settling, #34) may have taken it
+        # meanwhile and a new save committed its own manifest at the same key.
+        manifests = [join_key(d, MANIFEST_NAME) for d in dead if await self._still_named(d, rnd.unconfirmed[d])]
         fences = [fence_key(d, f) for d in dead if (f := rnd.unconfirmed[d].fence)]
         stray = await self._stray_fences(rnd, set(dead))
         report.objects += manifests + fences + stray
@@ -244,6 +246,16 @@ class Collector:
                 gone = await self.deletion.revoke_before_deleting(step_dir, gone)
             rnd.report.objects += [i.key for i in gone]
             rnd.report.bytes += sum(i.size for i in gone)
+
+    async def _still_named(self, step_dir: str, m: Manifest) -> bool:
+        """True if ``step_dir``'s manifest is still ``m`` (the same commit: its id and fence)."""
+        try:
+            there = await self.manifests.read_unchecked(step_dir)
+        except FileNotFoundError:
+            return False
+        except (ManifestError, IntegrityError):
+            return False  # not provably the one judged dead: left to the next sweep
+        return there.checkpoint_id == m.checkpoint_id and there.fence == m.fence
 
     async def _stray_fences(self, rnd: _Round, dead: set[str]) -> list[str]:
         """Fences no manifest names any more: a commit rolled back (its fence says "revoked", its
