@@ -138,14 +138,15 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     t0 = time.perf_counter()
     store = CheckpointStore(root)
     stored = [0]
-    read = store.backend.read
+    read_into = store.backend.read_into
 
-    async def counting_read(key: str) -> bytes:
-        data = await read(key)
-        stored[0] += len(data)
-        return data
+    # Counted where every read lands (whole-object reads are a stat + read_into in any wrapper,
+    # the store's deadline layer included): planning reads only manifests and fragments.
+    async def counting_read_into(key: str, rng: Any, buffers: Any) -> None:
+        await read_into(key, rng, buffers)
+        stored[0] += rng.length
 
-    store.backend.read = counting_read  # type: ignore[method-assign]
+    store.backend.read_into = counting_read_into  # type: ignore[method-assign]
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
     boxes = {}
     for name, item in root_m.items.items():
