@@ -64,7 +64,7 @@ class CheckpointStore:
         self.catalog = Catalog(ctx, manifests, objects, intents)
         self.commits = Commits(ctx, manifests, objects, self.fences, deletion)
         self.gc = Collector(ctx, manifests, intents, self.fences, deletion)
-        self.resaves = Resaves(ctx, self.catalog, manifests, intents, self.commits, self.gc)
+        self.resaves = Resaves(ctx, manifests, intents, self.commits, self.gc)
 
     # -- what the store is built from ---------------------------------------
 

@@ -24,9 +24,8 @@ import asyncio
 import logging
 import time
 
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, StepBusyError, UnconfirmedCommitError
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, StepBusyError
 from ..manifest import Manifest
-from .catalog import Catalog
 from .commit import Commits
 from .context import StoreContext
 from .gc import Collector
@@ -48,11 +47,9 @@ class Resaves:
     """The checks before a save of a step that may hold another save's unconfirmed commit."""
 
     def __init__(
-        self, ctx: StoreContext, catalog: Catalog, manifests: Manifests, intents: Intents, commits: Commits,
-        gc: Collector,
+        self, ctx: StoreContext, manifests: Manifests, intents: Intents, commits: Commits, gc: Collector,
     ) -> None:
         self.ctx = ctx
-        self.catalog = catalog
         self.manifests = manifests
         self.intents = intents
         self.commits = commits
@@ -117,14 +114,10 @@ class Resaves:
     async def commit_stands(self, step_dir: str) -> bool:
         """True if ``step_dir`` holds a commit that stands (or a damaged manifest: not ours to judge
         here); an unconfirmed one is the coordinator's to settle or wait for (:meth:`prepare`)."""
-        if not await self.catalog.is_committed(step_dir):
-            return False
         try:
-            await self.manifests.read_root(step_dir)
-        except UnconfirmedCommitError:
+            await self.manifests.read_root(step_dir, explain=False)
+        except CheckpointNotFoundError:  # absent, being deleted, or unconfirmed (UnconfirmedCommitError)
             return False
-        except CheckpointNotFoundError:
-            return False  # deleted since the stat
         except (ManifestError, IntegrityError):
             return True
         return True
