@@ -104,25 +104,50 @@ def save_dtensor(root: str, rank: int, world: int, mesh, stock: bool = False) ->
             same_bits(got, t, f"native {name}")
 
 
-def load_shard1(root: str, rank: int, world: int, mesh) -> None:
+def _reader(root: str, how: list[str]):
+    """ckptio's Reader, or (``torch``) stock torch's FileSystemReader on a checkpoint ckptio wrote."""
+    return dcp.FileSystemReader(root) if how == ["torch"] else Reader(root)
+
+
+def load_shard1(root: str, rank: int, world: int, mesh, how: list[str]) -> None:
     full = tensors()
     sd = {name: dtensor(torch.zeros_like(t), mesh, 1, rank, world) for name, t in full.items()}
     sd["replicated"] = torch.zeros(10, dtype=torch.int64)
     sd["meta"] = {"step": 0, "note": ""}
-    dcp.load(sd, storage_reader=Reader(root))
+    dcp.load(sd, storage_reader=_reader(root, how))
     for name, t in full.items():
         same_bits(sd[name].to_local(), chunk(t, 1, rank, world), name)
     assert sd["replicated"].equal(torch.arange(10)) and sd["meta"] == {"step": 42, "note": "dcp"}
 
 
-def load_full(root: str) -> None:
+def load_full(root: str, how: list[str]) -> None:
     full = tensors()
     sd = {name: torch.zeros_like(t) for name, t in full.items()}
     sd["meta"] = {"step": 0, "note": ""}
-    dcp.load(sd, storage_reader=Reader(root))
+    dcp.load(sd, storage_reader=_reader(root, how))
     for name, t in full.items():
         same_bits(sd[name], t, name)
     assert sd["meta"] == {"step": 42, "note": "dcp"}
+    if how == ["torch"]:  # torch's own converter, on a checkpoint ckptio wrote
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(root, root + ".pt")
+        whole = torch.load(root + ".pt", weights_only=False)
+        for name, t in full.items():
+            same_bits(whole[name], t, f"dcp_to_torch_save {name}")
+
+
+def refuse_committed_step(root: str, rank: int) -> None:
+    """Every rank gets one plain line naming the step and root when it makes a Writer for a committed step."""
+    dcp.save({"w": torch.arange(4.0) + rank}, storage_writer=Writer(root, step=1))
+    dist.barrier()
+    try:
+        Writer(root, step=1)
+    except FileExistsError as e:
+        msg = str(e)
+        assert "\n" not in msg and f"step 1 of {root} is already committed" in msg, msg
+    else:
+        raise AssertionError(f"rank {rank}: a Writer for committed step 1 was made")
 
 
 def stock_per_rank(root: str, rank: int) -> None:
@@ -281,13 +306,15 @@ def main() -> int:
     if mode == "save_dtensor":
         save_dtensor(root, rank, world, mesh, stock=sys.argv[3:] == ["stock"])
     elif mode == "load_shard1":
-        load_shard1(root, rank, world, mesh)
+        load_shard1(root, rank, world, mesh, sys.argv[3:])
     elif mode == "stock_per_rank":
         stock_per_rank(root, rank)
     elif mode == "load_full":
-        load_full(root)
+        load_full(root, sys.argv[3:])
     elif mode in ("resume_a", "resume_b"):
         resume(root, sys.argv[3], mode[-1], rank)
+    elif mode == "exists":
+        refuse_committed_step(root, rank)
     elif mode == "async":
         async_saves(root, sys.argv[3], rank, world, mesh)
     else:

@@ -140,9 +140,13 @@ def test_one_writer_across_saves_with_checkpoint_id(tmp_path):
 
 def test_a_step_of_a_managed_root_is_still_never_overwritten(tmp_path):
     root = str(tmp_path / "run")
+    late = Writer(root, step=5)  # made before step 5 is committed
     dcp.save({"w": torch.ones(2)}, storage_writer=Writer(root, step=5))
+    with pytest.raises(FileExistsError) as e:  # overwrite=True does not apply
+        Writer(root, step=5)  # refused in the caller's code: one line, not torch's per-rank tracebacks
+    assert "\n" not in str(e.value) and f"step 5 of {root} is already committed" in str(e.value)
     with pytest.raises(CheckpointException, match="already committed"):
-        dcp.save({"w": torch.zeros(2)}, storage_writer=Writer(root, step=5))  # overwrite=True does not apply
+        dcp.save({"w": torch.zeros(2)}, storage_writer=late)  # committed since: still refused, inside torch
     out = {"w": torch.zeros(2)}
     dcp.load(out, storage_reader=Reader(root, step=5))
     assert out["w"].tolist() == [1.0, 1.0]
@@ -210,7 +214,7 @@ def test_crash_before_the_new_manifest_keeps_the_old_checkpoint(url, monkeypatch
     old = _manifest_objects(url)
     real = _overwrite.replace
 
-    async def crash_before_write(store, step_dir, manifest):
+    async def crash_before_write(store, step_dir, manifest, *companion):
         await store.check_objects(manifest, "test")  # the new objects are all written ...
         raise _Crash  # ... and the process dies before the manifest
 

@@ -87,6 +87,20 @@ def test_stock_checkpoint_shard0_on_2_loads_through_reader_as_shard1_and_whole(t
     run_ranks(1, "load_full", root)
 
 
+def test_stock_torch_reads_a_checkpoint_ckptio_wrote_on_2_ranks_resharded_and_whole(tmp_path):
+    """Issue 36: saved by ckptio.dcp.Writer on 2 ranks, loaded by stock FileSystemReader as Shard(1) on 2
+    ranks and whole on 1, and converted by torch's dcp_to_torch_save; every dtype bit-exact."""
+    root = str(tmp_path / "ckpt")
+    run_ranks(2, "save_dtensor", root)
+    assert os.path.exists(os.path.join(root, ".metadata"))
+    run_ranks(2, "load_shard1", root, "torch")
+    run_ranks(1, "load_full", root, "torch")
+
+
+def test_a_committed_step_is_one_plain_error_on_every_rank(tmp_path):
+    run_ranks(2, "exists", str(tmp_path / "run"))
+
+
 def test_stock_per_rank_metadata_loads_through_reader(tmp_path):
     """FileSystemWriter without collectives (``__<rank>.metadata``): each rank loads its own through the Reader."""
     run_ranks(2, "stock_per_rank", str(tmp_path / "per-rank"))

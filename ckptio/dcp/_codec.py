@@ -93,6 +93,9 @@ class ChunkLocation:
     extents: tuple[tuple[Any, ...], ...]
     #: DCP extension descriptors applied to the stored bytes, as DCP lists them (``()``: raw bytes).
     transforms: tuple[str, ...] = ()
+    #: ``(object key, offset, length)`` of the whole record stock torch reads (a tensor chunk's
+    #: ``torch.save`` frame around the extents); None where the save is not torch-readable.
+    record: tuple[str, int, int] | None = None
 
 
 def _torch() -> Any:
@@ -221,6 +224,7 @@ def manifest_doc(
     block_size: int,
     num_hosts: int,
     modules: list[str],
+    companions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The manifest document of a DCP save, from the global Metadata and every rank's WriteResults."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -260,7 +264,8 @@ def manifest_doc(
         tree={"dict": {fqn: {"leaf": d["item"]} for fqn, d in dcp_items.items() if not _transformed(d)}},
         objects=numbers.objects, items=items,
         metadata={"dcp": {"version": DCP_VERSION, "items": dcp_items,
-                          "planner_data": _planner_data_json(metadata.planner_data), "modules": list(modules)}},
+                          "planner_data": _planner_data_json(metadata.planner_data), "modules": list(modules),
+                          **({"companions": companions} if companions else {})}},
     )
 
 

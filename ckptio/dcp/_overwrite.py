@@ -47,8 +47,9 @@ from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, parse_object
 from ..store import CheckpointStore, check_binding
+from ..store.companions import delete_companions, is_companion
 
-__all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace"]
+__all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace", "write_companion"]
 
 log = logging.getLogger("ckptio.dcp")
 
@@ -75,12 +76,23 @@ async def existing(store: CheckpointStore, step_dir: str) -> str:
         _exists(store, join_key(step_dir, TOMBSTONE_NAME)),
         _exists(store, join_key(step_dir, STOCK_METADATA)),
     )
-    if stock:
+    if stock and not (manifest and await _ours(store, step_dir)):
         return "stock"
     if tomb:
         await store.prepare_save(step_dir)  # finishes the deletion; the step is then empty
         return ""
     return "ckptio" if manifest else ""
+
+
+async def _ours(store: CheckpointStore, step_dir: str) -> bool:
+    """Whether ``step_dir``'s ``.metadata`` is the one its ckptio manifest records (not a stock save over it)."""
+    old = await _old_manifest(store, step_dir)
+    return old is not None and await is_companion(store, step_dir, old, STOCK_METADATA)
+
+
+async def write_companion(store: CheckpointStore, step_dir: str, data: bytes) -> None:
+    """Write DCP's ``.metadata`` for stock torch (after the manifest committed); atomic, as every object write."""
+    await store.io.write(join_key(step_dir, STOCK_METADATA), [memoryview(data)])
 
 
 def refuse_stock(where: str) -> FileExistsError:
@@ -109,13 +121,18 @@ async def _old_manifest(store: CheckpointStore, step_dir: str) -> Manifest | Non
     return old
 
 
-async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest) -> list[str]:
+async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest, companion: bytes | None = None
+                  ) -> list[str]:
     """Commit ``manifest`` over whatever ``step_dir`` holds; then delete the replaced checkpoint's objects.
 
     Checks as ``CheckpointStore.commit`` does (binding; every object there
     with its size) before the write. Returns the keys deleted. A failure to
     delete is logged, not raised: the new checkpoint is committed, and what
-    is left are orphans gc proves.
+    is left are orphans gc proves. ``companion``: the new ``.metadata`` for
+    stock torch, written over the old one after the manifest and before the
+    old objects go; without one, the old checkpoint's own ``.metadata`` (if
+    its manifest proves it) is deleted before the new manifest is written,
+    so torch never reads one naming deleted objects.
     """
     where = store.where(step_dir)
     check_binding(manifest, step_dir, where)
@@ -126,9 +143,13 @@ async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest) -> 
         # with it (while our objects survived as orphans), so the save fails loudly instead.
         raise FileExistsError(f"checkpoint {where} is being deleted; not replacing it (save again)")
     old = await _old_manifest(store, step_dir)
+    if old is not None and companion is None:
+        await delete_companions(store, step_dir, old, where)
     key = join_key(step_dir, MANIFEST_NAME)
     data = memoryview(manifest.to_json())
     await store.io.write(key, [data])
+    if companion is not None:
+        await write_companion(store, step_dir, companion)
     if old is None:
         return []
     try:

@@ -43,6 +43,8 @@ from ..distributed import Coordinator, default_coordinator
 from ..engine import EngineConfig, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, Manifest
+from ..names import parse_object
+from ..store.companions import is_companion
 from ..reshard import Region, plan_region
 from ..restore.readonce import can_read_once, read_once
 from ..store import CheckpointStore
@@ -135,12 +137,16 @@ class Reader(Located, StorageReader):
             if manifest is None and not stock and self.step is None:
                 manifest = self._newest_step(store)
                 where = self.checkpoint_id
-            if manifest is not None and stock:
+            if manifest is not None and stock and not run_sync(
+                    is_companion(store, self.step_dir, manifest, _stock.metadata_key("", None))):
                 raise ManifestError(
                     f"{where} holds both a ckptio checkpoint ({MANIFEST_NAME}) and a stock DCP one (.metadata): "
                     "one was saved over the other; remove the stale one"
                 )
             if manifest is None and stock:
+                if run_sync(_holds_ckptio_objects(store, self.step_dir)):
+                    # A .metadata ckptio wrote for torch, whose manifest is gone: not committed, never unpickled.
+                    raise CheckpointNotFoundError(f"no checkpoint at {where}")
                 return self._stock_metadata(store, None)
             if manifest is None:
                 run_sync(store.read_manifest(self.step_dir))  # raises CheckpointNotFoundError with its reason
@@ -439,6 +445,15 @@ async def _find(store: CheckpointStore, step_dir: str) -> tuple[Manifest | None,
 
     m, s = await asyncio.gather(manifest(), stock())
     return m, s
+
+
+async def _holds_ckptio_objects(store: CheckpointStore, step_dir: str) -> bool:
+    """Whether ``step_dir`` holds objects ckptio's naming proves are its own (a stock checkpoint holds none)."""
+    try:
+        names = await store.backend.list_children(step_dir)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return False
+    return any(parse_object(f"{step_dir}/{n}" if step_dir else n, store.naming) is not None for n in names)
 
 
 def _raw_tensor(data: bytes, dtype: torch.dtype, sizes: tuple[int, ...], where: str) -> torch.Tensor:

@@ -60,7 +60,8 @@ from ..layout import Naming, Piece, extent_block, pack
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from ..urls import file_in_the_way
-from . import _overwrite, _transforms
+from ..backends import split_url
+from . import _overwrite, _torchsave, _transforms
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._location import Located
 from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict
@@ -102,6 +103,10 @@ class Writer(Located, StorageWriter, AsyncStager):
         single_file_per_rank, sync_files, per_thread_copy_ahead: accepted, no effect (see the module doc).
         serialization_format: only DCP's ``TORCH_SAVE`` default (ckptio stores raw bytes either way).
         _extensions: DCP stream transforms (``ZStandard``) applied to every item's stored bytes.
+        torch_readable: also make the checkpoint readable by stock torch (``FileSystemReader``,
+            ``dcp_to_torch_save``): tensor chunks framed as ``torch.save`` records and DCP's ``.metadata``
+            (:mod:`ckptio.dcp._torchsave`). None (default): on for a local path, off elsewhere (stock
+            torch reads only local paths) and with ``_extensions``; True with either raises.
     """
 
     _synchronize_after_execute = False  # stage() returns once the copy is complete
@@ -123,6 +128,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         per_thread_copy_ahead: int = 10_000_000,
         serialization_format: Any = None,
         _extensions: Sequence[Any] | None = None,
+        torch_readable: bool | None = None,
     ) -> None:
         super().__init__()
         if thread_count is not None:
@@ -135,16 +141,41 @@ class Writer(Located, StorageWriter, AsyncStager):
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
+        if step is not None:
+            self._refuse_committed_step()
         sidecar.prestart(engine_config)
         self.buffers = buffers
         self.overwrite = bool(overwrite)
         self.cache_staged_state_dict = bool(cache_staged_state_dict)
         self.extensions = _transforms.check_extensions(_extensions)
+        self._want_torch = torch_readable
+        self.torch_readable = _torch_readable(torch_readable, url, bool(self.extensions))
         self._replace = False
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
         self._lease: Lease | None = None
+
+    def _committed_error(self) -> FileExistsError:
+        return FileExistsError(
+            f"step {self.step} of {self.url} is already committed ({self.checkpoint_id}); ckptio never "
+            "overwrites a step of a managed root: save another step, or delete this one first "
+            "(CheckpointManager.delete)")
+
+    def _refuse_committed_step(self) -> None:
+        """A committed step is refused here, in the caller's code, as one plain error.
+
+        Inside ``dcp.save`` every StorageWriter hook runs under torch's collectives, which wrap any error
+        in a ``CheckpointException`` carrying every rank's traceback. Each rank checks for itself (two
+        stats); ranks can disagree only if another job commits this very step at this instant (then the
+        ranks that went on fail in ``prepare_local_plan``, or wait in torch's collective for the others).
+        """
+        try:
+            committed = run_sync(self._open().is_committed(self.step_dir))
+        finally:
+            self._close()
+        if committed:
+            raise self._committed_error()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -174,6 +205,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         """DCP's ``reset``: a given ``checkpoint_id`` becomes the checkpoint's URL (a file there is refused)."""
         if checkpoint_id:
             _refuse_file(checkpoint_id)
+            self.torch_readable = _torch_readable(self._want_torch, checkpoint_id, bool(self.extensions))
         self._relocate(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -193,10 +225,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             finally:
                 self._close()  # write_data may run in another process (async_save's process executor)
             if committed and self.step is not None:
-                raise FileExistsError(
-                    f"checkpoint {self.checkpoint_id} is already committed; ckptio never overwrites a step of a "
-                    "managed root (delete it first, e.g. with CheckpointManager or `ckptio gc`)"
-                )
+                raise self._committed_error()  # committed since the Writer was made (torch wraps it)
             if committed and not self.overwrite:
                 # DCP's own error and words (FileSystemWriter), with the place named.
                 raise RuntimeError(f"Checkpoint already exists and self.overwrite=False. ({self.checkpoint_id})")
@@ -245,15 +274,20 @@ class Writer(Located, StorageWriter, AsyncStager):
             # transformed one is always read whole.
             whole = td is None or bool(d) or tuple(td.chunk.sizes) == tuple(td.size)
             pieces.append(Piece(str(i), 0, data, block=extent_block(data.nbytes, whole, store.engine.config.block_size)))
-        plans = pack(
-            pieces,
-            object_size=store.backend.layout_defaults.object_size,
-            key_for=lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n),
-        )
+        key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
+        records: dict[int, tuple[str, int, int]] = {}
+        if self.torch_readable:
+            plans, records = _torchsave.pack_records(
+                [_record(i, item, p) for i, (item, p) in enumerate(zip(items, pieces))],
+                store.backend.layout_defaults.object_size, key_for, store.backend.capabilities.alignment)
+        else:
+            plans = pack(pieces, object_size=store.backend.layout_defaults.object_size, key_for=key_for)
         written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
         extents: dict[int, list[tuple[Any, ...]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):
+                if e.item == _torchsave.FRAME:
+                    continue  # torch's zip frame around a chunk: not in the manifest
                 extents.setdefault(int(e.item), []).append(
                     (obj.key, e.offset, e.shard_offset, e.length, tuple(crcs), *([e.block] if e.block else [])))
         log.info("%s: rank %d wrote %d objects, %d bytes (%.3fs)", self.checkpoint_id, info.rank, len(plans),
@@ -263,7 +297,7 @@ class Writer(Located, StorageWriter, AsyncStager):
                 index=item.index,
                 size_in_bytes=sizes[i],
                 storage_data=ChunkLocation(info.rank, sizes[i], tuple(sorted(extents.get(i, []), key=lambda x: x[2])),
-                                           descs[i]),
+                                           descs[i], records.get(i)),
             )
             for i, item in enumerate(items)
         ]
@@ -272,16 +306,20 @@ class Writer(Located, StorageWriter, AsyncStager):
         store = self._open()
         where = self.checkpoint_id
         try:
+            stock = self._torch_metadata(metadata, results)
             doc = manifest_doc(
                 metadata, results, step=self.step, save_id=self._save_id or new_id(), created=time.time(),
                 block_size=store.engine.config.block_size, num_hosts=len(results),
                 modules=list(metadata.storage_meta.modules) if metadata.storage_meta else [],
+                companions=[_torchsave.companion_entry(stock)] if stock is not None else None,
             )
             manifest = Manifest.from_doc(doc, where)  # validates: every tensor's chunks tile it once
             if self._replace:
-                run_sync(_overwrite.replace(store, self.step_dir, manifest))
+                run_sync(_overwrite.replace(store, self.step_dir, manifest, stock))
             else:
                 run_sync(store.commit(self.step_dir, manifest))
+                if stock is not None:  # after the commit: torch never reads what ckptio does not call committed
+                    run_sync(_overwrite.write_companion(store, self.step_dir, stock))
         except BaseException:
             self._end_lease(retire=False)
             raise
@@ -293,6 +331,18 @@ class Writer(Located, StorageWriter, AsyncStager):
         metadata.storage_data = {r.index: r.storage_data for rr in results for r in rr}
         log.info("%s: committed", where)
 
+
+    def _torch_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes | None:
+        """DCP's pickled ``.metadata`` for stock torch, or None (not torch-readable, or a rank's chunk is not framed)."""
+        if not self.torch_readable:
+            return None
+        records = {r.index: getattr(r.storage_data, "record", None) for rr in results for r in rr}
+        prefix = f"{self.step_dir}/" if self.step_dir else ""
+        if any(rec is None or not rec[0].startswith(prefix) for rec in records.values()):
+            log.warning("%s: some chunks are not torch.save records under the checkpoint's directory; "
+                        "stock torch will not read it (no .metadata)", self.checkpoint_id)
+            return None
+        return _torchsave.metadata_bytes(metadata, records, lambda key: key[len(prefix):])  # type: ignore[arg-type]
 
     def _end_lease(self, *, retire: bool) -> None:
         lease, self._lease = self._lease, None
@@ -311,6 +361,31 @@ def _refuse_file(url: str | os.PathLike[str]) -> None:
     problem = file_in_the_way(url)
     if problem:
         raise NotADirectoryError(f"ckptio.dcp.Writer: {problem}")
+
+
+def _local(url: str | os.PathLike[str]) -> bool:
+    return split_url(os.fspath(url))[0] in ("", "file")
+
+
+def _torch_readable(want: bool | None, url: str | os.PathLike[str], transformed: bool) -> bool:
+    """Whether a save to ``url`` is made readable by stock torch (see ``Writer``'s ``torch_readable``)."""
+    if want is None:
+        return _local(url) and not transformed
+    if want and not _local(url):
+        raise ValueError(f"torch_readable=True: stock torch reads local paths only, not {os.fspath(url)!r}")
+    if want and transformed:
+        raise ValueError("torch_readable=True with _extensions: ckptio transforms raw bytes, stock torch "
+                         "expects transformed torch.save records")
+    return bool(want)
+
+
+def _record(i: int, item: WriteItem, piece: Piece) -> _torchsave.Record:
+    """A WriteItem's bytes as stock torch reads them: a tensor chunk framed as a torch.save record."""
+    assert piece.data is not None
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return _torchsave.Record(i, piece.data, block=piece.block)
+    head, tail = _torchsave.frame(item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes))
+    return _torchsave.Record(i, piece.data, head, tail, piece.block)
 
 
 def _raw_bytes(item: WriteItem, data: Any) -> memoryview:

@@ -2,7 +2,8 @@
 
 Deletion first writes a tombstone (``ckptio.deleting``, holding the id of
 the checkpoint it deletes) so no reader picks a checkpoint whose objects are
-going away, then deletes the objects the manifest lists and those of dead
+going away, then the files the manifest proves it wrote for other tools
+(:mod:`ckptio.store.companions`), then the objects the manifest lists and those of dead
 attempts at the same step, the manifest, and the tombstone last. A save of a
 step with a leftover tombstone finishes that deletion first.
 
@@ -21,6 +22,7 @@ from ..errors import IntegrityError, ManifestError
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, parse_fence, parse_intent, step_of_key
+from .companions import delete_companions
 from .context import StoreContext
 from .intents import Intents
 from .manifests import Manifests
@@ -61,6 +63,7 @@ class Deletion:
         committed = manifest is not None and await self.settle_fence(step_dir, manifest)
         fence_id = manifest.fence if manifest is not None else None
         finished = ctx.writers_of(manifest.keys()) if committed and manifest is not None else set()
+        root = manifest
         manifest = await self._with_fragments(step_dir, manifest)
         try:
             await ctx.io.create_if_absent(tomb, marker)
@@ -73,6 +76,8 @@ class Deletion:
         # Objects a standing commit names belong to a finished save; any other writer is revoked
         # first, so that if it is only paused it can never commit them (ckptio.fence).
         await self.fences.revoke(step_dir, ctx.writers_of(keys) - finished)
+        if root is not None:  # before the objects: torch's .metadata must never name a deleted one
+            await delete_companions(ctx, step_dir, root, where)
         await ctx.delete_keys(sorted(keys))
         await ctx.delete_keys([i.key for i in listing if (n := parse_intent(i.key)) is not None
                                and n.save_id not in live])
