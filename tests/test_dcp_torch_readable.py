@@ -88,6 +88,20 @@ def test_a_framed_chunk_is_a_torch_save_record(dtype, shape):
     assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
 
+def test_a_chunk_over_4_gib_gets_torchs_zip64_frame(tmp_path):
+    """torch's own writer makes the frame, zip64 included; checked on a sparse file (nothing is allocated)."""
+    n = (4 << 30) + 3 * 4096 + 8
+    head, tail = frame(torch.uint8, (n,))
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.write(head)
+        f.seek(len(head) + n - 4)
+        f.write(b"\x01\x02\x03\x04")
+        f.write(tail)
+    t = torch.load(path, mmap=True, weights_only=True)
+    assert tuple(t.shape) == (n,) and t[-4:].tolist() == [1, 2, 3, 4] and t[:4].tolist() == [0, 0, 0, 0]
+
+
 def test_records_are_never_split_and_start_aligned():
     recs = [Record(i, memoryview(bytes(n)), b"h" * 64, b"t" * 9) for i, n in enumerate([10, 3000, 50, 9000, 1])]
     plans, where = pack_records(recs, 4096, lambda n: f"obj{n}")
@@ -97,6 +111,16 @@ def test_records_are_never_split_and_start_aligned():
         plan = next(p for p in plans if p.key == key)
         assert at + n <= plan.size  # the whole record lies in one object
     assert where[3][1] == 0  # larger than the object size: an object of its own, whole
+    # Direct IO: a large chunk's bytes start aligned, and the frames before them are aligned memory.
+    plans, where = pack_records([Record(0, memoryview(bytes(8192)), b"h" * 128, b"t" * 9),
+                                 Record(1, memoryview(bytes(8192)), b"h" * 128, b"t" * 9)], 1 << 20,
+                                lambda n: f"obj{n}", align=4096)
+    (plan,) = plans
+    data = [e for e in plan.extents if e.item != "frame"]
+    assert [e.offset % 4096 for e in data] == [0, 0]
+    frames = [e for e in plan.extents if e.item == "frame"]
+    assert frames[0].offset == 0 and frames[0].length == 4096 and frames[0].data.obj.ctypes.data % 4096 == 0
+    assert all(at % 64 == 0 for _, at, _ in where.values())
 
 
 def test_stock_torch_reads_a_ckptio_checkpoint_bit_exact(tmp_path):

@@ -6,11 +6,13 @@
 >>> dcp.async_save(state_dict, storage_writer=Writer("/mnt/ssd/run1/100"))   # thread or process executor
 >>> dcp.load(state_dict, storage_reader=Reader("gs://bucket/run1", step=100))
 
-Every byte goes through the ckptio engine: tensors as raw bytes (no
-torch.save), chunks packed into objects named by the store's layout, DCP's
-Metadata kept as JSON inside a normal ckptio manifest, committed last. The
-result is also a native ckptio checkpoint (``ckptio.restore(url)`` returns
-``{fqn: array}``). Importing this module imports torch.
+Every byte goes through the ckptio engine: tensors as raw bytes, chunks
+packed into objects named by the store's layout, DCP's Metadata kept as
+JSON inside a normal ckptio manifest, committed last. The result is also a
+native ckptio checkpoint (``ckptio.restore(url)`` returns ``{fqn: array}``)
+and, on a local path, a stock one: each chunk's raw bytes sit inside a
+``torch.save`` frame and DCP's ``.metadata`` is written for torch
+(:mod:`ckptio.dcp._torchsave`). Importing this module imports torch.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Save, in DCP's order of calls:
    DCP: ``overwrite=True`` (FileSystemWriter's default) will replace a
    committed one, ``overwrite=False`` raises DCP's own "Checkpoint already
    exists" error. With ``step=`` (a managed root) a committed step is
-   refused, as every ckptio save refuses one.
+   refused, as every ckptio save refuses one (first when the Writer is
+   made: one plain error in the caller's code, not torch's wrapped one).
 2. ``prepare_global_plan`` (coordinator) -- one save id for every rank, and
    each rank's number, so object names follow the store's naming.
 3. ``write_data`` (every rank) -- each WriteItem's bytes (a tensor chunk's
@@ -15,12 +16,17 @@ Save, in DCP's order of calls:
    packs them into objects, and the engine writes them all concurrently
    (DCP waits on the returned future at once, so all parallelism is in
    here). Each WriteResult's ``storage_data`` is a :class:`ChunkLocation`.
+   ``torch_readable`` (default on a local path): each tensor chunk's bytes
+   sit inside the ``torch.save`` frame stock torch reads
+   (:mod:`ckptio.dcp._torchsave`); the manifest points at the raw bytes.
 4. ``finish`` (coordinator) -- builds a normal ckptio manifest (one array
    item per FQN, one shard per chunk, DCP's Metadata as JSON beside it) and
    commits it last, once: with create-if-absent, or -- replacing a step-less
    checkpoint -- in one atomic write, after which the old checkpoint's
    objects are deleted by the never-lose rules (:mod:`ckptio.dcp._overwrite`).
-   Until then the new checkpoint does not exist for any reader.
+   Until then the new checkpoint does not exist for any reader. Then (torch
+   readable) DCP's pickled ``.metadata`` for stock torch, recorded in the
+   manifest by size and sha256 so that deletion can prove it is ckptio's.
 
 FileSystemWriter's options: ``thread_count`` sets the engine's concurrency
 (requests in flight; by default the backend's own good concurrency);
