@@ -137,7 +137,9 @@ def test_dcp_async_save_through_the_sidecar(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(sidecar, "copy_bytes", lambda d, s: (copies.append(s.nbytes), copy(d, s)))
     dcp.async_save(sd, storage_writer=Writer(tmp_path / "a")).result()
     assert sidecar.current_pid() is not None
-    assert sum(copies) < 4096, copies  # tensors staged straight into shared memory (byte items aside)
+    # Tensors staged straight into shared memory: what is copied is byte items and the torch.save frames
+    # around each chunk (torch_readable; ~1.5 KB a chunk, one page under direct IO), never the 400 KB of w.
+    assert sum(copies) < 16 << 10, copies
     out = {"w": torch.zeros(100, 1000), "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
     dcp.load(out, storage_reader=Reader(tmp_path / "a"))
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"]) and out["step"] == 4

@@ -17,7 +17,8 @@ checkpoint whose objects are going away (:mod:`ckptio.store.deletion`); a
 commit is fenced against deleters (:mod:`ckptio.fence`).
 
 Layers, each importing only those above it in this list:
-:mod:`~ckptio.store.options` (:class:`StoreOptions`, the step vocabulary) ->
+:mod:`~ckptio.store.options` (:class:`StoreOptions`, the step vocabulary),
+:mod:`~ckptio.store.companions` (files a manifest proves it wrote for other tools) ->
 :mod:`~ckptio.store.context` (what the services share; storage calls retried
 once, there) -> :mod:`~ckptio.store.manifests`, :mod:`~ckptio.store.objects`,
 :mod:`~ckptio.store.intents` -> :mod:`~ckptio.store.catalog`,
