@@ -112,12 +112,15 @@ def test_records_are_never_split_and_start_aligned():
         assert at + n <= plan.size  # the whole record lies in one object
     assert where[3][1] == 0  # larger than the object size: an object of its own, whole
     # Direct IO: a large chunk's bytes start aligned, and the frames before them are aligned memory.
-    plans, where = pack_records([Record(0, memoryview(bytes(8192)), b"h" * 128, b"t" * 9),
-                                 Record(1, memoryview(bytes(8192)), b"h" * 128, b"t" * 9)], 1 << 20,
+    big = 1 << 16
+    plans, where = pack_records([Record(0, memoryview(bytes(big)), b"h" * 128, b"t" * 9),
+                                 Record(1, memoryview(bytes(big)), b"h" * 128, b"t" * 9),
+                                 Record(2, memoryview(bytes(4096)), b"h" * 128, b"t" * 9)], 1 << 20,
                                 lambda n: f"obj{n}", align=4096)
     (plan,) = plans
     data = [e for e in plan.extents if e.item != "frame"]
-    assert [e.offset % 4096 for e in data] == [0, 0]
+    assert [e.offset % 4096 for e in data[:2]] == [0, 0]
+    assert where[2][1] - (where[1][1] + where[1][2]) < 64  # a small chunk is not padded to a page
     frames = [e for e in plan.extents if e.item == "frame"]
     assert frames[0].offset == 0 and frames[0].length == 4096 and frames[0].data.obj.ctypes.data % 4096 == 0
     assert all(at % 64 == 0 for _, at, _ in where.values())

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..layout import ObjectPlan, PlannedExtent
 
-__all__ = ["COMPANIONS", "FRAME", "RECORD_ALIGN", "TORCH_METADATA", "Record", "companion_entry", "frame",
+__all__ = ["COMPANIONS", "DIRECT_MIN", "FRAME", "RECORD_ALIGN", "TORCH_METADATA", "Record", "companion_entry", "frame",
            "metadata_bytes", "pack_records"]
 
 #: The file stock ``FileSystemReader`` reads first (DCP's ``_metadata_fn``).
@@ -58,6 +58,9 @@ COMPANIONS = "companions"
 FRAME = "frame"
 #: A record starts at a multiple of this in its object (torch aligns data to 64 inside the record).
 RECORD_ALIGN = 64
+#: Under direct IO, chunks of at least this many bytes start at an aligned offset: padding a smaller
+#: one (up to a page, beside a ~1.5 KB frame) would cost more bytes than its bounce copy costs time.
+DIRECT_MIN = 1 << 16
 
 
 class _Gap(io.RawIOBase):
@@ -144,7 +147,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     Returns the plans and, per record, ``(object key, offset, length)``. Frame bytes between two data
     extents (a tail, padding, the next head) are one extent named :data:`FRAME`: a small chunk costs the
     writer one extent more, not two. With ``align > 1`` (direct IO) a chunk of at least ``align`` bytes
-    starts at an aligned offset and frames are aligned memory, so back-to-back large chunks (and the frames
+    and :data:`DIRECT_MIN` starts at an aligned offset and frames are aligned memory, so back-to-back large chunks (and the frames
     between them) are written without a bounce copy, as :func:`ckptio.layout.pack` lays out large pieces.
     """
     plans: list[ObjectPlan] = []
@@ -202,7 +205,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
 
 def _record_start(size: int, head: int, nbytes: int, align: int) -> int:
     """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's data ``align``-aligned."""
-    if align > 1 and align % RECORD_ALIGN == 0 and nbytes >= align:
+    if align > 1 and align % RECORD_ALIGN == 0 and nbytes >= max(align, DIRECT_MIN):
         return -(-(size + head) // align) * align - head  # head is a multiple of 64: so is the start
     return -(-size // RECORD_ALIGN) * RECORD_ALIGN
 
