@@ -246,3 +246,27 @@ def test_torch_readable_true_is_refused_where_torch_cannot_read(tmp_path):
     with pytest.raises(ValueError, match="_extensions"):
         Writer(tmp_path, torch_readable=True, _extensions=[ZStandard()])
     assert not Writer(tmp_path, _extensions=[ZStandard()]).torch_readable
+
+
+def test_a_failed_metadata_write_leaves_a_committed_checkpoint_torch_does_not_misread(tmp_path, monkeypatch):
+    from ckptio.backends.local import LocalBackend
+
+    real = LocalBackend.write
+
+    async def no_metadata(self, key, buffers, *a, **kw):
+        if key.endswith(".metadata"):
+            raise OSError(28, "No space left on device")
+        return await real(self, key, buffers, *a, **kw)
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.zeros(8)}, storage_writer=Writer(path))
+    monkeypatch.setattr(LocalBackend, "write", no_metadata)
+    root = str(tmp_path / "run")
+    dcp.save({"w": torch.ones(8)}, storage_writer=Writer(root, step=1))  # committed; logged, not raised
+    dcp.save({"w": torch.ones(8)}, storage_writer=Writer(path))  # replaces: the old .metadata must go
+    monkeypatch.undo()
+    assert ".metadata" not in os.listdir(os.path.join(root, "1")) and ".metadata" not in os.listdir(path)
+    for reader in (Reader(root, step=1), Reader(path)):  # committed: ckptio reads both
+        out = {"w": torch.zeros(8)}
+        dcp.load(out, storage_reader=reader)
+        assert torch.equal(out["w"], torch.ones(8))

@@ -90,9 +90,19 @@ async def _ours(store: CheckpointStore, step_dir: str) -> bool:
     return old is not None and await is_companion(store, step_dir, old, STOCK_METADATA)
 
 
-async def write_companion(store: CheckpointStore, step_dir: str, data: bytes) -> None:
-    """Write DCP's ``.metadata`` for stock torch (after the manifest committed); atomic, as every object write."""
-    await store.io.write(join_key(step_dir, STOCK_METADATA), [memoryview(data)])
+async def write_companion(store: CheckpointStore, step_dir: str, data: bytes) -> bool:
+    """Write DCP's ``.metadata`` for stock torch (after the manifest committed); atomic, as every object write.
+
+    False (logged) if it failed: the checkpoint is committed all the same (ckptio restores it), only stock
+    torch cannot read it; failing the save would tell the caller it did not happen.
+    """
+    try:
+        await store.io.write(join_key(step_dir, STOCK_METADATA), [memoryview(data)])
+    except Exception as e:  # noqa: BLE001 -- committed already
+        log.warning("%s: committed, but writing %s for stock torch failed (ckptio reads it; torch cannot): %r",
+                    store.where(step_dir), STOCK_METADATA, e)
+        return False
+    return True
 
 
 def refuse_stock(where: str) -> FileExistsError:
@@ -148,8 +158,8 @@ async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest, com
     key = join_key(step_dir, MANIFEST_NAME)
     data = memoryview(manifest.to_json())
     await store.io.write(key, [data])
-    if companion is not None:
-        await write_companion(store, step_dir, companion)
+    if companion is not None and not await write_companion(store, step_dir, companion) and old is not None:
+        await delete_companions(store, step_dir, old, where)  # torch must not read the old one once its objects go
     if old is None:
         return []
     try:

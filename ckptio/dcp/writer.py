@@ -325,7 +325,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             else:
                 run_sync(store.commit(self.step_dir, manifest))
                 if stock is not None:  # after the commit: torch never reads what ckptio does not call committed
-                    run_sync(_overwrite.write_companion(store, self.step_dir, stock))
+                    run_sync(_overwrite.write_companion(store, self.step_dir, stock))  # logs a failure
         except BaseException:
             self._end_lease(retire=False)
             raise
