@@ -87,7 +87,7 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     mine = responsible(len(root_m.fragments or []), new, rank)
     m = run_sync(store.load_fragment_numbers(step_dir, root_m, mine, names=set(targets)))
     t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
-    sends = outgoing(m, targets, rank)
+    sends = outgoing(m.items, targets, rank)
     # What this host reads to send: per stored shard, the bounding box of what the targets need of it.
     wants, sent_bytes, pieces_out = [], 0, 0
     for name, p in sends.items():
@@ -100,7 +100,7 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
             wants.append((name, item, Region(tuple(lo.tolist()), np.empty(tuple((hi - lo).tolist()), item.dtype))))
     reqs = plan_regions(wants, m.objects, m.block_size)
     t_send = time.perf_counter() - t0 - t_load
-    gets = incoming(root_m, targets, rank, new)
+    gets = incoming(root_m.items, targets, rank, new)
     received = sum(int(p.nbytes(root_m.items[n].dtype.itemsize).sum()) for n, p in gets.items())
     needed = sum(int(np.prod(s)) * root_m.items[n].dtype.itemsize for n, tt in targets.items()
                  for _o, s in tt.of_host(rank))
@@ -147,6 +147,7 @@ def render_rows(res: dict[str, Any], cases: dict[str, str]) -> list[str]:
         lines.append(f"  {what:<27} {g('load_s'):.3f} + {g('plan_s'):.3f} s; {g('load_cpu_s'):.3f} + "
                      f"{g('plan_cpu_s'):.3f} s  {g('bytes_read') / 2**20:9.2f} MiB "
                      f"{g('rss_mb'):6.0f} MB {g('fragments'):5}  {g('storage_read') / 2**20:8.1f} MiB  "
-                     f"{g('pieces_out'):>9,}/{g('pieces_in'):<9,} {plain_job / 2**20:10.1f} -> {g('job_read') / 2**20:.1f} MiB")
+                     f"{g('pieces_out'):>9,}/{g('pieces_in'):<9,} {plain_job / 2**20:10.1f} -> "
+                     f"{g('job_read') / 2**20:.1f} MiB")
     return lines
 

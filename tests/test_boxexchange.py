@@ -36,13 +36,6 @@ from ckptio.store import CheckpointStore, StoreOptions
 PROFILE = settings(max_examples=60, derandomize=True, deadline=None)
 
 
-class _Root:
-    """What the routing reads of a manifest: its items."""
-
-    def __init__(self, items: dict[str, ArrayItem]) -> None:
-        self.items = items
-
-
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Any], list[int], int, TargetTable]:
     """A shape, its saved shards (a grid) with the fragment of each, a restoring job's size and
@@ -81,18 +74,19 @@ def _cols(p: Any, keep: np.ndarray) -> list[tuple[Any, ...]]:
 
 @PROFILE
 @given(layouts(), st.integers(1, 5))
-def test_senders_and_receivers_list_the_same_pieces_and_each_host_gets_exactly_its_boxes(layout: Any, bands: int) -> None:
+def test_senders_and_receivers_list_the_same_pieces_and_each_host_gets_exactly_its_boxes(
+        layout: Any, bands: int) -> None:
     shape, saved, owner, hosts, tt = layout
     ndim = len(shape)
     locator = np.array([(f, *o, *s) for f, (o, s) in zip(owner, saved)], np.int64).reshape(len(saved), 1 + 2 * ndim)
     root_item = _item(shape, saved)
     root_item.locator = locator
-    root = _Root({"a": root_item})
+    root_items = {"a": root_item}
     frags = max(owner) + 1
     sent: dict[tuple[int, int], list[Any]] = {}
     for rank in range(hosts):
         mine = set(responsible(frags, hosts, rank))
-        local = _Root({"a": _item(shape, [b for f, b in zip(owner, saved) if f in mine])})
+        local = {"a": _item(shape, [b for f, b in zip(owner, saved) if f in mine])}
         for k in range(bands):
             for p in (p.band(k, bands) for p in outgoing(local, {"a": tt}, rank).values()):  # type: ignore[arg-type]
                 assert (p.src == rank).all()
@@ -100,7 +94,7 @@ def test_senders_and_receivers_list_the_same_pieces_and_each_host_gets_exactly_i
                     sent.setdefault((rank, dst, k), []).extend(_cols(p, p.dst == dst))
     got: dict[tuple[int, int], list[Any]] = {}
     for rank in range(hosts):
-        pieces = incoming(root, {"a": tt}, rank, hosts).get("a")  # type: ignore[arg-type]
+        pieces = incoming(root_items, {"a": tt}, rank, hosts).get("a")  # type: ignore[arg-type]
         covered = np.zeros(len(tt.host), np.int64)
         for k in range(bands):
             if pieces is None:
@@ -205,6 +199,11 @@ def _data_bytes(root: Path, step: int = 1) -> int:
     return sum(p.stat().st_size for p in (root / str(step)).iterdir() if not p.name.startswith("ckptio."))
 
 
+def _meta_bytes(root: Path, step: int = 1) -> int:
+    """The step's metadata: its manifest, fragments, fence."""
+    return sum(p.stat().st_size for p in (root / str(step)).iterdir() if p.name.startswith("ckptio."))
+
+
 def test_rows_restored_as_columns_by_exchange_read_each_stored_byte_once(tmp_path: Path) -> None:
     _save(tmp_path)
     for hosts in (2, 3, 4, 6):  # fewer hosts (each sends several fragments), as many, more
@@ -219,10 +218,9 @@ def test_rows_restored_as_columns_by_exchange_read_each_stored_byte_once(tmp_pat
             # The root and the fragments this host sends from, never another's.
             frags = {k for k in keys if "ckptio.fragment." in k}
             assert len(frags) == len(responsible(SAVED, hosts, rank)), (hosts, rank, frags)
-        metadata = sum(len(open(p, "rb").read()) for p in (tmp_path / "1").iterdir() if p.name.startswith("ckptio."))
         total = sum(r[1] for r in results)
         # Every data byte once across the job; each host reads the root (and its fragments) itself.
-        assert _data_bytes(tmp_path) <= total <= _data_bytes(tmp_path) + hosts * metadata
+        assert _data_bytes(tmp_path) <= total <= _data_bytes(tmp_path) + hosts * _meta_bytes(tmp_path)
 
 
 class _Flip(WrapperBackend):
@@ -251,3 +249,28 @@ def test_a_flipped_stored_byte_is_an_integrity_error_on_every_host(tmp_path: Pat
     assert all(isinstance(r, IntegrityError) for r in results), results
     # Every host names the host that read the object and the object.
     assert all("host 1" in str(r) and "checksum mismatch in object '1/" in str(r) for r in results), results
+
+
+def test_a_checkpoint_saved_by_one_process_is_sent_shard_by_shard_from_several_hosts(tmp_path: Path) -> None:
+    # Format 1 (every shard in the one manifest): shard i is sent by host i % H.
+    pieces = [((_rows(i, SAVED), slice(None)), full("w")[_rows(i, SAVED)]) for i in range(SAVED)]
+    ckptio.save(str(tmp_path), {"w": ckptio.Sharded((ROWS, COLS), np.float32, pieces), "bias": full("bias")},
+                step=1).result()
+    hosts = 3
+
+    def body(rank: int, host: Any) -> Any:
+        counting = CountingBackend(open_backend(str(tmp_path)))
+        store = CheckpointStore(StoreOptions(str(tmp_path), backend=counting))
+        try:
+            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
+            target = {"w": _target(rank, hosts)["w"], "bias": None}
+            return restore_exchange(store, m, step_dir, target, host), counting.bytes_read
+        finally:
+            run_sync(store.close())
+
+    results = exchanging_hosts(hosts, body)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        assert r[0]["w"].pieces[0][1].tobytes() == np.ascontiguousarray(full("w")[_columns(rank, hosts)]).tobytes()
+        assert r[0]["bias"].tobytes() == full("bias").tobytes()
+    assert _data_bytes(tmp_path) <= sum(r[1] for r in results) <= _data_bytes(tmp_path) + hosts * _meta_bytes(tmp_path)

@@ -26,6 +26,7 @@ plus one round's reads and messages.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -110,11 +111,12 @@ def _plan(store: CheckpointStore, root: Manifest, step_dir: str, regions: dict[s
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
         local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
-        sends = {n: p.take(p.ref % coord.size == coord.rank) for n, p in outgoing(root, arrays, coord.rank).items()}
+        sends = {n: p.take(p.ref % coord.size == coord.rank)
+                 for n, p in outgoing(root.items, arrays, coord.rank).items()}
     else:
         mine = responsible(len(root.fragments or []), coord.size, coord.rank)
         local = run_sync(store.load_fragment_numbers(step_dir, root, mine, names=set(arrays)))
-        sends, gets = outgoing(local, arrays, coord.rank), incoming(root, arrays, coord.rank, coord.size)
+        sends, gets = outgoing(local.items, arrays, coord.rank), incoming(root.items, arrays, coord.rank, coord.size)
     if not store.host_local:
         run_sync(store.check_objects(local, store.where(step_dir)))
     return _Side(regions, sends, gets, local, arrays)
@@ -127,8 +129,9 @@ def _incoming_complete(root: Manifest, targets: dict[str, TargetTable], rank: in
     for name, tt in targets.items():
         item = root.items[name]
         t = table_of(item)  # type: ignore[arg-type]
-        shim = dataclasses.replace(item, locator=np.column_stack([np.arange(t.n), t.offsets, t.shape]))  # type: ignore[type-var]
-        out.update(incoming(dataclasses.replace(root, items={name: shim}), {name: tt}, rank, hosts))
+        shim = copy.copy(item)
+        shim.locator = np.column_stack([np.arange(t.n), t.offsets, t.shape])  # type: ignore[union-attr]
+        out.update(incoming({name: shim}, {name: tt}, rank, hosts))
     return out
 
 
@@ -140,8 +143,8 @@ def _rounds(root: Manifest, targets: dict[str, TargetTable]) -> list[Round]:
     """The rounds, the same on every host (from the root and the targets): each moves about
     1/``_ROUNDS`` of the bytes the job restores; an array larger than that is cut into bands of
     the rows of each of its stored shards, one band a round."""
-    sizes = {n: int(np.prod(t.shape, axis=1, dtype=np.int64).sum()) * root.items[n].dtype.itemsize  # type: ignore[union-attr]
-             for n, t in targets.items()}
+    sizes = {n: int(np.prod(t.shape, axis=1, dtype=np.int64).sum())
+             * root.items[n].dtype.itemsize for n, t in targets.items()}  # type: ignore[union-attr]
     budget = max(1, sum(sizes.values()) // _ROUNDS)
     out: list[Round] = [[]]
     held = 0
@@ -225,7 +228,8 @@ def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, i
         for row in np.unique(p.ref).tolist():
             sel = p.ref == row
             lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
-            region = Region(tuple(lo.tolist()), np.empty(tuple((hi - lo).tolist()), item.dtype))  # type: ignore[union-attr]
+            buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
+            region = Region(tuple(lo.tolist()), buf)
             bufs[(n, k, row)] = region
             wants.append((n, item, region))
     run_sync(store.engine.read(plan_regions(wants, side.local.objects, side.local.block_size)))

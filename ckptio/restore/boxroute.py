@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..manifest import ArrayItem, Box, Manifest, table_of
+from ..manifest import ArrayItem, Box, table_of
 
 __all__ = ["Pieces", "TargetTable", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
 
@@ -201,13 +201,14 @@ def _sorted(src: np.ndarray, dst: np.ndarray, lo: np.ndarray, hi: np.ndarray, re
     return Pieces(src[order], dst[order], lo[order], hi[order], ref[order], s0[order], sn[order])
 
 
-def outgoing(manifest: Manifest, targets: Mapping[str, TargetTable], rank: int) -> dict[str, Pieces]:
-    """Per array of ``targets``, the pieces host ``rank`` sends: its loaded shards (``manifest``
-    holds exactly the fragments it is responsible for, :meth:`CheckpointStore.load_fragment_numbers`)
-    intersected with every host's target boxes. ``ref``: the shard's row in ``table_of(item)``."""
+def outgoing(items: Mapping[str, Any], targets: Mapping[str, TargetTable], rank: int) -> dict[str, Pieces]:
+    """Per array of ``targets``, the pieces host ``rank`` sends: its loaded shards (``items`` of a
+    manifest holding exactly the fragments it is responsible for,
+    :meth:`CheckpointStore.load_fragment_numbers`) intersected with every host's target boxes.
+    ``ref``: the shard's row in ``table_of(item)``."""
     out: dict[str, Pieces] = {}
     for name, tt in targets.items():
-        item = manifest.items[name]
+        item = items[name]
         if not isinstance(item, ArrayItem) or not item.shards:
             continue
         t = table_of(item)
@@ -218,15 +219,16 @@ def outgoing(manifest: Manifest, targets: Mapping[str, TargetTable], rank: int) 
     return out
 
 
-def incoming(root: Manifest, targets: Mapping[str, TargetTable], rank: int, hosts: int) -> dict[str, Pieces]:
+def incoming(items: Mapping[str, Any], targets: Mapping[str, TargetTable], rank: int, hosts: int
+             ) -> dict[str, Pieces]:
     """Per array of ``targets``, the pieces host ``rank`` (of ``hosts``) receives: its own target
-    boxes intersected with the boxes of every saved shard the root's locator lists (no fragment
-    read). ``ref``: the target box's row in ``targets[name]``. Arrays sharing a locator and
+    boxes intersected with the boxes of every saved shard the locators of a root's ``items`` list
+    (no fragment read). ``ref``: the target box's row in ``targets[name]``. Arrays sharing a locator and
     target boxes are intersected once."""
     out: dict[str, Pieces] = {}
     done: dict[tuple[int, bytes], Pieces] = {}
     for name, tt in targets.items():
-        item = root.items[name]
+        item = items[name]
         mine = np.flatnonzero(tt.host == rank)
         if not isinstance(item, ArrayItem) or not len(mine) or item.locator is None:
             continue
