@@ -181,14 +181,24 @@ class _Keys(WrapperBackend):
         await self.inner.read_into(key, rng, buffers)
 
 
-def _restore_on(root: Path, hosts: int, step: int = 1) -> list[Any]:
+def _tables(hosts: int) -> dict[str, TargetTable]:
+    """Every host's target boxes, said without an all-gather: ``w`` and ``mu`` as column blocks
+    (uneven), ``bias`` whole on every host."""
+    h = np.arange(hosts)
+    c0, c1 = COLS * h // hosts, COLS * (h + 1) // hosts
+    cols = TargetTable.from_columns(h, np.column_stack([0 * h, c0]), np.column_stack([0 * h + ROWS, c1 - c0]))
+    return {"w": cols, "mu": cols, "bias": TargetTable.grid((1000,), (1000,), h.reshape(1, hosts))}
+
+
+def _restore_on(root: Path, hosts: int, step: int = 1, tables: dict[str, TargetTable] | None = None) -> list[Any]:
     def body(rank: int, host: Any) -> Any:
         counting = CountingBackend(open_backend(str(root)))
         keys = _Keys(counting)
         store = CheckpointStore(StoreOptions(str(root), backend=keys))
         try:
             step_dir, m = run_sync(store.resolve_manifest(step, shards=False))
-            return restore_exchange(store, m, step_dir, _target(rank, hosts), host), counting.bytes_read, keys.keys
+            out = restore_exchange(store, m, step_dir, _target(rank, hosts), host, targets=tables)
+            return out, counting.bytes_read, keys.keys
         finally:
             run_sync(store.close())
 
@@ -206,8 +216,10 @@ def _meta_bytes(root: Path, step: int = 1) -> int:
 
 def test_rows_restored_as_columns_by_exchange_read_each_stored_byte_once(tmp_path: Path) -> None:
     _save(tmp_path)
-    for hosts in (2, 3, 4, 6):  # fewer hosts (each sends several fragments), as many, more
-        results = _restore_on(tmp_path, hosts)
+    # Fewer hosts (each sends several fragments), as many, more; every host's target boxes
+    # all-gathered, or said by tables every host makes.
+    for hosts, tables in ((2, None), (3, None), (4, None), (6, None), (3, _tables(3)), (6, _tables(6))):
+        results = _restore_on(tmp_path, hosts, tables=tables)
         for rank, r in enumerate(results):
             assert not isinstance(r, BaseException), r
             out, _read, keys = r
@@ -274,3 +286,11 @@ def test_a_checkpoint_saved_by_one_process_is_sent_shard_by_shard_from_several_h
         assert r[0]["w"].pieces[0][1].tobytes() == np.ascontiguousarray(full("w")[_columns(rank, hosts)]).tobytes()
         assert r[0]["bias"].tobytes() == full("bias").tobytes()
     assert _data_bytes(tmp_path) <= sum(r[1] for r in results) <= _data_bytes(tmp_path) + hosts * _meta_bytes(tmp_path)
+
+
+def test_target_tables_that_disagree_with_a_host_s_target_fail_every_host_naming_the_item(tmp_path: Path) -> None:
+    _save(tmp_path)
+    tables = _tables(3)
+    tables["mu"] = _tables(2)["mu"]  # column blocks of a job of 2
+    results = _restore_on(tmp_path, 3, tables=tables)
+    assert all(isinstance(r, ValueError) and "'mu'" in str(r) for r in results), results

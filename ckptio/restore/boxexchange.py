@@ -109,6 +109,11 @@ def _plan(store: CheckpointStore, root: Manifest, step_dir: str, regions: dict[s
     """This host's pieces: its responsible fragments' shards against every target, its own
     targets against the root's locators."""
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
+    for name, mine in regions.items():  # a caller's tables must say what this host's target says
+        said = set(arrays[name].of_host(coord.rank)) if name in arrays else set()
+        if said != {(r.offsets, tuple(r.dest.shape)) for r in mine.values() if r.dest.size}:
+            raise ValueError(f"item {name!r}: the target tables say host {coord.rank} restores {sorted(said)[:4]}, "
+                             f"its target says {sorted((r.offsets, r.dest.shape) for r in mine.values())[:4]}")
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
         local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
         sends = {n: p.take(p.ref % coord.size == coord.rank)
