@@ -294,3 +294,22 @@ def test_target_tables_that_disagree_with_a_host_s_target_fail_every_host_naming
     tables["mu"] = _tables(2)["mu"]  # column blocks of a job of 2
     results = _restore_on(tmp_path, 3, tables=tables)
     assert all(isinstance(r, ValueError) and "'mu'" in str(r) for r in results), results
+
+
+def test_a_box_a_host_holds_twice_is_filled_twice(tmp_path: Path) -> None:
+    _save(tmp_path)
+
+    def body(rank: int, host: Any) -> Any:
+        store = CheckpointStore(str(tmp_path))
+        try:
+            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
+            ix = _columns(rank, 2)
+            target = {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None), (ix, None)])}
+            return restore_exchange(store, m, step_dir, target, host)
+        finally:
+            run_sync(store.close())
+
+    for rank, r in enumerate(exchanging_hosts(2, body)):
+        assert not isinstance(r, BaseException), r
+        want = np.ascontiguousarray(full("w")[_columns(rank, 2)]).tobytes()
+        assert [p[1].tobytes() for p in r["w"].pieces] == [want, want]

@@ -57,7 +57,7 @@ _MAX_BANDS, _ONE_BAND = 4, 1 << 20
 class _Side:
     """One host's view of the restore: its regions, the pieces it sends and receives."""
 
-    regions: dict[str, dict[tuple[int, ...], Region]]
+    regions: dict[str, dict[tuple[int, ...], list[Region]]]
     sends: dict[str, Pieces]
     gets: dict[str, Pieces]
     local: Manifest  # the root with the shards of this host's responsible fragments
@@ -77,11 +77,12 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     try:
         sel = select(root, target, where)
         builder = _Builder(root, where, (coord.rank, coord.size))
-        regions: dict[str, dict[tuple[int, ...], Region]] = {}
+        regions: dict[str, dict[tuple[int, ...], list[Region]]] = {}
         for name, tgt in sel.wanted.items():
             if isinstance(root.items[name], ArrayItem):
                 rs, builder.finishers[name] = target_regions(name, root.items[name], tgt)  # type: ignore[arg-type]
-                regions[name] = {(*r.offsets, *r.dest.shape): r for r in rs}
+                for r in rs:  # a box held twice (two pieces of one replica) is filled twice
+                    regions.setdefault(name, {}).setdefault((*r.offsets, *r.dest.shape), []).append(r)
             else:
                 builder.add(name, tgt)
         finish = ReadPlan([], sel.structure, builder.finishers, [], {}, {})
@@ -90,7 +91,8 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
         regions = {}
     # Every host joins the all-gather and the agreement, whatever it failed with.
     tables = dict(targets) if targets is not None else gathered(
-        coord, {n: [(r.offsets, tuple(r.dest.shape)) for r in rs.values()] for n, rs in regions.items()},
+        coord, {n: [(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in by_box.values()]
+                for n, by_box in regions.items()},
         {n: len(it.shape) for n, it in root.items.items() if isinstance(it, ArrayItem)})
     if failure is None:
         try:
@@ -104,16 +106,18 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     return finish.finish()
 
 
-def _plan(store: CheckpointStore, root: Manifest, step_dir: str, regions: dict[str, dict[tuple[int, ...], Region]],
+def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
+          regions: dict[str, dict[tuple[int, ...], list[Region]]],
           tables: dict[str, TargetTable], coord: Coordinator) -> _Side:
     """This host's pieces: its responsible fragments' shards against every target, its own
     targets against the root's locators."""
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
     for name, mine in regions.items():  # a caller's tables must say what this host's target says
         said = set(arrays[name].of_host(coord.rank)) if name in arrays else set()
-        if said != {(r.offsets, tuple(r.dest.shape)) for r in mine.values() if r.dest.size}:
+        boxes = {(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in mine.values() if rs[0].dest.size}
+        if said != boxes:
             raise ValueError(f"item {name!r}: the target tables say host {coord.rank} restores {sorted(said)[:4]}, "
-                             f"its target says {sorted((r.offsets, r.dest.shape) for r in mine.values())[:4]}")
+                             f"its target says {sorted(boxes)[:4]}")
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
         local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
         sends = {n: p.take(p.ref % coord.size == coord.rank)
@@ -255,9 +259,9 @@ def _unpack(side: _Side, gets: dict[tuple[str, int], Pieces], got: dict[int, byt
         dtype = side.local.items[n].dtype  # type: ignore[union-attr]
         tt, regions = side.targets[n], side.regions[n]
         for src, ref, lo, hi in zip(p.src.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist()):
-            region = regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]
             shape = [b - a for a, b in zip(lo, hi)]
             count = int(np.prod(shape, dtype=np.int64))
             data = np.frombuffer(got[src], dtype, count, pos[src]).reshape(shape)
-            region.dest[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))] = data
+            for region in regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]:
+                region.dest[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))] = data
             pos[src] += count * dtype.itemsize
