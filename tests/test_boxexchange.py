@@ -171,15 +171,18 @@ def _target(rank: int, hosts: int) -> dict[str, Any]:
 
 
 class _Keys(WrapperBackend):
-    """Counts the bytes read of data objects and names every object read."""
+    """Names every object read and counts the bytes read of data objects (not metadata)."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.keys: set[str] = set()
+        self.data = 0
 
     async def read_into(self, key: str, rng: Any, buffers: Any) -> None:
         self.keys.add(key)
         await self.inner.read_into(key, rng, buffers)
+        if "/ckptio." not in key:
+            self.data += rng.length
 
 
 def _tables(hosts: int) -> dict[str, TargetTable]:
@@ -316,19 +319,6 @@ def test_a_box_a_host_holds_twice_is_filled_twice(tmp_path: Path) -> None:
         assert [p[1].tobytes() for p in r["w"].pieces] == [want, want]
 
 
-class _DataReads(WrapperBackend):
-    """Counts the bytes read of data objects (not manifests or fragments)."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.data = 0
-
-    async def read_into(self, key: str, rng: Any, buffers: Any) -> None:
-        await self.inner.read_into(key, rng, buffers)
-        if "/ckptio." not in key:
-            self.data += rng.length
-
-
 DTYPES = [np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.float32), np.dtype(np.float64), BF16]
 
 
@@ -357,7 +347,7 @@ def test_random_saved_and_target_grids_restore_bit_exact_reading_each_stored_byt
     saving_hosts(saved, lambda rank, coord: ckptio.save(str(root), state(rank), step=1, coordinator=coord).result())
 
     def body(rank: int, host: Any) -> Any:
-        reads = _DataReads(open_backend(str(root)))
+        reads = _Keys(open_backend(str(root)))
         store = CheckpointStore(StoreOptions(str(root), backend=reads))
         try:
             step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
