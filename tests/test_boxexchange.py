@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ml_dtypes
+import pytest
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -367,3 +368,16 @@ def test_random_saved_and_target_grids_restore_bit_exact_reading_each_stored_byt
             covered[ix(c)] = True
     total = sum(r[1] for r in results)
     assert total <= arr.nbytes and (total == arr.nbytes or not covered.all())
+
+
+def test_jax_targets_say_every_host_s_boxes_from_their_shardings(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("jax")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    worker = os.path.join(os.path.dirname(__file__), "boxexchange_jax_worker.py")
+    run = subprocess.run([sys.executable, worker, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,14 +87,19 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             else:
                 builder.add(name, tgt)
         finish = ReadPlan([], sel.structure, builder.finishers, [], {}, {})
+        described = _described(root, sel.wanted) if targets is None else {}
     except Exception as e:
         failure = e
-        regions = {}
+        regions, described = {}, {}
     # Every host joins the all-gather and the agreement, whatever it failed with.
-    tables = dict(targets) if targets is not None else gathered(
-        coord, {n: [(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in by_box.values()]
-                for n, by_box in regions.items()},
-        {n: len(it.shape) for n, it in root.items.items() if isinstance(it, ArrayItem)})
+    if targets is not None:
+        tables = dict(targets)
+    else:
+        tables = dict(described)
+        tables.update(gathered(
+            coord, {n: [(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in by_box.values()]
+                    for n, by_box in regions.items() if n not in tables},
+            {n: len(it.shape) for n, it in root.items.items() if isinstance(it, ArrayItem)}))
     if failure is None:
         try:
             side = _plan(store, root, step_dir, regions, tables, coord)
@@ -104,6 +110,18 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     for rnd in _rounds(root, side.targets):
         _round(store, coord, side, rnd)
     return finish.finish()
+
+
+def _described(root: Manifest, wanted: Mapping[str, Any]) -> dict[str, TargetTable]:
+    """The target tables every host can make alone: of jax targets, from their shardings."""
+    jax = sys.modules.get("jax")
+    out: dict[str, TargetTable] = {}
+    for name, tgt in wanted.items():
+        sharding = getattr(tgt, "sharding", None) if jax is not None and isinstance(
+            tgt, (jax.Array, jax.ShapeDtypeStruct)) else None
+        if isinstance(root.items[name], ArrayItem) and hasattr(sharding, "devices_indices_map"):
+            out[name] = TargetTable.from_sharding(sharding, root.items[name].shape)  # type: ignore[union-attr]
+    return out
 
 
 def _plan(store: CheckpointStore, root: Manifest, step_dir: str,

@@ -76,6 +76,17 @@ class TargetTable:
         return cls.from_columns(reps[cell, rep], offs[cell], sizes[cell])
 
     @classmethod
+    def from_sharding(cls, sharding: Any, shape: Sequence[int]) -> TargetTable:
+        """From a jax ``Sharding`` of an array of ``shape``: every process holds it whole (every
+        device's index, and the process of each device), so nothing is gathered."""
+        ndim = len(shape)
+        rows = [(dev.process_index, *(sl.indices(n)[0] for sl, n in zip(index, shape)),
+                 *(len(range(*sl.indices(n))) for sl, n in zip(index, shape)))
+                for dev, index in sharding.devices_indices_map(tuple(shape)).items()]
+        cols = np.array(rows, _I64).reshape(len(rows), 1 + 2 * ndim)
+        return cls.from_columns(cols[:, 0], cols[:, 1 : 1 + ndim], cols[:, 1 + ndim :])
+
+    @classmethod
     def from_boxes(cls, per_host: Mapping[int, Sequence[Box]], ndim: int) -> TargetTable:
         """From each host's boxes, listed (what an all-gather of an irregular target brings)."""
         rows = [(h, *off, *sh) for h, boxes in sorted(per_host.items()) for off, sh in boxes]
