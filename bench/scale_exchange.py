@@ -76,9 +76,10 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     from ckptio.reshard import Region, plan_regions
     from ckptio.restore.boxroute import incoming, outgoing, responsible
 
-    from .scale import _rss_mb, counted_store
+    from .scale import _preload, _rss_mb, counted_store
 
     new, rank = _new_job(case, hosts)
+    _preload()
     t0, c0 = time.perf_counter(), time.process_time()
     store, meta = counted_store(root)
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
