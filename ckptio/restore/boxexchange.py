@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .._exchange import joined
 from ..distributed import Coordinator
 from ..engine import run_sync
 from ..layout import MIN_BLOCK, MIN_BLOCKS_PER_SHARD
@@ -52,6 +53,8 @@ _ROUNDS = 8
 #: At most this many bands of one array's shards (see :func:`_bands`); shards up to _ONE_BAND bytes
 #: are never cut (a whole array up to 1 MiB has one checksum block).
 _MAX_BANDS, _ONE_BAND = 4, 1 << 20
+#: Pieces under _SMALL bytes go in one buffer per run of up to _GROUP bytes (sends, not copies, cost).
+_SMALL, _GROUP = 64 << 10, 4 << 20
 
 
 @dataclasses.dataclass
@@ -222,9 +225,9 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) 
     out: dict[int, list[memoryview]] = {}
     for dst, lengths in _lengths(side, sends, "dst").items():
         # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
-        out[dst] = [status, *(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])]
+        out[dst] = [status, *_coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])]
     expect = _lengths(side, gets, "src")
-    got = x.exchange(out, {src: [1, *lengths] for src, lengths in expect.items()})
+    got = x.exchange(out, {src: [1, *_grouped(lengths)] for src, lengths in expect.items()})
     del out, messages
     try:
         if failure is None and not any(got[s][0] for s in expect):  # else the sender reports its failure
@@ -233,6 +236,34 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) 
         failure = _named(e, coord.rank)
     del got
     _agree(coord, failure, 0)
+
+
+def _groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Pieces ``[i, j)`` sent as one buffer: runs of pieces under ``_SMALL`` bytes, up to
+    ``_GROUP`` bytes a run, each larger piece alone (a million tiny pieces must not be a million
+    sends). Both ends cut the same lengths alike."""
+    out: list[tuple[int, int]] = []
+    i, n = 0, len(lengths)
+    while i < n:
+        j, total = i + 1, lengths[i]
+        if lengths[i] < _SMALL:
+            while j < n and lengths[j] < _SMALL and total + lengths[j] <= _GROUP:
+                total += lengths[j]
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def _grouped(lengths: list[int]) -> list[int]:
+    """The buffers' lengths of a message of pieces ``lengths`` (see :func:`_groups`)."""
+    return [sum(lengths[i:j]) for i, j in _groups(lengths)]
+
+
+def _coalesced(views: list[memoryview]) -> list[memoryview]:
+    """The buffers of a message of pieces ``views``: small ones joined (see :func:`_groups`)."""
+    return [views[i] if j == i + 1 else memoryview(joined(views[i:j]))
+            for i, j in _groups([v.nbytes for v in views])]
 
 
 def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
