@@ -3,7 +3,8 @@
 :func:`run_readonce` saves two checkpoints (a 32 MiB float32 matrix as ``hosts``
 row shards; an 8 MiB vector and a small int64 vector, whole), then restores
 each in ``hosts`` real processes (torch.distributed, gloo) twice per case --
-plain, then ``read_once=True`` -- each process reading through a counting
+plain, then ``read_once=True``, then by logical-box exchange
+(:mod:`ckptio.restore.boxexchange`) -- each process reading through a counting
 backend wrapper. Cases: ``replicated`` (every process restores the
 replicated arrays whole) and ``columns`` (each restores a column block of
 the row-sharded matrix). Reported per case and mode: total storage bytes
@@ -74,8 +75,9 @@ def _reset_peak() -> int:
     return _kib("VmRSS")
 
 
-def restore_counted(root: str, step: int | None, target: Any, read_once: bool) -> tuple[Any, dict[str, int]]:
-    """``ckptio.restore`` through a counting backend: the tree, storage bytes read, peak RSS growth."""
+def restore_counted(root: str, step: int | None, target: Any, read_once: bool | str) -> tuple[Any, dict[str, int]]:
+    """``ckptio.restore`` through a counting backend: the tree, storage bytes read, peak RSS growth.
+    ``read_once="exchange"``: by logical-box exchange (:mod:`ckptio.restore.boxexchange`)."""
     import ckptio
     from ckptio.backends import open_backend
     from ckptio.backends.wrappers import CountingBackend
@@ -86,7 +88,7 @@ def restore_counted(root: str, step: int | None, target: Any, read_once: bool) -
     return out, {"read": counting.bytes_read, "rss_growth": max(0, _kib("VmHWM") - base) * 1024}
 
 
-def replicated(root: str, read_once: bool) -> dict[str, Any]:
+def replicated(root: str, read_once: bool | str) -> dict[str, Any]:
     """Every process restores the replicated arrays whole (checked bit-exact)."""
     full = expected()
     out, stats = restore_counted(root, 1, {"emb": None, "bias": None}, read_once)
@@ -95,7 +97,7 @@ def replicated(root: str, read_once: bool) -> dict[str, Any]:
     return {**stats, "restored": full["emb"].nbytes + full["bias"].nbytes}
 
 
-def columns(root: str, read_once: bool) -> dict[str, Any]:
+def columns(root: str, read_once: bool | str) -> dict[str, Any]:
     """Each process restores its column block of the row-sharded matrix (checked bit-exact)."""
     import ckptio
 
@@ -109,11 +111,11 @@ def columns(root: str, read_once: bool) -> dict[str, Any]:
     return {**stats, "restored": got.nbytes}
 
 
-SCENARIOS: dict[str, Callable[[str, bool], dict[str, Any]]] = {"replicated": replicated, "columns": columns}
+SCENARIOS: dict[str, Callable[[str, Any], dict[str, Any]]] = {"replicated": replicated, "columns": columns}
 
 
-def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, bool], dict[str, Any]]]) -> int:
-    """One process: ``OUT_DIR SCENARIO ROOT [plain] [jax]``, writes ``OUT_DIR/<rank>.json``.
+def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, Any], dict[str, Any]]]) -> int:
+    """One process: ``OUT_DIR SCENARIO ROOT [plain|exchange] [jax]``, writes ``OUT_DIR/<rank>.json``.
 
     ``jax``: the job is jax.distributed (CPU), not torch.distributed."""
     out_dir, scenario, root = argv[:3]
@@ -133,7 +135,7 @@ def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, bool], dict
 
         dist.init_process_group("gloo")
         rank, barrier, shutdown = dist.get_rank(), dist.barrier, dist.destroy_process_group
-    result = scenarios[scenario](root, "plain" not in argv[3:])
+    result = scenarios[scenario](root, "exchange" if "exchange" in argv[3:] else "plain" not in argv[3:])
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     barrier()
@@ -189,8 +191,8 @@ def run_readonce(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]
             ckpt = os.path.join(tmp, case)
             make_checkpoints(ckpt, hosts, case)
             stored = stored_bytes(ckpt)
-            for mode in ("plain", "read_once"):
-                reports = launch(__file__, hosts, [case, ckpt] + (["plain"] if mode == "plain" else []),
+            for mode in ("plain", "read_once", "exchange"):
+                reports = launch(__file__, hosts, [case, ckpt] + ([mode] if mode != "read_once" else []),
                                  Path(tmp, f"{case}-{mode}"))
                 total = sum(r["read"] for r in reports)
                 rows.append({"case": case, "mode": mode, "hosts": hosts, "stored": stored, "job_read": total,

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .scale_exchange import plan_exchange, render_rows
+
 __all__ = ["run_scale"]
 
 ROWS_PER_HOST, COLS = 8, 4096
@@ -133,27 +135,17 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
     from ckptio.reshard import Region, plan_regions
-    from ckptio.store import CheckpointStore
 
-    t0 = time.perf_counter()
-    store = CheckpointStore(root)
-    stored = [0]
-    read_into = store.backend.read_into
-
-    # Counted where every read lands (whole-object reads are a stat + read_into in any wrapper,
-    # the store's deadline layer included): planning reads only manifests and fragments.
-    async def counting_read_into(key: str, rng: Any, buffers: Any) -> None:
-        await read_into(key, rng, buffers)
-        stored[0] += rng.length
-
-    store.backend.read_into = counting_read_into  # type: ignore[method-assign]
+    _preload()
+    t0, c0 = time.perf_counter(), time.process_time()
+    store, stored = counted_store(root)
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
     boxes = {}
     for name, item in root_m.items.items():
         if isinstance(item, ArrayItem) and (mine := _boxes(case, rank, hosts, name, item.shape)):
             boxes[name] = mine
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
-    t_load = time.perf_counter() - t0
+    t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
     load_rss = _rss_mb()
     wants, needed = [], 0
     for name, [(off, shape)] in boxes.items():
@@ -162,8 +154,36 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
         needed += int(np.prod(shape)) * item.dtype.itemsize
     reqs = plan_regions(wants, m.objects, m.block_size)  # every region at once, as restore.plan does
     out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": len(reqs),
+             "load_cpu_s": c_load, "plan_cpu_s": time.process_time() - c0 - c_load,
              "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
              "storage_needed": needed, "load_rss_mb": load_rss})
+
+
+def _preload() -> None:
+    """Import what a training process has imported anyway before it restores: ml_dtypes (jax and
+    torch users have it; bfloat16 items need it), whose first import alone costs ~0.5-1.5 s
+    here and would otherwise be counted as "load"."""
+    import importlib
+
+    importlib.import_module("ml_dtypes")
+
+
+def counted_store(root: str) -> tuple[Any, list[int]]:
+    """A store of ``root`` and a one-element list counting the bytes it reads."""
+    from ckptio.store import CheckpointStore
+
+    store = CheckpointStore(root)
+    count = [0]
+    read_into = store.backend.read_into
+
+    # Counted where every read lands (whole-object reads are a stat + read_into in any wrapper,
+    # the store's deadline layer included): planning reads only manifests and fragments.
+    async def counting_read_into(key: str, rng: Any, buffers: Any) -> None:
+        await read_into(key, rng, buffers)
+        count[0] += rng.length
+
+    store.backend.read_into = counting_read_into  # type: ignore[method-assign]
+    return store, count
 
 
 def _rss_mb() -> float:
@@ -210,6 +230,8 @@ def run_scale(hosts: int, shards: int, parent: str | None = None) -> dict[str, A
         for case in CASES:
             got = _in_child(_plan, root, rank, hosts, case)
             res.update({f"{case}_{k}": v for k, v in got.items() if v is not None})
+            got = _in_child(plan_exchange, root, hosts, case)
+            res.update({f"x_{case}_{k}": v for k, v in got.items() if v is not None})
         return res
 
 
@@ -223,12 +245,15 @@ def render(res: dict[str, Any]) -> str:
         f"  gathered at coordinator {res['gathered_bytes_at_coordinator'] / 2**20:.1f} MiB "
         f"({res['summary_bytes_per_host'] / 2**10:.1f} KiB per host)",
         f"  non-coordinator receives {res['received_per_non_coordinator']} B per save (the verdict) + transport framing",
-        "  host restore (per host)     load + plan        metadata read  peak RSS  requests  storage read / needed",
-        *(f"  {what:<27} {res[f'{c}_load_s']:.3f} + {res[f'{c}_plan_s']:.3f} s  {res[f'{c}_bytes_read'] / 2**20:9.2f} MiB "
+        "  host restore (per host)     load + plan (wall; CPU)             metadata read  peak RSS  requests  "
+        "storage read / needed",
+        *(f"  {what:<27} {res[f'{c}_load_s']:.3f} + {res[f'{c}_plan_s']:.3f} s; {res[f'{c}_load_cpu_s']:.3f} + "
+          f"{res[f'{c}_plan_cpu_s']:.3f} s  {res[f'{c}_bytes_read'] / 2**20:9.2f} MiB "
           f"{res[f'{c}_rss_mb']:6.0f} MB {res[f'{c}_requests']:9,}  "
           f"{res[f'{c}_storage_read'] / max(res[f'{c}_storage_needed'], 1):.2f}x "
           f"({res[f'{c}_storage_read'] / 2**20:.1f} / {res[f'{c}_storage_needed'] / 2**20:.1f} MiB)"
           for c, what in CASES.items()),
+        *render_rows(res, CASES),
         f"  (building {h} hosts' records with the save code took {res['records_s']:.1f} s in this one process)",
     ]
     return "\n".join(lines)

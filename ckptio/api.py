@@ -83,7 +83,7 @@ def restore(
     progress: Progress | bool | None = None,
     backend: Backend | None = None,
     coordinator: Coordinator | None = None,
-    read_once: bool = False,
+    read_once: bool | str = False,
 ) -> Any:
     """Restore step ``step`` (default: the newest committed) from ``url``.
 
@@ -101,6 +101,9 @@ def restore(
     jax.distributed's, see :func:`ckptio.distributed.default_coordinator`),
     still verified against its checksum by each process that uses it; with a
     coordinator that cannot exchange bytes, every process reads what it needs.
+    ``read_once="exchange"``: the same by logical-box exchange (each process
+    reads the manifest's root and the fragments it sends from, and sends other
+    processes the boxes they restore; :mod:`ckptio.restore.boxexchange`).
     """
     store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend,
                                          engine_config=config_for_host(engine_config, coordinator),

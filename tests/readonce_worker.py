@@ -126,6 +126,27 @@ def exchange(root: str, read_once: bool) -> dict[str, Any]:
     return {"ok": True}
 
 
+def exchange_faults(root: str, read_once: bool) -> dict[str, Any]:
+    """Step 1 (rows saved) restored as column blocks by logical-box exchange, counted and checked
+    bit-exact; then step 2, which has a flipped byte (``flip_a_byte``, by the parent)."""
+    import ckptio
+    from ckptio.bench.readonce import restore_counted
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cols = COLS // world
+    ix = (slice(None), slice(rank * cols, (rank + 1) * cols))
+    target = {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None)])}
+    out, stats = restore_counted(root, 1, target, "exchange")
+    got = out["w"].pieces[0][1]
+    assert got.tobytes() == np.ascontiguousarray(expected()["w"][ix]).tobytes()
+    del out
+    # Once more, warm (modules imported, gloo's buffers made): what a restore itself holds.
+    again, warm = restore_counted(root, 1, target, "exchange")
+    del again
+    flipped = _failure(lambda: restore_counted(root, 2, target, "exchange"))
+    return {**stats, "warm_rss_growth": warm["rss_growth"], "restored": got.nbytes, "flipped": flipped}
+
+
 if __name__ == "__main__":
     sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange,
-                                                "manager": manager_default}))
+                                                "manager": manager_default, "exchange_faults": exchange_faults}))

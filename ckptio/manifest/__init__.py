@@ -47,7 +47,7 @@ from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, 
 from .geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
 from .table import ShardTable, table_of
 from .itemjson import array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
-from .lazy import Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_shards_meeting
+from .lazy import Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_fragments, with_shards_meeting
 from .limits import MAX_MANIFEST_BYTES
 from .model import (
     ArrayItem,
@@ -136,6 +136,7 @@ __all__ = [
     "validated",
     "version_for",
     "with_every_shard",
+    "with_fragments",
     "with_shards_meeting",
     "without_replicas",
 ]

@@ -13,7 +13,7 @@ shards at hand were checked to tile it exactly.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from .codec.split import FragmentLoader
 from .model import ArrayItem, Box, Manifest
 
-__all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "with_shards_meeting"]
+__all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "with_fragments", "with_shards_meeting"]
 
 
 #: Item name -> target boxes ``(offsets, shape)``.
@@ -77,11 +77,20 @@ async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, 
     if callable(wanted):
         wanted = wanted()
     numbers = fragments_for(manifest, wanted)
+    return await with_fragments(manifest, numbers, fetch, step_dir, where, complete=wanted is None,
+                                names=None if wanted is None else set(wanted))
+
+
+async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, step_dir: str, where: str, *,
+                         complete: bool = False, names: Collection[str] | None = None) -> Manifest:
+    """``manifest`` (a format-2 root) with the shards of fragments ``numbers`` at hand, only the
+    rows of items ``names`` (None: every item); ``complete``: ``numbers`` are all of them. What a
+    host reads that sends the shards of the fragments it is responsible for
+    (:mod:`ckptio.restore.boxroute`), whatever its own target."""
     # Only the wanted items' rows are made into shards: nobody parses what it does not restore.
     # Fragments are read in batches and each dropped once decoded: a host that meets every
     # fragment holds one batch of their bytes, not all of them.
-    loader = FragmentLoader(manifest, step_dir, where, complete=wanted is None,
-                            names=None if wanted is None else set(wanted), few=len(numbers) <= 8)
+    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(numbers) <= 8)
     for i in range(0, len(numbers), FETCH_BATCH):
         batch = numbers[i : i + FETCH_BATCH]
         datas = await fetch(batch)

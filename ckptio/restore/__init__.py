@@ -11,6 +11,9 @@ The package, one concern a module, imports pointing down:
 * :mod:`.execute`: :func:`execute` ``(plan, engine)``, the IO and checksums;
   :func:`restore_checkpoint` = prepare + execute
 * :mod:`.step`: :func:`restore_step`, picking the step (and falling back)
+* :mod:`.readonce` (+ :mod:`.ranges`): each stored byte read once, chunks owned by hosts
+* :mod:`.boxroute` + :mod:`.boxexchange`: the logical-box exchange (``read_once="exchange"``):
+  each host reads the fragments it is responsible for and sends others the boxes they restore
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from ..errors import CheckpointNotFoundError, CkptioError, IntegrityError, Manif
 from ..manifest import Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
+from .boxexchange import restore_exchange
 from .readonce import can_read_once, restore_read_once
 
 __all__ = ["restore_step"]
@@ -29,7 +30,7 @@ log = logging.getLogger("ckptio.restore")
 
 def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *,
                  progress: Progress | None = None, coordinator: Coordinator | None = None,
-                 read_once: bool = False) -> Any:
+                 read_once: bool | str = False) -> Any:
     """Restore ``step`` (None: the newest restorable committed step) of ``store``.
 
     With ``step=None``, a step that turns out not to restore -- an object or a
@@ -45,14 +46,16 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     read from storage by one host and redistributed over the coordinator
     (:mod:`ckptio.restore.readonce`), where it exchanges bytes
     (:func:`~ckptio.restore.readonce.can_read_once`); elsewhere every host
-    reads what it needs, as without it.
+    reads what it needs, as without it. ``read_once="exchange"``: the same by logical-box
+    exchange (:mod:`ckptio.restore.boxexchange`): a host reads the root and only the fragments
+    it sends from, not those its target meets.
     """
     coord = coordinator or SingleProcess()
     # Who this host is, for per-host items: the coordinator's, else the job's default one's (a
     # restore called without a coordinator in a multi-process job still gives each host its own).
     host = (coord.rank, coord.size) if coordinator is not None else None
     # A host-local store's objects are seen only by the host that wrote them: nobody reads for others.
-    once = read_once and can_read_once(coord) and not store.host_local
+    once = read_once if can_read_once(coord) and not store.host_local else False  # "exchange" stays itself
     if read_once and not once and coord.size > 1:
         log.warning("read_once: %s; every host reads what it needs", "the store is host-local" if store.host_local
                     else f"{type(coord).__name__} does not exchange bytes")
@@ -66,7 +69,7 @@ _LOST = (FileNotFoundError, IntegrityError, ManifestError, PermissionError)
 
 def _restore_step(
     store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator,
-    once: bool, host: tuple[int, int] | None,
+    once: bool | str, host: tuple[int, int] | None,
 ) -> Any:
     tried: list[int] = []
     first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
@@ -83,8 +86,12 @@ def _restore_step(
         fatal = False  # a failure that another step would not mend (a bad target, an outage)
         out: Any = None
         try:
-            out = (restore_read_once(store, manifest, step_dir, target, coord, progress=progress) if once
-                   else restore_checkpoint(store, manifest, step_dir, target, progress=progress, host=host))
+            if once == "exchange":
+                out = restore_exchange(store, manifest, step_dir, target, coord)
+            elif once:
+                out = restore_read_once(store, manifest, step_dir, target, coord, progress=progress)
+            else:
+                out = restore_checkpoint(store, manifest, step_dir, target, progress=progress, host=host)
         except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
             if not many:
                 raise

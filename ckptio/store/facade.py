@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from ckptio.backends import Backend
@@ -181,6 +181,11 @@ class CheckpointStore:
     async def load_fragments(self, step_dir: str, root: Manifest, wanted: Any) -> Manifest:
         """A format-2 root with the shards that meet ``wanted`` (item -> boxes; None: all) loaded."""
         return await self.manifests.load_fragments(step_dir, root, wanted)
+
+    async def load_fragment_numbers(self, step_dir: str, root: Manifest, numbers: list[int],
+                                    names: Collection[str] | None = None) -> Manifest:
+        """A format-2 root with the shards of its fragments ``numbers`` (items ``names``) loaded."""
+        return await self.manifests.load_fragment_numbers(step_dir, root, numbers, names)
 
     async def object_sizes(self, keys: Iterable[str]) -> dict[str, int]:
         """Sizes of ``keys`` that exist (absent ones are left out): a listing per directory."""

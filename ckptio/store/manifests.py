@@ -11,13 +11,15 @@ unconfirmed or revoked commit too.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 
 from ckptio.backends.base import join_key
 
 from ..engine import gather_or_cancel
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
 from ..fence import COMMIT, REVOKED, Fences
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Manifest, Wanted, unseal, with_shards_meeting
+from ..manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Fetch, Manifest, Wanted, unseal,
+                        with_fragments, with_shards_meeting)
 from ..names import step_of_key
 from .context import StoreContext
 
@@ -71,6 +73,16 @@ class Manifests:
         """``root`` with the shards that meet ``wanted`` (item -> boxes, or a callable making them;
         None: all) at hand: a format-2 root's fragments holding them read, any other manifest as is."""
         where = f"{self.ctx.where(step_dir)}/{MANIFEST_NAME}"
+        return await with_shards_meeting(root, wanted, self._fetcher(root, where), step_dir, where)
+
+    async def load_fragment_numbers(self, step_dir: str, root: Manifest, numbers: list[int],
+                                    names: Collection[str] | None = None) -> Manifest:
+        """A format-2 ``root`` with the shards of its fragments ``numbers`` at hand (only items
+        ``names``; None: all): what a host reads to send the shards it is responsible for."""
+        where = f"{self.ctx.where(step_dir)}/{MANIFEST_NAME}"
+        return await with_fragments(root, numbers, self._fetcher(root, where), step_dir, where, names=names)
+
+    def _fetcher(self, root: Manifest, where: str) -> Fetch:
         refs = root.fragments or []
 
         async def one(i: int, datas: dict[int, bytes]) -> None:
@@ -85,7 +97,7 @@ class Manifests:
             await gather_or_cancel((one(i, datas) for i in numbers), limit=self.ctx.concurrency * 2)
             return datas
 
-        return await with_shards_meeting(root, wanted, fetch, step_dir, where)
+        return fetch
 
     async def read_unchecked(self, step_dir: str) -> Manifest:
         """The manifest of ``step_dir`` as stored: parsed and validated, nothing else checked.

@@ -1,0 +1,316 @@
+"""Logical-box exchange, executed: each host reads the shards it is responsible for and sends boxes.
+
+The plan is :mod:`ckptio.restore.boxroute`. Here, collectively (every host of
+the coordinator calls :func:`restore_exchange`):
+
+1. every host makes its target regions (the buffers it restores into) and
+   learns every host's target boxes: from :class:`TargetTable` s the caller
+   gives (a description every host holds: a grid, a jax sharding), else by
+   one all-gather of each host's boxes (:func:`boxroute.gathered`);
+2. it reads the root's fragments it is responsible for (not the ones its
+   target meets) and lists the pieces it sends and the pieces it receives;
+3. per round (a run of arrays, the same on every host, from the root), it
+   reads from storage, through the engine, the part of each of its shards that
+   some host needs (every byte verified against its checksum blocks on the
+   host that reads it), and sends every host its pieces, raw bytes in the
+   canonical order both ends know, each message led by a status byte; a
+   receiver copies each piece into its target buffer;
+4. each round ends in a status round: an error on any host (a missing object,
+   a checksum, a bad target) is raised on every host, naming the host that
+   failed and what it failed on (:func:`ckptio.restore.readonce` 's agreement).
+
+So each stored byte some target needs is read from storage once in the job,
+no host reads another host's fragment, and a host holds its restored arrays
+plus one round's reads and messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .._exchange import joined
+from ..distributed import Coordinator
+from ..engine import run_sync
+from ..layout import MIN_BLOCK, MIN_BLOCKS_PER_SHARD
+from ..manifest import ArrayItem, Manifest, table_of
+from ..reshard import Region, plan_regions
+from ..store import CheckpointStore
+from .boxroute import Pieces, TargetTable, gathered, incoming, outgoing, responsible
+from .plan import ReadPlan, _Builder, select
+from .readonce import _agree, _named
+from .targets import target_regions
+
+__all__ = ["restore_exchange"]
+
+#: A round moves about 1/_ROUNDS of the bytes the job restores (bands of large arrays' shards).
+_ROUNDS = 8
+#: At most this many bands of one array's shards (see :func:`_bands`); shards up to _ONE_BAND bytes
+#: are never cut (a whole array up to 1 MiB has one checksum block).
+_MAX_BANDS, _ONE_BAND = 4, 1 << 20
+#: Pieces under _SMALL bytes go in one buffer per run of up to _GROUP bytes (sends, not copies, cost).
+_SMALL, _GROUP = 64 << 10, 4 << 20
+
+
+@dataclasses.dataclass
+class _Side:
+    """One host's view of the restore: its regions, the pieces it sends and receives."""
+
+    regions: dict[str, dict[tuple[int, ...], list[Region]]]
+    sends: dict[str, Pieces]
+    gets: dict[str, Pieces]
+    local: Manifest  # the root with the shards of this host's responsible fragments
+    targets: dict[str, TargetTable]
+
+
+def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, target: Any, coord: Coordinator, *,
+                     targets: Mapping[str, TargetTable] | None = None) -> Any:
+    """Restore ``root`` (a committed manifest of ``store``'s ``step_dir``) as ``target`` asks, by
+    logical-box exchange over ``coord`` (an :class:`~ckptio.distributed.ExchangeCoordinator`).
+    Collective. ``targets``: every host's target boxes per array, if every host can say them
+    (else they are all-gathered). Raises on every host if any host fails."""
+    where = store.where(step_dir)
+    failure: BaseException | None = None
+    side: _Side | None = None
+    finish: ReadPlan | None = None
+    try:
+        sel = select(root, target, where)
+        builder = _Builder(root, where, (coord.rank, coord.size))
+        regions: dict[str, dict[tuple[int, ...], list[Region]]] = {}
+        for name, tgt in sel.wanted.items():
+            if isinstance(root.items[name], ArrayItem):
+                rs, builder.finishers[name] = target_regions(name, root.items[name], tgt)  # type: ignore[arg-type]
+                for r in rs:  # a box held twice (two pieces of one replica) is filled twice
+                    regions.setdefault(name, {}).setdefault((*r.offsets, *r.dest.shape), []).append(r)
+            else:
+                builder.add(name, tgt)
+        finish = ReadPlan([], sel.structure, builder.finishers, [], {}, {})
+        described = _described(root, sel.wanted) if targets is None else {}
+    except Exception as e:
+        failure = e
+        regions, described = {}, {}
+    # Every host joins the all-gather and the agreement, whatever it failed with.
+    if targets is not None:
+        tables = dict(targets)
+    else:
+        tables = dict(described)
+        tables.update(gathered(
+            coord, {n: [(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in by_box.values()]
+                    for n, by_box in regions.items() if n not in tables},
+            {n: len(it.shape) for n, it in root.items.items() if isinstance(it, ArrayItem)}))
+    if failure is None:
+        try:
+            side = _plan(store, root, step_dir, regions, tables, coord)
+        except Exception as e:
+            failure = _named(e, coord.rank)
+    _agree(coord, failure, 0)
+    assert side is not None and finish is not None
+    for rnd in _rounds(root, side.targets):
+        _round(store, coord, side, rnd)
+    return finish.finish()
+
+
+def _described(root: Manifest, wanted: Mapping[str, Any]) -> dict[str, TargetTable]:
+    """The target tables every host can make alone: of jax targets, from their shardings."""
+    jax = sys.modules.get("jax")
+    out: dict[str, TargetTable] = {}
+    for name, tgt in wanted.items():
+        sharding = getattr(tgt, "sharding", None) if jax is not None and isinstance(
+            tgt, (jax.Array, jax.ShapeDtypeStruct)) else None
+        if isinstance(root.items[name], ArrayItem) and hasattr(sharding, "devices_indices_map"):
+            out[name] = TargetTable.from_sharding(sharding, root.items[name].shape)  # type: ignore[union-attr]
+    return out
+
+
+def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
+          regions: dict[str, dict[tuple[int, ...], list[Region]]],
+          tables: dict[str, TargetTable], coord: Coordinator) -> _Side:
+    """This host's pieces: its responsible fragments' shards against every target, its own
+    targets against the root's locators."""
+    arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
+    for name, mine in regions.items():  # a caller's tables must say what this host's target says
+        said = set(arrays[name].of_host(coord.rank)) if name in arrays else set()
+        boxes = {(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in mine.values() if rs[0].dest.size}
+        if said != boxes:
+            raise ValueError(f"item {name!r}: the target tables say host {coord.rank} restores {sorted(said)[:4]}, "
+                             f"its target says {sorted(boxes)[:4]}")
+    if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
+        local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
+        sends = {n: p.take(p.ref % coord.size == coord.rank)
+                 for n, p in outgoing(root.items, arrays, coord.rank).items()}
+    else:
+        mine = responsible(len(root.fragments or []), coord.size, coord.rank)
+        local = run_sync(store.load_fragment_numbers(step_dir, root, mine, names=set(arrays)))
+        sends, gets = outgoing(local.items, arrays, coord.rank), incoming(root.items, arrays, coord.rank, coord.size)
+    if not store.host_local:
+        run_sync(store.check_objects(local, store.where(step_dir)))
+    return _Side(regions, sends, gets, local, arrays)
+
+
+def _incoming_complete(root: Manifest, targets: dict[str, TargetTable], rank: int, hosts: int) -> dict[str, Pieces]:
+    """:func:`incoming` for a format-1 manifest, through a locator made from its shards (shard
+    ``i`` as if in fragment ``i``)."""
+    out = {}
+    for name, tt in targets.items():
+        item = root.items[name]
+        t = table_of(item)  # type: ignore[arg-type]
+        shim = copy.copy(item)
+        shim.locator = np.column_stack([np.arange(t.n), t.offsets, t.shape])  # type: ignore[union-attr]
+        out.update(incoming({name: shim}, {name: tt}, rank, hosts))
+    return out
+
+
+#: One round: per array, (name, band, bands): band ``k`` of ``bands`` of the rows of every stored shard.
+Round = list[tuple[str, int, int]]
+
+
+def _rounds(root: Manifest, targets: dict[str, TargetTable]) -> list[Round]:
+    """The rounds, the same on every host (from the root and the targets): each moves about
+    1/``_ROUNDS`` of the bytes the job restores; an array larger than that is cut into bands of
+    the rows of each of its stored shards, one band a round."""
+    sizes = {n: int(np.prod(t.shape, axis=1, dtype=np.int64).sum())
+             * root.items[n].dtype.itemsize for n, t in targets.items()}  # type: ignore[union-attr]
+    budget = max(1, sum(sizes.values()) // _ROUNDS)
+    out: list[Round] = [[]]
+    held = 0
+    for n in sorted(sizes):
+        bands = _bands(root.items[n], sizes[n], budget)  # type: ignore[arg-type]
+        for k in range(bands):
+            if held >= budget:
+                out.append([])
+                held = 0
+            out[-1].append((n, k, bands))
+            held += sizes[n] // bands
+    return out
+
+
+def _bands(item: ArrayItem, size: int, budget: int) -> int:
+    """Into how many bands of rows each stored shard of ``item`` is cut (``size``: the bytes the
+    job restores of it). A band's edge inside a checksum block has that block read in both
+    rounds: blocks are at most 1/32 of a shard (:func:`ckptio.layout.extent_block`, unless
+    :data:`~ckptio.layout.MIN_BLOCK` or a small whole array's one block stops it), so at most
+    ``_MAX_BANDS`` bands and a band at least 32 smallest blocks: at most 3/32 of a shard read twice."""
+    if not item.shape or not size:
+        return 1
+    ndim = len(item.shape)
+    if item.locator is not None:
+        shapes = item.locator[:, 1 + ndim :]
+    else:
+        shapes = table_of(item).shape
+    smallest = int(np.prod(shapes, axis=1, dtype=np.int64).min()) * item.dtype.itemsize if len(shapes) else 0
+    if smallest <= _ONE_BAND:
+        return 1
+    return max(1, min(-(-size // budget), _MAX_BANDS, item.shape[0], smallest // (MIN_BLOCKS_PER_SHARD * MIN_BLOCK)))
+
+
+def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) -> None:
+    """Read this round's shards, exchange its pieces, copy them in; then agree (raises on every
+    host if any failed)."""
+    x: Any = coord
+    # Keyed by (array, band): a round may hold several bands of one array.
+    sends = {(n, k): side.sends[n].band(k, b) for n, k, b in rnd if n in side.sends}
+    gets = {(n, k): side.gets[n].band(k, b) for n, k, b in rnd if n in side.gets}
+    failure: BaseException | None = None
+    try:
+        messages = _read_and_pack(store, side, sends)
+    except Exception as e:
+        failure = _named(e, coord.rank)
+        messages = {}
+    status = memoryview(bytearray([failure is not None]))
+    out: dict[int, list[memoryview]] = {}
+    for dst, lengths in _lengths(side, sends, "dst").items():
+        # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
+        out[dst] = [status, *_coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])]
+    expect = _lengths(side, gets, "src")
+    got = x.exchange(out, {src: [1, *_grouped(lengths)] for src, lengths in expect.items()})
+    del out, messages
+    try:
+        if failure is None and not any(got[s][0] for s in expect):  # else the sender reports its failure
+            _unpack(side, gets, got)
+    except Exception as e:
+        failure = _named(e, coord.rank)
+    del got
+    _agree(coord, failure, 0)
+
+
+def _groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Pieces ``[i, j)`` sent as one buffer: runs of pieces under ``_SMALL`` bytes, up to
+    ``_GROUP`` bytes a run, each larger piece alone (a million tiny pieces must not be a million
+    sends). Both ends cut the same lengths alike."""
+    out: list[tuple[int, int]] = []
+    i, n = 0, len(lengths)
+    while i < n:
+        j, total = i + 1, lengths[i]
+        if lengths[i] < _SMALL:
+            while j < n and lengths[j] < _SMALL and total + lengths[j] <= _GROUP:
+                total += lengths[j]
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def _grouped(lengths: list[int]) -> list[int]:
+    """The buffers' lengths of a message of pieces ``lengths`` (see :func:`_groups`)."""
+    return [sum(lengths[i:j]) for i, j in _groups(lengths)]
+
+
+def _coalesced(views: list[memoryview]) -> list[memoryview]:
+    """The buffers of a message of pieces ``views``: small ones joined (see :func:`_groups`)."""
+    return [views[i] if j == i + 1 else memoryview(joined(views[i:j]))
+            for i, j in _groups([v.nbytes for v in views])]
+
+
+def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
+    """Per peer (``"dst"`` or ``"src"`` of ``pieces``), the lengths of its pieces, in message order."""
+    out: dict[int, list[int]] = {}
+    for (n, _k), p in pieces.items():
+        nb = p.nbytes(side.local.items[n].dtype.itemsize).tolist()  # type: ignore[union-attr]
+        for h, k in zip(getattr(p, peer).tolist(), nb):
+            out.setdefault(h, []).append(k)
+    return out
+
+
+def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces]
+                   ) -> dict[int, list[memoryview]]:
+    """Read (verified) the part of each shard this round's pieces need, then each destination's
+    message: its pieces' bytes, in canonical order (views where a piece is contiguous)."""
+    wants, bufs = [], {}
+    for (n, k), p in sends.items():
+        item = side.local.items[n]
+        for row in np.unique(p.ref).tolist():
+            sel = p.ref == row
+            lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
+            buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
+            region = Region(tuple(lo.tolist()), buf)
+            bufs[(n, k, row)] = region
+            wants.append((n, item, region))
+    run_sync(store.engine.read(plan_regions(wants, side.local.objects, side.local.block_size)))
+    out: dict[int, list[memoryview]] = {}
+    for (n, k), p in sends.items():
+        for dst, row, lo, hi in zip(p.dst.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist()):
+            region = bufs[(n, k, row)]
+            box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))
+            piece = np.ascontiguousarray(region.dest[box]).reshape(-1).view(np.uint8)  # a view where contiguous
+            out.setdefault(dst, []).append(memoryview(piece))
+    return out
+
+
+def _unpack(side: _Side, gets: dict[tuple[str, int], Pieces], got: dict[int, bytearray]) -> None:
+    """Copy every received piece of this round into its target region."""
+    pos = {src: 1 for src in got}
+    for (n, _k), p in gets.items():
+        dtype = side.local.items[n].dtype  # type: ignore[union-attr]
+        tt, regions = side.targets[n], side.regions[n]
+        for src, ref, lo, hi in zip(p.src.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist()):
+            shape = [b - a for a, b in zip(lo, hi)]
+            count = int(np.prod(shape, dtype=np.int64))
+            data = np.frombuffer(got[src], dtype, count, pos[src]).reshape(shape)
+            for region in regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]:
+                region.dest[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))] = data
+            pos[src] += count * dtype.itemsize
