@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 import pytest
+from ckptio.backends import open_backend
+from ckptio.backends.wrappers import WrapperBackend
 
 import ckptio
 from ckptio.engine import run_sync
@@ -138,3 +140,21 @@ def test_a_replica_marker_says_what_the_scan_needs(tmp_path, monkeypatch):
     own = CheckpointStore(str(tmp_path / "own"), host_local=True)
     assert holdings(own, CheckpointStore(replica.url, host_local=True), 0) == [
         Holding(0, 3, m.checkpoint_id, 1, m.num_hosts, False)]
+
+
+class _NoManifestDeletes(WrapperBackend):
+    """A deletion that dies when it reaches the manifest (a crash between the objects and the manifest)."""
+
+    async def delete(self, key: str) -> None:
+        if key.endswith("/ckptio.manifest.json"):
+            raise OSError("killed before the manifest went")
+        await self.inner.delete(key)
+
+
+def test_a_deletion_takes_the_record_before_the_manifest(saved):
+    fast = CheckpointStore(str(saved), backend=_NoManifestDeletes(open_backend(str(saved))), host_local=True)
+    with pytest.raises(OSError):
+        run_sync(fast.delete("2"))
+    assert records(saved, 2) == []  # the record is gone while its manifest is still there
+    assert (saved / "2" / "ckptio.manifest.json").exists()
+    assert [h.step for h in holdings(CheckpointStore(str(saved), host_local=True), None, 0)] == [1]

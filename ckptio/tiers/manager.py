@@ -4,6 +4,7 @@ Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
 ``mem://run1``)::
 
     <fast_url>/<step>/...           this host's objects + the job's manifest (committed by every host)
+                                    + this host's commit record (ckptio.tiers.held: what a restart scans)
     <peer_url>/<step>/...           a partner's latest snapshot: its objects, the manifest, a marker
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
 

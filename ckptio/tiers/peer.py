@@ -4,7 +4,8 @@ A host's fast tier holds the objects it wrote plus, for every committed
 step, the job's whole manifest (the coordinator's bytes, committed by every
 host). Its *replica store* holds what partners sent it: the same manifest,
 the partner's objects under the same keys, and a marker per partner
-(``ckptio.replica-of.hNNNNN``) created only after that partner's objects
+(``ckptio.replica-of.hNNNNN``, holding the checkpoint id and number of hosts
+that a restart's scan needs) created only after that partner's objects
 are in -- so a replica is never used half-received. The previous replica is
 deleted only after the new one is complete: there is always one to fall
 back on.
