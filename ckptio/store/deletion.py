@@ -20,7 +20,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 from ..errors import IntegrityError, ManifestError
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import parse_held  # apart from the line below: one import per concern keeps merges apart
+from ..names import parse_held  # hosts' commit records (ckptio.tiers.held): see _doomed
 from ..names import fence_key, parse_fence, parse_intent, step_of_key
 from .context import StoreContext
 from .intents import Intents
