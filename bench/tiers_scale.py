@@ -306,7 +306,7 @@ def render_tiers_scale(res: dict[str, Any]) -> str:
             f"            coordinator commit {res['save_commit_s']:.2f} s (with the after-save hook: {res['save_coordinator_s']:.2f} s), "
             f"RSS {res['save_coordinator_rss_mb']:.0f} MB; other host {res['save_host_s']:.2f} s, "
             f"RSS {res['save_host_rss_mb']:.0f} MB",
-            f"  restart   a host's scan of what it holds (one committed step: its whole manifest read) "
+            f"  restart   a host's scan of what it holds (one committed step, fresh stores) "
             f"{res['holdings_scan_s']:.2f} s, not part of the plan times below",
         ]
     lines.append(f"  restart, host {h // 2} lost          plan s  sources s   received       sent   peak RSS")

@@ -16,7 +16,10 @@ Deleting is the most dangerous thing ckptio does, so everything that deletes
 * a commit's fence (``[<step>/]ckptio.fence.<fence id>``) and a deleter's revocation of a dead
   save (``ckptio.revoked/<step>.<save id>``, ``-`` for the root), see :mod:`ckptio.fence`;
 * a peer replica's marker (``<step>/ckptio.replica-of.h<host>``, see :mod:`ckptio.tiers.peer`):
-  the named partner's objects of that step are all in this replica store.
+  the named partner's objects of that step are all in this replica store;
+* a host's commit record in a host-local tier (``<step>/ckptio.held.<checkpoint id>.h<host>``,
+  see :mod:`ckptio.tiers.held`): that host's part of the checkpoint committed in the step. It
+  goes with its step (deletion), and gc takes it once its step's committed manifest is another.
 
 Anything else under a root (another tool's files, a user's notes, an Orbax
 step, a nested root's deeper keys) never parses, so it is never deleted.
@@ -42,6 +45,10 @@ __all__ = [
     "parse_object",
     "parse_replica_mark",
     "FENCE_PREFIX",
+    "HELD_PREFIX",
+    "HeldName",
+    "held_key",
+    "parse_held",
     "REVOKED_DIR",
     "revoked_prefix",
     "is_fencing",
@@ -76,6 +83,9 @@ _STEP_DIR_RE = re.compile(rf"(?:{_STEP})?")
 REPLICA_MARK_PREFIX = "ckptio.replica-of.h"
 #: Always in a step directory (a replica is of one step); the host as ``{:05d}`` writes it.
 _REPLICA_MARK = re.compile(rf"(?P<step>{_STEP})/ckptio\.replica-of\.h(?P<host>[0-9]{{5,}})")
+HELD_PREFIX = "ckptio.held."
+#: Always in a step directory; the checkpoint id as :func:`new_id` spells it, the host as ``{:05d}``.
+_HELD = re.compile(rf"(?P<step>{_STEP})/ckptio\.held\.(?P<cid>{_SID})\.h(?P<host>{_NUM5})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +147,33 @@ def parse_replica_mark(key: str) -> ReplicaMark | None:
         return None
     mark = ReplicaMark(m["step"], int(m["host"]))
     return mark if replica_mark_key(mark.step_dir, mark.host) == key else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldName:
+    """What a host's commit record's key says: its step directory, checkpoint id and host."""
+
+    step_dir: str
+    checkpoint_id: str
+    host: int
+
+
+def held_key(step_dir: str, checkpoint_id: str, host: int) -> str:
+    """Where ``host`` records, in its host-local tier, its part of checkpoint ``checkpoint_id`` of ``step_dir``."""
+    key = join_key(step_dir, f"{HELD_PREFIX}{checkpoint_id}.h{host:05d}") if step_dir else ""
+    if isinstance(host, bool) or not isinstance(host, int) or parse_held(key) is None:
+        raise ValueError(f"a commit record needs a step directory, a checkpoint id and a host >= 0, got "
+                         f"{step_dir!r}, {checkpoint_id!r}, {host!r}")
+    return key
+
+
+def parse_held(key: str) -> HeldName | None:
+    """The step directory, checkpoint id and host of a commit record's key; None for any other key.
+
+    Only the exact spelling :func:`held_key` writes parses (``h00001``, not ``h1``; no suffix).
+    """
+    m = _HELD.fullmatch(key)
+    return None if m is None else HeldName(m["step"], m["cid"], int(m["host"]))
 
 
 def new_id() -> str:

@@ -96,6 +96,24 @@ def kill_mid_copy(tmp_path: Any, args: Sequence[str], env: dict[str, str] | None
             p.communicate()
 
 
+def records_say_what_the_manifests_say(fast: Any, world: int, steps: set[int]) -> None:
+    """Each host's commit record of each step it holds, and each replica marker, name the checkpoint and
+    the host count its manifest does (what a restart's scan reads instead of the manifest, #33)."""
+    for r in range(world):
+        own = CheckpointStore(str(fast / f"r{r}"), host_local=True)
+        for s in steps:
+            m = run_sync(own.read_manifest(str(s)))
+            records = [n for n in os.listdir(fast / f"r{r}" / str(s)) if n.startswith("ckptio.held.")]
+            assert records == [f"ckptio.held.{m.checkpoint_id}.h{r:05d}"], (r, s, records)
+            doc = json.loads((fast / f"r{r}" / str(s) / records[0]).read_text())
+            assert (doc["checkpoint_id"], doc["num_hosts"], doc["host"]) == (m.checkpoint_id, world, r)
+        marks = list((fast / f"r{r}" / "peer").glob("*/ckptio.replica-of.h*"))
+        assert marks, r
+        for mark in marks:
+            m = run_sync(CheckpointStore(str(fast / f"r{r}" / "peer"), host_local=True).read_manifest(mark.parent.name))
+            assert json.loads(mark.read_text()) == {"checkpoint_id": m.checkpoint_id, "num_hosts": world}
+
+
 @pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def durable(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, str]]:
     """The durable tier: a local directory, or a bucket prefix on fake-gcs-server."""
@@ -114,6 +132,7 @@ def test_lost_host_restores_from_its_partner_then_from_the_durable_tier(tmp_path
     saved = run(4, "save", root, "--steps", "1,2,3,4,5", *common, env=env)
     assert all(r["tiers"]["fast"] == [4, 5] and r["tiers"]["peer"] == [5] for r in saved.values()), saved
     assert saved[0]["tiers"]["durable"] == [2, 4]
+    records_say_what_the_manifests_say(tmp_path / "fast", 4, {4, 5})
 
     # Host 2's node is replaced: its SSD (its checkpoints and the replica it kept for host 1) is gone.
     shutil.rmtree(tmp_path / "fast" / "r2")

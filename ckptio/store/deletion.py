@@ -21,6 +21,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 from ..errors import IntegrityError, ManifestError
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ..names import parse_held  # hosts' commit records (ckptio.tiers.held): see _doomed
 from ..names import fence_key, parse_fence, parse_intent, step_of_key
 from .companions import delete_companions
 from .context import StoreContext
@@ -107,8 +108,8 @@ class Deletion:
     def _doomed(
         self, step_dir: str, manifest: Manifest | None, listing: list[ObjectInfo], live: set[str]
     ) -> set[str]:
-        """The objects of ``step_dir`` to delete: those its manifest names inside the step, and those
-        listed there that are provably ckptio's and of no live save."""
+        """The objects of ``step_dir`` to delete: those its manifest names inside the step, those
+        listed there that are provably ckptio's and of no live save, and its hosts' commit records."""
         owned = manifest.keys() if manifest is not None else []
         keys = {k for k in owned if step_of_key(k) == step_dir}
         foreign = len(owned) - len(keys)
@@ -118,6 +119,10 @@ class Deletion:
         for info in listing:
             name = self.ctx.parse_object(info.key)
             if name is not None and name.step_dir == step_dir and name.save_id not in live:
+                keys.add(info.key)
+            elif (held := parse_held(info.key)) is not None and held.step_dir == step_dir:
+                # A host's commit record (ckptio.tiers.held) goes before the manifest it vouches for:
+                # no record outlives its commit, so none can speak for a later one at this step.
                 keys.add(info.key)
         return keys
 

@@ -22,7 +22,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
 from ..fence import Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import ObjectName, fence_key, parse_fence, parse_intent
+from ..names import ObjectName, fence_key, parse_fence, parse_held, parse_intent
 from .context import StoreContext
 from .deletion import Deletion
 from .intents import Intents
@@ -67,6 +67,7 @@ class _Round:
     protected: set[str] = dataclasses.field(default_factory=set)  # step dirs whose objects nobody may sweep now
     unconfirmed: dict[str, Manifest] = dataclasses.field(default_factory=dict)  # fence not "commit"
     live: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # live save ids by step
+    ids: dict[str, str] = dataclasses.field(default_factory=dict)  # checkpoint id of each step's standing manifest
 
 
 def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
@@ -91,8 +92,12 @@ class Collector:
         self.deletion = deletion
 
     def _name(self, key: str) -> ObjectName | None:
-        """What an object's, intent's or fence's key says; None for a key that is none of ckptio's."""
-        return self.ctx.parse_object(key) or parse_intent(key) or parse_fence(key)
+        """What an object's, intent's, fence's or commit record's key says (for a record, its checkpoint
+        id as the id); None for a key that is none of ckptio's."""
+        name = self.ctx.parse_object(key) or parse_intent(key) or parse_fence(key)
+        if name is None and (held := parse_held(key)) is not None:
+            name = ObjectName(held.step_dir, held.checkpoint_id)
+        return name
 
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
         """Delete what crashed saves left: ckptio's objects that no intact manifest names.
@@ -181,6 +186,8 @@ class Collector:
                    and n.step_dir not in rnd.protected and n.save_id not in rnd.live[n.step_dir]
                    and rnd.now - i.mtime >= rnd.grace]
         report.intents = [i.key for i in intents]
+        stale = self._stale_records(rnd)
+        report.objects += stale
         if not rnd.dry_run:
             await self.ctx.delete_keys(report.objects)
             await self.ctx.delete_keys(report.intents)
@@ -212,6 +219,7 @@ class Collector:
                 continue
             try:
                 kept = await self.manifests.read_manifest(step_dir)
+                rnd.ids[step_dir] = kept.checkpoint_id
                 rnd.keep.update(kept.keys())
                 if kept.fence:
                     rnd.keep.add(fence_key(step_dir, kept.fence))
@@ -246,6 +254,19 @@ class Collector:
                 gone = await self.deletion.revoke_before_deleting(step_dir, gone)
             rnd.report.objects += [i.key for i in gone]
             rnd.report.bytes += sum(i.size for i in gone)
+
+    def _stale_records(self, rnd: _Round) -> list[str]:
+        """Hosts' commit records (ckptio.tiers.held) older than the grace whose step's standing manifest is
+        not the checkpoint they name (or is gone): each is written only after its commit stood, and deleted
+        with its step, so one that names no standing commit is a crash's leftover, never the only proof of
+        anything. A record of the standing commit is kept (it only spares its host a read of the manifest)."""
+        out: list[str] = []
+        for step_dir, infos in rnd.by_step.items():
+            if step_dir in rnd.protected:
+                continue
+            out += [i.key for i in infos if (h := parse_held(i.key)) is not None and h.step_dir == step_dir
+                    and h.checkpoint_id != rnd.ids.get(step_dir) and rnd.now - i.mtime >= rnd.grace]
+        return out
 
     async def _still_named(self, step_dir: str, m: Manifest) -> bool:
         """True if ``step_dir``'s manifest is still ``m`` (the same commit: its id and fence)."""

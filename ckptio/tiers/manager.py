@@ -4,6 +4,7 @@ Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
 ``mem://run1``)::
 
     <fast_url>/<step>/...           this host's objects + the job's manifest (committed by every host)
+                                    + this host's commit record (ckptio.tiers.held: what a restart scans)
     <peer_url>/<step>/...           a partner's latest snapshot: its objects, the manifest, a marker
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
 
@@ -43,6 +44,7 @@ from ..save import SaveHandle, start_save
 from ..staging import StagingPool
 from ..states import SaveState
 from ..store import CheckpointStore
+from .held import write_held
 from .group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
 from .peer import holdings, replicate_to_partner, retire_replica
 from .policy import TIERS, Holding, TierPolicy
@@ -295,9 +297,11 @@ class TieredCheckpointManager:
             return  # the same verdict on every host: nobody runs a collective below
         step, step_dir = handle.step, str(handle.step)
         data: bytes | None = None
+        m: Manifest | None = None
         if self.rank == 0:
             try:
-                data = run_sync(self.fast.read_manifest(step_dir, shards=False)).to_json()
+                m = run_sync(self.fast.read_manifest(step_dir, shards=False))
+                data = m.to_json()
             except BaseException as e:
                 log.error("%s: cannot read the manifest just committed: %r", self.fast.where(step_dir), e)
         held = False
@@ -310,6 +314,11 @@ class TieredCheckpointManager:
         except BaseException as e:  # this host then does not hold the step; restore plans around it
             log.error("%s: the fast-tier commit on host %d failed: %r", self.fast.where(step_dir), self.rank, e)
             self._hook_error = e
+        if held and m is not None:
+            try:  # after the commit stood: a restart's scan then reads this, not the manifest
+                run_sync(write_held(self.fast, step, m, self.rank))
+            except Exception as e:  # noqa: BLE001 -- without a record, the scan reads the manifest
+                log.warning("%s: cannot write this host's commit record: %r", self.fast.where(step_dir), e)
         log.info("%s: committed in the fast tier on host %d (held: %s)", self.fast.where(step_dir), self.rank, held)
         # Queue on every host alike, held or not: the workers' rounds are collective.
         if self.peer_worker is not None:

@@ -4,7 +4,8 @@ A host's fast tier holds the objects it wrote plus, for every committed
 step, the job's whole manifest (the coordinator's bytes, committed by every
 host). Its *replica store* holds what partners sent it: the same manifest,
 the partner's objects under the same keys, and a marker per partner
-(``ckptio.replica-of.hNNNNN``) created only after that partner's objects
+(``ckptio.replica-of.hNNNNN``, holding the checkpoint id and number of hosts
+that a restart's scan needs) created only after that partner's objects
 are in -- so a replica is never used half-received. The previous replica is
 deleted only after the new one is complete: there is always one to fall
 back on.
@@ -32,6 +33,7 @@ from ..manifest import Manifest
 from ..names import parse_replica_mark, replica_mark_key
 from ..store import CheckpointStore
 from .group import CHUNK, Message, PeerGroup
+from .held import OwnPart, own_object_keys, read_held
 from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
 
 __all__ = [
@@ -63,21 +65,19 @@ def checkpoint_disagreement(ids: Sequence[str | None], most: int = 8) -> str | N
     return f"not committed in every host's fast tier (host 0: {ids[0] if ids else None!r}; other or none: {shown})"
 
 
-def own_objects(manifest: Manifest, writer: int) -> list[int]:
-    """Indices of the objects ``writer`` wrote (ascending)."""
-    return [i for i, w in enumerate(object_writers(manifest)) if w == writer]
-
-
 async def _own_holdings(own: CheckpointStore, rank: int) -> list[Holding]:
     out = []
     for step in await own.committed_steps():
         try:
-            m = await own.read_manifest(str(step))
-            keys = [m.objects[i] for i in own_objects(m, rank)]
-            await asyncio.gather(*(own.io.stat(k) for k in keys))
+            # This host's commit record says it in O(its own objects); without one, the whole manifest.
+            part = await read_held(own, step, rank)
+            if part is None:
+                m = await own.read_manifest(str(step))
+                part = OwnPart(m.checkpoint_id, m.num_hosts, own_object_keys(m, rank))
+                await asyncio.gather(*(own.io.stat(k) for k in part.objects))
         except FileNotFoundError:  # deleted meanwhile, or objects lost: not held
             continue
-        out.append(Holding(rank, step, m.checkpoint_id, rank, m.num_hosts, True))
+        out.append(Holding(rank, step, part.checkpoint_id, rank, part.num_hosts, True))
     return out
 
 
@@ -85,15 +85,33 @@ async def _replica_holdings(replica: CheckpointStore, rank: int) -> list[Holding
     out = []
     for step in await replica.committed_steps():
         try:
-            m = await replica.read_manifest(str(step))
             infos = await replica.io.list(f"{step}/")
         except FileNotFoundError:
             continue
+        m: Manifest | None = None
         for info in infos:
             mark = parse_replica_mark(info.key)
-            if mark is not None and mark.step_dir == str(step):
-                out.append(Holding(rank, step, m.checkpoint_id, mark.host, m.num_hosts, False))
+            if mark is None or mark.step_dir != str(step):
+                continue
+            try:
+                said = await _mark_says(replica, info.key)
+                if said is None:  # an older run's empty marker: the manifest says it
+                    m = m or await replica.read_manifest(str(step))
+                    said = (m.checkpoint_id, m.num_hosts)
+            except FileNotFoundError:
+                break
+            out.append(Holding(rank, step, said[0], mark.host, said[1], False))
     return out
+
+
+async def _mark_says(replica: CheckpointStore, key: str) -> tuple[str, int] | None:
+    """The checkpoint id and number of hosts a replica marker records; None for one that records none."""
+    try:
+        doc = json.loads(await replica.io.read(key) or b"null")
+        return (doc["checkpoint_id"], doc["num_hosts"]) if isinstance(doc, dict) and isinstance(
+            doc.get("checkpoint_id"), str) and isinstance(doc.get("num_hosts"), int) else None
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def holdings(own: CheckpointStore, replica: CheckpointStore | None, rank: int) -> list[Holding]:
@@ -201,7 +219,9 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
             raise
     mark = replica_mark_key(step_dir, source)
     try:
-        await replica.io.create_if_absent(mark, b"")
+        # What a restart's scan needs, so that it does not parse the manifest (see _replica_holdings).
+        said = json.dumps({"checkpoint_id": m.checkpoint_id, "num_hosts": m.num_hosts}).encode()
+        await replica.io.create_if_absent(mark, said)
     except FileExistsError:
         pass
     # Only the latest snapshot is kept: older replicas go once the new one is complete.

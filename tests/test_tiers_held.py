@@ -1,0 +1,160 @@
+"""A host's commit record (ckptio.tiers.held): the restart's scan reads it instead of the job's manifest,
+it goes with its step, gc keeps it exactly while it names the standing commit, and anything doubtful
+about it sends the scan back to the manifest. Replica markers likewise carry what the scan needs (#33).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from ckptio.backends import open_backend
+from ckptio.backends.wrappers import WrapperBackend
+
+import ckptio
+from ckptio.engine import run_sync
+from ckptio.names import HeldName, held_key, parse_held
+from ckptio.store import CheckpointStore
+from ckptio.tiers import Holding, TieredCheckpointManager
+from ckptio.tiers.held import read_held
+from ckptio.tiers.peer import _commit_replica, holdings
+
+
+def state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal((64, 33)).astype(np.float32),
+            "v": rng.integers(0, 1 << 30, size=(5000,), dtype=np.int64), "step": step}
+
+
+def records(root, step: int) -> list[str]:
+    return sorted(n for n in os.listdir(root / str(step)) if n.startswith("ckptio.held."))
+
+
+def by_manifest(store: CheckpointStore, rank: int = 0) -> list[Holding]:
+    """What the scan said before records existed: the manifest's id and size, for committed steps."""
+    out = []
+    for s in run_sync(store.committed_steps()):
+        m = run_sync(store.read_manifest(str(s)))
+        out.append(Holding(rank, s, m.checkpoint_id, rank, m.num_hosts, True))
+    return out
+
+
+@pytest.fixture
+def saved(tmp_path):
+    with TieredCheckpointManager(str(tmp_path / "fast")) as m:
+        for s in (1, 2):
+            m.save(s, state(s))
+    return tmp_path / "fast"
+
+
+def no_manifest_reads(monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("the scan read a manifest")
+    monkeypatch.setattr(CheckpointStore, "read_manifest", refuse)
+
+
+def test_names_parse_only_as_written():
+    key = held_key("7", "0123456789ab", 1)
+    assert key == "7/ckptio.held.0123456789ab.h00001"
+    assert parse_held(key) == HeldName("7", "0123456789ab", 1)
+    for other in ["7/ckptio.held.0123456789ab.h1", "7/ckptio.held.0123456789ab.h00001.bak", "ckptio.held.0123456789ab.h00001",
+                  "07/ckptio.held.0123456789ab.h00001", "7/ckptio.held.0123456789AB.h00001", "h3f/7/ckptio.held.0123456789ab.h00001"]:
+        assert parse_held(other) is None, other
+    for bad in [("", "0123456789ab", 1), ("7", "nope", 1), ("7", "0123456789ab", -1)]:
+        with pytest.raises(ValueError):
+            held_key(*bad)
+
+
+def test_each_save_records_its_commit_and_the_scan_reads_no_manifest(saved, monkeypatch):
+    fast = CheckpointStore(str(saved), host_local=True)
+    expected = by_manifest(fast)
+    assert [h.step for h in expected] == [1, 2]
+    for h in expected:
+        assert records(saved, h.step) == [f"ckptio.held.{h.checkpoint_id}.h00000"]
+    fresh = CheckpointStore(str(saved), host_local=True)
+    no_manifest_reads(monkeypatch)
+    assert holdings(fresh, None, 0) == expected
+
+
+@pytest.mark.parametrize("damage", ["absent", "garbled", "wrong_id_inside", "a_second_record"])
+def test_a_doubtful_record_sends_the_scan_to_the_manifest(saved, damage):
+    fast = CheckpointStore(str(saved), host_local=True)
+    expected = by_manifest(fast)
+    (name,) = records(saved, 2)
+    path = saved / "2" / name
+    if damage == "absent":
+        path.unlink()
+    elif damage == "garbled":
+        path.write_bytes(b"{not json")
+    elif damage == "wrong_id_inside":
+        doc = json.loads(path.read_bytes())
+        path.write_text(json.dumps({**doc, "checkpoint_id": "ffffffffffff"}))
+    else:  # a stale record beside the right one: neither is trusted
+        (saved / "2" / "ckptio.held.ffffffffffff.h00000").write_bytes(path.read_bytes())
+    assert run_sync(read_held(CheckpointStore(str(saved), host_local=True), 2, 0)) is None
+    assert holdings(CheckpointStore(str(saved), host_local=True), None, 0) == expected
+
+
+def test_a_lost_object_means_not_held_with_or_without_a_record(saved):
+    fast = CheckpointStore(str(saved), host_local=True)
+    m = run_sync(fast.read_manifest("2"))
+    os.remove(saved / m.objects[0])
+    assert [h.step for h in holdings(CheckpointStore(str(saved), host_local=True), None, 0)] == [1]
+    for name in records(saved, 2):
+        os.remove(saved / "2" / name)
+    assert [h.step for h in holdings(CheckpointStore(str(saved), host_local=True), None, 0)] == [1]
+
+
+def test_the_record_goes_with_its_step_and_lookalikes_stay(saved):
+    lookalike = saved / "2" / "ckptio.held.0123456789ab.h0"
+    lookalike.write_text("someone else's")
+    fast = CheckpointStore(str(saved), host_local=True)
+    run_sync(fast.delete("2"))
+    assert os.listdir(saved / "2") == [lookalike.name]
+    assert run_sync(fast.committed_steps()) == [1]
+
+
+def test_gc_keeps_the_standing_commits_record_and_takes_stale_ones(saved):
+    (standing,) = records(saved, 2)
+    stale = "ckptio.held.ffffffffffff.h00003"
+    (saved / "2" / stale).write_text("{}")
+    os.makedirs(saved / "9")
+    (saved / "9" / "ckptio.held.0123456789ab.h00000").write_text("{}")  # a commit's leftover, no manifest
+    gc = CheckpointStore(str(saved), host_local=True)
+    report = run_sync(gc.sweep(3600.0))
+    assert not [k for k in report.deleted if parse_held(k)]  # young: spared
+    report = run_sync(gc.sweep(0.0))
+    assert sorted(k for k in report.deleted if parse_held(k)) == ["2/" + stale, "9/ckptio.held.0123456789ab.h00000"]
+    assert records(saved, 2) == [standing] and records(saved, 1)
+    assert run_sync(gc.sweep_step(2, 0.0)).deleted == []
+
+
+def test_a_replica_marker_says_what_the_scan_needs(tmp_path, monkeypatch):
+    replica = CheckpointStore(str(tmp_path / "peer"), host_local=True)
+    ckptio.save(replica.url, state(3), step=3).result()
+    m = run_sync(replica.read_manifest("3"))
+    run_sync(_commit_replica(replica, 3, m, 1))  # the same checkpoint already there: only the marker is new
+    no_manifest_reads(monkeypatch)
+    own = CheckpointStore(str(tmp_path / "own"), host_local=True)
+    assert holdings(own, CheckpointStore(replica.url, host_local=True), 0) == [
+        Holding(0, 3, m.checkpoint_id, 1, m.num_hosts, False)]
+
+
+class _NoManifestDeletes(WrapperBackend):
+    """A deletion that dies when it reaches the manifest (a crash between the objects and the manifest)."""
+
+    async def delete(self, key: str) -> None:
+        if key.endswith("/ckptio.manifest.json"):
+            raise OSError("killed before the manifest went")
+        await self.inner.delete(key)
+
+
+def test_a_deletion_takes_the_record_before_the_manifest(saved):
+    fast = CheckpointStore(str(saved), backend=_NoManifestDeletes(open_backend(str(saved))), host_local=True)
+    with pytest.raises(OSError):
+        run_sync(fast.delete("2"))
+    assert records(saved, 2) == []  # the record is gone while its manifest is still there
+    assert (saved / "2" / "ckptio.manifest.json").exists()
+    assert [h.step for h in holdings(CheckpointStore(str(saved), host_local=True), None, 0)] == [1]
