@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .pinning import Cores, training_core
+
 __all__ = ["during", "idle", "lost_s", "slowdown", "step"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
@@ -57,17 +59,18 @@ def _timed_step() -> float:
     return time.perf_counter() - t
 
 
-def idle(duration_s: float = 0.3) -> dict[str, float]:
-    """Step times with nothing else running (at least 20 steps).
+def idle(duration_s: float = 0.3, cores: Cores | None = None) -> dict[str, float]:
+    """Step times with nothing else running (at least 20 steps), on ``cores.train`` if given.
 
     Returns ``{"train_idle_s": mean wall time per step, "train_idle_cpu_s": mean CPU time}``.
     """
     times: list[float] = []
-    cpu0 = time.thread_time()
-    end = time.perf_counter() + duration_s
-    while len(times) < 20 or time.perf_counter() < end:
-        times.append(_timed_step())
-    cpu = time.thread_time() - cpu0
+    with training_core(cores):
+        cpu0 = time.thread_time()
+        end = time.perf_counter() + duration_s
+        while len(times) < 20 or time.perf_counter() < end:
+            times.append(_timed_step())
+        cpu = time.thread_time() - cpu0
     return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times)}
 
 
@@ -91,8 +94,11 @@ def lost_s(sample: dict[str, Any]) -> float | None:
     return sample["train_steps"] * (sample["train_busy_s"] - sample["train_cpu_s"] * per_cpu_idle)
 
 
-def during(wait: Callable[[], Any]) -> dict[str, Any]:
+def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any]:
     """Run ``wait`` (a save's ``result``) in a thread and training steps here until it returns.
+
+    With ``cores`` (``--pin``) the steps run alone on ``cores.train`` and everything else,
+    the waiting thread included, on ``cores.rest`` (see :mod:`ckptio.bench.pinning`).
 
     Returns ``{"train_busy_s": mean step time, "train_cpu_s": its mean CPU time,
     "train_max_s": the longest step, "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
@@ -110,12 +116,13 @@ def during(wait: Callable[[], Any]) -> dict[str, Any]:
             failure.append(e)
 
     thread = threading.Thread(target=waiter, name="bench-save-wait", daemon=True)
-    thread.start()
-    cpu0, runq0 = time.thread_time(), _runq_s()
-    times = [_timed_step()]  # at least one: the step the save's background work started under
-    while thread.is_alive():
-        times.append(_timed_step())
-    cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
+    thread.start()  # before the pin: it inherits this thread's (the rest's) cores
+    with training_core(cores):
+        cpu0, runq0 = time.thread_time(), _runq_s()
+        times = [_timed_step()]  # at least one: the step the save's background work started under
+        while thread.is_alive():
+            times.append(_timed_step())
+        cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
     thread.join()
     if failure:
         raise failure[0]
