@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from . import pinning, report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
-from .harness import QUICK_CASES, run_interleaved, run_job, select_cases
+from .harness import QUICK_CASES, QUICK_SIZE, run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
 from .targets import GCSTarget, Target, open_target
@@ -57,7 +57,7 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                     "Orbax, DCP, torch.save and tensorstore, on the same generated state.",
     )
     g = p.add_argument_group("state")
-    g.add_argument("--size", default="1GiB", help="total state size (default 1GiB)")
+    g.add_argument("--size", default=None, help=f"total state size (default 1GiB; the quick set: {QUICK_SIZE})")
     g.add_argument("--arrays", type=int, default=32, help="number of arrays (default 32)")
     g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
     g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
@@ -307,7 +307,7 @@ def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: Stat
 
 
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    spec = StateSpec(total_bytes=parse_size(args.size), count=args.arrays, dtype=args.dtype)
+    spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays, dtype=args.dtype)
     if args.pin and not args.train:
         raise ValueError("--pin pins the training thread of --train: add --train")
     pin = pinning.plan() if args.pin else None  # ValueError on one core
@@ -414,7 +414,7 @@ def _tiers_scale(args: argparse.Namespace) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from .reshard import render_reshard, run_reshard
 
-    res = run_reshard(parse_size(args.size), args.dir, args.cache_drop, args.rounds)
+    res = run_reshard(parse_size(args.size or "1GiB"), args.dir, args.cache_drop, args.rounds)
     print(render_reshard(res), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error("--full runs every default case: it cannot be combined with --cases")
     quick = args.cases is None and not args.full and not args.from_json
     if quick:
-        args.cases = list(QUICK_CASES)
+        args.cases, args.size = list(QUICK_CASES), args.size or QUICK_SIZE
     unknown = _unknown_cases(args.cases) + _unknown_cases(args.skip)
     if unknown and not args.from_json:
         return _error(f"no case is called {', '.join(map(repr, unknown))} "
