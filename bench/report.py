@@ -78,6 +78,7 @@ _LABELS = {
     "save_rss_mib": "save +RSS MiB",
     "restore_rss_mib": "restore +RSS MiB",
     "train_slowdown": "train step ×",
+    "train_slowdown_on_core": "train step × on core",
     "train_blocked_ms": "train blocked ms",
     "train_lost_ms": "train lost ms/save",
     "save_cpu_s_per_gib": "save CPU s/GiB",
@@ -99,6 +100,8 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
         out["train_slowdown"] = x
         out["train_slowdown_wall"] = sample["train_busy_s"] / sample["train_idle_s"]
         out["train_lost_ms"] = train.lost_s(sample) * 1e3  # type: ignore[operator]
+    if (x := train.slowdown_on_core(sample)) is not None:
+        out["train_slowdown_on_core"] = x
     if sample.get("train_blocked_s") is not None:
         out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
     gib = nbytes / GIB
@@ -241,7 +244,7 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
     direct = next((r for r in results if r["case"] == DIRECT and r.get("status") == "ok"), None)
-    extra = [f for f in ("train_slowdown", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
+    extra = [f for f in ("train_slowdown", "train_slowdown_on_core", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
     headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
                "held MiB", "save ×raw", "restore ×raw", "save ×direct", "restore ×direct"]
     rows = []
@@ -276,7 +279,8 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                      "drift; synchronous saves: none, the stall is the cost); train lost ms/save: the step "
                      "thread's time the save cost, over all its steps; train blocked ms: per step, "
                      "the time that thread neither ran nor waited for a core (the GIL, mostly: the save's own share "
-                     "of the slowdown on a loaded host)")
+                     "of the slowdown on a loaded host); train step × on core: the same without the step's waits "
+                     "for a core (with --pin, other processes' doing, not the save's)")
     print_table(header, headers, rows, notes, out)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from .pinning import Cores, training_core
 
-__all__ = ["during", "idle", "lost_s", "slowdown", "step"]
+__all__ = ["during", "idle", "lost_s", "slowdown", "slowdown_on_core", "step"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
 
@@ -66,12 +66,13 @@ def idle(duration_s: float = 0.3, cores: Cores | None = None) -> dict[str, float
     """
     times: list[float] = []
     with training_core(cores):
-        cpu0 = time.thread_time()
+        cpu0, runq0 = time.thread_time(), _runq_s()
         end = time.perf_counter() + duration_s
         while len(times) < 20 or time.perf_counter() < end:
             times.append(_timed_step())
-        cpu = time.thread_time() - cpu0
-    return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times)}
+        cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
+    return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times),
+            "train_idle_runq_s": runq / len(times)}
 
 
 def slowdown(sample: dict[str, Any]) -> float | None:
@@ -84,6 +85,21 @@ def slowdown(sample: dict[str, Any]) -> float | None:
     if not (busy and busy_cpu and idle_wall and idle_cpu):
         return None
     return (busy / busy_cpu) / (idle_wall / idle_cpu)
+
+
+def slowdown_on_core(sample: dict[str, Any]) -> float | None:
+    """:func:`slowdown` with each step's waits for a core taken out, during and idle.
+
+    Under ``--pin`` the case's own threads run on other cores, so what the step thread still
+    waits for a core for is other processes' doing (a shared machine's neighbours), not the
+    save's: this figure leaves it out and keeps the GIL's waits. Unpinned it would also leave
+    out the save's own competition for the core, so read it with ``--pin`` only.
+    """
+    if slowdown(sample) is None or sample.get("train_runq_s") is None or sample.get("train_idle_runq_s") is None:
+        return None
+    busy = sample["train_busy_s"] - sample["train_runq_s"]
+    idle_wall = sample["train_idle_s"] - sample["train_idle_runq_s"]
+    return (busy / sample["train_cpu_s"]) / (idle_wall / sample["train_idle_cpu_s"])
 
 
 def lost_s(sample: dict[str, Any]) -> float | None:
@@ -128,4 +144,4 @@ def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any
         raise failure[0]
     blocked = max(0.0, sum(times) - cpu - runq) / len(times)
     return {"train_busy_s": statistics.fmean(times), "train_cpu_s": cpu / len(times), "train_max_s": max(times),
-            "train_steps": len(times), "train_blocked_s": blocked}
+            "train_steps": len(times), "train_blocked_s": blocked, "train_runq_s": runq / len(times)}

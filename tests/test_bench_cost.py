@@ -133,6 +133,7 @@ def test_train_pin_reports_the_step_figures_and_the_cores(tmp_path: Path) -> Non
     result = _run(tmp_path, "ckptio", StateSpec(8 << 20, 4), train=True, pin=True)
     assert result["pinned"]["train"] and result["pinned"]["rest"]
     assert "train_slowdown" in result["summary"] and "save_cpu_s_per_gib" in result["summary"]
+    assert "train_slowdown_on_core" in result["summary"]
     for s in result["samples"]:
         assert s["train_steps"] >= 1 and s["save_cpu_s"] >= 0
 
@@ -153,3 +154,17 @@ def test_the_json_says_memory_state_and_pinning(tmp_path: Path) -> None:
     assert ("ckptio", "save_gibps", "raw-direct") in judged
     assert ("ckptio", "save_cpu_s_per_gib", "cpu-floor") in judged
     assert ("ckptio", "restore_cpu_s_per_gib", "cpu-floor") in judged
+
+
+def test_slowdown_on_core_leaves_out_waits_for_a_core_only() -> None:
+    """A step that waits a fifth of its wall for a core (a neighbour) and nothing else: 1.25x,
+    1.0x on core; the same plus GIL waits worth a fifth of its CPU: both count those."""
+    from ckptio.bench import train
+
+    idle = {"train_idle_s": 1e-3, "train_idle_cpu_s": 1e-3, "train_idle_runq_s": 0.0}
+    queued = {**idle, "train_busy_s": 1.25e-3, "train_cpu_s": 1e-3, "train_runq_s": 0.25e-3, "train_steps": 10}
+    assert train.slowdown(queued) == pytest.approx(1.25)
+    assert train.slowdown_on_core(queued) == pytest.approx(1.0)
+    gil = {**queued, "train_busy_s": 1.45e-3}
+    assert train.slowdown_on_core(gil) == pytest.approx(1.2)
+    assert train.slowdown_on_core({**idle, "train_busy_s": 1e-3, "train_cpu_s": 1e-3}) is None  # no runq: older JSON
