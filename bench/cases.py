@@ -40,6 +40,7 @@ __all__ = ["CASE_MODULES", "Case", "CaseContext", "Pending", "all_cases", "get_c
 # Built-in case modules, in the order their cases appear in tables.
 CASE_MODULES: tuple[str, ...] = (
     "ckptio.bench.anchors_raw",
+    "ckptio.bench.anchors_direct",
     "ckptio.bench.anchors_jax",
     "ckptio.bench.anchors_torch",
     "ckptio.bench.anchors_gcs",

@@ -15,10 +15,10 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from . import report
+from . import pinning, report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
-from .harness import QUICK_CASES, run_interleaved, run_job, select_cases
+from .harness import QUICK_CASES, QUICK_SIZE, run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
 from .targets import GCSTarget, Target, open_target
@@ -57,7 +57,7 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                     "Orbax, DCP, torch.save and tensorstore, on the same generated state.",
     )
     g = p.add_argument_group("state")
-    g.add_argument("--size", default="1GiB", help="total state size (default 1GiB)")
+    g.add_argument("--size", default=None, help=f"total state size (default 1GiB; the quick set: {QUICK_SIZE})")
     g.add_argument("--arrays", type=int, default=32, help="number of arrays (default 32)")
     g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
     g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
@@ -85,6 +85,12 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--train", action="store_true",
                    help="keep a GIL-bound training-step loop running in the saving process while each "
                         "asynchronous save finishes, and report how much slower its steps get")
+    g.add_argument("--pin", action="store_true",
+                   help="with --train: the training thread alone on one core, every other thread and process "
+                        "of the case on the others (what a many-core host sees; bench/pinning.py)")
+    g.add_argument("--no-equalize", dest="equalize", action="store_false",
+                   help="do not touch and free the restore's worth of memory before each timed restore "
+                        "(memory_state: as-is; see bench/README.md)")
     g.add_argument("--interleave", action="store_true",
                    help="run the cases side by side one round at a time (every case's round 1, then every "
                         "round 2, ...), so storage that drifts over minutes drifts under all of them alike; "
@@ -183,9 +189,10 @@ class _Runner:
     """Runs one case as a job on the target, with progress, and returns its summarised result."""
 
     def __init__(self, target: Target, cache_drop: str, rounds: int, verify: bool,
-                 timeout: float | None, progress: _Progress, train: bool = False) -> None:
+                 timeout: float | None, progress: _Progress, train: bool = False, **flags: bool) -> None:
         self.target, self.cache_drop, self.rounds = target, cache_drop, rounds
         self.verify, self.timeout, self.progress, self.train = verify, timeout, progress, train
+        self.flags = flags  # the Job's other switches: pin, equalize
 
     def _job(self, cls: type[Case], spec: StateSpec, world_size: int, rounds: int,
              gated: bool = False) -> tuple[Job, float, Callable[[dict[str, Any]], None], Callable[[], int]]:
@@ -194,7 +201,7 @@ class _Runner:
         timeout = self.timeout or (300 + 120 * gib * rounds) * (1 + spec.count / 20_000)
         job = Job(case=cls.name, root=self.target.case_root(cls.name), state=spec, rounds=rounds,
                   cache_drop=self.cache_drop, verify=self.verify, world_size=world_size, train=self.train,
-                  gated=gated)
+                  gated=gated, **self.flags)
         label = cls.name + (f" ×{world_size}p" if world_size > 1 else "") + (
             f" n={spec.count}" if spec.count != 32 else "")
         self.progress.add(rounds)
@@ -250,7 +257,8 @@ def _header(doc: dict[str, Any]) -> str:
     st = c["state"]
     return (f"ckptio bench — {format_bytes(st['total_bytes'])} as {st['count']} × {st['dtype']}, "
             f"{c['rounds']} rounds{' interleaved' if c.get('interleave') else ''}, target {c['target'].get('dir') or c['target'].get('scheme')}, "
-            f"cold reads: {doc['cache_drop']['method']}")
+            f"cold reads: {doc['cache_drop']['method']}, memory {c.get('memory_state', 'as-is')}"
+            + (f", step thread pinned to core {c['pin']['train']}" if c.get("pin") else ""))
 
 
 @contextlib.contextmanager
@@ -299,7 +307,10 @@ def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: Stat
 
 
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    spec = StateSpec(total_bytes=parse_size(args.size), count=args.arrays, dtype=args.dtype)
+    spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays, dtype=args.dtype)
+    if args.pin and not args.train:
+        raise ValueError("--pin pins the training thread of --train: add --train")
+    pin = pinning.plan() if args.pin else None  # ValueError on one core
     target = _open_target(args)
     progress = _Progress(args.progress)
     try:
@@ -319,11 +330,14 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
             "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify, "train": args.train,
+                       "memory_state": "equalized" if args.equalize else "as-is",
+                       "pin": pin.to_json() if pin else None,
                        "interleave": args.interleave, "target": target.describe(), "cases": [c.name for c in sel.run]},
             "env": environment(base),
             "cache_drop": {"method": method, "reason": reason},
         }
-        run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train)
+        run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train,
+                      pin=bool(pin), equalize=args.equalize)
         progress.reserve(len(sel.run) * args.rounds)
         if args.interleave:
             _warn_if_interleaving_will_not_fit(sel.run, spec)
@@ -400,7 +414,7 @@ def _tiers_scale(args: argparse.Namespace) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from .reshard import render_reshard, run_reshard
 
-    res = run_reshard(parse_size(args.size), args.dir, args.cache_drop, args.rounds)
+    res = run_reshard(parse_size(args.size or "1GiB"), args.dir, args.cache_drop, args.rounds)
     print(render_reshard(res), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -433,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error("--full runs every default case: it cannot be combined with --cases")
     quick = args.cases is None and not args.full and not args.from_json
     if quick:
-        args.cases = list(QUICK_CASES)
+        args.cases, args.size = list(QUICK_CASES), args.size or QUICK_SIZE
     unknown = _unknown_cases(args.cases) + _unknown_cases(args.skip)
     if unknown and not args.from_json:
         return _error(f"no case is called {', '.join(map(repr, unknown))} "

@@ -27,7 +27,7 @@ from .spec import Job
 from .targets import Target
 from .worker import EVENT_PREFIX
 
-__all__ = ["QUICK_CASES", "Selection", "run_interleaved", "run_job", "select_cases"]
+__all__ = ["QUICK_CASES", "QUICK_SIZE", "Selection", "run_interleaved", "run_job", "select_cases"]
 
 Event = dict[str, Any]
 
@@ -45,11 +45,16 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 
 #: The default run (without --full or --cases): ckptio, under each framework, beside the anchors its
-#: headline goals compare with; a few minutes at 1 GiB on a 2-core VM.
+#: headline goals compare with (raw-direct: the device's limit), at :data:`QUICK_SIZE`.
 QUICK_CASES: tuple[str, ...] = (
-    "raw-disk", "raw-aiohttp", "memcpy", "orbax-default", "dcp", "dcp-async",
-    "ckptio", "ckptio-orbax", "ckptio-dcp", "ckptio-dcp-async",
+    "raw-disk", "raw-direct", "raw-aiohttp", "memcpy", "orbax-default", "dcp", "dcp-async",
+    "ckptio", "ckptio-jax", "ckptio-torch", "ckptio-orbax", "ckptio-dcp", "ckptio-dcp-async",
 )
+
+
+#: The quick set's state size (without --size): 12 cases x 3 rounds at 512 MiB took 507 s on this 2-core
+#: VM under a load average of ~20 (other jobs); at 1 GiB, about twice that.
+QUICK_SIZE = "512MiB"
 
 
 def select_cases(include: Sequence[str] | None, exclude: Sequence[str], scheme: str) -> Selection:

@@ -16,6 +16,8 @@ _TITLES = {
     "stall_s": "stall: save() blocks, s (log; lower is better)",
     "save_rss_mib": "peak RSS increase during save, MiB",
     "restore_rss_mib": "peak RSS increase during restore, MiB",
+    "save_cpu_s_per_gib": "save CPU s per GiB, every thread and process (lower is better)",
+    "restore_cpu_s_per_gib": "restore CPU s per GiB, every thread and process (lower is better)",
 }
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "GOALS",
     "check_goals",
     "compute_ratios",
+    "cpu_floor",
     "fmt_cell",
     "print_table",
     "render_goals",
@@ -31,6 +32,8 @@ __all__ = [
 GIB = float(1 << 30)
 MIB = float(1 << 20)
 RAW = "raw-disk"
+DIRECT = "raw-direct"  # the device's own limit: O_DIRECT, no checksums (anchors_direct.py)
+FLOOR = "cpu-floor"  # not a case: one memcpy + one crc32c + raw-direct's own CPU, per GiB (cpu_floor)
 
 # The goals ckptio holds itself to: (case, figure, reference, bound, kind) where kind
 # ">=" means case/reference must be at least bound (throughput), "<=" at most (stall).
@@ -39,6 +42,18 @@ GOALS: tuple[tuple[str, str, str, float, str], ...] = (
     ("ckptio", "save_gibps", "orbax-default", 2.5, ">="),
     ("ckptio", "save_gibps", "dcp", 1.6, ">="),
     ("ckptio", "restore_gibps", RAW, 0.9, ">="),
+    ("ckptio", "save_gibps", DIRECT, 0.9, ">="),
+    ("ckptio", "restore_gibps", DIRECT, 0.9, ">="),
+    ("ckptio-jax", "restore_gibps", DIRECT, 0.9, ">="),
+    ("ckptio-torch", "restore_gibps", DIRECT, 0.9, ">="),
+    # CPU per GiB: below the library anchors', within 1.5x of copy + crc32c + the kernel's O_DIRECT path
+    ("ckptio", "save_cpu_s_per_gib", FLOOR, 1.5, "<="),
+    ("ckptio", "restore_cpu_s_per_gib", FLOOR, 1.5, "<="),
+    ("ckptio-orbax", "save_cpu_s_per_gib", "orbax-default", 1.0, "<="),
+    ("ckptio-orbax", "restore_cpu_s_per_gib", "orbax-default", 1.0, "<="),
+    ("ckptio-dcp", "save_cpu_s_per_gib", "dcp", 1.0, "<="),
+    ("ckptio-dcp", "restore_cpu_s_per_gib", "dcp", 1.0, "<="),
+    ("ckptio-dcp-async", "save_cpu_s_per_gib", "dcp-async", 1.0, "<="),
     ("ckptio-jax", "stall_s", "orbax-default", 1.0, "<="),
     ("ckptio-torch", "stall_s", "memcpy", 1.0, "<="),
     # ckptio under DCP
@@ -63,8 +78,11 @@ _LABELS = {
     "save_rss_mib": "save +RSS MiB",
     "restore_rss_mib": "restore +RSS MiB",
     "train_slowdown": "train step ×",
+    "train_slowdown_on_core": "train step × on core",
     "train_blocked_ms": "train blocked ms",
     "train_lost_ms": "train lost ms/save",
+    "save_cpu_s_per_gib": "save CPU s/GiB",
+    "restore_cpu_s_per_gib": "restore CPU s/GiB",
 }
 
 
@@ -82,8 +100,14 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
         out["train_slowdown"] = x
         out["train_slowdown_wall"] = sample["train_busy_s"] / sample["train_idle_s"]
         out["train_lost_ms"] = train.lost_s(sample) * 1e3  # type: ignore[operator]
+    if (x := train.slowdown_on_core(sample)) is not None:
+        out["train_slowdown_on_core"] = x
     if sample.get("train_blocked_s") is not None:
         out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
+    gib = nbytes / GIB
+    for key, fig in (("save_cpu_s", "save_cpu_s_per_gib"), ("restore_cpu_s", "restore_cpu_s_per_gib")):
+        if sample.get(key) is not None and gib:
+            out[fig] = sample[key] / gib
     for key, fig in (("save_rss_bytes", "save_rss_mib"), ("restore_rss_bytes", "restore_rss_mib"),
                      ("save_held_bytes", "save_held_mib")):
         if sample.get(key) is not None:
@@ -128,12 +152,32 @@ def compute_ratios(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
     return out
 
 
+def cpu_floor(results: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """The CPU floor per GiB measured in this run, from the ``raw-direct`` case: one memcpy +
+    one crc32c (timed on the state, in its ``info``) + its own O_DIRECT write (save) or read
+    (restore) CPU per GiB. ``{"save_cpu_s_per_gib": ..., "restore_cpu_s_per_gib": ...}``;
+    None when raw-direct did not run."""
+    direct = next((r for r in results if r["case"] == DIRECT and r.get("status") == "ok"), None)
+    info = (direct or {}).get("info") or {}
+    if "floor_copy_cpu_s_per_gib" not in info:
+        return None
+    staged = info["floor_copy_cpu_s_per_gib"] + info["floor_crc32c_cpu_s_per_gib"]
+    out = {}
+    for fig in ("save_cpu_s_per_gib", "restore_cpu_s_per_gib"):
+        own = _median(direct, fig)
+        if own is not None:
+            out[fig] = staged + own
+    return out
+
+
 def check_goals(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each goal with its measured ratio and verdict (None when a side did not run)."""
     by = {r["case"]: r for r in results}
+    floor = cpu_floor(results) or {}
     out = []
     for case, fig, ref, bound, kind in GOALS:
-        x, y = _median(by.get(case), fig), _median(by.get(ref), fig)
+        x = _median(by.get(case), fig)
+        y = floor.get(fig) if ref == FLOOR else _median(by.get(ref), fig)
         ratio = x / y if x is not None and y else None
         met = None if ratio is None else (ratio >= bound if kind == ">=" else ratio <= bound)
         out.append({"case": case, "figure": fig, "vs": ref, "goal": f"{kind} {bound}", "ratio": ratio, "met": met})
@@ -199,9 +243,10 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                 out: TextIO | None = None) -> None:
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
-    extra = [f for f in ("train_slowdown", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
+    direct = next((r for r in results if r["case"] == DIRECT and r.get("status") == "ok"), None)
+    extra = [f for f in ("train_slowdown", "train_slowdown_on_core", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
     headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
-               "held MiB", "save ×raw", "restore ×raw"]
+               "held MiB", "save ×raw", "restore ×raw", "save ×direct", "restore ×direct"]
     rows = []
     for r in results:
         if r.get("status") != "ok":
@@ -209,9 +254,10 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
             continue
         s = r["summary"]
         ratios = []
-        for fig in ("save_gibps", "restore_gibps"):
-            x, y = _median(r, fig), _median(raw, fig)
-            ratios.append(fmt_ratio(x / y) if x is not None and y else "—")
+        for ref in (raw, direct):
+            for fig in ("save_gibps", "restore_gibps"):
+                x, y = _median(r, fig), _median(ref, fig)
+                ratios.append(fmt_ratio(x / y) if x is not None and y else "—")
         rows.append([r["case"], *(fmt_cell(s.get(f)) for f, _, _ in FIGURES), *(fmt_cell(s.get(f)) for f in extra),
                      fmt_cell(s.get("save_held_mib")), *ratios])
     for name, why in skipped.items():
@@ -219,15 +265,22 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
     notes = [
         "median (min–max) over rounds. stall: time save() blocks before returning;",
         "+RSS: peak RSS increase over the RSS before the call (restore includes the restored state itself);",
-        "held: RSS after the save is durable over the RSS before the first save (buffers kept between saves).",
+        "held: RSS after the save is durable over the RSS before the first save (buffers kept between saves);",
+        "CPU s/GiB: user + system of every thread and process of the case (its helper processes too), per GiB;",
+        "×direct: over raw-direct, the device's limit (O_DIRECT, page-aligned buffers, no checksums).",
     ]
+    floor = cpu_floor(results)
+    if floor:
+        notes.append("CPU floor (one memcpy + one crc32c + raw-direct's O_DIRECT CPU) per GiB: save "
+                     f"{fmt_num(floor.get('save_cpu_s_per_gib'))}, restore {fmt_num(floor.get('restore_cpu_s_per_gib'))}")
     if extra:
         notes.append("train step ×: a GIL-bound host step's wall time per CPU second while the save finishes in "
                      "the background ÷ the same idle (1 = unaffected; wall per CPU cancels the VM's core-speed "
                      "drift; synchronous saves: none, the stall is the cost); train lost ms/save: the step "
                      "thread's time the save cost, over all its steps; train blocked ms: per step, "
                      "the time that thread neither ran nor waited for a core (the GIL, mostly: the save's own share "
-                     "of the slowdown on a loaded host)")
+                     "of the slowdown on a loaded host); train step × on core: the same without the step's waits "
+                     "for a core (with --pin, other processes' doing, not the save's)")
     print_table(header, headers, rows, notes, out)
 
 

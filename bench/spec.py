@@ -29,6 +29,8 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("stall_s", "s", False),
     ("save_rss_mib", "MiB", False),
     ("restore_rss_mib", "MiB", False),
+    ("save_cpu_s_per_gib", "CPU s/GiB", False),
+    ("restore_cpu_s_per_gib", "CPU s/GiB", False),
 )
 
 _SIZE_UNITS = {
@@ -101,6 +103,12 @@ class Job:
     world_size: int = 1
     #: Run training steps while each asynchronous save finishes (see bench/train.py).
     train: bool = False
+    #: With ``train``: the stepping thread alone on one core, the rest of the case on the others
+    #: (``--pin``, see bench/pinning.py).
+    pin: bool = False
+    #: Touch and free as much memory as a restore will fill before each timed restore, so every
+    #: case starts from the same memory state (``--no-equalize``: off; see system.equalize_memory).
+    equalize: bool = True
     #: Wait for a line on stdin before each round (``ckptio bench --interleave``: the harness
     #: lets one job's round run at a time, in turn, see :func:`bench.harness.run_interleaved`).
     gated: bool = False

@@ -29,7 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["during", "idle", "lost_s", "slowdown", "step"]
+from .pinning import Cores, training_core
+
+__all__ = ["during", "idle", "lost_s", "slowdown", "slowdown_on_core", "step"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
 
@@ -57,18 +59,20 @@ def _timed_step() -> float:
     return time.perf_counter() - t
 
 
-def idle(duration_s: float = 0.3) -> dict[str, float]:
-    """Step times with nothing else running (at least 20 steps).
+def idle(duration_s: float = 0.3, cores: Cores | None = None) -> dict[str, float]:
+    """Step times with nothing else running (at least 20 steps), on ``cores.train`` if given.
 
     Returns ``{"train_idle_s": mean wall time per step, "train_idle_cpu_s": mean CPU time}``.
     """
     times: list[float] = []
-    cpu0 = time.thread_time()
-    end = time.perf_counter() + duration_s
-    while len(times) < 20 or time.perf_counter() < end:
-        times.append(_timed_step())
-    cpu = time.thread_time() - cpu0
-    return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times)}
+    with training_core(cores):
+        cpu0, runq0 = time.thread_time(), _runq_s()
+        end = time.perf_counter() + duration_s
+        while len(times) < 20 or time.perf_counter() < end:
+            times.append(_timed_step())
+        cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
+    return {"train_idle_s": statistics.fmean(times), "train_idle_cpu_s": cpu / len(times),
+            "train_idle_runq_s": runq / len(times)}
 
 
 def slowdown(sample: dict[str, Any]) -> float | None:
@@ -83,6 +87,21 @@ def slowdown(sample: dict[str, Any]) -> float | None:
     return (busy / busy_cpu) / (idle_wall / idle_cpu)
 
 
+def slowdown_on_core(sample: dict[str, Any]) -> float | None:
+    """:func:`slowdown` with each step's waits for a core taken out, during and idle.
+
+    Under ``--pin`` the case's own threads run on other cores, so what the step thread still
+    waits for a core for is other processes' doing (a shared machine's neighbours), not the
+    save's: this figure leaves it out and keeps the GIL's waits. Unpinned it would also leave
+    out the save's own competition for the core, so read it with ``--pin`` only.
+    """
+    if slowdown(sample) is None or sample.get("train_runq_s") is None or sample.get("train_idle_runq_s") is None:
+        return None
+    busy = sample["train_busy_s"] - sample["train_runq_s"]
+    idle_wall = sample["train_idle_s"] - sample["train_idle_runq_s"]
+    return (busy / sample["train_cpu_s"]) / (idle_wall / sample["train_idle_cpu_s"])
+
+
 def lost_s(sample: dict[str, Any]) -> float | None:
     """Training-thread time one save cost: steps x (wall - CPU x the idle wall-per-CPU ratio)."""
     if slowdown(sample) is None:
@@ -91,8 +110,11 @@ def lost_s(sample: dict[str, Any]) -> float | None:
     return sample["train_steps"] * (sample["train_busy_s"] - sample["train_cpu_s"] * per_cpu_idle)
 
 
-def during(wait: Callable[[], Any]) -> dict[str, Any]:
+def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any]:
     """Run ``wait`` (a save's ``result``) in a thread and training steps here until it returns.
+
+    With ``cores`` (``--pin``) the steps run alone on ``cores.train`` and everything else,
+    the waiting thread included, on ``cores.rest`` (see :mod:`ckptio.bench.pinning`).
 
     Returns ``{"train_busy_s": mean step time, "train_cpu_s": its mean CPU time,
     "train_max_s": the longest step, "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
@@ -110,15 +132,16 @@ def during(wait: Callable[[], Any]) -> dict[str, Any]:
             failure.append(e)
 
     thread = threading.Thread(target=waiter, name="bench-save-wait", daemon=True)
-    thread.start()
-    cpu0, runq0 = time.thread_time(), _runq_s()
-    times = [_timed_step()]  # at least one: the step the save's background work started under
-    while thread.is_alive():
-        times.append(_timed_step())
-    cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
+    thread.start()  # before the pin: it inherits this thread's (the rest's) cores
+    with training_core(cores):
+        cpu0, runq0 = time.thread_time(), _runq_s()
+        times = [_timed_step()]  # at least one: the step the save's background work started under
+        while thread.is_alive():
+            times.append(_timed_step())
+        cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
     thread.join()
     if failure:
         raise failure[0]
     blocked = max(0.0, sum(times) - cpu - runq) / len(times)
     return {"train_busy_s": statistics.fmean(times), "train_cpu_s": cpu / len(times), "train_max_s": max(times),
-            "train_steps": len(times), "train_blocked_s": blocked}
+            "train_steps": len(times), "train_blocked_s": blocked, "train_runq_s": runq / len(times)}

@@ -24,11 +24,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from . import cpu, pinning, train
 from . import state as state_mod
-from . import train
 from .cases import Case, CaseContext, get_case
 from .spec import Job
-from .system import PeakRSS, current_rss, drop_cache, resident_fraction
+from .system import PeakRSS, current_rss, drop_cache, equalize_memory, resident_fraction
 
 __all__ = ["EVENT_PREFIX", "main", "run"]
 
@@ -108,7 +108,8 @@ def _combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("save_s", "stall_s", "restore_s"):
         if key in out:
             out[key] = max(r[key] for r in per_rank)
-    for key in ("save_rss_bytes", "restore_rss_bytes", "save_held_bytes", "restore_sys_s", "restore_user_s"):
+    for key in ("save_rss_bytes", "restore_rss_bytes", "save_held_bytes", "restore_sys_s", "restore_user_s",
+                "save_cpu_s", "restore_cpu_s"):
         vals = [r.get(key) for r in per_rank]
         out[key] = None if any(v is None for v in vals) else sum(vals)
     out["verified"] = all(r.get("verified", True) for r in per_rank)
@@ -125,25 +126,31 @@ def _convert(np_state: dict[str, Any], framework: str) -> dict[str, Any]:
 
 
 def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, Any],
-               emit: Callable[[dict[str, Any]], None], base_rss: int | None) -> dict[str, Any]:
+               emit: Callable[[dict[str, Any]], None], base_rss: int | None,
+               cores: pinning.Cores | None = None) -> dict[str, Any]:
     sample: dict[str, Any] = {"round": r}
     group.barrier()
     os.sync()  # the previous round's writeback must not be billed to this save
     gc.collect()
     group.barrier()
     if job.train:
-        sample.update(train.idle())
+        sample.update(train.idle(cores=cores))
     emit({"event": "phase", "round": r, "phase": "save"})
     with PeakRSS() as rss:
+        cpu0 = cpu.snapshot()
         t0 = time.perf_counter()
         pending = case.save(r)
         t1 = time.perf_counter()
         if pending is not None:
             if job.train:  # the training thread keeps stepping while the save finishes
-                sample.update(train.during(pending.result))
+                sample.update(train.during(pending.result, cores))
             else:
                 pending.result()
         t2 = time.perf_counter()
+        cpu1 = cpu.snapshot()
+    # The save's CPU, all threads and processes; the training steps' own CPU is not the save's.
+    steps_cpu = sample.get("train_cpu_s", 0.0) * sample.get("train_steps", 0)
+    sample["save_cpu_s"] = max(0.0, cpu.spent(cpu0, cpu1) - steps_cpu)
     now = current_rss()
     # "held": what the process keeps after the save, over its RSS before the first one
     # (a staging pool reused across saves shows here, not in the per-call peak increase).
@@ -153,8 +160,14 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
     group.barrier()
     if r == 0 and group.rank == 0:
         sample["bytes_on_disk"] = _dir_bytes(case.step_path(0))
-    if not case.has_restore:
-        return sample
+    if case.has_restore:
+        _restore_round(case, job, group, r, expected, emit, sample)
+    return sample
+
+
+def _restore_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, Any],
+                   emit: Callable[[dict[str, Any]], None], sample: dict[str, Any]) -> None:
+    """Round ``r``'s cold restore, timed, checked and recorded into ``sample``."""
     emit({"event": "phase", "round": r, "phase": "drop-cache"})
     path = case.step_path(r)
     if group.rank == 0:
@@ -162,13 +175,19 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
         sample["resident_before_restore"] = resident_fraction(path) if path else None
     group.barrier()
     gc.collect()
+    sample["memory_state"] = "equalized" if job.equalize else "as-is"
+    if job.equalize:
+        sample.update(equalize_memory(sum(int(v.nbytes) for v in expected.values())))
     emit({"event": "phase", "round": r, "phase": "restore"})
     with PeakRSS() as rss:
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        all0 = cpu.snapshot()
         t0 = time.perf_counter()
         out = case.restore(r)
         t1 = time.perf_counter()
+        all1 = cpu.snapshot()
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    sample["restore_cpu_s"] = cpu.spent(all0, all1)
     # The process's CPU time in the restore, all threads: on a VM that backs guest memory lazily,
     # first-touching memory the host has not backed (or took back) costs several times the
     # system time of memory it has (see README "Restore system time"), and shows here first.
@@ -182,7 +201,6 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
             sample["verify_error"] = err
     del out
     gc.collect()
-    return sample
 
 
 def _my_turn(emit: Callable[[dict[str, Any]], None], r: int) -> bool:
@@ -219,6 +237,10 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
         t0 = time.perf_counter()
         case.setup()
         result["setup_s"] = time.perf_counter() - t0
+        cores = pinning.plan() if job.pin else None
+        if cores is not None:  # the case's threads and processes so far onto the rest's cores
+            pinning.pin_all(cores)
+            result["pinned"] = cores.to_json()
         gc.collect()
         base_rss = current_rss()
         for r in range(job.rounds):
@@ -226,7 +248,7 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
                 raise RuntimeError("the harness stopped this job before its round "
                                    f"{r} (its stdin closed)")
             started = time.time()
-            sample = _combine(group.gather(_one_round(case, job, group, r, expected, emit, base_rss)))
+            sample = _combine(group.gather(_one_round(case, job, group, r, expected, emit, base_rss, cores)))
             sample["started_at"] = started  # wall clock: shows the order of interleaved rounds
             result["samples"].append(sample)
             emit({"event": "round_done", "round": r})
