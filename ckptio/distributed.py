@@ -19,6 +19,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._exchange import jax_exchange, joined, torch_exchange
+from ._storegate import StoreGate
 
 if TYPE_CHECKING:
     from .engine import EngineConfig
@@ -198,6 +199,12 @@ class TorchCoordinator(_Ranked):
     bytes), not ``gather_object``: that one all-gathers every host's length
     first (8·H bytes to every host) and pads every record to the longest.
 
+    Every collective first checks every host in through the torch store
+    (:class:`ckptio._storegate.StoreGate`), under the deadline of
+    :func:`ckptio.waits.waiting_for`: a host that never arrives fails the others
+    with :class:`ckptio.waits.CollectiveTimeout` naming it, instead of hanging
+    them until the process group's timeout.
+
     Construct it on every rank at the same point (creating a group is collective).
     """
 
@@ -213,10 +220,13 @@ class TorchCoordinator(_Ranked):
         # Point-to-point and broadcast name peers by global rank (a given group need not span the job).
         self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
         self._lock = threading.Lock()
+        store = dist.PrefixStore(f"ckptio/{self.group.group_name}", dist.distributed_c10d._get_default_store())
+        self._gate = StoreGate(store, self._rank, self._size)
 
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self._size
         with self._lock:  # one collective at a time on the group, whatever thread calls
+            self._gate.enter()
             self._dist.all_gather_object(out, json.dumps(obj), group=self.group)
         return [json.loads(o) for o in out]
 
@@ -225,6 +235,7 @@ class TorchCoordinator(_Ranked):
         data = json.dumps(obj).encode()
         root = self._global[0]
         with self._lock:
+            self._gate.enter()
             if self._rank != 0:
                 dist.send(torch.tensor([len(data)], dtype=torch.int64), root, group=self.group, tag=_GATHER_TAG)
                 dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), root, group=self.group,
@@ -248,6 +259,7 @@ class TorchCoordinator(_Ranked):
         """Host ``src``'s ``data`` on every host; ValueError on every host if ``src`` has None."""
         torch = self._torch
         with self._lock:
+            self._gate.enter()
             n = torch.tensor([len(data) if (self._rank == src and data is not None) else -1], dtype=torch.int64)
             self._dist.broadcast(n, src=self._global[src], group=self.group)
             size = int(n.item())
@@ -266,6 +278,7 @@ class TorchCoordinator(_Ranked):
                  ) -> dict[int, bytearray]:
         """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
         with self._lock:
+            self._gate.enter()
             return torch_exchange(self.group, self._global, self._rank, sends, sizes)
 
     @staticmethod
