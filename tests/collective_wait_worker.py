@@ -2,8 +2,8 @@
 collective point (launched by tests/test_collective_waits.py): every rank must fail naming the
 stopped host and the wait, within the collective deadline, instead of hanging.
 
-usage: collective_wait_worker.py save|pick|outcome|readonce ROOT
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env). Exits 0 when this rank failed as it must.
+usage: collective_wait_worker.py save|pick|outcome|readonce ROOT [torch|jax]
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env; jax: jax.distributed on CPU). Exits 0 when this rank failed as it must.
 
 - save: rank 1 stops before the commit gather of step 2 (after writing its objects);
 - pick: rank 0 stops while choosing the step to restore;
@@ -17,8 +17,9 @@ import sys
 import time
 from typing import Any
 
+import os
+
 import numpy as np
-import torch.distributed as dist
 
 import ckptio
 from ckptio.restore import readonce
@@ -55,8 +56,21 @@ def astop(fn: Any) -> Any:
 def main() -> int:
     mode, root = sys.argv[1], sys.argv[2]
     stopper, what = CASES[mode]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    framework = sys.argv[3] if len(sys.argv) > 3 else "torch"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if framework == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        barrier = dist.barrier
+    else:
+        import jax
+
+        jax.distributed.initialize(f"127.0.0.1:{os.environ['MASTER_PORT']}", num_processes=world, process_id=rank)
+        from jax._src import distributed as jd
+
+        def barrier() -> None:
+            jd.global_state.client.wait_at_barrier("collective_wait_worker/start", 120_000)
     rows = SHAPE[0] // world
     ix = (slice(rank * rows, (rank + 1) * rows), slice(None))
     full = np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE)
@@ -69,7 +83,7 @@ def main() -> int:
             restore_step.restore_checkpoint = stop(restore_step.restore_checkpoint)
         else:
             readonce._serve = astop(readonce._serve)
-    dist.barrier()  # the deadline is short: start together, whatever each process's import took
+    barrier()  # the deadline is short: start together, whatever each process's import took
     began = time.monotonic()
     try:
         if mode == "save":

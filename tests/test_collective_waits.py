@@ -133,20 +133,81 @@ def test_host_zero_arriving_after_a_host_gave_up_on_it_aborts_instead_of_hanging
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["save", "pick", "outcome", "readonce"])
-def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path: Path, mode: str) -> None:
-    """torch.distributed (gloo), 2 processes, one stops outside storage at a collective point of a
+@pytest.mark.parametrize("framework, mode", [("torch", "save"), ("torch", "pick"), ("torch", "outcome"),
+                                             ("torch", "readonce"), ("jax", "save"), ("jax", "pick")])
+def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path: Path, framework: str,
+                                                                         mode: str) -> None:
+    """torch.distributed (gloo) or jax.distributed (CPU), 2 processes, one stops outside storage at a collective point of a
     save (before the commit) or a restore (the choice of step, the outcome, a read-once round):
     both fail naming it and the wait, the others within the deadline (tests/collective_wait_worker.py
     checks each rank); the committed step before it still restores and nothing new is committed."""
-    pytest.importorskip("torch")
+    pytest.importorskip(framework)
     from ckptio.bench.readonce import spawn
 
     root = str(tmp_path / "ckpt")
     full = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
     ckptio.save(root, {"w": full, "step": 1}, step=1).result()
-    spawn(str(Path(__file__).with_name("collective_wait_worker.py")), 2, [mode, root], timeout=120)
+    spawn(str(Path(__file__).with_name("collective_wait_worker.py")), 2, [mode, root, framework], timeout=120)
     got = ckptio.restore(root, step=None)
     assert got["step"] == 1 and np.array_equal(got["w"], full)
     with pytest.raises(CheckpointNotFoundError):
         ckptio.restore(root, step=2)
+
+
+# -- jax's key-value protocol, hosts as threads ---------------------------------------------------
+
+
+def _jax_hosts(size: int, body: Any) -> list[Any]:
+    from test_coordination import _FakeClient, _FakeKV
+
+    from ckptio.distributed import JaxCoordinator
+
+    class Client(_FakeClient):
+        def key_value_try_get(self, key: str) -> str:
+            with self.kv._cond:
+                if key not in self.kv.kv:
+                    raise KeyError(key)  # the service raises NOT_FOUND
+                return self.kv.kv[key]
+
+    kv = _FakeKV()
+    coords = [JaxCoordinator("t", client=Client(kv, r), rank=r, size=size) for r in range(size)]
+    return _on_threads(coords, body)
+
+
+def test_jax_a_host_missing_at_the_gather_fails_host_0_and_the_hosts_awaiting_its_verdict() -> None:
+    """Host 2 never reports: host 0's gather names it; host 1, waiting for the verdict, gets host 0's
+    reason (not "host 0 did not answer"); later collectives are refused."""
+    def body(rank: int, c: Any) -> Any:
+        if rank == 2:
+            return "stopped"
+        with waiting_for("commit of step 40", 1.0):
+            try:
+                c.gather({"rank": rank})
+                c.broadcast({"ok": True})
+            except CollectiveTimeout as e:
+                with pytest.raises(CollectiveTimeout, match="out of step"):
+                    c.broadcast(None)
+                return e
+        return "passed"
+
+    out = _jax_hosts(3, body)
+    for e in out[:2]:
+        assert isinstance(e, CollectiveTimeout) and e.hosts == (2,), e
+        assert "commit of step 40: host 2 did not report within 1 s" in str(e)
+
+
+def test_jax_a_missing_host_0_is_named_by_every_host_awaiting_it() -> None:
+    def body(rank: int, c: Any) -> Any:
+        if rank == 0:
+            return "stopped"
+        with waiting_for("choice of the step", 0.5):
+            try:
+                c.broadcast(None)
+            except CollectiveTimeout as e:
+                return e
+        return "passed"
+
+    out = _jax_hosts(3, body)
+    for e in out[1:]:
+        assert isinstance(e, CollectiveTimeout) and e.hosts == (0,), e
+        assert "choice of the step: host 0 did not answer" in str(e)
