@@ -61,7 +61,11 @@ class TorchCoordinator(_Ranked):
         # Point-to-point and broadcast name peers by global rank (a given group need not span the job).
         self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
         self._lock = threading.Lock()
-        store = dist.PrefixStore(f"ckptio/{self.group.group_name}", dist.distributed_c10d._get_default_store())
+        # A connection of its own: a store client serves one request at a time, and this one blocks
+        # in waits that must not stall other threads' store requests (another group's gate, torch's).
+        store = dist.distributed_c10d._get_default_store()
+        store = store.clone() if hasattr(store, "clone") else store
+        store = dist.PrefixStore(f"ckptio/{self.group.group_name}", store)
         self._gate = StoreGate(store, self._rank, self._size)
 
     def all_gather(self, obj: Any) -> list[Any]:
