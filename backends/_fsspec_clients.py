@@ -65,6 +65,15 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
 
 
+#: What s3fs (``translate_boto_error``) says when S3 throttles: OSError(EBUSY, <the S3 error code>).
+#: EBUSY alone is not throttling (s3fs also maps "OperationAborted", a conflicting operation, to it).
+_THROTTLE_CODES = ("SlowDown", "Throttl", "TooManyRequests", "RequestLimitExceeded")
+
+
+def _is_throttled(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno == errno.EBUSY and any(c in str(e) for c in _THROTTLE_CODES)
+
+
 def translate_error(e: BaseException, what: str) -> BaseException:
     """The contract's exception for a filesystem's ``e``, its message led by ``what`` (URL and key)."""
     if isinstance(e, RetryableError) or str(e).startswith(what):
@@ -88,6 +97,8 @@ def translate_error(e: BaseException, what: str) -> BaseException:
             return RetryableError(f"{what}: HTTP {status}: {e}")
         if status == 416:
             return ValueError(f"{what}: runs past the end (HTTP 416)")
+    if _is_throttled(e):
+        return ThrottledError(f"{what}: {detail}")
     if _is_transient(e):
         return RetryableError(f"{what}: {detail}")
     if isinstance(e, PermissionError) or (

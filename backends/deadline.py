@@ -42,13 +42,30 @@ class Deadlines:
     slack: float = 8.0
     assumed_bps: float = 4 << 20
     fixed_s: float | None = None
+    #: A collective wait (a host waiting for the others at a save's commit, a restore's
+    #: agreement, read-once's exchange) may last ``collective_floor_s + slack * nbytes /
+    #: assumed_bps``, ``nbytes`` being the IO the wait covers on each other host
+    #: (:meth:`collective_s`); ``collective_fixed_s`` overrides it with one deadline.
+    collective_floor_s: float = 600.0
+    collective_fixed_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("floor_s", "slack", "assumed_bps"):
+        for name in ("floor_s", "slack", "assumed_bps", "collective_floor_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Deadlines.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.fixed_s is not None and not self.fixed_s > 0:
-            raise ValueError(f"Deadlines.fixed_s must be > 0 seconds, got {self.fixed_s!r}")
+        for name in ("fixed_s", "collective_fixed_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Deadlines.{name} must be > 0 seconds, got {value!r}")
+
+    def collective_s(self, nbytes: int = 0, extra_s: float = 0.0) -> float:
+        """Seconds a host may wait for the others at a collective that covers ``nbytes`` of IO on
+        each of them (0: a wait on their bookkeeping only), plus ``extra_s`` (a throttled stretch
+        their storage calls may legitimately sit through). Conservative by design: a deadline that
+        fires on a healthy job fails a save, one that is late only delays an error."""
+        if self.collective_fixed_s is not None:
+            return self.collective_fixed_s
+        return self.collective_floor_s + extra_s + self.slack * nbytes / self.assumed_bps
 
 
 class DeadlineExceeded(RetryableError):

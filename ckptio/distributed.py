@@ -16,9 +16,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._exchange import jax_exchange, joined, torch_exchange
+from ._exchange import jax_exchange, joined
+from ._kvwaits import abort_of, gather_keys, get_within, post_abort, try_get
+from ._torchcoord import TorchCoordinator, _Ranked
+from .waits import CollectiveTimeout, Wait, current, missing_message
 
 if TYPE_CHECKING:
     from .engine import EngineConfig
@@ -38,10 +42,6 @@ __all__ = [
     "join_errors",
 ]
 
-#: Broadcasts travel in pieces of at most this many bytes (gloo never sees a 2 GiB buffer).
-_BROADCAST_CHUNK = 16 << 20
-#: gloo point-to-point tag of the gather's messages: apart from any other sends on the group.
-_GATHER_TAG = 0x636B
 
 
 class AllGatherCoordinator(Protocol):
@@ -175,105 +175,6 @@ class SingleProcess:
         return {0: mine} if mine else {}
 
 
-class _Ranked:
-    """``rank`` and ``size`` of a coordinator that learned them at construction."""
-
-    _rank: int
-    _size: int
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-
-class TorchCoordinator(_Ranked):
-    """torch.distributed: a dedicated gloo group, so background collectives never
-    interleave with the training step's collectives on the default group.
-
-    ``gather`` is point-to-point to rank 0 (each host sends its length, then its
-    bytes), not ``gather_object``: that one all-gathers every host's length
-    first (8·H bytes to every host) and pads every record to the longest.
-
-    Construct it on every rank at the same point (creating a group is collective).
-    """
-
-    def __init__(self, group: Any = None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._torch = torch
-        self._dist = dist
-        self.group = group if group is not None else dist.new_group(backend="gloo")
-        self._rank = dist.get_rank(self.group)
-        self._size = dist.get_world_size(self.group)
-        # Point-to-point and broadcast name peers by global rank (a given group need not span the job).
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self._size)]
-        self._lock = threading.Lock()
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._size
-        with self._lock:  # one collective at a time on the group, whatever thread calls
-            self._dist.all_gather_object(out, json.dumps(obj), group=self.group)
-        return [json.loads(o) for o in out]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        torch, dist = self._torch, self._dist
-        data = json.dumps(obj).encode()
-        root = self._global[0]
-        with self._lock:
-            if self._rank != 0:
-                dist.send(torch.tensor([len(data)], dtype=torch.int64), root, group=self.group, tag=_GATHER_TAG)
-                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), root, group=self.group,
-                          tag=_GATHER_TAG)
-                return None
-            peers = range(1, self._size)
-            lengths = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
-            self._wait([dist.irecv(lengths[r], self._global[r], group=self.group, tag=_GATHER_TAG) for r in peers])
-            bufs = {r: bytearray(int(lengths[r].item())) for r in peers}
-            self._wait([
-                dist.irecv(torch.frombuffer(bufs[r], dtype=torch.uint8), self._global[r], group=self.group,
-                           tag=_GATHER_TAG)
-                for r in peers
-            ])
-        return [json.loads(data)] + [json.loads(bufs[r]) for r in peers]
-
-    def broadcast(self, obj: Any) -> Any:
-        return json.loads(self.broadcast_bytes(json.dumps(obj).encode() if self._rank == 0 else None, 0))
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        """Host ``src``'s ``data`` on every host; ValueError on every host if ``src`` has None."""
-        torch = self._torch
-        with self._lock:
-            n = torch.tensor([len(data) if (self._rank == src and data is not None) else -1], dtype=torch.int64)
-            self._dist.broadcast(n, src=self._global[src], group=self.group)
-            size = int(n.item())
-            if size < 0:
-                raise ValueError(f"broadcast_bytes: host {src} has no data")
-            buf = bytearray(data) if self._rank == src and data is not None else bytearray(size)
-            for lo in range(0, size, _BROADCAST_CHUNK):
-                t = torch.frombuffer(buf, dtype=torch.uint8, count=min(_BROADCAST_CHUNK, size - lo), offset=lo)
-                self._dist.broadcast(t, src=self._global[src], group=self.group)
-        return bytes(buf)
-
-    #: Bytes go host to host (gloo all_to_all / isend-irecv): read-once restores by default.
-    bulk_exchange = True
-
-    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
-                 ) -> dict[int, bytearray]:
-        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
-        with self._lock:
-            return torch_exchange(self.group, self._global, self._rank, sends, sizes)
-
-    @staticmethod
-    def _wait(works: list[Any]) -> None:
-        for w in works:
-            w.wait()
-
-
 class JaxCoordinator(_Ranked):
     """jax.distributed: the coordination service's key-value store.
 
@@ -284,6 +185,10 @@ class JaxCoordinator(_Ranked):
     service keeps keys until deleted; process 0 deletes an operation's
     directory once every host is known to be past it (it has then read
     every host's key of a later operation), so non-coordinators never delete.
+
+    Every wait is under the deadline of :func:`ckptio.waits.waiting_for`
+    (:mod:`ckptio._kvwaits`): a host whose key never comes fails the waiting
+    hosts with :class:`ckptio.waits.CollectiveTimeout` naming it.
     """
 
     def __init__(
@@ -306,6 +211,7 @@ class JaxCoordinator(_Ranked):
         self._prefix = prefix
         self._n = 0
         self._stale: list[int] = []  # process 0: operations whose keys some host may still read
+        self._broken: CollectiveTimeout | None = None
         self._lock = threading.Lock()
 
     def _next(self) -> int:
@@ -316,47 +222,92 @@ class JaxCoordinator(_Ranked):
     def _dir(self, n: int) -> str:
         return f"{self._prefix}/op/{n}"
 
-    def all_gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any]:
+    def _wait(self, timeout_ms: int | None) -> Wait:
+        """This collective's wait (``timeout_ms``, an explicit override, else :func:`ckptio.waits.current`);
+        refused after an earlier collective timed out (the hosts are out of step)."""
+        if self._broken is not None:
+            raise CollectiveTimeout(f"an earlier collective timed out, the hosts are out of step: {self._broken}",
+                                    hosts=self._broken.hosts, what=self._broken.what) from self._broken
+        wait = current()
+        wait = wait if timeout_ms is None else Wait(wait.what, timeout_ms / 1000)
+        gone = try_get(self._client, f"{self._prefix}/gone") if self._rank == 0 and self._size > 1 else None
+        if gone is not None:  # a host gave up waiting for this one: it will not join this collective
+            rank, message = gone.split(":", 1)
+            raise self._failed(CollectiveTimeout(f"host {rank} gave up waiting: {message}", hosts=(int(rank),),
+                                                 what=wait.what, deadline_s=wait.deadline_s))
+        return wait
+
+    def _failed(self, e: CollectiveTimeout) -> CollectiveTimeout:
+        self._broken = e
+        if self._rank == 0:
+            post_abort(self._client, f"{self._prefix}/abort", e)
+        return e
+
+    def all_gather(self, obj: Any, timeout_ms: int | None = None) -> list[Any]:
+        wait = self._wait(timeout_ms)
         n = self._next()
         key = self._dir(n)
         self._client.key_value_set(f"{key}/{self._rank}", json.dumps(obj))
-        out = [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms)) for r in range(self._size)]
+        try:
+            got = gather_keys(self._client, {r: f"{key}/{r}" for r in range(self._size)}, wait)
+        except CollectiveTimeout as e:
+            raise self._failed(e) from None
         if self._rank == 0:
             self._stale.append(n)  # others may still be reading this one
             self._all_started(n)
-        return out
+        return [json.loads(got[r]) for r in range(self._size)]
 
-    def gather(self, obj: Any, timeout_ms: int = 3_600_000) -> list[Any] | None:
+    def gather(self, obj: Any, timeout_ms: int | None = None) -> list[Any] | None:
+        wait = self._wait(timeout_ms)
         n = self._next()
         key = self._dir(n)
         if self._rank != 0:
             self._client.key_value_set(f"{key}/{self._rank}", json.dumps(obj))
             return None
-        out = [json.loads(json.dumps(obj))]
-        out += [json.loads(self._client.blocking_key_value_get(f"{key}/{r}", timeout_ms))
-                for r in range(1, self._size)]
+        try:
+            got = gather_keys(self._client, {r: f"{key}/{r}" for r in range(1, self._size)}, wait)
+        except CollectiveTimeout as e:
+            raise self._failed(e) from None
+        out = [json.loads(json.dumps(obj))] + [json.loads(got[r]) for r in range(1, self._size)]
         self._delete(n)  # nobody else reads a gather's keys
         self._all_started(n)
         return out
 
-    def broadcast(self, obj: Any, timeout_ms: int = 3_600_000) -> Any:
+    def broadcast(self, obj: Any, timeout_ms: int | None = None) -> Any:
+        wait = self._wait(timeout_ms)
         n = self._next()
         key = f"{self._dir(n)}/verdict"
         if self._rank != 0:
-            return json.loads(self._client.blocking_key_value_get(key, timeout_ms))
+            return json.loads(self._from_host0(key, wait))
         data = json.dumps(obj)
         if self._size > 1:
             self._client.key_value_set(key, data)
             self._stale.append(n)
         return json.loads(data)
 
+    def _from_host0(self, key: str, wait: Wait) -> str:
+        """Host 0's ``key``: two deadlines (host 0 may be waiting one for another host), or the
+        abort host 0 left, or CollectiveTimeout naming host 0."""
+        for _ in range(2):
+            value = get_within(self._client, key, wait, time.monotonic())
+            if value is not None:
+                return value
+            said = abort_of(self._client, f"{self._prefix}/abort", wait)
+            if said is not None:
+                raise self._failed(said)
+        message = missing_message(wait, [0], "answer")
+        post_abort(self._client, f"{self._prefix}/gone", CollectiveTimeout(message, hosts=(self._rank,)))
+        raise self._failed(CollectiveTimeout(message, hosts=(0,), what=wait.what, deadline_s=wait.deadline_s))
+
     #: Every byte is relayed through the coordination service (process 0): read-once only when asked.
     bulk_exchange = False
 
     def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None,
-                 timeout_ms: int = 3_600_000) -> dict[int, bytearray]:
+                 timeout_ms: int | None = None) -> dict[int, bytearray]:
         """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.jax_exchange`."""
-        return jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes, timeout_ms)
+        wait = self._wait(timeout_ms)
+        return jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes,
+                            int(wait.deadline_s * 1000))
 
     def _all_started(self, n: int) -> None:
         """Process 0, having read every host's key of operation ``n``: every host is past the earlier ones."""

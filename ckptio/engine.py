@@ -33,6 +33,7 @@ from .errors import IntegrityError
 from .layout import ObjectPlan
 from .readpieces import ConcatView, ReadRequest, split_request
 from .scratch import ScratchPool
+from .waits import UNLABELLED_S
 
 __all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync", "split_request"]
 
@@ -97,6 +98,15 @@ class EngineConfig:
     def retry_policy(self) -> RetryPolicy:
         """The retry knobs above, as the retry loop takes them."""
         return RetryPolicy(self.retries, self.backoff_initial, self.backoff_max, self.throttle_patience_s)
+
+    def collective_deadline_s(self, nbytes: int = 0) -> float:
+        """How long a host waits for the others at a collective of a save or restore that covers
+        ``nbytes`` of IO on each of them (``Deadlines.collective_s``); a stretch of throttling
+        they may sit through (``throttle_patience_s``) is part of it. Without deadlines, the
+        wait nobody labelled (``ckptio.waits.UNLABELLED_S``)."""
+        if self.deadlines is None:
+            return UNLABELLED_S
+        return self.deadlines.collective_s(nbytes, extra_s=self.throttle_patience_s)
 
     def drive(self, backend: Backend) -> Backend:
         """``backend`` as these knobs drive it: each call under its deadline, within the request budget

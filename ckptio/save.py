@@ -40,6 +40,7 @@ from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagingArea, StagingP
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tree import flatten_named
+from .waits import waiting_for
 
 __all__ = ["SaveHandle", "SaveJob", "SaveOptions", "merge_records", "start_save"]
 
@@ -323,7 +324,11 @@ class SaveJob:
         if every host wrote), then close the lease: the save's outcome, as ``(manifest on the
         coordinator, error)``. ``failure`` is this host's own error, raised in the verdict's place."""
         try:
-            verdict = collective_verdict(self.coord, record, self.commit)
+            # The others may still be writing (and host 0 committing): the wait covers that IO.
+            nbytes = sum(p.size for p in self.plans) if hasattr(self, "plans") else 0
+            deadline = self.store.engine.config.collective_deadline_s(nbytes)
+            with waiting_for(f"commit of step {self.step}", deadline):
+                verdict = collective_verdict(self.coord, record, self.commit)
             if not verdict.ok:
                 raise failure or SaveFailedError(f"{self.where}: save failed: {verdict.error}")
             self.lease.close(retire=True)

@@ -417,7 +417,9 @@ def _caused(outer: BaseException, cause: BaseException) -> BaseException:
         (_Status(503), ThrottledError),
         (_Status(416), ValueError),
         (_caused(OSError(errno.EIO, "odd"), _BotoLike(500)), RetryableError),
-        (OSError(errno.EBUSY, "SlowDown"), RetryableError),  # s3fs's throttling
+        (OSError(errno.EBUSY, "SlowDown"), ThrottledError),  # s3fs's throttling (#38): the budget answers it
+        (OSError(errno.EBUSY, "Please reduce your request rate. ThrottlingException"), ThrottledError),
+        (OSError(errno.EBUSY, "OperationAborted"), RetryableError),  # s3fs's EBUSY for a conflict, not throttling
         (TimeoutError("slow"), RetryableError),
         (asyncio.TimeoutError(), RetryableError),
         (ConnectionResetError("reset"), RetryableError),
@@ -489,7 +491,7 @@ def test_errors_are_translated_at_the_boundary(tmp_path: Path) -> None:
         ]
         for fault, expected in [
             (ConnectionResetError("reset by peer"), RetryableError),
-            (OSError(errno.EBUSY, "SlowDown"), RetryableError),
+            (OSError(errno.EBUSY, "SlowDown"), ThrottledError),
             (PermissionError("AccessDenied"), PermissionError),
         ]:
             _FaultyMemory.fault = fault

@@ -53,6 +53,7 @@ from typing import Any
 
 from ..backends.base import ByteRange
 from ..distributed import Coordinator, broadcast_from_root, gather_to_root, join_errors
+from ..waits import waiting_for
 from ..engine import Engine, Progress, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import Manifest
@@ -149,6 +150,7 @@ def read_once(store: CheckpointStore, requests: list[ReadRequest], coord: Coordi
     the collectives anyway, and every host raises. Consumes ``requests`` as the engine does.
     """
     rounds: list[list[ReadRequest]] = []
+    budget = round_bytes or chunk
     if failure is None:
         try:
             budget = round_bytes or _round_size(sum(r.rng.length for r in requests))
@@ -158,13 +160,17 @@ def read_once(store: CheckpointStore, requests: list[ReadRequest], coord: Coordi
             rounds = _rounds([p for r in requests for p in ([r] if r.after else split_request(r, budget))], budget)
         except Exception as e:
             failure = e
-    n = _agree(coord, failure, len(rounds))
+    config, what = store.engine.config, f"read-once restore of {store.url}"
+    with waiting_for(f"{what}: agreeing on the rounds", config.collective_deadline_s()):
+        n = _agree(coord, failure, len(rounds))
     received = RangesBackend(f"read-once:{store.url}")
     # Bytes already in this process: nothing to wait for, no storage to budget.
     engine = Engine(received, dataclasses.replace(store.engine.config, deadlines=None, request_rate=None))
     try:
         for r in range(n):
-            _round(store, coord, engine, rounds[r] if r < len(rounds) else [], chunk, progress)
+            # Each round covers what every host reads for the others: about one round's bytes.
+            with waiting_for(f"{what}: round {r + 1} of {n}", config.collective_deadline_s(budget)):
+                _round(store, coord, engine, rounds[r] if r < len(rounds) else [], chunk, progress)
     finally:
         engine.close()
         received.clear()

@@ -17,11 +17,12 @@ from .. import _gc
 from ..distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
 from ..engine import Progress, run_sync
 from ..errors import CheckpointNotFoundError, CkptioError, IntegrityError, ManifestError
-from ..manifest import Manifest
+from ..manifest import ArrayItem, Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
 from .boxexchange import restore_exchange
 from .readonce import can_read_once, restore_read_once
+from ..waits import waiting_for
 
 __all__ = ["restore_step"]
 
@@ -104,9 +105,13 @@ def _restore_step(
             failure, fatal = e, True
         if many:  # every host learns whether every host restored this step, even after a failure
             mine = None if failure is None else (fatal, f"host {coord.rank}: {type(failure).__name__}: {failure}")
-            reports = gather_to_root(coord, mine)
-            verdict = broadcast_from_root(coord, None if reports is None else (
-                any(r[0] for r in reports if r), join_errors([r[1] for r in reports if r])))
+            # The wait covers the others' reads: about their share of the checkpoint each.
+            share = sum(i.nbytes for i in manifest.items.values() if isinstance(i, ArrayItem)) // coord.size
+            with waiting_for(f"restore of step {step_dir}: every host's outcome",
+                             store.engine.config.collective_deadline_s(share)):
+                reports = gather_to_root(coord, mine)
+                verdict = broadcast_from_root(coord, None if reports is None else (
+                    any(r[0] for r in reports if r), join_errors([r[1] for r in reports if r])))
             if fatal:
                 raise failure  # type: ignore[misc]
             if verdict[1] and failure is None:
@@ -137,7 +142,8 @@ def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coo
         except BaseException as e:  # every host must raise it, not wait for a choice
             kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "other")
             choice = {"error": f"{type(e).__name__}: {e}", "kind": kind}
-    choice = broadcast_from_root(coord, choice)
+    with waiting_for(f"choice of the step to restore from {store.url}", store.engine.config.collective_deadline_s()):
+        choice = broadcast_from_root(coord, choice)
     if "error" in choice:
         cls = _KINDS.get(choice.get("kind", ""), CkptioError)
         raise cls(f"{store.url}: host 0 could not pick the step to restore: {choice['error']}")
