@@ -26,11 +26,13 @@ from .save import SaveHandle
 from .staging import Sharded, StagingPool
 from .states import SaveState
 from .targets import restore_target
+from .waits import CollectiveTimeout
 
 __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CkptioError",
+    "CollectiveTimeout",
     "EngineConfig",
     "FanoutNaming",
     "FlatNaming",
