@@ -78,7 +78,7 @@ def test_each_save_records_its_commit_and_the_scan_reads_no_manifest(saved, monk
     assert holdings(fresh, None, 0) == expected
 
 
-@pytest.mark.parametrize("damage", ["absent", "garbled", "wrong_id_inside", "a_second_record"])
+@pytest.mark.parametrize("damage", ["absent", "garbled", "wrong_id_inside", "a_second_record", "its_fence_gone"])
 def test_a_doubtful_record_sends_the_scan_to_the_manifest(saved, damage):
     fast = CheckpointStore(str(saved), host_local=True)
     expected = by_manifest(fast)
@@ -91,6 +91,9 @@ def test_a_doubtful_record_sends_the_scan_to_the_manifest(saved, damage):
     elif damage == "wrong_id_inside":
         doc = json.loads(path.read_bytes())
         path.write_text(json.dumps({**doc, "checkpoint_id": "ffffffffffff"}))
+    elif damage == "its_fence_gone":  # written late by a process paused past a delete + re-save of step 2
+        doc = json.loads(path.read_bytes())
+        path.write_text(json.dumps({**doc, "fence": "0" * len(doc["fence"])}))
     else:  # a stale record beside the right one: neither is trusted
         (saved / "2" / "ckptio.held.ffffffffffff.h00000").write_bytes(path.read_bytes())
     assert run_sync(read_held(CheckpointStore(str(saved), host_local=True), 2, 0)) is None

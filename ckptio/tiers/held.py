@@ -13,7 +13,10 @@ Why a record can be trusted without the manifest it vouches for:
   "commit"), and it names that commit's checkpoint id;
 * it is deleted with its step, before the manifest (:class:`ckptio.store.deletion.Deletion`), so
   no record outlives its commit and speaks for a later checkpoint of the same step;
-* gc takes a record only when its step's standing manifest is not the checkpoint it names.
+* gc takes a record only when its step's standing manifest is not the checkpoint it names;
+* it names its commit's fence, and is trusted only while that fence is in its step: a record
+  written late by a process paused past a deletion and a re-save of the same step (whose objects
+  have the same names) names a fence that went with the old checkpoint.
 
 A record that is absent, damaged, or not alone for this host in its step is no proof of
 anything: the scan then reads the manifest, as before (and a torn write costs only that).
@@ -28,7 +31,7 @@ from typing import Any
 
 from ..copy import object_writers
 from ..manifest import Manifest
-from ..names import held_key, parse_held
+from ..names import fence_key, held_key, parse_held
 from ..store import CheckpointStore
 
 __all__ = ["HELD_FORMAT", "OwnPart", "read_held", "write_held"]
@@ -60,15 +63,16 @@ async def write_held(store: CheckpointStore, step: int, manifest: Manifest, rank
     """
     step_dir = str(step)
     doc = {"format": HELD_FORMAT, "version": 1, "step": step, "checkpoint_id": manifest.checkpoint_id,
-           "host": rank, "num_hosts": manifest.num_hosts, "objects": own_object_keys(manifest, rank)}
+           "host": rank, "fence": manifest.fence, "num_hosts": manifest.num_hosts, "objects": own_object_keys(manifest, rank)}
     await store.io.write(held_key(step_dir, manifest.checkpoint_id, rank), [memoryview(json.dumps(doc).encode())])
 
 
 async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | None:
     """This host's part of ``step`` as its record says, once its own objects are all there.
 
-    None when the record cannot be trusted (absent, unreadable, not exactly one for this host, or
-    its fields disagree with its name): the caller then reads the manifest. FileNotFoundError when
+    None when the record cannot be trusted (absent, unreadable, not exactly one for this host, its
+    fields disagree with its name, or its commit's fence is not in the step): the caller then reads
+    the manifest. FileNotFoundError when
     the record is sound but one of its objects is gone (the step is not held).
     """
     step_dir = str(step)
@@ -76,6 +80,7 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
         infos = await store.io.list(f"{step_dir}/")
     except FileNotFoundError:
         return None
+    listed = {i.key for i in infos}
     names = [(i.key, n) for i in infos if (n := parse_held(i.key)) is not None and n.step_dir == step_dir
              and n.host == rank]
     if len(names) != 1:
@@ -85,14 +90,16 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
         doc: dict[str, Any] = json.loads(await store.io.read(key))
         ok = (doc.get("format") == HELD_FORMAT and doc.get("step") == step and doc.get("host") == rank
               and doc.get("checkpoint_id") == name.checkpoint_id and isinstance(doc.get("num_hosts"), int)
-              and isinstance(doc.get("objects"), list) and all(isinstance(k, str) for k in doc["objects"]))
+              and isinstance(doc.get("objects"), list) and all(isinstance(k, str) for k in doc["objects"])
+              and isinstance(doc.get("fence"), str) and fence_key(step_dir, doc["fence"]) in listed)
     except FileNotFoundError:
         return None
     except (ValueError, UnicodeDecodeError) as e:
         log.warning("%s: unreadable commit record %s, reading the manifest instead: %r", store.url, key, e)
         return None
     if not ok:
-        log.warning("%s: commit record %s does not match its name, reading the manifest instead", store.url, key)
+        log.warning("%s: commit record %s does not match its name or its step's fence, reading the manifest instead",
+                    store.url, key)
         return None
     await asyncio.gather(*(store.io.stat(k) for k in doc["objects"]))
     return OwnPart(name.checkpoint_id, doc["num_hosts"], doc["objects"])
