@@ -40,7 +40,7 @@ import numpy as np
 
 from ..manifest import ArrayItem, Box, table_of
 
-__all__ = ["Pieces", "TargetTable", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
+__all__ = ["Pieces", "TargetTable", "apart", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
 
 _I64 = np.int64
 
@@ -119,6 +119,45 @@ def gathered(coord: Any, mine: Mapping[str, Sequence[Box]], ndims: Mapping[str, 
     names = sorted({n for per in everyone for n in per})
     return {n: TargetTable.from_boxes({h: [(tuple(o), tuple(s)) for o, s in per.get(n, [])]
                                        for h, per in enumerate(everyone)}, ndims[n]) for n in names}
+
+
+def apart(items: Mapping[str, Any], targets: Mapping[str, TargetTable]) -> set[str]:
+    """The arrays of ``targets`` that every host can restore by reading its own target from
+    storage with no stored byte read by two hosts (beyond a checksum block at a cut): no box is
+    wanted by two hosts, and every box either is a stored shard of a root's ``items`` or, with
+    every stored shard, spans whole rows (only the first axis cut). For those the exchange moves
+    nothing another host could not read itself as cheaply: same layout, N -> N/2, N -> 2N.
+
+    Decided from the root and the tables alone, so every host decides alike with no collective."""
+    return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt)}
+
+
+def _apart(item: ArrayItem, tt: TargetTable) -> bool:
+    ndim = len(item.shape)
+    keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
+    off, shape = tt.offsets[keep], tt.shape[keep]
+    if len(off) <= 1:
+        return True  # one host reads it, or nobody: nothing to share
+    if not ndim:
+        return False  # a scalar several hosts want: replicated
+    boxes = np.concatenate([off, shape], axis=1)
+    if len(np.unique(boxes, axis=0)) < len(boxes):
+        return False  # one box on several hosts: replicas
+    if item.locator is not None:
+        s_off, s_shape = item.locator[:, 1 : 1 + ndim], item.locator[:, 1 + ndim :]
+    else:
+        t = table_of(item)
+        s_off, s_shape = t.offsets, t.shape
+    stored = np.concatenate([s_off, s_shape], axis=1)
+    if len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(np.unique(stored, axis=0)):
+        return True  # every box is a whole stored shard (stored shards do not overlap)
+    full = np.asarray(item.shape[1:], _I64)
+    if not ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()
+            and (s_off[:, 1:] == 0).all() and (s_shape[:, 1:] == full).all()):
+        return False
+    order = np.argsort(off[:, 0], kind="stable")
+    start, end = off[order, 0], off[order, 0] + shape[order, 0]
+    return bool((start[1:] >= end[:-1]).all())  # row slabs that do not overlap: each a contiguous run
 
 
 def responsible(fragments: int, hosts: int, rank: int) -> list[int]:
