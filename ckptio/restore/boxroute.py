@@ -140,24 +140,25 @@ def _apart(item: ArrayItem, tt: TargetTable) -> bool:
         return True  # one host reads it, or nobody: nothing to share
     if not ndim:
         return False  # a scalar several hosts want: replicated
-    boxes = np.concatenate([off, shape], axis=1)
-    if len(np.unique(boxes, axis=0)) < len(boxes):
-        return False  # one box on several hosts: replicas
     if item.locator is not None:
         s_off, s_shape = item.locator[:, 1 : 1 + ndim], item.locator[:, 1 + ndim :]
     else:
         t = table_of(item)
         s_off, s_shape = t.offsets, t.shape
-    stored = np.concatenate([s_off, s_shape], axis=1)
-    if len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(np.unique(stored, axis=0)):
-        return True  # every box is a whole stored shard (stored shards do not overlap)
     full = np.asarray(item.shape[1:], _I64)
-    if not ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()
+    if ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()
             and (s_off[:, 1:] == 0).all() and (s_shape[:, 1:] == full).all()):
-        return False
-    order = np.argsort(off[:, 0], kind="stable")
-    start, end = off[order, 0], off[order, 0] + shape[order, 0]
-    return bool((start[1:] >= end[:-1]).all())  # row slabs that do not overlap: each a contiguous run
+        # Row slabs (the common case, checked first: no sort of boxes): each a contiguous run of
+        # the stored shards it meets; apart if no two overlap (replicas would).
+        order = np.argsort(off[:, 0], kind="stable")
+        start, end = off[order, 0], off[order, 0] + shape[order, 0]
+        return bool((start[1:] >= end[:-1]).all())
+    boxes = np.concatenate([off, shape], axis=1)
+    if len(np.unique(boxes, axis=0)) < len(boxes):
+        return False  # one box on several hosts: replicas
+    stored = np.unique(np.concatenate([s_off, s_shape], axis=1), axis=0)
+    # Apart if every box is a whole stored shard (stored shards do not overlap).
+    return len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(stored)
 
 
 def responsible(fragments: int, hosts: int, rank: int) -> list[int]:
