@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_boxexchange import layouts
 from test_boxexchange import BF16, COLS, ROWS, SAVED, _item, _Keys, _rows, _save, full
 from test_readonce import _Host, on_hosts
 
@@ -49,6 +52,61 @@ def test_apart_holds_exactly_when_no_two_hosts_share_stored_bytes() -> None:
     }
     got = {name: bool(apart({"a": item}, {"a": tt})) for name, (item, tt, _) in cases.items()}
     assert got == {name: want for name, (_, _, want) in cases.items()}
+
+
+def _contiguous(lo: np.ndarray, hi: np.ndarray, s_off: np.ndarray, s_shape: np.ndarray) -> bool:
+    """Whether the box [lo, hi) of a stored shard is one run of its bytes (C order): after the
+    first axis it spans more than one index of, every axis whole."""
+    ext = hi - lo
+    first = next((d for d in range(len(ext)) if ext[d] > 1), len(ext))
+    return all(lo[d] == s_off[d] and ext[d] == s_shape[d] for d in range(first + 1, len(ext)))
+
+
+@st.composite
+def _choices(draw: st.DrawFn) -> tuple[Any, TargetTable]:
+    """A saved grid and every host's target: random (test_boxexchange.layouts), the saved shards
+    themselves on distinct hosts, or row slabs of rows saved."""
+    shape, saved, _owner, _hosts, tt = draw(layouts())
+    kind = draw(st.sampled_from(["random", "as saved", "row slabs"]))
+    if kind == "as saved":
+        hosts = draw(st.permutations(range(len(saved))))
+        tt = TargetTable.from_boxes({h: [b] for h, b in zip(hosts, saved)}, len(shape))
+    elif kind == "row slabs" and shape:
+        saved = [((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:]) for a, b in _cuts_of(draw, shape[0])]
+        slabs = _cuts_of(draw, shape[0])
+        tt = TargetTable.from_boxes({h: [((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])]
+                                     for h, (a, b) in enumerate(slabs)}, len(shape))
+    return _item(shape, saved), tt
+
+
+def _cuts_of(draw: st.DrawFn, n: int) -> list[tuple[int, int]]:
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4))) - {n})
+    edges = [0, *cuts, n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(_choices())
+def test_apart_arrays_have_no_element_wanted_twice_and_each_stored_run_contiguous(choice: Any) -> None:
+    item, tt = choice
+    if not apart({"a": item}, {"a": tt}):
+        return
+    wanted = np.zeros(item.shape, np.int64)
+    for off, shape in zip(tt.offsets.tolist(), tt.shape.tolist()):
+        wanted[tuple(slice(o, o + n) for o, n in zip(off, shape))] += 1
+    assert wanted.max(initial=0) <= 1 or int((np.prod(tt.shape, axis=1) > 0).sum()) <= 1
+    for shard in item.shards:
+        s_off, s_shape = np.array(shard.offsets, np.int64), np.array(shard.shape, np.int64)
+        for off, shape in zip(tt.offsets, tt.shape):
+            lo, hi = np.maximum(off, s_off), np.minimum(off + shape, s_off + s_shape)
+            if (hi > lo).all() and len(tt.host) > 1:
+                assert _contiguous(lo, hi, s_off, s_shape), (item.shape, shard, off, shape)
+
+
+def test_the_saved_layout_and_row_slabs_of_rows_are_apart() -> None:
+    rows = [((0, 0), (5, 4)), ((5, 0), (2, 4)), ((7, 0), (3, 4))]
+    assert apart({"a": _item((10, 4), rows)}, {"a": _table([b for b, _ in [(r, 0) for r in rows]], [2, 0, 1])})
+    assert apart({"a": _item((10, 4), rows)}, {"a": _table([((0, 0), (3, 4)), ((3, 0), (7, 4))], [1, 0])})
 
 
 class _Counted(_Host):

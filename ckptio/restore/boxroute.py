@@ -129,10 +129,24 @@ def apart(items: Mapping[str, Any], targets: Mapping[str, TargetTable]) -> set[s
     nothing another host could not read itself as cheaply: same layout, N -> N/2, N -> 2N.
 
     Decided from the root and the tables alone, so every host decides alike with no collective."""
-    return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt)}
+    memo: dict[tuple[int, tuple[int, ...]], tuple[TargetTable, bool | None]] = {}  # arrays of one shape share a table
+    return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt, memo)}
 
 
-def _apart(item: ArrayItem, tt: TargetTable) -> bool:
+def _slabs(tt: TargetTable, full: np.ndarray) -> bool | None:
+    """Whether ``tt``'s non-empty boxes, whole rows of an array of trailing shape ``full``, do not
+    overlap; None where they are not whole rows."""
+    keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
+    off, shape = tt.offsets[keep], tt.shape[keep]
+    if not ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()):
+        return None
+    order = np.argsort(off[:, 0], kind="stable")
+    start, end = off[order, 0], off[order, 0] + shape[order, 0]
+    return bool((start[1:] >= end[:-1]).all())
+
+
+def _apart(item: ArrayItem, tt: TargetTable, memo: dict[tuple[int, tuple[int, ...]], tuple[TargetTable, bool | None]]
+           ) -> bool:
     ndim = len(item.shape)
     keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
     off, shape = tt.offsets[keep], tt.shape[keep]
@@ -146,19 +160,31 @@ def _apart(item: ArrayItem, tt: TargetTable) -> bool:
         t = table_of(item)
         s_off, s_shape = t.offsets, t.shape
     full = np.asarray(item.shape[1:], _I64)
-    if ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()
-            and (s_off[:, 1:] == 0).all() and (s_shape[:, 1:] == full).all()):
-        # Row slabs (the common case, checked first: no sort of boxes): each a contiguous run of
-        # the stored shards it meets; apart if no two overlap (replicas would).
-        order = np.argsort(off[:, 0], kind="stable")
-        start, end = off[order, 0], off[order, 0] + shape[order, 0]
-        return bool((start[1:] >= end[:-1]).all())
-    boxes = np.concatenate([off, shape], axis=1)
+    if (s_off[:, 1:] == 0).all() and (s_shape[:, 1:] == full).all():
+        # Row slabs (the common case, decided once per table): each a contiguous run of the
+        # stored shards it meets; apart if no two overlap (replicas would).
+        key = (id(tt), tuple(item.shape[1:]))  # the table is held by ``memo``: its id stays its own
+        if key not in memo or memo[key][0] is not tt:
+            memo[key] = (tt, _slabs(tt, full))
+        slabs = memo[key][1]
+        if slabs is not None:
+            return slabs
+    # Else apart only if every box is a whole stored shard (stored shards do not overlap) and no
+    # box is on two hosts. A hash of each box rules most targets out without sorting boxes.
+    boxes, stored = np.concatenate([off, shape], axis=1), np.concatenate([s_off, s_shape], axis=1)
+    if not np.isin(_hashed(boxes), _hashed(stored)).all():
+        return False
     if len(np.unique(boxes, axis=0)) < len(boxes):
         return False  # one box on several hosts: replicas
-    stored = np.unique(np.concatenate([s_off, s_shape], axis=1), axis=0)
-    # Apart if every box is a whole stored shard (stored shards do not overlap).
+    stored = np.unique(stored, axis=0)
     return len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(stored)
+
+
+def _hashed(rows: np.ndarray) -> np.ndarray:
+    """One int64 per row (collisions possible: only a filter)."""
+    mult = (np.arange(rows.shape[1], dtype=_I64) * 2 + 1) * _I64(0x9E3779B97F4A7C15 - (1 << 64))
+    with np.errstate(over="ignore"):
+        return (rows * mult).sum(axis=1, dtype=_I64)
 
 
 def responsible(fragments: int, hosts: int, rank: int) -> list[int]:
