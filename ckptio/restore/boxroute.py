@@ -129,50 +129,53 @@ def apart(items: Mapping[str, Any], targets: Mapping[str, TargetTable]) -> set[s
     nothing another host could not read itself as cheaply: same layout, N -> N/2, N -> 2N.
 
     Decided from the root and the tables alone, so every host decides alike with no collective."""
-    memo: dict[tuple[int, tuple[int, ...]], tuple[TargetTable, bool | None]] = {}  # arrays of one shape share a table
+    memo: dict[tuple[int, tuple[int, ...]], _Facts] = {}  # arrays of one shape share a table: once each
     return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt, memo)}
 
 
-def _slabs(tt: TargetTable, full: np.ndarray) -> bool | None:
-    """Whether ``tt``'s non-empty boxes, whole rows of an array of trailing shape ``full``, do not
-    overlap; None where they are not whole rows."""
+@dataclasses.dataclass
+class _Facts:
+    """What :func:`apart` needs of one target table (of arrays of one trailing shape)."""
+
+    table: TargetTable  # held, so that its id stays its own while memoised
+    boxes: np.ndarray  # the non-empty boxes: (k, 2 * ndim) offsets then shape
+    slabs: bool | None  # whole rows that do not overlap (True), overlap (False), not whole rows (None)
+
+
+def _facts(tt: TargetTable, full: np.ndarray) -> _Facts:
     keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
     off, shape = tt.offsets[keep], tt.shape[keep]
-    if not ((off[:, 1:] == 0).all() and (shape[:, 1:] == full).all()):
-        return None
-    order = np.argsort(off[:, 0], kind="stable")
-    start, end = off[order, 0], off[order, 0] + shape[order, 0]
-    return bool((start[1:] >= end[:-1]).all())
+    slabs = None
+    if len(off) and off.shape[1] and (off[:, 1:] == 0).all() and (shape[:, 1:] == full).all():
+        order = np.argsort(off[:, 0], kind="stable")
+        start, end = off[order, 0], off[order, 0] + shape[order, 0]
+        slabs = bool((start[1:] >= end[:-1]).all())
+    return _Facts(tt, np.concatenate([off, shape], axis=1), slabs)
 
 
-def _apart(item: ArrayItem, tt: TargetTable, memo: dict[tuple[int, tuple[int, ...]], tuple[TargetTable, bool | None]]
-           ) -> bool:
+def _apart(item: ArrayItem, tt: TargetTable, memo: dict[tuple[int, tuple[int, ...]], _Facts]) -> bool:
     ndim = len(item.shape)
-    keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
-    off, shape = tt.offsets[keep], tt.shape[keep]
-    if len(off) <= 1:
+    key = (id(tt), tuple(item.shape[1:]))
+    facts = memo.get(key)
+    if facts is None or facts.table is not tt:
+        facts = memo[key] = _facts(tt, np.asarray(item.shape[1:], _I64))
+    boxes = facts.boxes
+    if len(boxes) <= 1:
         return True  # one host reads it, or nobody: nothing to share
     if not ndim:
         return False  # a scalar several hosts want: replicated
     if item.locator is not None:
-        s_off, s_shape = item.locator[:, 1 : 1 + ndim], item.locator[:, 1 + ndim :]
+        stored = item.locator[:, 1:]
     else:
         t = table_of(item)
-        s_off, s_shape = t.offsets, t.shape
-    full = np.asarray(item.shape[1:], _I64)
-    if (s_off[:, 1:] == 0).all() and (s_shape[:, 1:] == full).all():
-        # Row slabs (the common case, decided once per table): each a contiguous run of the
-        # stored shards it meets; apart if no two overlap (replicas would).
-        key = (id(tt), tuple(item.shape[1:]))  # the table is held by ``memo``: its id stays its own
-        if key not in memo or memo[key][0] is not tt:
-            memo[key] = (tt, _slabs(tt, full))
-        slabs = memo[key][1]
-        if slabs is not None:
-            return slabs
+        stored = np.concatenate([t.offsets, t.shape], axis=1)
+    if facts.slabs is not None and (stored[:, 1:ndim] == 0).all() and (stored[:, ndim + 1 :] == boxes[0, ndim + 1 :]).all():
+        # Row slabs of rows saved: each a contiguous run of the stored shards it meets; apart if
+        # no two overlap (replicas would).
+        return facts.slabs
     # Else apart only if every box is a whole stored shard (stored shards do not overlap) and no
-    # box is on two hosts. A hash of each box rules most targets out without sorting boxes.
-    boxes, stored = np.concatenate([off, shape], axis=1), np.concatenate([s_off, s_shape], axis=1)
-    if not np.isin(_hashed(boxes), _hashed(stored)).all():
+    # box is on two hosts. The first box alone, then a hash of each, rule most targets out cheaply.
+    if not (stored == boxes[0]).all(axis=1).any() or not np.isin(_hashed(boxes), _hashed(stored)).all():
         return False
     if len(np.unique(boxes, axis=0)) < len(boxes):
         return False  # one box on several hosts: replicas
