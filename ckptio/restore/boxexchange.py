@@ -7,8 +7,11 @@ the coordinator calls :func:`restore_exchange`):
    learns every host's target boxes: from :class:`TargetTable` s the caller
    gives (a description every host holds: a grid, a jax sharding), else by
    one all-gather of each host's boxes (:func:`boxroute.gathered`);
-2. it reads the root's fragments it is responsible for (not the ones its
-   target meets) and lists the pieces it sends and the pieces it receives;
+2. arrays no two hosts share (:func:`boxroute.apart`, decided alike on every
+   host from the root and the tables) it reads itself, as a plain restore
+   does, before the first agreement; for the others it reads the root's
+   fragments it is responsible for (not the ones its target meets) and lists
+   the pieces it sends and the pieces it receives;
 3. per round (a run of arrays, the same on every host, from the root), it
    reads from storage, through the engine, the part of each of its shards that
    some host needs (every byte verified against its checksum blocks on the
