@@ -74,7 +74,7 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
     from ckptio.reshard import Region, plan_regions
-    from ckptio.restore.boxroute import incoming, outgoing, responsible
+    from ckptio.restore.boxroute import apart, incoming, outgoing, responsible
 
     from .scale import _preload, _rss_mb, counted_store
 
@@ -84,9 +84,14 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     store, meta = counted_store(root)
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
     arrays = {n: it.shape for n, it in root_m.items.items() if isinstance(it, ArrayItem)}
-    targets = targets_of(case, hosts, arrays)
-    mine = responsible(len(root_m.fragments or []), new, rank)
-    m = run_sync(store.load_fragment_numbers(step_dir, root_m, mine, names=set(targets)))
+    every = targets_of(case, hosts, arrays)
+    # As ckptio.restore(read_once=True) chooses: arrays no two hosts share, each host reads itself.
+    own = apart(root_m.items, every)
+    targets = {n: t for n, t in every.items() if n not in own}
+    mine = responsible(len(root_m.fragments or []), new, rank) if targets else []
+    m = run_sync(store.load_fragment_numbers(step_dir, root_m, mine, names=set(targets))) if targets else root_m
+    boxes = {n: every[n].of_host(rank) for n in own}
+    m_own = run_sync(store.load_fragments(step_dir, root_m, boxes)) if boxes else root_m
     t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
     sends = outgoing(m.items, targets, rank)
     # What this host reads to send: per stored shard, the bounding box of what the targets need of it.
@@ -100,17 +105,20 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
             lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
             wants.append((name, item, Region(tuple(lo.tolist()), np.empty(tuple((hi - lo).tolist()), item.dtype))))
     reqs = plan_regions(wants, m.objects, m.block_size)
+    own_wants = [(n, m_own.items[n], Region(o, np.empty(sh, m_own.items[n].dtype))) for n, bs in boxes.items()
+                 for o, sh in bs]
+    reqs += plan_regions(own_wants, m_own.objects, m_own.block_size)
     t_send = time.perf_counter() - t0 - t_load
     gets = incoming(root_m.items, targets, rank, new)
     received = sum(int(p.nbytes(root_m.items[n].dtype.itemsize).sum()) for n, p in gets.items())
-    needed = sum(int(np.prod(s)) * root_m.items[n].dtype.itemsize for n, tt in targets.items()
+    needed = sum(int(np.prod(s)) * root_m.items[n].dtype.itemsize for n, tt in every.items()
                  for _o, s in tt.of_host(rank))
     out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "send_plan_s": t_send,
              "load_cpu_s": c_load, "plan_cpu_s": time.process_time() - c0 - c_load,
              "bytes_read": meta[0], "rss_mb": _rss_mb(), "fragments": len(mine), "requests": len(reqs),
              "storage_read": sum(r.rng.length for r in reqs), "sent": sent_bytes, "pieces_out": pieces_out,
              "pieces_in": sum(len(p) for p in gets.values()), "received": received, "storage_needed": needed,
-             "hosts_new": new, "job_read": _job_read(root_m, targets)})
+             "hosts_new": new, "job_read": _job_read(root_m, every), "own": len(own), "sent_arrays": len(targets)})
 
 
 def _job_read(root_m: Any, targets: dict[str, Any]) -> int:
@@ -138,10 +146,11 @@ def _job_read(root_m: Any, targets: dict[str, Any]) -> int:
 
 def render_rows(res: dict[str, Any], cases: dict[str, str]) -> list[str]:
     """The exchange's lines of the ``--scale`` report."""
-    lines = ["  host restore by logical-box exchange (per host: root + the fragments it sends from; "
-             "plan = its sends + reads + what it receives)",
+    lines = ["  host restore with read_once=True (arrays no two hosts share: the fragments its boxes meet, read "
+             "itself; the others by logical-box exchange: root + the fragments it sends from; plan = the choice + "
+             "its sends + reads + what it receives)",
              "  case                        load + plan (wall; CPU)             metadata read  peak RSS  frags  "
-             "storage read   pieces out/in      job read: plain -> exchange"]
+             "storage read   pieces out/in      job read: plain -> read_once  arrays own/exchanged"]
     for c, what in cases.items():
         g = lambda k: res[f"x_{c}_{k}"]  # noqa: E731
         plain_job = res[f"{c}_storage_read"] * g("hosts_new")
@@ -149,6 +158,6 @@ def render_rows(res: dict[str, Any], cases: dict[str, str]) -> list[str]:
                      f"{g('plan_cpu_s'):.3f} s  {g('bytes_read') / 2**20:9.2f} MiB "
                      f"{g('rss_mb'):6.0f} MB {g('fragments'):5}  {g('storage_read') / 2**20:8.1f} MiB  "
                      f"{g('pieces_out'):>9,}/{g('pieces_in'):<9,} {plain_job / 2**20:10.1f} -> "
-                     f"{g('job_read') / 2**20:.1f} MiB")
+                     f"{g('job_read') / 2**20:.1f} MiB  {g('own')}/{g('sent_arrays')}")
     return lines
 

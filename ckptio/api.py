@@ -95,15 +95,15 @@ def restore(
     dtype is a checked cast; ``progress=True`` shows a tqdm bar of the bytes read, a callable
     ``(event, nbytes)`` is called as bytes come in (``event``: ``"read"``).
 
-    ``read_once=True`` (a multi-process job; every process passes it): each
-    stored byte is read from storage by one process and sent to the others
-    that need it over ``coordinator`` (default: torch.distributed's or
-    jax.distributed's, see :func:`ckptio.distributed.default_coordinator`),
-    still verified against its checksum by each process that uses it; with a
-    coordinator that cannot exchange bytes, every process reads what it needs.
-    ``read_once="exchange"``: the same by logical-box exchange (each process
-    reads the manifest's root and the fragments it sends from, and sends other
-    processes the boxes they restore; :mod:`ckptio.restore.boxexchange`).
+    ``read_once=True`` (a multi-process job; every process passes it; ``"exchange"`` is the
+    same): each stored byte some process needs is read from storage by one process and sent to
+    the others that need it over ``coordinator`` (default: torch.distributed's or
+    jax.distributed's, see :func:`ckptio.distributed.default_coordinator`), by logical-box
+    exchange (each process reads the manifest's root and the fragments it sends from;
+    :mod:`ckptio.restore.boxexchange`); arrays no two processes share (same layout, fewer or
+    more processes along the rows) each process reads itself. Every byte is verified against
+    its checksum by the process that reads it. With a coordinator that cannot exchange bytes,
+    every process reads what it needs.
     """
     store = CheckpointStore(StoreOptions(os.fspath(url), backend=backend,
                                          engine_config=config_for_host(engine_config, coordinator),

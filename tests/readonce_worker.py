@@ -102,6 +102,22 @@ def manager_default(root: str, read_once: bool) -> dict[str, Any]:
     return {"read": counting.bytes_read}
 
 
+def manager_columns(root: str, read_once: bool) -> dict[str, Any]:
+    """``CheckpointManager.restore()`` with no ``read_once`` of rows saved, restored as column blocks."""
+    import ckptio
+    from ckptio.backends import open_backend
+    from ckptio.backends.wrappers import CountingBackend
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cols = COLS // world
+    ix = (slice(None), slice(rank * cols, (rank + 1) * cols))
+    counting = CountingBackend(open_backend(root))
+    with ckptio.CheckpointManager(root, backend=counting) as mngr:
+        out = mngr.restore(1, {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None)])})
+    assert out["w"].pieces[0][1].tobytes() == np.ascontiguousarray(expected()["w"][ix]).tobytes()
+    return {"read": counting.bytes_read}
+
+
 def exchange(root: str, read_once: bool) -> dict[str, Any]:
     """TorchCoordinator.exchange: empty and self messages, several buffers a message, read-only
     buffers, pieces cut finer than a message (the piece size made tiny), lengths known or not."""
@@ -149,4 +165,5 @@ def exchange_faults(root: str, read_once: bool) -> dict[str, Any]:
 
 if __name__ == "__main__":
     sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange,
-                                                "manager": manager_default, "exchange_faults": exchange_faults}))
+                                                "manager": manager_default,
+                                                "manager_columns": manager_columns, "exchange_faults": exchange_faults}))

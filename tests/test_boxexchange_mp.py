@@ -39,3 +39,12 @@ def test_rows_to_columns_by_exchange_reads_once_and_a_flipped_byte_fails_every_p
     assert {r["flipped"][0] for r in reports} == {"IntegrityError"}, [r["flipped"] for r in reports]
     for rank, r in enumerate(reports):
         assert key in r["flipped"][1] and (rank == 1 or "host 1" in r["flipped"][1]), (rank, r["flipped"])
+
+
+@pytest.mark.slow
+def test_checkpoint_manager_default_restore_of_rows_as_columns_reads_each_stored_byte_once(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    make_checkpoints(str(root), HOSTS, "columns")
+    reports = launch(WORKER, HOSTS, ["manager_columns", str(root)], tmp_path / "out")
+    # Bit-exact in every process (the worker checks); each stored byte read once in the job.
+    assert sum(r["read"] for r in reports) <= 1.1 * stored_bytes(str(root), "1")

@@ -186,8 +186,9 @@ def test_a_byte_flipped_once_is_read_again_by_every_host(tmp_path: Path) -> None
     for rank, r in enumerate(results):
         assert not isinstance(r, BaseException), r
         assert r[0]["w"].pieces[0][1].tobytes() == np.ascontiguousarray(W[_columns(rank)]).tobytes()
-    # The whole restore ran once more (the first attempt failed its checksums on every host).
-    assert 1.5 * _stored(tmp_path) < sum(n for _, n in results) <= 2.1 * _stored(tmp_path)
+    # The flipped range was read once more (by the engine, on the host that reads it), nothing
+    # else twice over: more than the checkpoint, at most two of it.
+    assert _stored(tmp_path) < sum(n for _, n in results) <= 2.1 * _stored(tmp_path)
 
 
 def test_a_flipped_byte_fails_every_host_and_step_none_falls_back_together(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ The package, one concern a module, imports pointing down:
 * :mod:`.execute`: :func:`execute` ``(plan, engine)``, the IO and checksums;
   :func:`restore_checkpoint` = prepare + execute
 * :mod:`.step`: :func:`restore_step`, picking the step (and falling back)
-* :mod:`.readonce` (+ :mod:`.ranges`): each stored byte read once, chunks owned by hosts
-* :mod:`.boxroute` + :mod:`.boxexchange`: the logical-box exchange (``read_once="exchange"``):
-  each host reads the fragments it is responsible for and sends others the boxes they restore
+* :mod:`.boxroute` + :mod:`.boxexchange`: read-once restores (``read_once=True``), the
+  logical-box exchange: each host reads the fragments it is responsible for and sends others
+  the boxes they restore; arrays no two hosts share (:func:`.boxroute.apart`) each host reads itself
+* :mod:`.readonce` (+ :mod:`.ranges`): the DCP Reader's read-once of its request lists,
+  chunks owned by hosts
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ the coordinator calls :func:`restore_exchange`):
    learns every host's target boxes: from :class:`TargetTable` s the caller
    gives (a description every host holds: a grid, a jax sharding), else by
    one all-gather of each host's boxes (:func:`boxroute.gathered`);
-2. it reads the root's fragments it is responsible for (not the ones its
-   target meets) and lists the pieces it sends and the pieces it receives;
+2. arrays no two hosts share (:func:`boxroute.apart`, decided alike on every
+   host from the root and the tables) it reads itself, as a plain restore
+   does, before the first agreement; for the others it reads the root's
+   fragments it is responsible for (not the ones its target meets) and lists
+   the pieces it sends and the pieces it receives;
 3. per round (a run of arrays, the same on every host, from the root), it
    reads from storage, through the engine, the part of each of its shards that
    some host needs (every byte verified against its checksum blocks on the
@@ -39,9 +42,11 @@ from ..distributed import Coordinator
 from ..engine import run_sync
 from ..layout import MIN_BLOCK, MIN_BLOCKS_PER_SHARD
 from ..manifest import ArrayItem, Manifest, table_of
-from ..reshard import Region, plan_regions
+from ..errors import CheckpointNotFoundError
+from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
-from .boxroute import Pieces, TargetTable, gathered, incoming, outgoing, responsible
+from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
+from .packed import table_reads
 from .plan import ReadPlan, _Builder, select
 from .readonce import _agree, _named
 from .targets import target_regions
@@ -89,11 +94,13 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
                     regions.setdefault(name, {}).setdefault((*r.offsets, *r.dest.shape), []).append(r)
             else:
                 builder.add(name, tgt)
-        finish = ReadPlan([], sel.structure, builder.finishers, [], {}, {})
+        tables_read, tables_finish = table_reads(sel.tables, root.objects, root.block_size,
+                                                 store.engine.config.max_read_size)
+        finish = ReadPlan([], sel.structure, builder.finishers, [tables_finish], {}, {})
         described = _described(root, sel.wanted) if targets is None else {}
     except Exception as e:
         failure = e
-        regions, described = {}, {}
+        regions, described, tables_read = {}, {}, []
     # Every host joins the all-gather and the agreement, whatever it failed with.
     if targets is not None:
         tables = dict(targets)
@@ -105,14 +112,36 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             {n: len(it.shape) for n, it in root.items.items() if isinstance(it, ArrayItem)}))
     if failure is None:
         try:
-            side = _plan(store, root, step_dir, regions, tables, coord)
+            _check_tables(root, regions, tables, coord.rank)
+            # Arrays no two hosts share: each host reads its own (the same choice on every host).
+            own = apart(root.items, tables)
+            _read_own(store, root, step_dir, {n: r for n, r in regions.items() if n in own}, tables_read)
+            side = _plan(store, root, step_dir, regions, {n: t for n, t in tables.items() if n not in own}, coord)
         except Exception as e:
             failure = _named(e, coord.rank)
     _agree(coord, failure, 0)
     assert side is not None and finish is not None
-    for rnd in _rounds(root, side.targets):
+    for rnd in _rounds(root, side.targets) if side.targets else []:
         _round(store, coord, side, rnd)
     return finish.finish()
+
+
+def _read_own(store: CheckpointStore, root: Manifest, step_dir: str,
+              regions: dict[str, dict[tuple[int, ...], list[Region]]], extra: list[Any]) -> None:
+    """Read this host's own ``regions`` from storage, as a plain restore does (the fragments their
+    boxes meet, checksums verified), and the requests ``extra`` (pack tables: every host reads them)."""
+    if not regions and not extra:
+        return
+    where = store.where(step_dir)
+    boxes = {n: [(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in by_box.values()] for n, by_box in regions.items()}
+    manifest = run_sync(store.load_fragments(step_dir, root, boxes)) if boxes else root
+    if not store.host_local:
+        run_sync(store.check_objects(manifest, where))
+    wants = [(n, manifest.items[n], r) for n, by_box in regions.items() for rs in by_box.values() for r in rs]
+    for n, item, r in wants:
+        if coverage_gaps(item, r.offsets, tuple(r.dest.shape)):  # type: ignore[arg-type]
+            raise CheckpointNotFoundError(f"{where}: item {n!r}: part of the target slice at {r.offsets} is not saved")
+    run_sync(store.engine.read(plan_regions(wants, manifest.objects, manifest.block_size) + extra))
 
 
 def _described(root: Manifest, wanted: Mapping[str, Any]) -> dict[str, TargetTable]:
@@ -127,18 +156,26 @@ def _described(root: Manifest, wanted: Mapping[str, Any]) -> dict[str, TargetTab
     return out
 
 
+def _check_tables(root: Manifest, regions: dict[str, dict[tuple[int, ...], list[Region]]],
+                  tables: dict[str, TargetTable], rank: int) -> None:
+    """ValueError naming the item unless the tables say of host ``rank`` what its own target says."""
+    for name, mine in regions.items():
+        said = set(tables[name].of_host(rank)) if isinstance(root.items.get(name), ArrayItem) and name in tables \
+            else set()
+        boxes = {(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in mine.values() if rs[0].dest.size}
+        if said != boxes:
+            raise ValueError(f"item {name!r}: the target tables say host {rank} restores {sorted(said)[:4]}, "
+                             f"its target says {sorted(boxes)[:4]}")
+
+
 def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
           regions: dict[str, dict[tuple[int, ...], list[Region]]],
           tables: dict[str, TargetTable], coord: Coordinator) -> _Side:
-    """This host's pieces: its responsible fragments' shards against every target, its own
-    targets against the root's locators."""
+    """This host's pieces of the arrays of ``tables``: its responsible fragments' shards against
+    every target, its own targets against the root's locators."""
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
-    for name, mine in regions.items():  # a caller's tables must say what this host's target says
-        said = set(arrays[name].of_host(coord.rank)) if name in arrays else set()
-        boxes = {(rs[0].offsets, tuple(rs[0].dest.shape)) for rs in mine.values() if rs[0].dest.size}
-        if said != boxes:
-            raise ValueError(f"item {name!r}: the target tables say host {coord.rank} restores {sorted(said)[:4]}, "
-                             f"its target says {sorted(boxes)[:4]}")
+    if not arrays:  # nothing exchanged: no fragment read to send from
+        return _Side(regions, {}, {}, root, {})
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
         local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
         sends = {n: p.take(p.ref % coord.size == coord.rank)

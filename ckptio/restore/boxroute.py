@@ -40,7 +40,7 @@ import numpy as np
 
 from ..manifest import ArrayItem, Box, table_of
 
-__all__ = ["Pieces", "TargetTable", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
+__all__ = ["Pieces", "TargetTable", "apart", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
 
 _I64 = np.int64
 
@@ -119,6 +119,75 @@ def gathered(coord: Any, mine: Mapping[str, Sequence[Box]], ndims: Mapping[str, 
     names = sorted({n for per in everyone for n in per})
     return {n: TargetTable.from_boxes({h: [(tuple(o), tuple(s)) for o, s in per.get(n, [])]
                                        for h, per in enumerate(everyone)}, ndims[n]) for n in names}
+
+
+def apart(items: Mapping[str, Any], targets: Mapping[str, TargetTable]) -> set[str]:
+    """The arrays of ``targets`` that every host can restore by reading its own target from
+    storage with no stored byte read by two hosts (beyond a checksum block at a cut): no box is
+    wanted by two hosts, and every box either is a stored shard of a root's ``items`` or, with
+    every stored shard, spans whole rows (only the first axis cut). For those the exchange moves
+    nothing another host could not read itself as cheaply: same layout, N -> N/2, N -> 2N.
+
+    Decided from the root and the tables alone, so every host decides alike with no collective."""
+    memo: dict[tuple[int, tuple[int, ...]], _Facts] = {}  # arrays of one shape share a table: once each
+    return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt, memo)}
+
+
+@dataclasses.dataclass
+class _Facts:
+    """What :func:`apart` needs of one target table (of arrays of one trailing shape)."""
+
+    table: TargetTable  # held, so that its id stays its own while memoised
+    boxes: np.ndarray  # the non-empty boxes: (k, 2 * ndim) offsets then shape
+    slabs: bool | None  # whole rows that do not overlap (True), overlap (False), not whole rows (None)
+
+
+def _facts(tt: TargetTable, full: np.ndarray) -> _Facts:
+    keep = np.prod(tt.shape, axis=1, dtype=_I64) > 0
+    off, shape = tt.offsets[keep], tt.shape[keep]
+    slabs = None
+    if len(off) and off.shape[1] and (off[:, 1:] == 0).all() and (shape[:, 1:] == full).all():
+        order = np.argsort(off[:, 0], kind="stable")
+        start, end = off[order, 0], off[order, 0] + shape[order, 0]
+        slabs = bool((start[1:] >= end[:-1]).all())
+    return _Facts(tt, np.concatenate([off, shape], axis=1), slabs)
+
+
+def _apart(item: ArrayItem, tt: TargetTable, memo: dict[tuple[int, tuple[int, ...]], _Facts]) -> bool:
+    ndim = len(item.shape)
+    key = (id(tt), tuple(item.shape[1:]))
+    facts = memo.get(key)
+    if facts is None or facts.table is not tt:
+        facts = memo[key] = _facts(tt, np.asarray(item.shape[1:], _I64))
+    boxes = facts.boxes
+    if len(boxes) <= 1:
+        return True  # one host reads it, or nobody: nothing to share
+    if not ndim:
+        return False  # a scalar several hosts want: replicated
+    if item.locator is not None:
+        stored = item.locator[:, 1:]
+    else:
+        t = table_of(item)
+        stored = np.concatenate([t.offsets, t.shape], axis=1)
+    if facts.slabs is not None and (stored[:, 1:ndim] == 0).all() and (stored[:, ndim + 1 :] == boxes[0, ndim + 1 :]).all():
+        # Row slabs of rows saved: each a contiguous run of the stored shards it meets; apart if
+        # no two overlap (replicas would).
+        return facts.slabs
+    # Else apart only if every box is a whole stored shard (stored shards do not overlap) and no
+    # box is on two hosts. The first box alone, then a hash of each, rule most targets out cheaply.
+    if not (stored == boxes[0]).all(axis=1).any() or not np.isin(_hashed(boxes), _hashed(stored)).all():
+        return False
+    if len(np.unique(boxes, axis=0)) < len(boxes):
+        return False  # one box on several hosts: replicas
+    stored = np.unique(stored, axis=0)
+    return len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(stored)
+
+
+def _hashed(rows: np.ndarray) -> np.ndarray:
+    """One int64 per row (collisions possible: only a filter)."""
+    mult = (np.arange(rows.shape[1], dtype=_I64) * 2 + 1) * _I64(0x9E3779B97F4A7C15 - (1 << 64))
+    with np.errstate(over="ignore"):
+        return (rows * mult).sum(axis=1, dtype=_I64)
 
 
 def responsible(fragments: int, hosts: int, rank: int) -> list[int]:

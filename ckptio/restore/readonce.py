@@ -1,4 +1,9 @@
-"""Read-once restore: each stored byte read from storage by one host of the job, then redistributed.
+"""Read-once reads of a request list: each stored byte read from storage by one host of the job, then redistributed.
+
+What the DCP Reader's ``read_once`` uses (it plans DCP's requests, not target regions);
+``ckptio.restore(read_once=True)`` and ``CheckpointManager.restore()`` restore by logical-box
+exchange instead (:mod:`ckptio.restore.boxexchange`), which also spares each host every
+fragment but its own.
 
 When several hosts need the same stored bytes (a replicated array,
 data-parallel replicas, rows restored as columns), a plain restore has every
@@ -7,8 +12,8 @@ while storage bandwidth is what a restart is short of and the network between
 hosts has 10-100× more. Here (after ByteCheckpoint, NSDI '25, and Orbax's
 single-replica restore):
 
-1. every host plans its restore as usual (:func:`ckptio.restore.execute.prepare`);
-   the byte ranges of its requests are what it needs;
+1. every host plans its reads as usual; the byte ranges of its requests are
+   what it needs;
 2. object byte space is cut at fixed :data:`CHUNK` boundaries and chunk ``c``
    of object ``k`` is owned by host ``(crc32(k) + c) % H``: no global plan,
    nothing O(H²), one large object spread over every host;
@@ -29,8 +34,7 @@ round. Every round ends in a status round (gather to host 0, broadcast), so a
 failure on any host (a missing object, a checksum, a bad target) is raised on
 every host, naming the host and what failed, never a hang; the step fallback
 of :mod:`ckptio.restore.step` sees the same kind of error on every host and
-makes one decision. A restore that failed only on checksums is run once more
-by every host (the engine's own re-read would re-read the same received bytes).
+makes one decision.
 
 Transports (:class:`ckptio.distributed.ExchangeCoordinator`): torch.distributed
 (gloo ``all_to_all_single`` for lengths, isend/irecv for bytes) carries it
@@ -56,14 +60,11 @@ from ..distributed import Coordinator, broadcast_from_root, gather_to_root, join
 from ..waits import waiting_for
 from ..engine import Engine, Progress, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from ..manifest import Manifest
 from ..readpieces import split_request
 from ..store import CheckpointStore
-from .execute import prepare
-from .plan import ReadPlan
 from .ranges import RangesBackend
 
-__all__ = ["CHUNK", "can_read_once", "owner", "read_once", "restore_read_once"]
+__all__ = ["CHUNK", "can_read_once", "owner", "read_once"]
 
 #: Object byte space is owned in chunks of this many bytes (cut anywhere: the needer verifies
 #: whole checksum blocks after reassembly, so a chunk need not align with them).
@@ -97,47 +98,6 @@ def owner(key: str, chunk: int, hosts: int) -> int:
     """The host that reads chunk ``chunk`` of object ``key`` (crc32: the same in every process,
     unlike ``hash``)."""
     return (zlib.crc32(key.encode()) + chunk) % hosts
-
-
-def restore_read_once(
-    store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any, coord: Coordinator, *,
-    progress: Progress | None = None, chunk: int = CHUNK, round_bytes: int | None = None,
-) -> Any:
-    """Restore ``manifest`` as :func:`ckptio.restore.execute.restore_checkpoint` does, each stored
-    byte read once across the job. Collective: every host of ``coord`` calls it.
-
-    ``chunk``: the granularity of ownership; ``round_bytes``: how much a host
-    asks for per round (default: a share of what it reads). Raises on every
-    host if any host fails: the host at fault its own error, the others an
-    error of the same kind naming the host. A restore that failed only on
-    checksums is tried once more, by every host (as the engine reads a
-    corrupt range once more: a flip on the wire or a storage glitch is not
-    the object); corrupt twice, it is the object.
-    """
-    for attempt in (0, 1):
-        try:
-            return _restore(store, manifest, step_dir, target, coord, progress, chunk, round_bytes)
-        except Exception as e:
-            said = getattr(e, "ckptio_read_once", None)
-            if attempt or not (isinstance(said, _Failed) and said.only_integrity):
-                raise
-            log.warning("read-once restore of %s: checksum mismatch (%s); every host restores it once more",
-                        store.where(step_dir), e)
-    raise AssertionError("unreachable")
-
-
-def _restore(store: CheckpointStore, manifest: Manifest, step_dir: str, target: Any, coord: Coordinator,
-             progress: Progress | None, chunk: int, round_bytes: int | None) -> Any:
-    failure: BaseException | None = None
-    read_plan: ReadPlan | None = None
-    try:
-        read_plan = prepare(store, manifest, step_dir, target, (coord.rank, coord.size))
-    except Exception as e:
-        failure = e
-    read_once(store, read_plan.requests if read_plan else [], coord, progress=progress, failure=failure,
-              chunk=chunk, round_bytes=round_bytes)
-    assert read_plan is not None
-    return read_plan.finish()
 
 
 def read_once(store: CheckpointStore, requests: list[ReadRequest], coord: Coordinator, *,

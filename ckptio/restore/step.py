@@ -21,7 +21,7 @@ from ..manifest import ArrayItem, Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
 from .boxexchange import restore_exchange
-from .readonce import can_read_once, restore_read_once
+from .readonce import can_read_once
 from ..waits import waiting_for
 
 __all__ = ["restore_step"]
@@ -43,20 +43,19 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
     so all restore the same step. With ``step=N`` the failure is raised,
     naming what is missing.
 
-    ``read_once=True`` (every host must pass the same): each stored byte is
-    read from storage by one host and redistributed over the coordinator
-    (:mod:`ckptio.restore.readonce`), where it exchanges bytes
-    (:func:`~ckptio.restore.readonce.can_read_once`); elsewhere every host
-    reads what it needs, as without it. ``read_once="exchange"``: the same by logical-box
-    exchange (:mod:`ckptio.restore.boxexchange`): a host reads the root and only the fragments
-    it sends from, not those its target meets.
+    ``read_once=True`` or ``"exchange"`` (every host must pass the same): each stored byte some
+    target needs is read from storage by one host, where the coordinator exchanges bytes
+    (:func:`~ckptio.restore.readonce.can_read_once`), by logical-box exchange
+    (:mod:`ckptio.restore.boxexchange`): arrays no two hosts share (same layout, N -> N/2,
+    N -> 2N) each host reads itself, the others are read by the host responsible for their
+    fragments and sent; elsewhere every host reads what it needs, as without it.
     """
     coord = coordinator or SingleProcess()
     # Who this host is, for per-host items: the coordinator's, else the job's default one's (a
     # restore called without a coordinator in a multi-process job still gives each host its own).
     host = (coord.rank, coord.size) if coordinator is not None else None
     # A host-local store's objects are seen only by the host that wrote them: nobody reads for others.
-    once = read_once if can_read_once(coord) and not store.host_local else False  # "exchange" stays itself
+    once = bool(read_once) and can_read_once(coord) and not store.host_local
     if read_once and not once and coord.size > 1:
         log.warning("read_once: %s; every host reads what it needs", "the store is host-local" if store.host_local
                     else f"{type(coord).__name__} does not exchange bytes")
@@ -70,7 +69,7 @@ _LOST = (FileNotFoundError, IntegrityError, ManifestError, PermissionError)
 
 def _restore_step(
     store: CheckpointStore, step: int | None, target: Any, progress: Progress | None, coord: Coordinator,
-    once: bool | str, host: tuple[int, int] | None,
+    once: bool, host: tuple[int, int] | None,
 ) -> Any:
     tried: list[int] = []
     first: BaseException | None = None  # what the newest step failed with: raised if nothing older restores
@@ -87,10 +86,8 @@ def _restore_step(
         fatal = False  # a failure that another step would not mend (a bad target, an outage)
         out: Any = None
         try:
-            if once == "exchange":
+            if once:
                 out = restore_exchange(store, manifest, step_dir, target, coord)
-            elif once:
-                out = restore_read_once(store, manifest, step_dir, target, coord, progress=progress)
             else:
                 out = restore_checkpoint(store, manifest, step_dir, target, progress=progress, host=host)
         except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
