@@ -268,6 +268,43 @@ def test_a_flipped_stored_byte_is_an_integrity_error_on_every_host(tmp_path: Pat
     assert all("host 1" in str(r) and "checksum mismatch in object '1/" in str(r) for r in results), results
 
 
+def test_a_byte_damaged_between_hosts_is_an_integrity_error_on_every_host(tmp_path: Path) -> None:
+    """Bytes are verified against the stored checksums where they are read; what one host sends
+    another is sealed (crc32c), so damage in transit is caught where the bytes are used."""
+    _save(tmp_path)
+    hosts = 3
+
+    class _Damaging:
+        """Host 2's coordinator: the first piece byte it receives from host 0 is flipped."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.rank, self.size, self.done = inner, inner.rank, inner.size, False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def exchange(self, sends: Any, sizes: Any = None) -> Any:
+            got = self.inner.exchange(sends, sizes)
+            if not self.done and len(got.get(0, b"")) > 5:
+                got[0][1] ^= 0x40
+                self.done = True
+            return got
+
+    def body(rank: int, host: Any) -> Any:
+        store = CheckpointStore(str(tmp_path))
+        try:
+            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
+            return restore_exchange(store, m, step_dir, _target(rank, hosts), _Damaging(host) if rank == 2 else host)
+        finally:
+            run_sync(store.close())
+
+    results = exchanging_hosts(hosts, body)
+    assert all(isinstance(r, IntegrityError) for r in results), results
+    assert all("host 2" in str(r) and "host 0 sent" in str(r) and "arrived damaged" in str(r) for r in results), results
+    # Undamaged, the same restore succeeds on every host (the seal itself is sound).
+    assert not any(isinstance(r, BaseException) for r in _restore_on(tmp_path, hosts))
+
+
 def test_a_checkpoint_saved_by_one_process_is_sent_shard_by_shard_from_several_hosts(tmp_path: Path) -> None:
     # Format 1 (every shard in the one manifest): shard i is sent by host i % H.
     pieces = [((_rows(i, SAVED), slice(None)), full("w")[_rows(i, SAVED)]) for i in range(SAVED)]

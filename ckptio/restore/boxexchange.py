@@ -16,8 +16,10 @@ the coordinator calls :func:`restore_exchange`):
    reads from storage, through the engine, the part of each of its shards that
    some host needs (every byte verified against its checksum blocks on the
    host that reads it), and sends every host its pieces, raw bytes in the
-   canonical order both ends know, each message led by a status byte; a
-   receiver copies each piece into its target buffer;
+   canonical order both ends know, each message led by a status byte and
+   sealed with the crc32c of its pieces; a receiver checks the seal (damage
+   between the host that verified the bytes and the host that uses them is
+   an IntegrityError) and copies each piece into its target buffer;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
    failed and what it failed on (:func:`ckptio.restore.readonce` 's agreement).
@@ -38,11 +40,12 @@ from typing import Any
 import numpy as np
 
 from .._exchange import joined
+from ..checksum import crc32c
 from ..distributed import Coordinator
 from ..engine import run_sync
 from ..layout import MIN_BLOCK, MIN_BLOCKS_PER_SHARD
 from ..manifest import ArrayItem, Manifest, table_of
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, IntegrityError
 from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
@@ -50,6 +53,7 @@ from .packed import table_reads
 from .plan import ReadPlan, _Builder, select
 from .readonce import _agree, _named
 from .targets import target_regions
+from ..waits import waiting_for
 
 __all__ = ["restore_exchange"]
 
@@ -119,10 +123,16 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             side = _plan(store, root, step_dir, regions, {n: t for n, t in tables.items() if n not in own}, coord)
         except Exception as e:
             failure = _named(e, coord.rank)
-    _agree(coord, failure, 0)
+    config, what = store.engine.config, f"exchange restore of {where}"
+    with waiting_for(f"{what}: agreeing on the plan", config.collective_deadline_s()):
+        _agree(coord, failure, 0)
     assert side is not None and finish is not None
-    for rnd in _rounds(root, side.targets) if side.targets else []:
-        _round(store, coord, side, rnd)
+    rounds = _rounds(root, side.targets) if side.targets else []
+    # A round waits for the other hosts' reads and sends: about a host's share of one round's bytes.
+    share = sum(root.items[n].nbytes for n in side.targets) // (_ROUNDS * coord.size)
+    for i, rnd in enumerate(rounds):
+        with waiting_for(f"{what}: round {i + 1} of {len(rounds)}", config.collective_deadline_s(share)):
+            _round(store, coord, side, rnd)
     return finish.finish()
 
 
@@ -262,17 +272,40 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) 
     out: dict[int, list[memoryview]] = {}
     for dst, lengths in _lengths(side, sends, "dst").items():
         # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
-        out[dst] = [status, *_coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])]
+        bufs = _coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])
+        out[dst] = [status, *bufs, _sealed(bufs)]
     expect = _lengths(side, gets, "src")
-    got = x.exchange(out, {src: [1, *_grouped(lengths)] for src, lengths in expect.items()})
+    got = x.exchange(out, {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()})
     del out, messages
     try:
         if failure is None and not any(got[s][0] for s in expect):  # else the sender reports its failure
+            for src in expect:
+                _check_seal(got[src], src, coord.rank)
             _unpack(side, gets, got)
     except Exception as e:
         failure = _named(e, coord.rank)
     del got
     _agree(coord, failure, 0)
+
+
+#: Bytes of a message's seal: the crc32c of its pieces, so bytes corrupted between the host that
+#: read (and verified) them and the host that uses them are an IntegrityError, not a silent bad restore.
+_SEAL = 4
+
+
+def _sealed(bufs: list[memoryview]) -> memoryview:
+    value = 0
+    for b in bufs:
+        value = crc32c(b, value)
+    return memoryview(value.to_bytes(_SEAL, "little"))
+
+
+def _check_seal(message: bytearray, src: int, rank: int) -> None:
+    """Raise IntegrityError unless ``message`` (status byte, pieces, seal) arrived as sent."""
+    view = memoryview(message)
+    if crc32c(view[1:-_SEAL]) != int.from_bytes(view[-_SEAL:], "little"):
+        raise IntegrityError(f"host {rank}: the pieces host {src} sent in a restore exchange arrived damaged "
+                             f"(crc32c mismatch over {view.nbytes - 1 - _SEAL} bytes)")
 
 
 def _groups(lengths: list[int]) -> list[tuple[int, int]]:
