@@ -8,7 +8,7 @@ usage: collective_wait_worker.py save|pick|outcome|readonce ROOT [torch|jax]
 - save: rank 1 stops before the commit gather of step 2 (after writing its objects);
 - pick: rank 0 stops while choosing the step to restore;
 - outcome: rank 1 stops while reading, before the restore's outcome gather;
-- readonce: rank 1 stops while serving the others' reads in a read-once round.
+- readonce: rank 1 stops in a round of a read-once (exchange) restore of columns, before it sends.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 import ckptio
-from ckptio.restore import readonce
+from ckptio.restore import boxexchange
 from ckptio.restore import step as restore_step
 from ckptio.backends.deadline import Deadlines
 from ckptio.save import SaveJob
@@ -35,7 +35,7 @@ STOP_S = DEADLINE_S + 6.0  # past the others' deadline: they must not wait for i
 CONFIG = ckptio.EngineConfig(deadlines=Deadlines(collective_fixed_s=DEADLINE_S))
 #: mode -> (the rank that stops, what every rank's error must name)
 CASES = {"save": (1, "commit of step 2"), "pick": (0, "choice of the step to restore"),
-         "outcome": (1, "every host's outcome"), "readonce": (1, "read-once restore")}
+         "outcome": (1, "every host's outcome"), "readonce": (1, "exchange restore")}
 
 
 def stop(fn: Any) -> Any:
@@ -82,7 +82,7 @@ def main() -> int:
         elif mode == "outcome":
             restore_step.restore_checkpoint = stop(restore_step.restore_checkpoint)
         else:
-            readonce._serve = astop(readonce._serve)
+            boxexchange._read_and_pack = stop(boxexchange._read_and_pack)
     barrier()  # the deadline is short: start together, whatever each process's import took
     began = time.monotonic()
     try:
@@ -91,7 +91,11 @@ def main() -> int:
                         engine_config=CONFIG).result()
         else:
             with ckptio.CheckpointManager(root, engine_config=CONFIG) as m:
-                target = {"w": ckptio.Sharded(SHAPE, np.float32, [(ix, None)]), "step": None}
+                # read-once: columns of a checkpoint saved whole, so the hosts must exchange (rows
+                # of it each host would read for itself)
+                cols = SHAPE[1] // world
+                mine = (slice(None), slice(rank * cols, (rank + 1) * cols)) if mode == "readonce" else ix
+                target = {"w": ckptio.Sharded(SHAPE, np.float32, [(mine, None)]), "step": None}
                 m.restore(target=target, read_once=mode == "readonce")
     except Exception as e:  # noqa: BLE001 - judged here
         took = time.monotonic() - began
