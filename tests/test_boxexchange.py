@@ -195,17 +195,22 @@ def _tables(hosts: int) -> dict[str, TargetTable]:
     return {"w": cols, "mu": cols, "bias": TargetTable.grid((1000,), (1000,), h.reshape(1, hosts))}
 
 
+def _exchange(root: Path, backend: Any, target: Any, host: Any, step: int = 1, **kw: Any) -> Any:
+    """One host's ``restore_exchange`` of ``step`` of ``root`` read through ``backend``."""
+    store = CheckpointStore(StoreOptions(str(root), backend=backend))
+    try:
+        step_dir, m = run_sync(store.resolve_manifest(step, shards=False))
+        return restore_exchange(store, m, step_dir, target, host, **kw)
+    finally:
+        run_sync(store.close())
+
+
 def _restore_on(root: Path, hosts: int, step: int = 1, tables: dict[str, TargetTable] | None = None) -> list[Any]:
     def body(rank: int, host: Any) -> Any:
         counting = CountingBackend(open_backend(str(root)))
         keys = _Keys(counting)
-        store = CheckpointStore(StoreOptions(str(root), backend=keys))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(step, shards=False))
-            out = restore_exchange(store, m, step_dir, _target(rank, hosts), host, targets=tables)
-            return out, counting.bytes_read, keys.keys
-        finally:
-            run_sync(store.close())
+        out = _exchange(root, keys, _target(rank, hosts), host, step, targets=tables)
+        return out, counting.bytes_read, keys.keys
 
     return exchanging_hosts(hosts, body)
 
@@ -255,12 +260,7 @@ def test_a_flipped_stored_byte_is_an_integrity_error_on_every_host(tmp_path: Pat
 
     def body(rank: int, host: Any) -> Any:
         backend = open_backend(str(tmp_path))
-        store = CheckpointStore(StoreOptions(str(tmp_path), backend=_Flip(backend) if rank == 1 else backend))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
-            return restore_exchange(store, m, step_dir, _target(rank, hosts), host)
-        finally:
-            run_sync(store.close())
+        return _exchange(tmp_path, _Flip(backend) if rank == 1 else backend, _target(rank, hosts), host)
 
     results = exchanging_hosts(hosts, body)
     assert all(isinstance(r, IntegrityError) for r in results), results
@@ -291,12 +291,8 @@ def test_a_byte_damaged_between_hosts_is_an_integrity_error_on_every_host(tmp_pa
             return got
 
     def body(rank: int, host: Any) -> Any:
-        store = CheckpointStore(str(tmp_path))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
-            return restore_exchange(store, m, step_dir, _target(rank, hosts), _Damaging(host) if rank == 2 else host)
-        finally:
-            run_sync(store.close())
+        return _exchange(tmp_path, open_backend(str(tmp_path)), _target(rank, hosts),
+                         _Damaging(host) if rank == 2 else host)
 
     results = exchanging_hosts(hosts, body)
     assert all(isinstance(r, IntegrityError) for r in results), results
@@ -314,13 +310,8 @@ def test_a_checkpoint_saved_by_one_process_is_sent_shard_by_shard_from_several_h
 
     def body(rank: int, host: Any) -> Any:
         counting = CountingBackend(open_backend(str(tmp_path)))
-        store = CheckpointStore(StoreOptions(str(tmp_path), backend=counting))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
-            target = {"w": _target(rank, hosts)["w"], "bias": None}
-            return restore_exchange(store, m, step_dir, target, host), counting.bytes_read
-        finally:
-            run_sync(store.close())
+        target = {"w": _target(rank, hosts)["w"], "bias": None}
+        return _exchange(tmp_path, counting, target, host), counting.bytes_read
 
     results = exchanging_hosts(hosts, body)
     for rank, r in enumerate(results):
@@ -342,14 +333,9 @@ def test_a_box_a_host_holds_twice_is_filled_twice(tmp_path: Path) -> None:
     _save(tmp_path)
 
     def body(rank: int, host: Any) -> Any:
-        store = CheckpointStore(str(tmp_path))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
-            ix = _columns(rank, 2)
-            target = {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None), (ix, None)])}
-            return restore_exchange(store, m, step_dir, target, host)
-        finally:
-            run_sync(store.close())
+        ix = _columns(rank, 2)
+        target = {"w": ckptio.Sharded((ROWS, COLS), np.float32, [(ix, None), (ix, None)])}
+        return _exchange(tmp_path, open_backend(str(tmp_path)), target, host)
 
     for rank, r in enumerate(exchanging_hosts(2, body)):
         assert not isinstance(r, BaseException), r
@@ -386,13 +372,8 @@ def test_random_saved_and_target_grids_restore_bit_exact_reading_each_stored_byt
 
     def body(rank: int, host: Any) -> Any:
         reads = _Keys(open_backend(str(root)))
-        store = CheckpointStore(StoreOptions(str(root), backend=reads))
-        try:
-            step_dir, m = run_sync(store.resolve_manifest(1, shards=False))
-            target = {"a": ckptio.Sharded(shape, dtype, [(ix(c), None) for c in wanted[rank]])}
-            return restore_exchange(store, m, step_dir, target, host), reads.data
-        finally:
-            run_sync(store.close())
+        target = {"a": ckptio.Sharded(shape, dtype, [(ix(c), None) for c in wanted[rank]])}
+        return _exchange(root, reads, target, host), reads.data
 
     results = exchanging_hosts(hosts, body)
     for rank, r in enumerate(results):
