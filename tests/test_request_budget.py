@@ -191,3 +191,77 @@ def test_a_throttled_listing_on_host_0_is_never_no_checkpoint_on_any_host(tmp_pa
     for e in seen:
         assert isinstance(e, ThrottledError) and not isinstance(e, CheckpointNotFoundError), repr(e)
         assert "throttled" in str(e)
+
+
+def test_two_processes_of_one_host_draw_from_one_share() -> None:
+    """A host's trainer and its sidecar writer are one share of the job's rate: a process that
+    joins the trainer's budget state (as the sidecar does) takes the slots after the trainer's,
+    so the two together are spaced as one host's -- not two shares on one grid."""
+    import subprocess
+    import sys
+
+    rate = RequestRate(writes_per_s=400, ramp_period_s=1e9, hosts=1, rank=0)
+    trainer = RequestBudget(rate, clock=lambda: 1000.0)  # a still clock: slot times are exact
+    fd = trainer.share_fd()
+    mine = [1000.0 + trainer.reserve("write") for _ in range(20)]
+    code = ("import sys; from ckptio.backends.budget import RequestBudget, RequestRate\n"
+            "b = RequestBudget(RequestRate(writes_per_s=400, ramp_period_s=1e9, hosts=1, rank=0), clock=lambda: 1000.0)\n"
+            "b.join(int(sys.argv[1]))\n"
+            "print(' '.join(repr(1000.0 + b.reserve('write')) for _ in range(20)))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=[fd], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    theirs = [float(x) for x in out.split()]
+    mine += [1000.0 + trainer.reserve("write") for _ in range(20)]
+    times = sorted(mine + theirs)
+    assert len(times) == 60
+    assert np.diff(times).min() >= (1 / 400) * (1 - 1e-9), "two processes of one host sent within one slot"
+    assert trainer.taken("write") == 60 and trainer.taken_here["write"] == 40, "the host's count is both processes'"
+
+
+def test_a_host_alone_sends_at_the_jobs_rate_and_no_faster() -> None:
+    """While every other host waits on this one (the coordinator's commit), it may use the job's
+    whole rate, and no more; outside, its share again."""
+    clock = Clock()
+    b = RequestBudget(RequestRate(writes_per_s=100, ramp_period_s=1e9, hosts=50, rank=7), clock=clock)
+    with b.alone():
+        alone = slots(b, "write", 30, clock)
+    assert np.diff(alone).min() >= (1 / 100) * (1 - 1e-9) and alone[-1] - alone[0] < 30 / 100
+    clock.now = alone[-1] + 5.0
+    after = slots(b, "write", 3, clock)
+    assert np.diff(after).min() >= (50 / 100) / 1.125 ** 2 * (1 - 1e-9), "back to (about) its share of 2/s"
+
+
+class _Paging(WrapperBackend):
+    """Lists in ``pages`` requests through :func:`each_request`, as the GCS backend pages."""
+
+    def __init__(self, inner: Any, pages: int) -> None:
+        super().__init__(inner)
+        self.pages = pages
+
+    async def list_children(self, prefix: str = "") -> list[str]:
+        from ckptio.backends.budget import each_request
+
+        for _ in range(self.pages):
+            await each_request("GET")
+        return await super().list_children(prefix)
+
+
+def test_each_request_of_a_call_takes_a_slot_of_its_own() -> None:
+    """A listing of five pages is five requests against the budget, not one; without a budget
+    above it, a backend's requests take nothing."""
+    clock = Clock()
+    budget = RequestBudget(RequestRate(reads_per_s=10, ramp_period_s=1e9, hosts=1, rank=0), clock=clock)
+    b = BudgetedBackend(_Paging(MemoryBackend(), pages=5), budget)
+    waits: list[float] = []
+    real = budget.reserve
+
+    def reserve(kind: str) -> float:
+        waits.append(real(kind))
+        return 0.0  # the slots are counted and placed; the test need not sleep through them
+
+    budget.reserve = reserve  # type: ignore[method-assign]
+    asyncio.run(b.list_children(""))
+    assert budget.taken("read") == 5 and len(waits) == 5
+    assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4]), "each page waits for its own slot"
+    asyncio.run(_Paging(MemoryBackend(), pages=3).list_children(""))
+    assert budget.taken("read") == 5

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ckptio.backends.base import RetryableError, ThrottledError
+from ckptio.backends.budget import alone
 
 from .. import _gc
 from ..distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
@@ -135,7 +136,8 @@ def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coo
     choice: dict[str, Any] = {}
     if coord.rank == 0:
         try:
-            choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
+            with alone(store.engine.backend):  # every other host waits for this choice
+                choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
         except BaseException as e:  # every host must raise it, not wait for a choice
             kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "other")
             choice = {"error": f"{type(e).__name__}: {e}", "kind": kind}
