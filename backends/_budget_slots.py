@@ -122,7 +122,7 @@ class Slots:
     next = _Field(0)  # the earliest time the next slot may start
     boost = _Field(1)  # the multiple of its share this host sends at
     changed = _Field(2)  # when ``boost`` last grew or was cut
-    halved_at = _Field(3)  # when a throttle last cut ``boost``
+    halved_at = _Field(3)  # when the last burst of throttles came
 
     def take(self, now: float, share: float, recover_s: float, offset: float = 0.0) -> float:
         """Reserve the next slot at or after ``now``; returns when it starts.
@@ -150,15 +150,21 @@ class Slots:
         self.next = start + 1.0 / (share * self.boost)
         return start
 
-    def halve(self, now: float, share: float) -> bool:
-        """Slow down, once per burst of throttles (those in flight answer alike); True if it did.
+    def halve(self, now: float, share: float, recover_s: float) -> bool:
+        """Slow down, once per burst of throttles (those in flight answer alike); True if it cut.
 
         A host above its share drops back to it: the job's rate is the one every host may keep
-        at once, and which host's excess tripped the storage is unknowable. A host at or below
-        its share halves: the storage allows less than the job's configured rate."""
+        at once, and which host's excess tripped the storage is unknowable. A host at or below its
+        share halves if it was throttled before within ``4 * recover_s``: the storage allows less
+        than the job's configured rate. A lone burst at its share is the job's requests bunching
+        (a paused process, clocks apart): the throttled request's retry waits for the next slot."""
         if now - self.halved_at < max(0.5, 4.0 / (share * self.boost)):
             return False
+        again = now - self.halved_at < 4 * recover_s
+        self.halved_at = now
+        if self.boost <= 1.0 and not again:
+            return False
         self.boost = 1.0 if self.boost > 1.0 else max(_MIN_BOOST, self.boost / 2)
-        self.halved_at = self.changed = now
+        self.changed = now
         self.next = max(self.next, now + 1.0 / (share * self.boost))
         return True

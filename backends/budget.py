@@ -17,9 +17,11 @@ its own share from its rank and the job's size alone -- no message is sent:
   ``ramp_period_s`` up to ``ramp_limit`` times it;
 * a host held back by its share grows its rate gently (an eighth at most every
   half slot); a :class:`~ckptio.backends.base.ThrottledError` sends a host
-  above its share back to it, and halves one at or below it (once per burst
-  of throttles), which doubles back every ``recover_s`` without one: a job that
-  guessed its rate too high settles under what the storage allows;
+  above its share back to it, and halves one at or below it that was
+  throttled before within ``4 * recover_s`` (once per burst of throttles),
+  which doubles back every ``recover_s`` without one: a job that guessed its
+  rate too high settles under what the storage allows, and a one-off burst
+  (requests bunched by a paused process) costs no host its share;
 * where every other host waits on one in a collective (the coordinator's
   commit, host 0's choice of the step to restore) that host sends at the
   job's whole rate (:func:`alone`), so the job's rate is not left unused;
@@ -63,6 +65,8 @@ T = TypeVar("T")
 
 #: Each call's class: its own slots, its own rate.
 READ, WRITE = "read", "write"
+#: A wait that ends this many of the job's slots after its own takes a fresh slot (see ``wait``).
+_LATE_SLOTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +167,14 @@ class RequestBudget:
         with self._state.locked():
             return self.share(kind) * self._slots[kind].boost
 
-    def reserve(self, kind: str) -> float:
-        """Reserve a slot of ``kind`` ("read" or "write"); returns the seconds to wait for it."""
+    def reserve(self, kind: str, *, again: bool = False) -> float:
+        """Reserve a slot of ``kind`` ("read" or "write"); returns the seconds to wait for it.
+        ``again``: for a request that missed its slot (not counted twice)."""
         with self._state.locked():
             now = self._clock()
-            self.taken_here[kind] += 1
-            self._state.view[TAKEN + (kind == WRITE)] += 1
+            if not again:
+                self.taken_here[kind] += 1
+                self._state.view[TAKEN + (kind == WRITE)] += 1
             if self._alone:  # the others wait on this host: the job's rate is all its own
                 start = self._solo[kind].take(now, self.share(kind, now) * self.hosts, self.rate.recover_s)
                 self._slots[kind].next = max(self._slots[kind].next, start)
@@ -195,13 +201,24 @@ class RequestBudget:
             now = self._clock()
             self.throttles += 1
             slots = self._solo[kind] if self._alone else self._slots[kind]
-            self.slowdowns += slots.halve(now, self.share(kind, now) * (self.hosts if self._alone else 1))
+            self.slowdowns += slots.halve(now, self.share(kind, now) * (self.hosts if self._alone else 1), self.rate.recover_s)
 
     async def wait(self, kind: str) -> None:
-        """Wait for a slot of ``kind``."""
+        """Wait for a slot of ``kind``.
+
+        A wait that ends well after its slot (this process was paused: a loaded machine, a long
+        garbage collection) would send together with every other request whose slot passed
+        meanwhile -- a burst the storage refuses. Such a request takes a fresh slot, once.
+        """
         delay = self.reserve(kind)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay <= 0:
+            return
+        due = self._clock() + delay
+        await asyncio.sleep(delay)
+        if self._clock() - due > _LATE_SLOTS / (self.share(kind) * self.hosts):
+            delay = self.reserve(kind, again=True)
+            if delay > 0:
+                await asyncio.sleep(delay)
 
 
 class _Meter:
