@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["SlotState", "Slots", "STARTED", "TAKEN"]
 
@@ -103,7 +104,9 @@ class _Field:
     def __init__(self, index: int) -> None:
         self.index = index
 
-    def __get__(self, obj: Slots, owner: type | None = None) -> float:
+    def __get__(self, obj: Slots | None, owner: type | None = None) -> Any:
+        if obj is None:  # looked up on the class (help(), introspection): the field itself
+            return self
         return obj._state.view[obj._at + self.index]
 
     def __set__(self, obj: Slots, value: float) -> None:
