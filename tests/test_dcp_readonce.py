@@ -115,3 +115,19 @@ def test_a_rank_whose_read_items_fail_fails_every_rank_naming_it(tmp_path: Path)
     results = _run(tmp_path, plan)
     assert all(isinstance(r, ManifestError) for r in results), results
     assert all("host 2" in str(r) and "[99, 0]" in str(r) for r in results), results
+
+
+def test_read_items_of_the_saved_layout_are_read_by_each_rank_itself(tmp_path: Path) -> None:
+    """Each rank asking for the chunk it saved (DCP's same-layout load): no two ranks share a
+    byte, so each reads its own (boxroute.apart) and the job reads the data once."""
+    _save(tmp_path)
+    rows = ROWS // HOSTS
+
+    def plan(manifest: Any, rank: int) -> list[Any]:
+        return [("w", manifest.items["w"], Region((rank * rows, 0), np.zeros((rows, COLS), np.float32)))]
+
+    results = _run(tmp_path, plan)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        assert r[0][0][2].dest.tobytes() == W[rank * rows:(rank + 1) * rows].tobytes()
+    assert sum(r[2] for r in results) <= 1.1 * _stored(tmp_path)
