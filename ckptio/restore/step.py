@@ -22,7 +22,7 @@ from ..manifest import ArrayItem, Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
 from .boxexchange import restore_exchange
-from .readonce import can_read_once
+from .agreement import can_read_once
 from ..waits import waiting_for
 
 __all__ = ["restore_step"]
@@ -46,7 +46,7 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
 
     ``read_once=True`` or ``"exchange"`` (every host must pass the same): each stored byte some
     target needs is read from storage by one host, where the coordinator exchanges bytes
-    (:func:`~ckptio.restore.readonce.can_read_once`), by logical-box exchange
+    (:func:`~ckptio.restore.agreement.can_read_once`), by logical-box exchange
     (:mod:`ckptio.restore.boxexchange`): arrays no two hosts share (same layout, N -> N/2,
     N -> 2N) each host reads itself, the others are read by the host responsible for their
     fragments and sent; elsewhere every host reads what it needs, as without it.
