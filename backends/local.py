@@ -12,6 +12,7 @@ aligned bulk of each object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import os
@@ -26,9 +27,10 @@ from typing import Any, TypeVar
 from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
 from ckptio._system.threads import background_pool, start_workers
 
+from ._bounce import BOUNCE
 from ._local_config import LocalConfig
 from ._posix import (
-    TMP_MARK, aligned_buffer, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
+    TMP_MARK, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
 )
 from ._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
 from .base import (
@@ -39,7 +41,6 @@ __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 
 T = TypeVar("T")
 
-_DIRECT_CHUNK = 8 << 20
 _DIRECT_MIN = 1 << 20
 #: Tries to create a temp file while concurrent deletes keep removing its empty directory.
 _MKDIR_ATTEMPTS = 20
@@ -57,7 +58,6 @@ class LocalBackend(Backend):
         self._url = url
         self._pool: ThreadPoolExecutor | None = None  # made on first use, again after close()
         self._write_pool: ThreadPoolExecutor | None = None  # bulk writes, at a lower CPU priority
-        self._bounce = threading.local()  # one pre-touched O_DIRECT bounce buffer per write thread
         self._pool_lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
         self._dirty_lock = threading.Lock()
@@ -128,20 +128,6 @@ class LocalBackend(Backend):
                 pool = self._write_pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    def _bounce_buffer(self, nbytes: int) -> memoryview:
-        """This thread's aligned bounce buffer, kept across writes.
-
-        A fresh mapping per object made every bounce copy fault its pages in
-        first (~2.5 GiB/s here against ~7.7 GiB/s into touched memory): for
-        unaligned sources (jax CPU arrays are 64-byte aligned) that was most of
-        a save's CPU time, taken from the training step.
-        """
-        buf: memoryview | None = getattr(self._bounce, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = aligned_buffer(max(nbytes, _DIRECT_CHUNK))
-            self._bounce.buf = buf
-        return buf[:nbytes]
-
     # -- writing ---------------------------------------------------------
 
     def _mark_dirty(self, directory: str) -> None:
@@ -200,7 +186,7 @@ class LocalBackend(Backend):
 
         Aligned caller memory (ckptio's staging buffers are page-aligned) goes to the
         device as it is: no copy at all. Unaligned memory is gathered into an aligned
-        bounce buffer first.
+        bounce buffer first, lent by the process's pool (:mod:`ckptio.backends._bounce`).
         """
         align = self.config.alignment
         # Empty views are dropped first: cast() refuses views with a zero in their shape.
@@ -209,28 +195,30 @@ class LocalBackend(Backend):
         direct_end = total - total % align
         dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
-            bounce: memoryview | None = None
-            pos = filled = 0  # bytes on the device so far; bytes waiting in the bounce buffer
-            tail: list[memoryview] = []
-            for v in views:
-                while v.nbytes and pos + filled < direct_end:
-                    if not filled and address(v) % align == 0:
-                        n = min(v.nbytes, direct_end - pos)
-                        n -= n % align
-                        if n:
-                            pwritev_all(dfd, [v[:n]], pos)
-                            pos, v = pos + n, v[n:]
-                            continue
-                    if bounce is None:
-                        bounce = self._bounce_buffer(min(_DIRECT_CHUNK, direct_end))
-                    take = min(v.nbytes, len(bounce) - filled, direct_end - pos - filled)
-                    copy_bytes(bounce[filled : filled + take], v[:take])
-                    filled, v = filled + take, v[take:]
-                    if filled == len(bounce) or pos + filled == direct_end:
-                        pwritev_all(dfd, [bounce[:filled]], pos)
-                        pos, filled = pos + filled, 0
-                if v.nbytes:
-                    tail.append(v)
+            with contextlib.ExitStack() as lent:
+                bounce: memoryview | None = None  # taken from the process's pool at the first unaligned byte
+                pos = filled = 0  # bytes on the device so far; bytes waiting in the bounce buffer
+                tail: list[memoryview] = []
+                for v in views:
+                    while v.nbytes and pos + filled < direct_end:
+                        if not filled and address(v) % align == 0:
+                            n = min(v.nbytes, direct_end - pos)
+                            n -= n % align
+                            if n:
+                                pwritev_all(dfd, [v[:n]], pos)
+                                pos, v = pos + n, v[n:]
+                                continue
+                        if bounce is None:
+                            bounce = lent.enter_context(BOUNCE.lend())
+                            bounce = bounce[: min(bounce.nbytes - bounce.nbytes % align, direct_end)]
+                        take = min(v.nbytes, len(bounce) - filled, direct_end - pos - filled)
+                        copy_bytes(bounce[filled : filled + take], v[:take])
+                        filled, v = filled + take, v[take:]
+                        if filled == len(bounce) or pos + filled == direct_end:
+                            pwritev_all(dfd, [bounce[:filled]], pos)
+                            pos, filled = pos + filled, 0
+                    if v.nbytes:
+                        tail.append(v)
             if tail:
                 pwritev_all(fd, tail, direct_end)
         finally:

@@ -121,25 +121,22 @@ class TestLocalBackendDirect(BackendConformance):
 
         monkeypatch.setattr(os, "open", spy)
 
-        import ckptio.backends.local as local_mod
-
-        bounces: list[int] = []
-        real_bounce = local_mod.aligned_buffer
-        monkeypatch.setattr(local_mod, "aligned_buffer", lambda n: bounces.append(n) or real_bounce(n))
+        from ckptio.backends._bounce import BOUNCE
 
         async def body(b: Backend) -> None:
             assert b.capabilities.alignment == 4096
             # O_DIRECT is for bulk IO (>= 1 MiB); unaligned memory goes through a bounce buffer.
             data = os.urandom(256 * 4096 + 5)
+            lent = BOUNCE.lent
             await b.write("direct", [memoryview(data)[:7], memoryview(data)[7:]])
             assert await b.read("direct") == data
-            assert bounces, "unaligned memory must be gathered into an aligned bounce buffer"
+            assert BOUNCE.lent > lent, "unaligned memory must be gathered into an aligned bounce buffer"
             # Page-aligned memory at aligned offsets goes to the device as it is: no bounce copy.
-            bounces.clear()
+            lent = BOUNCE.lent
             aligned = aligned_buffer(2 << 20)
             aligned[:] = os.urandom(2 << 20)
             await b.write("zero-copy", [aligned[: 1 << 20], aligned[1 << 20 :], memoryview(b"tail")])
-            assert not bounces
+            assert BOUNCE.lent == lent
             got = np.empty((2 << 20) + 4, np.uint8)  # read back into memory numpy allocated
             await b.read_into("zero-copy", ByteRange(0, got.nbytes), [memoryview(got)])
             assert got.tobytes() == bytes(aligned) + b"tail"
