@@ -101,7 +101,9 @@ class TargetTable:
         """From columns; repeated ``(host, box)`` rows become one."""
         ndim = offsets.shape[1] if offsets.ndim == 2 else 0
         cols = np.column_stack([host, offsets, shape]).astype(_I64).reshape(len(host), 1 + 2 * ndim)
-        cols = np.unique(cols, axis=0)
+        if len(cols) > 1:  # np.unique(cols, axis=0), its order too, without its structured-dtype sort
+            cols = cols[np.lexsort(cols.T[::-1])]
+            cols = cols[np.r_[True, (cols[1:] != cols[:-1]).any(axis=1)]]
         return cls(cols[:, 0].copy(), cols[:, 1 : 1 + ndim].copy(), cols[:, 1 + ndim :].copy())
 
     @property
