@@ -19,7 +19,10 @@ the coordinator calls :func:`restore_exchange`):
    canonical order both ends know, each message led by a status byte and
    sealed with the crc32c of its pieces; a receiver checks the seal (damage
    between the host that verified the bytes and the host that uses them is
-   an IntegrityError) and copies each piece into its target buffer;
+   an IntegrityError). Where the coordinator has ``exchange_into``, a piece
+   that is one run of its target buffer is received right there, others
+   through a staging buffer (:mod:`ckptio.restore.landing`); a box the sender
+   wants itself as one run of its target (a replicated array) is read there;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
    failed and what it failed on (:func:`ckptio.restore.readonce` 's agreement).
