@@ -76,6 +76,10 @@ class ThrottledError(RetryableError):
     "no checkpoint".
     """
 
+    #: Set by a request budget that saw this error: the budget spaces the retry (its next
+    #: slot), so the retry loop adds only a short jitter instead of an exponential backoff.
+    paced: bool = False
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ByteRange:

@@ -10,13 +10,30 @@ its own share from its rank and the job's size alone -- no message is sent:
 * host ``r`` of ``n`` gets ``1/n`` of the job's rate, in slots on a grid of
   wall-clock time offset by ``r/rate``: the job's hosts interleave their
   requests evenly instead of all firing at the top of each second (their
-  clocks need agree only to well under a slot, as NTP does);
+  clocks need agree only to well under a slot, as NTP does). The write grid
+  sits half a slot after the read grid, so a host alternating the two waits
+  half a round between them, not a whole one;
 * the rate starts at the configured (conservative) value and doubles every
   ``ramp_period_s`` up to ``ramp_limit`` times it;
-* a :class:`~ckptio.backends.base.ThrottledError` halves this host's rate
-  (once per burst of them), and it doubles back every ``recover_s`` without
-  one: additive-free AIMD, so a job that guessed its rate too high settles
-  under what the storage allows.
+* a host held back by its share grows its rate gently (an eighth at most every
+  half slot); a :class:`~ckptio.backends.base.ThrottledError` sends a host
+  above its share back to it, and halves one at or below it that was
+  throttled before within ``4 * recover_s`` (once per burst of throttles),
+  which doubles back every ``recover_s`` without one: a job that guessed its
+  rate too high settles under what the storage allows, and a one-off burst
+  (requests bunched by a paused process) costs no host its share;
+* where every other host waits on one in a collective (the coordinator's
+  commit, host 0's choice of the step to restore) that host sends at the
+  job's whole rate (:func:`alone`), so the job's rate is not left unused;
+* every HTTP request counts: a backend that sends several per call (the GCS
+  backend: a listing's pages, an upload's chunks) takes a slot for each after
+  the first through :func:`each_request`;
+* one host is one share however many processes it sends from: its sidecar
+  writer joins the trainer's budget (:meth:`RequestBudget.share_fd`, state in
+  a memfd under a lock both take; :mod:`ckptio.backends._budget_slots`).
+
+A throttled call's retry waits for its slot in the budget, plus a short jitter
+only (``ThrottledError.paced``), not an exponential backoff on top.
 
 :class:`BudgetedBackend` is the wrapper that makes every call of a backend wait
 for a slot of its class ("read": reads, stats, listings; "write": writes,
@@ -28,25 +45,28 @@ retention all draw from one budget per host and storage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
+from ._budget_slots import STARTED, TAKEN, Slots, SlotState
 from .base import Backend, ByteRange, ObjectInfo, ThrottledError
 from .wrappers import WrapperBackend
 
-__all__ = ["BudgetedBackend", "RequestBudget", "RequestRate", "budgeted"]
+__all__ = ["BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "each_request"]
 
 T = TypeVar("T")
 
 #: Each call's class: its own slots, its own rate.
 READ, WRITE = "read", "write"
-#: A throttled host's rate never drops below this fraction of its share.
-_MIN_BOOST = 1 / 64
+#: A wait that ends this many of the job's slots after its own takes a fresh slot (see ``wait``).
+_LATE_SLOTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,48 +116,6 @@ class RequestRate:
         return (rank, hosts) if 0 <= rank < hosts else (0, 1)
 
 
-class _Slots:
-    """One class's slots for one host: a grid of wall-clock times, the host's own phase on it,
-    spaced by its share times ``boost`` (AIMD: grown while the host waits for slots, halved by a throttle)."""
-
-    def __init__(self, job_rate: float, rank: int, hosts: int) -> None:
-        self.job_rate, self.rank, self.hosts = job_rate, rank, hosts
-        self.next = -math.inf  # the earliest time the next slot may start
-        self.boost = 1.0  # the multiple of its share this host sends at
-        self.changed = -math.inf  # when ``boost`` last grew or was halved
-        self.halved_at = -math.inf
-
-    def take(self, now: float, share: float, recover_s: float) -> float:
-        """Reserve the next slot at or after ``now``; returns when it starts.
-
-        A host whose previous slot is still ahead has more to send than its rate allows: its boost
-        grows, at most once a slot, doubling until the storage first throttles it and by an
-        eighth after that (within ``recover_s``), up to the job's whole rate. An idle host's boost
-        halves each second down to its share, so that idle hosts do not all come back in a burst.
-        """
-        if now > self.next and self.boost != 1.0:  # idle: back towards its share (down each second, up each recover_s)
-            idle = now - max(self.next, self.changed)
-            self.boost = max(1.0, self.boost * 0.5 ** idle) if self.boost > 1 else min(1.0, self.boost * 2 ** (idle / recover_s))
-            self.changed = now
-        step = 1.0 / (share * self.boost)
-        phase = self.rank * step / self.hosts  # host r's slots sit r job-wide slots into each round
-        start = max(self.next, phase + math.ceil((now - phase) / step) * step)
-        if self.next > now and now - self.changed >= step and self.boost < self.hosts:  # held back: grow
-            self.boost = min(float(self.hosts), self.boost * (1.125 if now - self.halved_at < recover_s else 2.0))
-            self.changed = now
-        self.next = start + 1.0 / (share * self.boost)
-        return start
-
-    def halve(self, now: float, share: float) -> bool:
-        """Halve the boost, once per burst of throttles (those in flight answer alike); True if it did."""
-        if now - self.halved_at < max(0.5, 4.0 / (share * self.boost)):
-            return False
-        self.boost = max(_MIN_BOOST, self.boost / 2)
-        self.halved_at = self.changed = now
-        self.next = max(self.next, now + 1.0 / (share * self.boost))
-        return True
-
-
 class RequestBudget:
     """One host's share of a job's :class:`RequestRate` on one storage; thread-safe.
 
@@ -148,51 +126,134 @@ class RequestBudget:
         self.rate = rate
         self.rank, self.hosts = rate.resolved()
         self._clock = clock
-        self._lock = threading.Lock()
-        self._started = clock()
-        self._slots = {READ: _Slots(rate.reads_per_s, self.rank, self.hosts),
-                       WRITE: _Slots(rate.writes_per_s, self.rank, self.hosts)}
-        #: Throttles seen, and how many of them lowered the rate.
+        self._state = SlotState(clock())
+        st = self._state
+        self._slots = {READ: Slots(rate.reads_per_s, self.rank, self.hosts, st, 0),
+                       WRITE: Slots(rate.writes_per_s, self.rank, self.hosts, st, 1)}
+        #: While every other host waits on this one (:meth:`alone`): the job's whole rate, alone.
+        self._solo = {READ: Slots(rate.reads_per_s, 0, 1, st, 2), WRITE: Slots(rate.writes_per_s, 0, 1, st, 3)}
+        self._alone = 0
+        #: Throttles seen, and how many of them lowered the rate (this process's).
         self.throttles = 0
         self.slowdowns = 0
+        #: Slots this process took, per class (:meth:`taken`: the host's, every process sharing it).
+        self.taken_here = {READ: 0, WRITE: 0}
+
+    def share_fd(self) -> int:
+        """A memfd holding this budget's state, for another process of this host (its sidecar
+        writer) to :meth:`join`: both then draw from one share. Owned by the budget: do not close."""
+        return self._state.share()
+
+    def join(self, fd: int) -> None:
+        """Draw from the state another process of this host shares through ``fd`` (its
+        :meth:`share_fd`) from now on, instead of a share of this process's own; takes ``fd``."""
+        self._state.join(fd)
+
+    def taken(self, kind: str) -> int:
+        """Slots of ``kind`` this host took, in every process that shares its state."""
+        with self._state.locked():
+            return int(self._state.view[TAKEN + (kind == WRITE)])
 
     def share(self, kind: str, now: float | None = None) -> float:
         """This host's share of the job's ``kind`` rate at ``now``: ``1/hosts`` of it, ramped."""
         r = self.rate
         now = self._clock() if now is None else now
-        ramp = min(r.ramp_limit, 2.0 ** max(0.0, (now - self._started) / r.ramp_period_s))
+        started = self._state.view[STARTED]
+        ramp = min(r.ramp_limit, 2.0 ** max(0.0, (now - started) / r.ramp_period_s))
         return self._slots[kind].job_rate * ramp / self.hosts
 
     def host_rate(self, kind: str) -> float:
         """This host's current requests per second of ``kind``: its share times its boost."""
-        with self._lock:
+        with self._state.locked():
             return self.share(kind) * self._slots[kind].boost
 
-    def reserve(self, kind: str) -> float:
-        """Reserve a slot of ``kind`` ("read" or "write"); returns the seconds to wait for it."""
-        with self._lock:
+    def reserve(self, kind: str, *, again: bool = False) -> float:
+        """Reserve a slot of ``kind`` ("read" or "write"); returns the seconds to wait for it.
+        ``again``: for a request that missed its slot (not counted twice)."""
+        with self._state.locked():
             now = self._clock()
-            return max(0.0, self._slots[kind].take(now, self.share(kind, now), self.rate.recover_s) - now)
+            if not again:
+                self.taken_here[kind] += 1
+                self._state.view[TAKEN + (kind == WRITE)] += 1
+            if self._alone:  # the others wait on this host: the job's rate is all its own
+                start = self._solo[kind].take(now, self.share(kind, now) * self.hosts, self.rate.recover_s)
+                self._slots[kind].next = max(self._slots[kind].next, start)
+                return max(0.0, start - now)
+            offset = 0.5 if kind == WRITE else 0.0
+            return max(0.0, self._slots[kind].take(now, self.share(kind, now), self.rate.recover_s, offset) - now)
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """While in it, this host sends at the job's whole rate: for a phase in which every other
+        host of the job waits on this one in a collective (the coordinator's commit of a save, host
+        0's choice of the step to restore), so their shares would otherwise go unused."""
+        with self._state.locked():
+            self._alone += 1
+        try:
+            yield
+        finally:
+            with self._state.locked():
+                self._alone -= 1
 
     def throttled(self, kind: str) -> None:
-        """The storage said "slow down" to a ``kind`` request: halve this host's rate of it."""
-        with self._lock:
+        """The storage said "slow down" to a ``kind`` request: cut this host's rate of it."""
+        with self._state.locked():
             now = self._clock()
             self.throttles += 1
-            self.slowdowns += self._slots[kind].halve(now, self.share(kind, now))
+            slots = self._solo[kind] if self._alone else self._slots[kind]
+            self.slowdowns += slots.halve(now, self.share(kind, now) * (self.hosts if self._alone else 1), self.rate.recover_s)
 
     async def wait(self, kind: str) -> None:
-        """Wait for a slot of ``kind``."""
+        """Wait for a slot of ``kind``.
+
+        A wait that ends well after its slot (this process was paused: a loaded machine, a long
+        garbage collection) would send together with every other request whose slot passed
+        meanwhile -- a burst the storage refuses. Such a request takes a fresh slot, once.
+        """
         delay = self.reserve(kind)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay <= 0:
+            return
+        due = self._clock() + delay
+        await asyncio.sleep(delay)
+        if self._clock() - due > _LATE_SLOTS / (self.share(kind) * self.hosts):
+            delay = self.reserve(kind, again=True)
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+
+class _Meter:
+    """The budget one wrapped call runs under, and the slot it already took for its first request."""
+
+    def __init__(self, budget: RequestBudget) -> None:
+        self.budget, self.paid = budget, True
+
+    async def request(self, kind: str) -> None:
+        if self.paid:  # the wrapper's slot is the first request's
+            self.paid = False
+            return
+        await self.budget.wait(kind)
+
+
+#: The meter of the budgeted call running in this task (None: no budget above this backend).
+_meter: contextvars.ContextVar[_Meter | None] = contextvars.ContextVar("ckptio_request_meter", default=None)
+
+
+async def each_request(method: str) -> None:
+    """A backend calls this before each HTTP request it sends: under a :class:`BudgetedBackend`,
+    every request after a call's first (a listing's next page, an upload's next chunk, a resumable
+    session's status query) waits for a slot of its own. ``method``: the HTTP method (GET and
+    HEAD are reads, as the storage counts them; the rest writes). Without a budget: nothing."""
+    meter = _meter.get()
+    if meter is not None:
+        await meter.request(READ if method in ("GET", "HEAD") else WRITE)
 
 
 class BudgetedBackend(WrapperBackend):
     """Every call of ``inner`` waits for a slot of ``budget`` first, and tells it of throttles.
 
-    One slot per call: a listing the backend pages through, or a large upload sent in chunks,
-    counts as one request (the budget is a floor on spacing, not an exact count).
+    A call's first request uses that slot; a backend that sends more than one request per call
+    (the GCS backend's listing pages and upload chunks) takes one more slot for each through
+    :func:`each_request`. A backend that does not call it counts as one request per call.
     """
 
     def __init__(self, inner: Backend, budget: RequestBudget) -> None:
@@ -201,11 +262,15 @@ class BudgetedBackend(WrapperBackend):
 
     async def _call(self, kind: str, call: Callable[[], Awaitable[T]]) -> T:
         await self.budget.wait(kind)
+        token = _meter.set(_Meter(self.budget))
         try:
             return await call()
-        except ThrottledError:
+        except ThrottledError as e:
             self.budget.throttled(kind)
+            e.paced = True  # the retry's wait is this budget's next slot, not a backoff on top of it
             raise
+        finally:
+            _meter.reset(token)
 
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         await self._call(WRITE, lambda: self.inner.write(key, buffers))
@@ -227,6 +292,27 @@ class BudgetedBackend(WrapperBackend):
 
     async def list_children(self, prefix: str = "") -> list[str]:
         return await self._call(READ, lambda: self.inner.list_children(prefix))
+
+
+def budget_of(backend: Backend) -> RequestBudget | None:
+    """The request budget ``backend`` draws from (through its wrappers), if any."""
+    seen = 0
+    while backend is not None and seen < 32:  # wrappers nest a few deep; never loop on a cycle
+        if isinstance(backend, BudgetedBackend):
+            return backend.budget
+        backend, seen = getattr(backend, "inner", None), seen + 1
+    return None
+
+
+@contextlib.contextmanager
+def alone(backend: Backend) -> Iterator[None]:
+    """:meth:`RequestBudget.alone` for ``backend``'s budget; nothing without one."""
+    budget = budget_of(backend)
+    if budget is None:
+        yield
+        return
+    with budget.alone():
+        yield
 
 
 _shared: dict[tuple[str, RequestRate], RequestBudget] = {}

@@ -98,6 +98,7 @@ from .base import (
     check_key,
     check_prefix,
 )
+from .budget import each_request
 
 __all__ = ["GCSBackend", "GCSConfig", "RampConfig"]  # the configs live in _gcs_config
 
@@ -204,6 +205,7 @@ class GCSBackend(Backend):
         it expired -- a reason to start the upload again, not a missing object.
         """
         async with translating(what):
+            await each_request(method)  # every request, page and chunk counts against a request budget
             if ramp is not None:  # first: a token fetched before a long wait could go stale
                 await ramp.acquire()
             client = await self._sessions.get()

@@ -67,8 +67,10 @@ async def retry_call(what: str, call: Callable[[], Awaitable[T]], policy: RetryP
 
 
 def _backoff(attempt: int, e: RetryableError, policy: RetryPolicy) -> float:
-    """Full jitter over an exponential ceiling; a server's ``retry_after`` lengthens it."""
-    delay = random.uniform(0, min(policy.backoff_max, policy.backoff_initial * 2 ** min(attempt, 60)))
+    """Full jitter over an exponential ceiling; a server's ``retry_after`` lengthens it. A throttle
+    a request budget already answered (``paced``) waits only a jitter: the budget's slot is the wait."""
+    ceiling = policy.backoff_initial if getattr(e, "paced", False) else policy.backoff_initial * 2 ** min(attempt, 60)
+    delay = random.uniform(0, min(policy.backoff_max, ceiling))
     if e.retry_after is not None:
         delay = max(delay, min(e.retry_after, policy.backoff_max))
     return delay

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "run_readonce", "spawn", "worker_main"]
+__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "print_rows", "run_readonce", "spawn", "summary",
+           "worker_main"]
 
 ROWS, COLS = 2048, 4096  # float32: 32 MiB
 REPLICATED = 2 << 20  # float32 elements: 8 MiB
@@ -194,22 +195,31 @@ def run_readonce(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]
             for mode in ("plain", "read_once", "exchange"):
                 reports = launch(__file__, hosts, [case, ckpt] + ([mode] if mode != "read_once" else []),
                                  Path(tmp, f"{case}-{mode}"))
-                total = sum(r["read"] for r in reports)
-                rows.append({"case": case, "mode": mode, "hosts": hosts, "stored": stored, "job_read": total,
-                             "read_over_stored": round(total / stored, 3),
-                             "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2)})
+                rows.append(summary(case, mode, stored, reports))
     return rows
 
 
-def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"{'case':<11} {'mode':<10} {'hosts':>5} {'stored MiB':>10} {'job read MiB':>12} "
-          f"{'read/stored':>11} {'peak RSS/restored':>17}")
+def summary(case: str, mode: str, stored: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of a read-once bench: the job's storage bytes read (and over ``stored``), the worst
+    rank's peak RSS growth (MiB, and over the bytes it restored)."""
+    total = sum(r["read"] for r in reports)
+    return {"case": case, "mode": mode, "hosts": len(reports), "stored": stored, "job_read": total,
+            "read_over_stored": round(total / stored, 3),
+            "max_rss_growth_mib": round(max(r["rss_growth"] for r in reports) / 2**20, 1),
+            "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2)}
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    """The rows of :func:`summary`, as a table."""
+    print(f"{'case':<15} {'mode':<10} {'hosts':>5} {'stored MiB':>10} {'job read MiB':>12} {'read/stored':>11} "
+          f"{'peak RSS growth MiB':>19} {'peak RSS/restored':>17}")
     for r in rows:
-        print(f"{r['case']:<11} {r['mode']:<10} {r['hosts']:>5} {r['stored'] / 2**20:>10.1f} "
-              f"{r['job_read'] / 2**20:>12.1f} {r['read_over_stored']:>11} {r['max_rss_over_restored']:>17}")
+        print(f"{r['case']:<15} {r['mode']:<10} {r['hosts']:>5} {r['stored'] / 2**20:>10.1f} "
+              f"{r['job_read'] / 2**20:>12.1f} {r['read_over_stored']:>11} {r['max_rss_growth_mib']:>19} "
+              f"{r['max_rss_over_restored']:>17}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2:  # a process of a job
         sys.exit(worker_main(sys.argv[1:], SCENARIOS))
-    _print(run_readonce(int(sys.argv[1]) if len(sys.argv) > 1 else 8))
+    print_rows(run_readonce(int(sys.argv[1]) if len(sys.argv) > 1 else 8))

@@ -7,8 +7,8 @@ the receivers' cut. jax: the coordination service's key-value store
 (``key_value_set_bytes`` / ``blocking_key_value_get_bytes``): O(own bytes)
 per host, but every byte passes through the service on process 0, so it
 suits metadata-sized exchanges and small jobs, not the bulk of a large
-restore (that wants device collectives: see the read-once notes in
-:mod:`ckptio.restore.readonce`). Frameworks are imported only when called.
+restore (that wants device collectives: see the notes in
+:mod:`ckptio.restore.boxexchange`). Frameworks are imported only when called.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from ckptio._system import copy_bytes
+from ckptio.backends.budget import budget_of
 
 from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
@@ -387,8 +388,11 @@ class Sidecar:
         # address), and the trainer's may have changed since the child started.
         spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"),
                 tuple(sorted(os.environ.items())))
+        # The host's request budget travels as its shared state: the child joins it, and trainer and
+        # sidecar together keep the host's one share (ckptio.backends.budget).
+        budget = budget_of(store.engine.backend)
         try:
-            self._chan.send(("open", rid, spec, len(plans)))
+            self._chan.send(("open", rid, spec, len(plans)), None if budget is None else budget.share_fd())
             for i, plan in enumerate(plans):
                 if ready is not None:
                     ready[i].result()

@@ -33,6 +33,8 @@ __all__ = ["Channel", "child_main"]
 
 _PR_SET_PDEATHSIG = 1
 
+log = logging.getLogger("ckptio.sidecar")
+
 
 class Channel:
     """Messages over a private Unix socket between the trainer and its own sidecar (pickle is
@@ -92,6 +94,8 @@ class _Writer:
                 os.close(fds[0])
             elif kind == "open":
                 _k, rid, spec, n = msg
+                if fds:  # the trainer's request budget: this host's one share, drawn from by both
+                    self._join_budget(spec, os.dup(fds[0]))
                 objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
                 task = submit(self._run(rid, spec, objects))
                 self.requests[rid] = (objects, task)
@@ -122,6 +126,21 @@ class _Writer:
             os.environ.update(env)  # what the backend would have seen, opened in the trainer
             eng = self.engines[key] = Engine(open_backend(url, **options), config)
         return eng
+
+    def _join_budget(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]], fd: int) -> None:
+        """Have the engine of ``spec`` draw from the trainer's budget state behind ``fd`` (taken)."""
+        from ckptio.backends.budget import budget_of
+
+        try:
+            budget = budget_of(self._engine(spec).backend)
+        except Exception as e:  # noqa: BLE001 - the save's own request meets it again, and reports it
+            log.warning("could not open %s to join its request budget: %s", spec[0], e)
+            os.close(fd)
+            return
+        if budget is None:
+            os.close(fd)
+        else:
+            budget.join(fd)
 
     def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
         extents = []

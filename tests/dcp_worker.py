@@ -4,7 +4,7 @@ usage: dcp_worker.py MODE ROOT [ARGS]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
 
 modes:
   save_dtensor ROOT [stock]   every tensor a DTensor sharded Shard(0) over the world (stock: torch's FileSystemWriter)
-  load_shard1 ROOT         load it as Shard(1) over the world
+  load_shard1 ROOT [torch|once]   load it as Shard(1) over the world (stock torch's reader; ckptio's, read once)
   stock_per_rank ROOT      each rank saves its own state with FileSystemWriter(use_collectives=False), loads it via Reader
   load_full ROOT           load it into plain full tensors
   resume_a ROOT OUT        train N steps, save, train M more; losses -> OUT/a_<rank>.json
@@ -105,8 +105,9 @@ def save_dtensor(root: str, rank: int, world: int, mesh, stock: bool = False) ->
 
 
 def _reader(root: str, how: list[str]):
-    """ckptio's Reader, or (``torch``) stock torch's FileSystemReader on a checkpoint ckptio wrote."""
-    return dcp.FileSystemReader(root) if how == ["torch"] else Reader(root)
+    """ckptio's Reader (``once``: with read_once), or (``torch``) stock torch's FileSystemReader on a
+    checkpoint ckptio wrote."""
+    return dcp.FileSystemReader(root) if how == ["torch"] else Reader(root, read_once=how == ["once"])
 
 
 def load_shard1(root: str, rank: int, world: int, mesh, how: list[str]) -> None:

@@ -87,6 +87,19 @@ def dcp_replicated(root: str, read_once: bool) -> dict[str, Any]:
     return {"read": counting.bytes_read}
 
 
+def dcp_faults(root: str, read_once: bool) -> dict[str, Any]:
+    """``dcp.load`` with read_once of step 2's rows as column blocks, with a flipped byte
+    (``flip_a_byte``, by the parent) in the rows host 1 saved; then step 1, bit-exact."""
+    from ckptio.bench.readonce_dcp import dcp_columns
+
+    try:
+        dcp_columns(root, True, step=2)
+        flipped = ["", ""]
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        flipped = [type(e).__name__, str(e)]
+    return {**dcp_columns(root, True), "flipped": flipped}
+
+
 def manager_default(root: str, read_once: bool) -> dict[str, Any]:
     """``CheckpointManager.restore()`` with no ``read_once``: over torch.distributed it reads once."""
     import ckptio
@@ -169,6 +182,7 @@ def exchange_faults(root: str, read_once: bool) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated, "exchange": exchange,
+    sys.exit(worker_main(sys.argv[1:], {**SCENARIOS, "faults": faults, "dcp": dcp_replicated,
+                                                "dcp_faults": dcp_faults, "exchange": exchange,
                                                 "manager": manager_default,
                                                 "manager_columns": manager_columns, "exchange_faults": exchange_faults}))

@@ -56,6 +56,15 @@ def test_dtensor_shard0_on_4_loads_as_shard1_on_2_and_whole_on_1(tmp_path):
     run_ranks(1, "load_full", root)
 
 
+def test_dtensor_shard0_on_4_loads_as_shard1_on_3_and_2_reading_each_stored_byte_once(tmp_path):
+    """The Reader's read_once (logical-box exchange over gloo): every dtype bit-exact, uneven and
+    empty shards, a replicated tensor and a byte item, on fewer ranks than saved."""
+    root = str(tmp_path / "ckpt")
+    run_ranks(4, "save_dtensor", root)
+    run_ranks(3, "load_shard1", root, "once")
+    run_ranks(2, "load_shard1", root, "once")
+
+
 def test_deterministic_resume_model_adam_rng_loader(tmp_path):
     root, out = str(tmp_path / "run"), str(tmp_path / "losses")
     os.makedirs(out)

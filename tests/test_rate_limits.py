@@ -4,6 +4,7 @@ gets its rows back. Times are measured by ``ckptio bench --fake-gcs --rate-limit
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,39 @@ def test_the_proxy_limits_each_prefix_and_class_and_refuses_with_429(fake_gcs: F
                 statuses.append(e.code)
     assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) <= {200, 429}, statuses
     assert proxy.refused["read"] == statuses.count(429) and proxy.admitted["read"] == statuses.count(200)
+
+
+def test_every_page_of_a_listing_and_every_chunk_of_an_upload_takes_a_slot(
+    fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The budget counts HTTP requests, as the storage does: a listing of seven objects in pages
+    of two is four reads, a 1 MiB upload in 256 KiB chunks is a session start and four chunks.
+    Every request the proxy saw took a slot, and no slot went unused."""
+    from ckptio.backends.budget import BudgetedBackend, RequestBudget, RequestRate
+    from ckptio.backends.gcs import GCSBackend
+
+    with RateLimitProxy(fake_gcs.url, 1e6) as proxy:  # a counter, not a limit
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        gcs = GCSBackend(f"gs://ckptio-test/{unique_prefix(tmp_path)}", list_page_size=2,
+                         resumable_threshold=256 << 10, chunk_size=256 << 10)
+        budget = RequestBudget(RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0))
+        b = BudgetedBackend(gcs, budget)
+
+        async def run() -> tuple[int, int, int, int]:
+            try:
+                for i in range(7):
+                    await b.write(f"d/o{i}", [memoryview(b"x")])
+                proxy.reset()
+                listed = await b.list("d/")
+                assert [i.key for i in listed] == [f"d/o{i}" for i in range(7)]
+                pages, page_slots = proxy.admitted["read"], budget.taken("read")
+                proxy.reset()
+                await b.write("big", [memoryview(bytes(1 << 20))])
+                return pages, page_slots, proxy.admitted["write"], budget.taken("write") - 7
+            finally:
+                await gcs.close()
+
+        pages, page_slots, chunks, chunk_slots = asyncio.run(run())
+    assert pages == 4 and page_slots == pages, (pages, page_slots)
+    assert chunks == 5 and chunk_slots == chunks, (chunks, chunk_slots)
+    assert proxy.refused == {}

@@ -1,7 +1,7 @@
 """Read-once restore in one process: hosts as threads exchanging bytes, each with its own counting
-backend. The byte counts, bit-exactness and the failure paths (a failed owner read, a flipped
-byte, a bad target) across hosts; the pieces (ranges backend, ownership, rounds) on their own.
-Real processes over torch gloo: tests/test_readonce_mp.py."""
+backend. The byte counts, bit-exactness and the failure paths (a failed read on the host that
+reads for the others, a flipped byte, a bad target) across hosts. Real processes over torch
+gloo: tests/test_readonce_mp.py; the exchange's pieces: tests/test_boxexchange.py."""
 
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 import ckptio
 from ckptio.backends import open_backend
 from ckptio.backends.base import ByteRange
 from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.distributed import SingleProcess
-from ckptio.engine import ReadRequest, run_sync
+from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
 from ckptio.restore import restore_step
-from ckptio.restore.ranges import RangesBackend
-from ckptio.restore.readonce import _asks, _rounds, can_read_once, owner
+from ckptio.restore.agreement import can_read_once
 from ckptio.store import CheckpointStore, StoreOptions
 
 HOSTS = 4
@@ -181,10 +179,26 @@ def test_each_stored_byte_is_read_once_across_hosts_and_restored_bit_exact(tmp_p
     assert sum(n for _, n in plain) >= 0.9 * HOSTS * stored  # every host reads it all without read-once
 
 
-def test_a_failed_owner_read_fails_every_host_naming_the_host(tmp_path: Path) -> None:
+def _reader_of(root: Path, step: int) -> tuple[str, int]:
+    """A data object of ``step`` and a host that reads some of it from storage for the others."""
+    data = next(p for p in (root / str(step)).iterdir() if not p.name.startswith("ckptio."))
+    key = f"{step}/{data.name}"
+
+    def body(rank: int, host: _Host) -> bool:
+        counting = CountingBackend(open_backend(str(root)))
+        store = CheckpointStore(StoreOptions(str(root), backend=counting))
+        try:
+            restore_step(store, step, _target(rank), coordinator=host, read_once=True)
+        finally:
+            run_sync(store.close())
+        return any(k == key for k, _ in counting.reads)
+
+    return key, on_hosts(HOSTS, body).index(True)
+
+
+def test_a_failed_read_for_others_fails_every_host_naming_the_host(tmp_path: Path) -> None:
     _save(tmp_path)
-    data = next(p for p in (tmp_path / "1").iterdir() if not p.name.startswith("ckptio."))
-    reader = owner(f"1/{data.name}", 0, HOSTS)  # the one host that reads it from storage
+    _key, reader = _reader_of(tmp_path, 1)
     results = _restore(tmp_path, 1, wrap=lambda rank, b: _FailReads(b) if rank == reader else b)
     assert all(isinstance(r, FileNotFoundError) for r in results), results
     assert all(f"host {reader}" in str(r) and "gone" in str(r) for r in results), results
@@ -192,8 +206,7 @@ def test_a_failed_owner_read_fails_every_host_naming_the_host(tmp_path: Path) ->
 
 def test_a_byte_flipped_once_is_read_again_by_every_host(tmp_path: Path) -> None:
     _save(tmp_path)
-    data = next(p for p in (tmp_path / "1").iterdir() if not p.name.startswith("ckptio."))
-    reader = owner(f"1/{data.name}", 0, HOSTS)
+    _key, reader = _reader_of(tmp_path, 1)
     results = _restore(tmp_path, 1, wrap=lambda rank, b: _FlipOnce(b) if rank == reader else b)
     for rank, r in enumerate(results):
         assert not isinstance(r, BaseException), r
@@ -294,43 +307,3 @@ def test_read_once_over_jax_coordination_service(tmp_path: Path) -> None:
         assert r[0]["w"].pieces[0][1].tobytes() == np.ascontiguousarray(W[_columns(rank)]).tobytes()
     assert sum(n for _, n in results) <= 1.1 * _stored(tmp_path)
     assert not [k for k in kv.kv if "/to/" in k]  # every host deleted what it received
-
-
-def test_ranges_backend_serves_only_what_it_holds() -> None:
-    b = RangesBackend("t")
-    b.add("k", 10, memoryview(b"abcdef"))
-    b.add("k", 16, memoryview(b"ghij"))
-    b.add("k", 0, memoryview(b"0123456789"))
-    dst = [memoryview(bytearray(5)), memoryview(bytearray(12))]
-    run_sync(b.read_into("k", ByteRange(3, 20), dst))
-    assert bytes(dst[0]) + bytes(dst[1]) == b"3456789abcdefghij"
-    with pytest.raises(LookupError, match="not received"):
-        run_sync(b.read_into("k", ByteRange(18, 22), [memoryview(bytearray(4))]))
-    with pytest.raises(LookupError):
-        run_sync(b.read_into("other", ByteRange(0, 1), [memoryview(bytearray(1))]))
-    b.clear()
-    with pytest.raises(LookupError):
-        run_sync(b.read_into("k", ByteRange(0, 1), [memoryview(bytearray(1))]))
-
-
-def _req(key: str, start: int, end: int) -> ReadRequest:
-    return ReadRequest(key, ByteRange(start, end), [], [])
-
-
-def test_asks_cover_each_needed_byte_once_cut_at_chunks_spread_over_hosts() -> None:
-    reqs = [_req("a", 0, 100), _req("a", 50, 130), _req("a", 200, 260), _req("b", 0, 40)]
-    asks = _asks(reqs, chunk=64, hosts=3)
-    spans = sorted(s for ss in asks.values() for s in ss)
-    assert spans == [("a", 0, 64), ("a", 64, 128), ("a", 128, 130), ("a", 200, 256), ("a", 256, 260), ("b", 0, 40)]
-    for o, ss in asks.items():
-        assert all(owner(k, s // 64, 3) == o for k, s, _ in ss)
-    assert len({owner("a", c, 8) for c in range(8)}) == 8  # one object's chunks go to every host
-
-
-def test_rounds_keep_overlapping_requests_together_and_respect_the_budget() -> None:
-    reqs = [_req("a", i * 10, i * 10 + 15) for i in range(10)] + [_req("b", 0, 10), _req("b", 10, 20)]
-    rounds = _rounds(reqs, budget=30)
-    assert sorted((r.key, r.rng.start) for rr in rounds for r in rr) == sorted((r.key, r.rng.start) for r in reqs)
-    for a, b in zip(rounds, rounds[1:]):  # no byte of one round is asked again in the next
-        assert all(x.key != y.key or x.rng.end <= y.rng.start for x in a for y in b)
-    assert len(rounds) >= 2

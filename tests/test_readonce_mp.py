@@ -27,6 +27,15 @@ def run_job(scenario: str, root: Path, out: Path, *flags: str) -> list[dict[str,
 
 
 
+def _flipped_job(scenario: str, tmp_path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """Rows saved in steps 1 and 2, a byte flipped in step 2's rows of host 1 (its key), the
+    job's reports."""
+    root = tmp_path / "ckpt"
+    make_checkpoints(str(root), HOSTS, "columns", steps=(1, 2))
+    key = flip_a_byte(str(root), 2, rows_of=1, hosts=HOSTS)
+    return key, run_job(scenario, root, tmp_path / "out")
+
+
 def _check_job(reports: list[dict[str, Any]], stored: int) -> None:
     total = sum(r["read"] for r in reports)
     # Each process reads the manifest itself (small); the data objects once across the job.
@@ -74,6 +83,16 @@ def test_dcp_load_through_the_reader_reads_each_stored_byte_once(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_dcp_load_of_rows_as_columns_reads_once_and_a_flipped_byte_fails_every_rank(tmp_path: Path) -> None:
+    key, reports = _flipped_job("dcp_faults", tmp_path)
+    # Step 1 (checked bit-exact by each rank): the data once across the job, not once per rank.
+    _check_job(reports, stored_bytes(str(tmp_path / "ckpt")))
+    # Step 2: every rank fails, and names the damaged object (DCP gathers every rank's error).
+    for rank, r in enumerate(reports):
+        assert r["flipped"][0] and "IntegrityError" in r["flipped"][1] and key in r["flipped"][1], (rank, r["flipped"])
+
+
+@pytest.mark.slow
 def test_checkpoint_manager_reads_once_by_default_over_torch_distributed(tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     make_checkpoints(str(checkpoint), HOSTS, "replicated")
@@ -92,10 +111,7 @@ def test_rows_to_columns_reads_each_stored_byte_once(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_failures_reach_every_process(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    make_checkpoints(str(root), HOSTS, "columns", steps=(1, 2))
-    key = flip_a_byte(str(root), 2, rows_of=1, hosts=HOSTS)
-    reports = run_job("faults", root, tmp_path / "out")
+    key, reports = _flipped_job("faults", tmp_path)
     # A flipped byte: every process fails with IntegrityError; the one that uses the byte names
     # the object, the others name the host at fault.
     kinds = {r["flipped"][0] for r in reports}

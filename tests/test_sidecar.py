@@ -325,3 +325,23 @@ def test_kill_minus_9_campaign_with_the_sidecar(tmp_path: Path) -> None:
     result = run_campaign(trials=8, root=str(tmp_path / "ckpt"), seed=17, writer="sidecar")
     assert result["newest"] >= 2 and result["kills"]["sidecar"] > 0
     assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
+
+
+def test_the_sidecar_and_the_trainer_draw_from_one_request_budget(tmp_path: Path) -> None:
+    """A host is one share of the job's request rate whichever of its processes sends: the sidecar
+    joins the trainer's budget, so its object writes are counted in (and spaced by) the host's
+    slots -- not a second share of its own on top (issue 38, part 3)."""
+    from ckptio.backends import open_backend
+    from ckptio.backends.budget import RequestRate, budget_of
+
+    rate = RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0)
+    cfg = EngineConfig(writer="sidecar", request_rate=rate)
+    url = str(tmp_path / "c")
+    for step in (1, 2):  # the second save reuses the child's engine and its joined budget
+        ckptio.save(url, _state(step), step=step, engine_config=cfg).result()
+    assert sidecar.current_pid() is not None  # the sidecar did the writing
+    budget = budget_of(cfg.drive(open_backend(url)))  # this process's budget for the storage
+    assert budget is not None
+    objects = sum(len(_objects(tmp_path / "c" / str(s))) for s in (1, 2))
+    by_sidecar = budget.taken("write") - budget.taken_here["write"]
+    assert objects > 0 and by_sidecar >= objects, (objects, by_sidecar, budget.taken_here)

@@ -39,17 +39,18 @@ from torch.futures import Future
 
 from ckptio.backends.base import ByteRange, join_key
 
-from ..distributed import Coordinator, default_coordinator
+from ..distributed import default_coordinator
 from ..engine import EngineConfig, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, Manifest
 from ..names import parse_object
 from ..store.companions import is_companion
-from ..reshard import Region, plan_region
-from ..restore.readonce import can_read_once, read_once
+from ..reshard import Region, plan_region, plan_regions
+from ..restore.agreement import can_read_once
 from ..store import CheckpointStore
 from . import _stock, _transforms
 from ._codec import ChunkRef, metadata_from_manifest, numpy_dtype_of, numpy_view
+from ._readonce import Want, exchange_regions
 from ._location import Located
 
 __all__ = ["Reader"]
@@ -78,8 +79,9 @@ class Reader(Located, StorageReader):
         backend_options: options of the backend.
         allow_stock: read stock DCP checkpoints (their ``.metadata`` is a pickle).
         read_once: every rank passes it: each stored byte of a ckptio checkpoint is read from
-            storage by one rank and sent to the ranks that need it over torch.distributed
-            (:mod:`ckptio.restore.readonce`); a stock checkpoint is read as without it.
+            storage by one rank and sent to the ranks that need it over torch.distributed, by
+            logical-box exchange (:mod:`ckptio.dcp._readonce`: tensors no two ranks share each
+            rank reads itself); a stock checkpoint is read as without it.
         _extension_registry: DCP's ``ExtensionRegistry`` for transformed items (default: torch's).
     """
 
@@ -236,7 +238,10 @@ class Reader(Located, StorageReader):
             store = self._open()
             coord = default_coordinator() if self.read_once and self._stock is None else None
             if coord is not None and can_read_once(coord) and not store.host_local:
-                requests = self._read_once(store, plan, planner, finish, coord)
+                requests = []
+                assert self._manifest is not None
+                exchange_regions(store, self._manifest, self.step_dir, lambda: self._wants(plan, planner, finish),
+                                 coord)
             else:
                 requests = (self._plan_stock(store, plan, planner, finish) if self._stock is not None
                             else self._plan_manifest(plan, planner, finish))
@@ -259,30 +264,23 @@ class Reader(Located, StorageReader):
 
     # -- ckptio checkpoints --------------------------------------------------
 
-    def _read_once(self, store: CheckpointStore, plan: LoadPlan, planner: LoadPlanner,
-                   finish: list[Callable[[], None]], coord: Coordinator) -> list[ReadRequest]:
-        """Plan, then read with every rank (collective: a rank whose planning failed joins anyway)."""
-        requests: list[ReadRequest] = []
-        failure: BaseException | None = None
-        try:
-            requests = self._plan_manifest(plan, planner, finish)
-        except Exception as e:
-            failure = e
-        read_once(store, list(requests), coord, failure=failure)
-        return requests
-
     def _plan_manifest(self, plan: LoadPlan, planner: LoadPlanner, finish: list[Callable[[], None]]
                        ) -> list[ReadRequest]:
         manifest = self._manifest
         assert manifest is not None
-        requests: list[ReadRequest] = []
+        return plan_regions(self._wants(plan, planner, finish), manifest.objects, manifest.block_size)
+
+    def _wants(self, plan: LoadPlan, planner: LoadPlanner, finish: list[Callable[[], None]]) -> list[Want]:
+        """Per read item, the region of a manifest item it is filled from (read plainly or by
+        exchange); ``finish`` gets what hands each to the planner once every byte is in."""
+        wants: list[Want] = []
         for ri in plan.items:
             ref = self._chunk(ri.storage_index, 1 if ri.type == LoadItemType.BYTE_IO else len(ri.lengths))
             if ref.transforms or ri.type == LoadItemType.BYTE_IO:
-                requests += self._plan_whole(ri, planner, manifest, ref, finish)
+                wants.append(self._want_whole(ri, planner, ref, finish))
             else:
-                requests += self._plan_tensor(ri, planner, manifest, ref, finish)
-        return requests
+                wants.append(self._want_tensor(ri, planner, ref, finish))
+        return wants
 
     def _chunk(self, index: MetadataIndex, ndim: int) -> ChunkRef:
         offsets = tuple(index.offset) if index.offset is not None else (0,) * ndim
@@ -294,9 +292,9 @@ class Reader(Located, StorageReader):
                 "which the checkpoint does not hold"
             ) from None
 
-    def _plan_whole(
-        self, ri: ReadItem, planner: LoadPlanner, manifest: Manifest, ref: ChunkRef, finish: list[Callable[[], None]]
-    ) -> list[ReadRequest]:
+    def _want_whole(
+        self, ri: ReadItem, planner: LoadPlanner, ref: ChunkRef, finish: list[Callable[[], None]]
+    ) -> Want:
         """A byte item, or a transformed chunk: its stored bytes whole (verified), then undone and handed over."""
         shard = ref.item.shards[0]
         buf = np.empty(shard.shape, np.uint8)
@@ -312,7 +310,7 @@ class Reader(Located, StorageReader):
                 _commit(planner, ri, _narrow(chunk, ri))
 
         finish.append(load)
-        return plan_region(ref.name, ref.item, Region(shard.offsets, buf), manifest.objects, manifest.block_size)
+        return ref.name, ref.item, Region(shard.offsets, buf)
 
     def _chunk_sizes(self, ri: ReadItem, ndim: int) -> tuple[int, ...]:
         """The saved chunk's shape, from the Metadata :meth:`read_metadata` returned."""
@@ -321,19 +319,17 @@ class Reader(Located, StorageReader):
             raise ManifestError(f"{self.checkpoint_id}: no saved chunk {ri.storage_index}")
         return sizes
 
-    def _plan_tensor(
-        self, ri: ReadItem, planner: LoadPlanner, manifest: Manifest, ref: ChunkRef, finish: list[Callable[[], None]]
-    ) -> list[ReadRequest]:
+    def _want_tensor(
+        self, ri: ReadItem, planner: LoadPlanner, ref: ChunkRef, finish: list[Callable[[], None]]
+    ) -> Want:
         lengths = tuple(ri.lengths)
         shard = ref.item.shards[0]
         offsets = tuple(s + o for s, o in zip(shard.offsets, ri.storage_offsets))
         if any(o + n > s + m for o, n, s, m in zip(offsets, lengths, shard.offsets, shard.shape)):
             raise ManifestError(f"{self.checkpoint_id}: read of {ri.storage_index} runs outside its saved chunk")
         target, host, direct = self._destination(ri, planner)
-        reqs = plan_region(ref.name, ref.item, Region(offsets, numpy_view(host, ri.dest_index.fqn)),
-                           manifest.objects, manifest.block_size)
         finish.append(lambda: _commit(planner, ri, host if not direct else None, target))
-        return reqs
+        return ref.name, ref.item, Region(offsets, numpy_view(host, ri.dest_index.fqn))
 
     def _destination(self, ri: ReadItem, planner: LoadPlanner) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The planner's target, and the host tensor the bytes land in (the target itself when it can be)."""

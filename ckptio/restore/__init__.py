@@ -14,8 +14,9 @@ The package, one concern a module, imports pointing down:
 * :mod:`.boxroute` + :mod:`.boxexchange`: read-once restores (``read_once=True``), the
   logical-box exchange: each host reads the fragments it is responsible for and sends others
   the boxes they restore; arrays no two hosts share (:func:`.boxroute.apart`) each host reads itself
-* :mod:`.readonce` (+ :mod:`.ranges`): the DCP Reader's read-once of its request lists,
-  chunks owned by hosts
+  (the DCP Reader's ``read_once`` too: :mod:`ckptio.dcp._readonce`)
+* :mod:`.agreement`: the status rounds of a collective restore (a failure on any host raised
+  on every host)
 """
 
 from __future__ import annotations

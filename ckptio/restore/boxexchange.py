@@ -25,7 +25,7 @@ the coordinator calls :func:`restore_exchange`):
    wants itself as one run of its target (a replicated array) is read there;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
-   failed and what it failed on (:func:`ckptio.restore.readonce` 's agreement).
+   failed and what it failed on (:func:`ckptio.restore.agreement.agree`).
 
 So each stored byte some target needs is read from storage once in the job,
 no host reads another host's fragment, and a host holds its restored arrays
@@ -54,8 +54,8 @@ from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
 from .landing import Landing, Piece, dest_run
 from .packed import table_reads
-from .plan import ReadPlan, _Builder, select
-from .readonce import _agree, _named
+from .plan import ReadPlan, Selection, _Builder, select
+from .agreement import agree as _agree, named as _named
 from .targets import target_regions
 from ..waits import waiting_for
 
@@ -86,15 +86,17 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     """Restore ``root`` (a committed manifest of ``store``'s ``step_dir``) as ``target`` asks, by
     logical-box exchange over ``coord`` (an :class:`~ckptio.distributed.ExchangeCoordinator`).
     Collective. ``targets``: every host's target boxes per array, if every host can say them
-    (else they are all-gathered). Raises on every host if any host fails. ``progress`` is fed
-    ``("read", n)`` as this host's bytes land: from storage (what it reads itself, as a plain
-    restore reports) and from the exchange (each round's pieces it received, once copied in)."""
+    (else they are all-gathered). ``target`` may be a :class:`~ckptio.restore.plan.Selection`
+    (the DCP Reader's read items, by item name). Raises on every host if any host fails.
+    ``progress`` is fed ``("read", n)`` as this host's bytes land: from storage (what it reads
+    itself, as a plain restore reports) and from the exchange (each round's pieces it received,
+    once copied in)."""
     where = store.where(step_dir)
     failure: BaseException | None = None
     side: _Side | None = None
     finish: ReadPlan | None = None
     try:
-        sel = select(root, target, where)
+        sel = target if isinstance(target, Selection) else select(root, target, where)
         builder = _Builder(root, where, (coord.rank, coord.size))
         regions: dict[str, dict[tuple[int, ...], list[Region]]] = {}
         for name, tgt in sel.wanted.items():

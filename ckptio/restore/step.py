@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ckptio.backends.base import RetryableError, ThrottledError
+from ckptio.backends.budget import alone
 
 from .. import _gc
 from ..distributed import Coordinator, SingleProcess, broadcast_from_root, gather_to_root, join_errors
@@ -21,7 +22,7 @@ from ..manifest import ArrayItem, Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
 from .boxexchange import restore_exchange
-from .readonce import can_read_once
+from .agreement import can_read_once
 from ..waits import waiting_for
 
 __all__ = ["restore_step"]
@@ -45,7 +46,7 @@ def restore_step(store: CheckpointStore, step: int | None, target: Any = None, *
 
     ``read_once=True`` or ``"exchange"`` (every host must pass the same): each stored byte some
     target needs is read from storage by one host, where the coordinator exchanges bytes
-    (:func:`~ckptio.restore.readonce.can_read_once`), by logical-box exchange
+    (:func:`~ckptio.restore.agreement.can_read_once`), by logical-box exchange
     (:mod:`ckptio.restore.boxexchange`): arrays no two hosts share (same layout, N -> N/2,
     N -> 2N) each host reads itself, the others are read by the host responsible for their
     fragments and sent; elsewhere every host reads what it needs, as without it.
@@ -135,7 +136,8 @@ def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coo
     choice: dict[str, Any] = {}
     if coord.rank == 0:
         try:
-            choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
+            with alone(store.engine.backend):  # every other host waits for this choice
+                choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
         except BaseException as e:  # every host must raise it, not wait for a choice
             kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "other")
             choice = {"error": f"{type(e).__name__}: {e}", "kind": kind}

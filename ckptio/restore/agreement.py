@@ -1,0 +1,63 @@
+"""Status rounds of a collective restore: every host learns whether any host failed, and raises.
+
+A read-once restore (:mod:`ckptio.restore.boxexchange`, and the DCP Reader's
+read-once through it) is a sequence of collectives; a host that fails (a
+missing object, a checksum, a bad target) must not leave the others waiting
+for bytes that never come, and every host must raise the same kind of error
+so that the step fallback of :mod:`ckptio.restore.step` makes one decision.
+So each phase ends in a status round: a gather to host 0 and a broadcast of
+its verdict (bounded: the first failures' messages, not every host's).
+"""
+
+from __future__ import annotations
+
+from ..distributed import Coordinator, broadcast_from_root, gather_to_root, join_errors
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+
+__all__ = ["agree", "can_read_once", "named"]
+
+#: Error kinds carried across hosts as themselves (so every host makes the same step decision).
+_KINDS: dict[str, type[BaseException]] = {
+    "CheckpointNotFoundError": CheckpointNotFoundError,
+    "IntegrityError": IntegrityError,
+    "ManifestError": ManifestError,
+    "FileNotFoundError": FileNotFoundError,
+    "PermissionError": PermissionError,
+}
+
+
+def can_read_once(coord: Coordinator) -> bool:
+    """Whether ``coord`` spans several hosts and exchanges bytes (see
+    :class:`ckptio.distributed.ExchangeCoordinator`)."""
+    return coord.size > 1 and callable(getattr(coord, "exchange", None))
+
+
+def named(e: BaseException, rank: int) -> BaseException:
+    """``e`` with this host's rank in its message (its type kept when it can be rebuilt)."""
+    try:
+        out = type(e)(f"host {rank}: {e}")
+    except Exception:
+        return e
+    out.__dict__.update(e.__dict__)
+    out.__cause__ = e
+    return out
+
+
+def _kind(e: BaseException) -> str:
+    """The most specific kind of ``e`` that other hosts re-raise as itself."""
+    return next((c.__name__ for c in type(e).__mro__ if c.__name__ in _KINDS), "RuntimeError")
+
+
+def agree(coord: Coordinator, failure: BaseException | None, n: int) -> int:
+    """Status round (collective): every host learns whether any host failed (then raises: its own
+    failure, else the first one's kind naming the host at fault) and the largest ``n``."""
+    mine = [n, None if failure is None else [_kind(failure), f"host {coord.rank}: {type(failure).__name__}: {failure}"]]
+    reports = gather_to_root(coord, mine)
+    verdict = None
+    if reports is not None:
+        errors = [r[1] for r in reports if r[1]]
+        verdict = [max(r[0] for r in reports), errors[0][0] if errors else "", join_errors([m for _, m in errors])]
+    most, kind, message = broadcast_from_root(coord, verdict)
+    if not kind:
+        return int(most)
+    raise failure or _KINDS.get(kind, RuntimeError)(f"read-once restore failed on another host: {message}")
