@@ -19,7 +19,7 @@ from typing import Any
 from ._system import flat_bytes
 from ._system.bytes import gather_bytes
 
-__all__ = ["jax_exchange", "joined", "torch_exchange"]
+__all__ = ["copy_into", "jax_exchange", "joined", "torch_exchange"]
 
 #: gloo point-to-point tag of an exchange's messages (apart from the gather's).
 _TAG = 0x6378
@@ -53,15 +53,44 @@ def _tensors(torch: Any, buf: memoryview, lengths: list[int]) -> list[Any]:
     return out
 
 
+def copy_into(into: list[memoryview], sends: list[memoryview]) -> None:
+    """The bytes of ``sends``, one after another, into the buffers ``into`` (the same total, cut
+    anywhere): a message to oneself, landing where a receiver wants it."""
+    dst = [flat_bytes(v) for v in into if v.nbytes]
+    i, at = 0, 0
+    for b in sends:
+        src, pos = flat_bytes(b), 0
+        while pos < src.nbytes:
+            n = min(src.nbytes - pos, dst[i].nbytes - at)
+            dst[i][at : at + n] = src[pos : pos + n]
+            pos, at = pos + n, at + n
+            if at == dst[i].nbytes:
+                i, at = i + 1, 0
+
+
 def torch_exchange(group: Any, global_ranks: list[int], rank: int, sends: dict[int, list[memoryview]],
-                   sizes: dict[int, list[int]] | None) -> dict[int, bytearray]:
+                   sizes: dict[int, list[int]] | None, into: dict[int, list[memoryview]] | None = None
+                   ) -> dict[int, bytearray]:
     """An exchange over a gloo ``group`` (``global_ranks``: its ranks in the job): lengths by one
     ``all_to_all_single`` unless ``sizes`` gives them, then every buffer as isend/irecv pairs, all
     posted at once (no order between pairs, so no deadlock whatever the pattern). The caller
-    serializes calls on the group."""
+    serializes calls on the group. ``into`` (with ``sizes``): the caller's buffers that each
+    source's buffers land in, one per length of ``sizes[src]`` (no message of theirs returned)."""
     import torch
     import torch.distributed as dist
 
+    if into is not None:
+        assert sizes is not None, "receiving into the caller's buffers needs their sizes"
+        works = [dist.irecv(t, global_ranks[r], group=group, tag=_TAG)
+                 for r, views in into.items() if r != rank for v in views if v.nbytes
+                 for t in _tensors(torch, flat_bytes(v), [v.nbytes])]
+        works += [dist.isend(t, global_ranks[r], group=group, tag=_TAG) for r, bufs in sends.items() if r != rank
+                  for b in bufs if b.nbytes for t in _tensors(torch, _writable(b), [b.nbytes])]
+        for w in works:
+            w.wait()
+        if rank in into:
+            copy_into(into[rank], sends.get(rank, []))
+        return {}
     size = len(global_ranks)
     if sizes is None:  # one buffer per message, the receiver learns its length
         sends = {r: [memoryview(joined(b))] for r, b in sends.items() if sum(v.nbytes for v in b)}
@@ -83,7 +112,8 @@ def torch_exchange(group: Any, global_ranks: list[int], rank: int, sends: dict[i
 
 
 def jax_exchange(client: Any, base: str, rank: int, sends: dict[int, list[memoryview]],
-                 sizes: dict[int, list[int]] | None, timeout_ms: int) -> dict[int, bytearray]:
+                 sizes: dict[int, list[int]] | None, timeout_ms: int,
+                 into: dict[int, list[memoryview]] | None = None) -> dict[int, bytearray]:
     """An exchange through the jax coordination service's key-value store, under key ``base``
     (unique to this exchange): each message as ``<base>/to/<dst>/<src>/<piece>``. Without
     ``sizes`` a barrier says every message is set, then each host lists its own directory;
@@ -105,14 +135,24 @@ def jax_exchange(client: Any, base: str, rank: int, sends: dict[int, list[memory
             total = sum(lengths)
             if src == rank or not total:
                 continue
-            buf = out[src] = bytearray(total)
+            buf = out[src] = bytearray(total) if into is None or src not in into else bytearray()
+            values = []
             for i, lo in enumerate(range(0, total, _KV_PIECE)):
                 value = client.blocking_key_value_get_bytes(f"{base}/to/{rank}/{src}/{i:09d}", timeout_ms)
-                buf[lo : lo + len(value)] = value
+                if into is not None and src in into:
+                    values.append(memoryview(value))
+                else:
+                    buf[lo : lo + len(value)] = value
+            if values:
+                copy_into(into[src], values)  # type: ignore[index]
+                del out[src]
     try:
         client.key_value_delete(f"{base}/to/{rank}")  # the directory: only this host reads it
     except Exception:  # an older jax without deletes: keep the keys, lose nothing
         pass
+    if into is not None and rank in into:
+        copy_into(into[rank], sends.get(rank, []))
+        return out
     mine = joined(sends.get(rank, []))
     if mine:
         out[rank] = mine

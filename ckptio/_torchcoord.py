@@ -126,6 +126,13 @@ class TorchCoordinator(_Ranked):
             self._gate.enter()
             return torch_exchange(self.group, self._global, self._rank, sends, sizes)
 
+    def exchange_into(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]],
+                      into: dict[int, list[memoryview]]) -> None:
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.torch_exchange`."""
+        with self._lock:
+            self._gate.enter()
+            torch_exchange(self.group, self._global, self._rank, sends, sizes, into)
+
     @staticmethod
     def _wait(works: list[Any]) -> None:
         for w in works:

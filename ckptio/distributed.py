@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._exchange import jax_exchange, joined
+from ._exchange import copy_into, jax_exchange, joined
 from ._kvwaits import abort_of, gather_keys, get_within, post_abort, try_get
 from ._torchcoord import TorchCoordinator, _Ranked
 from .waits import CollectiveTimeout, Wait, current, missing_message
@@ -113,6 +113,11 @@ class ExchangeCoordinator(BytesCoordinator, Protocol):
         (``{src: [n, ...]}`` in order, no entry for none), saves the round that
         exchanges lengths and sends the buffers without copying them. Traffic
         per host: what it sends and receives, plus ``8·H`` bytes of lengths.
+
+        A coordinator may also have ``exchange_into(sends, sizes, into)``: the
+        same exchange with ``sizes`` given, each source's buffers landing in the
+        caller's writable ``into[src]`` (one buffer per length of ``sizes[src]``),
+        so a receiver never holds a whole message beside where its bytes go.
         """
         ...
 
@@ -173,6 +178,12 @@ class SingleProcess:
                  ) -> dict[int, bytearray]:
         mine = joined(sends.get(0, []))
         return {0: mine} if mine else {}
+
+    def exchange_into(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]],
+                      into: dict[int, list[memoryview]]) -> None:
+        """See :meth:`ExchangeCoordinator.exchange`: the message to itself, copied into ``into[0]``."""
+        if 0 in into:
+            copy_into(into[0], sends.get(0, []))
 
 
 class JaxCoordinator(_Ranked):
@@ -308,6 +319,13 @@ class JaxCoordinator(_Ranked):
         wait = self._wait(timeout_ms)
         return jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes,
                             int(wait.deadline_s * 1000))
+
+    def exchange_into(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]],
+                      into: dict[int, list[memoryview]], timeout_ms: int | None = None) -> None:
+        """See :meth:`ExchangeCoordinator.exchange` and :func:`ckptio._exchange.jax_exchange`."""
+        wait = self._wait(timeout_ms)
+        jax_exchange(self._client, self._dir(self._next()), self._rank, sends, sizes, int(wait.deadline_s * 1000),
+                     into)
 
     def _all_started(self, n: int) -> None:
         """Process 0, having read every host's key of operation ``n``: every host is past the earlier ones."""

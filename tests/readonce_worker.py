@@ -132,7 +132,7 @@ def manager_columns(root: str, read_once: bool) -> dict[str, Any]:
 
 
 def exchange(root: str, read_once: bool) -> dict[str, Any]:
-    """TorchCoordinator.exchange: empty and self messages, several buffers a message, read-only
+    """TorchCoordinator.exchange (and exchange_into): empty and self messages, several buffers a message, read-only
     buffers, pieces cut finer than a message (the piece size made tiny), lengths known or not."""
     import ckptio._exchange as ex
     from ckptio.distributed import default_coordinator
@@ -152,6 +152,11 @@ def exchange(root: str, read_once: bool) -> dict[str, Any]:
     sizes = {s: [len(payload(s, rank, p)) for p in range(3)] for s in range(size) if want[s]}
     got = coord.exchange(sends, sizes)
     assert {s: bytes(b) for s, b in got.items()} == {s: w for s, w in want.items() if w}, "with sizes"
+    # Into the caller's buffers (numpy, as a restore's targets are): each source's bytes where asked.
+    into = {s: [memoryview(np.zeros(n, np.uint8)) for n in sizes[s]] for s in sizes}
+    coord.exchange_into(sends, sizes, into)
+    assert {s: b"".join(v.tobytes() for v in views) for s, views in into.items()} == \
+        {s: w for s, w in want.items() if w}, "into"
     return {"ok": True}
 
 

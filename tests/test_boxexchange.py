@@ -245,6 +245,27 @@ def test_rows_restored_as_columns_by_exchange_read_each_stored_byte_once(tmp_pat
         assert _data_bytes(tmp_path) <= total <= _data_bytes(tmp_path) + hosts * _meta_bytes(tmp_path)
 
 
+def test_progress_is_fed_the_bytes_each_host_restores_by_exchange(tmp_path: Path) -> None:
+    """Rows restored as columns move every column block by exchange: each host's progress callback
+    hears at least the bytes of its blocks (received pieces), and only "read" events."""
+    _save(tmp_path)
+    hosts = 3
+
+    def body(rank: int, host: Any) -> Any:
+        events: list[tuple[str, int]] = []
+        out = _exchange(tmp_path, open_backend(str(tmp_path)), _target(rank, hosts), host,
+                        progress=lambda event, n: events.append((event, n)))
+        return out, events
+
+    for rank, r in enumerate(exchanging_hosts(hosts, body)):
+        assert not isinstance(r, BaseException), r
+        out, events = r
+        blocks = sum(out[n].pieces[0][1].nbytes for n in ("w", "mu"))
+        assert {e for e, _ in events} == {"read"}
+        # The blocks came by exchange (no host reads its own columns from storage), plus bias.
+        assert blocks + full("bias").nbytes <= sum(n for _, n in events) <= blocks + _data_bytes(tmp_path)
+
+
 class _Flip(WrapperBackend):
     """Every read of a data object comes back with its first byte flipped."""
 
@@ -268,9 +289,11 @@ def test_a_flipped_stored_byte_is_an_integrity_error_on_every_host(tmp_path: Pat
     assert all("host 1" in str(r) and "checksum mismatch in object '1/" in str(r) for r in results), results
 
 
-def test_a_byte_damaged_between_hosts_is_an_integrity_error_on_every_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("into", [True, False], ids=["landing-in-targets", "whole-messages"])
+def test_a_byte_damaged_between_hosts_is_an_integrity_error_on_every_host(tmp_path: Path, into: bool) -> None:
     """Bytes are verified against the stored checksums where they are read; what one host sends
-    another is sealed (crc32c), so damage in transit is caught where the bytes are used."""
+    another is sealed (crc32c), so damage in transit is caught where the bytes are used: received
+    in place in the target buffers (a coordinator's ``exchange_into``) or as whole messages."""
     _save(tmp_path)
     hosts = 3
 
@@ -290,9 +313,20 @@ def test_a_byte_damaged_between_hosts_is_an_integrity_error_on_every_host(tmp_pa
                 self.done = True
             return got
 
+        def exchange_into(self, sends: Any, sizes: Any, into: Any) -> None:
+            self.inner.exchange_into(sends, sizes, into)
+            if not self.done and len(into.get(0, [])) > 2:
+                first = into[0][1].cast("B") if into[0][1].format != "B" else into[0][1]
+                first[0] ^= 0x40  # where the bytes landed: a target buffer or staging
+                self.done = True
+
+    class _Whole(_Damaging):
+        exchange_into = None  # a coordinator without it: whole messages, then copied in
+
     def body(rank: int, host: Any) -> Any:
+        wrap = _Damaging if into else _Whole
         return _exchange(tmp_path, open_backend(str(tmp_path)), _target(rank, hosts),
-                         _Damaging(host) if rank == 2 else host)
+                         wrap(host) if rank == 2 else host)
 
     results = exchanging_hosts(hosts, body)
     assert all(isinstance(r, IntegrityError) for r in results), results

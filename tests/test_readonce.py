@@ -75,6 +75,18 @@ class _Host:
                 out[src] = bytearray(data)
         return out
 
+    def exchange_into(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]],
+                      into: dict[int, list[memoryview]]) -> None:
+        """The exchange, each source's buffers landing in the caller's ``into[src]``."""
+        got = self.exchange(sends, sizes)
+        for src, views in into.items():
+            data, pos = memoryview(got.get(src, b"")), 0
+            assert sum(v.nbytes for v in views) == data.nbytes, (src, sizes.get(src))
+            for v in views:
+                flat = v.cast("B") if v.ndim != 1 or v.format != "B" else v
+                flat[:] = data[pos : pos + v.nbytes]
+                pos += v.nbytes
+
 
 def on_hosts(n: int, body: Any) -> list[Any]:
     """``body(rank, host)`` on ``n`` thread hosts; each one's result or exception."""

@@ -19,7 +19,10 @@ the coordinator calls :func:`restore_exchange`):
    canonical order both ends know, each message led by a status byte and
    sealed with the crc32c of its pieces; a receiver checks the seal (damage
    between the host that verified the bytes and the host that uses them is
-   an IntegrityError) and copies each piece into its target buffer;
+   an IntegrityError). Where the coordinator has ``exchange_into``, a piece
+   that is one run of its target buffer is received right there, others
+   through a staging buffer (:mod:`ckptio.restore.landing`); a box the sender
+   wants itself as one run of its target (a replicated array) is read there;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
    failed and what it failed on (:func:`ckptio.restore.agreement.agree`).
@@ -42,13 +45,14 @@ import numpy as np
 from .._exchange import joined
 from ..checksum import crc32c
 from ..distributed import Coordinator
-from ..engine import run_sync
+from ..engine import Progress, run_sync
 from ..layout import MIN_BLOCK, MIN_BLOCKS_PER_SHARD
 from ..manifest import ArrayItem, Manifest, table_of
 from ..errors import CheckpointNotFoundError, IntegrityError
 from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
+from .landing import Landing, Piece, dest_run
 from .packed import table_reads
 from .plan import ReadPlan, Selection, _Builder, select
 from .agreement import agree as _agree, named as _named
@@ -78,12 +82,15 @@ class _Side:
 
 
 def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, target: Any, coord: Coordinator, *,
-                     targets: Mapping[str, TargetTable] | None = None) -> Any:
+                     targets: Mapping[str, TargetTable] | None = None, progress: Progress | None = None) -> Any:
     """Restore ``root`` (a committed manifest of ``store``'s ``step_dir``) as ``target`` asks, by
     logical-box exchange over ``coord`` (an :class:`~ckptio.distributed.ExchangeCoordinator`).
     Collective. ``targets``: every host's target boxes per array, if every host can say them
     (else they are all-gathered). ``target`` may be a :class:`~ckptio.restore.plan.Selection`
-    (the DCP Reader's read items, by item name). Raises on every host if any host fails."""
+    (the DCP Reader's read items, by item name). Raises on every host if any host fails.
+    ``progress`` is fed ``("read", n)`` as this host's bytes land: from storage (what it reads
+    itself, as a plain restore reports) and from the exchange (each round's pieces it received,
+    once copied in)."""
     where = store.where(step_dir)
     failure: BaseException | None = None
     side: _Side | None = None
@@ -120,7 +127,7 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             _check_tables(root, regions, tables, coord.rank)
             # Arrays no two hosts share: each host reads its own (the same choice on every host).
             own = apart(root.items, tables)
-            _read_own(store, root, step_dir, {n: r for n, r in regions.items() if n in own}, tables_read)
+            _read_own(store, root, step_dir, {n: r for n, r in regions.items() if n in own}, tables_read, progress)
             side = _plan(store, root, step_dir, regions, {n: t for n, t in tables.items() if n not in own}, coord)
         except Exception as e:
             failure = _named(e, coord.rank)
@@ -133,12 +140,13 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     share = sum(root.items[n].nbytes for n in side.targets) // (_ROUNDS * coord.size)
     for i, rnd in enumerate(rounds):
         with waiting_for(f"{what}: round {i + 1} of {len(rounds)}", config.collective_deadline_s(share)):
-            _round(store, coord, side, rnd)
+            _round(store, coord, side, rnd, progress)
     return finish.finish()
 
 
 def _read_own(store: CheckpointStore, root: Manifest, step_dir: str,
-              regions: dict[str, dict[tuple[int, ...], list[Region]]], extra: list[Any]) -> None:
+              regions: dict[str, dict[tuple[int, ...], list[Region]]], extra: list[Any],
+              progress: Progress | None = None) -> None:
     """Read this host's own ``regions`` from storage, as a plain restore does (the fragments their
     boxes meet, checksums verified), and the requests ``extra`` (pack tables: every host reads them)."""
     if not regions and not extra:
@@ -152,7 +160,7 @@ def _read_own(store: CheckpointStore, root: Manifest, step_dir: str,
     for n, item, r in wants:
         if coverage_gaps(item, r.offsets, tuple(r.dest.shape)):  # type: ignore[arg-type]
             raise CheckpointNotFoundError(f"{where}: item {n!r}: part of the target slice at {r.offsets} is not saved")
-    run_sync(store.engine.read(plan_regions(wants, manifest.objects, manifest.block_size) + extra))
+    run_sync(store.engine.read(plan_regions(wants, manifest.objects, manifest.block_size) + extra, progress))
 
 
 def _described(root: Manifest, wanted: Mapping[str, Any]) -> dict[str, TargetTable]:
@@ -256,7 +264,8 @@ def _bands(item: ArrayItem, size: int, budget: int) -> int:
     return max(1, min(-(-size // budget), _MAX_BANDS, item.shape[0], smallest // (MIN_BLOCKS_PER_SHARD * MIN_BLOCK)))
 
 
-def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) -> None:
+def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, progress: Progress | None = None
+           ) -> None:
     """Read this round's shards, exchange its pieces, copy them in; then agree (raises on every
     host if any failed)."""
     x: Any = coord
@@ -265,7 +274,7 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) 
     gets = {(n, k): side.gets[n].band(k, b) for n, k, b in rnd if n in side.gets}
     failure: BaseException | None = None
     try:
-        messages = _read_and_pack(store, side, sends)
+        messages = _read_and_pack(store, side, sends, gets, coord.rank)
     except Exception as e:
         failure = _named(e, coord.rank)
         messages = {}
@@ -276,16 +285,35 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round) 
         bufs = _coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])
         out[dst] = [status, *bufs, _sealed(bufs)]
     expect = _lengths(side, gets, "src")
-    got = x.exchange(out, {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()})
-    del out, messages
-    try:
-        if failure is None and not any(got[s][0] for s in expect):  # else the sender reports its failure
-            for src in expect:
-                _check_seal(got[src], src, coord.rank)
-            _unpack(side, gets, got)
-    except Exception as e:
-        failure = _named(e, coord.rank)
-    del got
+    sizes = {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()}
+    if callable(getattr(x, "exchange_into", None)):
+        # Each piece lands in its target where it is one run of it (no message held beside it).
+        landing = _landing(side, gets, expect)
+        x.exchange_into(out, sizes, landing.into)
+        del out, messages
+        try:
+            if failure is None and not any(landing.statuses().values()):  # else the sender reports its failure
+                for src, views in landing.into.items():
+                    _check_views(views, src, coord.rank)
+                landing.finish()
+                if progress and landing.nbytes:
+                    progress("read", landing.nbytes)
+        except Exception as e:
+            failure = _named(e, coord.rank)
+        del landing
+    else:
+        got = x.exchange(out, sizes)
+        del out, messages
+        try:
+            if failure is None and not any(got[s][0] for s in expect):  # else the sender reports its failure
+                for src in expect:
+                    _check_seal(got[src], src, coord.rank)
+                _unpack(side, gets, got)
+                if progress and expect:
+                    progress("read", sum(sum(lengths) for lengths in expect.values()))
+        except Exception as e:
+            failure = _named(e, coord.rank)
+        del got
     _agree(coord, failure, 0)
 
 
@@ -304,9 +332,28 @@ def _sealed(bufs: list[memoryview]) -> memoryview:
 def _check_seal(message: bytearray, src: int, rank: int) -> None:
     """Raise IntegrityError unless ``message`` (status byte, pieces, seal) arrived as sent."""
     view = memoryview(message)
-    if crc32c(view[1:-_SEAL]) != int.from_bytes(view[-_SEAL:], "little"):
+    _check_views([view[:1], view[1:-_SEAL], view[-_SEAL:]], src, rank)
+
+
+def _check_views(views: list[memoryview], src: int, rank: int) -> None:
+    """:func:`_check_seal` of a message received into ``views`` (status byte, buffers, seal)."""
+    if _sealed(views[1:-1]).tobytes() != views[-1].tobytes():
         raise IntegrityError(f"host {rank}: the pieces host {src} sent in a restore exchange arrived damaged "
-                             f"(crc32c mismatch over {view.nbytes - 1 - _SEAL} bytes)")
+                             f"(crc32c mismatch over {sum(v.nbytes for v in views[1:-1])} bytes)")
+
+
+def _landing(side: _Side, gets: dict[tuple[str, int], Pieces], expect: dict[int, list[int]]) -> Landing:
+    """Where this round's received pieces go (see :mod:`ckptio.restore.landing`), per source in
+    message order, cut as the senders cut their messages."""
+    pieces: dict[int, list[tuple[Piece, np.dtype]]] = {}
+    for (n, _k), p in gets.items():
+        dtype = side.local.items[n].dtype  # type: ignore[union-attr]
+        tt, regions = side.targets[n], side.regions[n]
+        for src, ref, lo, hi, nb in zip(p.src.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist(),
+                                        p.nbytes(dtype.itemsize).tolist()):
+            box = regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]
+            pieces.setdefault(src, []).append(((box, tuple(lo), tuple(hi), nb), dtype))
+    return Landing(pieces, {src: _groups(lengths) for src, lengths in expect.items()}, _SEAL)
 
 
 def _groups(lengths: list[int]) -> list[tuple[int, int]]:
@@ -347,17 +394,21 @@ def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> d
     return out
 
 
-def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces]
-                   ) -> dict[int, list[memoryview]]:
+def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces],
+                   gets: dict[tuple[str, int], Pieces] | None = None, rank: int = -1) -> dict[int, list[memoryview]]:
     """Read (verified) the part of each shard this round's pieces need, then each destination's
-    message: its pieces' bytes, in canonical order (views where a piece is contiguous)."""
+    message: its pieces' bytes, in canonical order (views where a piece is contiguous). Where this
+    host (``rank``, receiving ``gets``) wants that very box itself as one run of its target buffer
+    (a replicated array), it is read there, not beside it."""
     wants, bufs = [], {}
     for (n, k), p in sends.items():
         item = side.local.items[n]
         for row in np.unique(p.ref).tolist():
             sel = p.ref == row
             lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
-            buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
+            buf = _in_place(side, (gets or {}).get((n, k)), rank, n, lo, hi)
+            if buf is None:
+                buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
             region = Region(tuple(lo.tolist()), buf)
             bufs[(n, k, row)] = region
             wants.append((n, item, region))
@@ -370,6 +421,21 @@ def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, i
             piece = np.ascontiguousarray(region.dest[box]).reshape(-1).view(np.uint8)  # a view where contiguous
             out.setdefault(dst, []).append(memoryview(piece))
     return out
+
+
+def _in_place(side: _Side, gets: Pieces | None, rank: int, name: str, lo: np.ndarray, hi: np.ndarray
+              ) -> np.ndarray | None:
+    """This host's target buffer for box ``[lo, hi)`` of array ``name``, as an array of that box's
+    shape, if it receives exactly that box from itself and it is one run of its first region."""
+    if gets is None or not len(gets):
+        return None
+    mine = np.flatnonzero((gets.src == rank) & (gets.lo == lo).all(axis=1) & (gets.hi == hi).all(axis=1))
+    if not len(mine):
+        return None
+    tt, ref = side.targets[name], int(gets.ref[mine[0]])
+    region = side.regions[name][(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())][0]
+    run = dest_run(region, tuple(lo.tolist()), tuple(hi.tolist()))
+    return None if run is None else run.view(region.dest.dtype).reshape(tuple((hi - lo).tolist()))
 
 
 def _unpack(side: _Side, gets: dict[tuple[str, int], Pieces], got: dict[int, bytearray]) -> None:

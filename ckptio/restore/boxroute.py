@@ -54,6 +54,9 @@ class TargetTable:
     host: np.ndarray  # (k,)
     offsets: np.ndarray  # (k, ndim)
     shape: np.ndarray  # (k, ndim)
+    # Each host's boxes, once asked: one table serves every array of a layout (hundreds of arrays
+    # ask for the same host's boxes). The columns are never changed after construction.
+    _of_host: dict[int, tuple[Box, ...]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def grid(cls, shape: Sequence[int], block: Sequence[int], hosts: np.ndarray) -> TargetTable:
@@ -98,7 +101,9 @@ class TargetTable:
         """From columns; repeated ``(host, box)`` rows become one."""
         ndim = offsets.shape[1] if offsets.ndim == 2 else 0
         cols = np.column_stack([host, offsets, shape]).astype(_I64).reshape(len(host), 1 + 2 * ndim)
-        cols = np.unique(cols, axis=0)
+        if len(cols) > 1:  # np.unique(cols, axis=0), its order too, without its structured-dtype sort
+            cols = cols[np.lexsort(cols.T[::-1])]
+            cols = cols[np.r_[True, (cols[1:] != cols[:-1]).any(axis=1)]]
         return cls(cols[:, 0].copy(), cols[:, 1 : 1 + ndim].copy(), cols[:, 1 + ndim :].copy())
 
     @property
@@ -107,8 +112,12 @@ class TargetTable:
 
     def of_host(self, host: int) -> list[Box]:
         """Host ``host``'s boxes."""
-        rows = np.flatnonzero(self.host == host)
-        return [(tuple(o), tuple(s)) for o, s in zip(self.offsets[rows].tolist(), self.shape[rows].tolist())]
+        boxes = self._of_host.get(host)
+        if boxes is None:
+            rows = np.flatnonzero(self.host == host)
+            boxes = self._of_host[host] = tuple(
+                (tuple(o), tuple(s)) for o, s in zip(self.offsets[rows].tolist(), self.shape[rows].tolist()))
+        return list(boxes)
 
 
 def gathered(coord: Any, mine: Mapping[str, Sequence[Box]], ndims: Mapping[str, int]) -> dict[str, TargetTable]:
@@ -130,7 +139,24 @@ def apart(items: Mapping[str, Any], targets: Mapping[str, TargetTable]) -> set[s
 
     Decided from the root and the tables alone, so every host decides alike with no collective."""
     memo: dict[tuple[int, tuple[int, ...]], _Facts] = {}  # arrays of one shape share a table: once each
-    return {n for n, tt in targets.items() if isinstance(items.get(n), ArrayItem) and _apart(items[n], tt, memo)}
+    # Arrays sharing a locator, a shape and a table (a layer's weights and their optimizer state): once.
+    said: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any, bool]] = {}
+    out = set()
+    for n, tt in targets.items():
+        item = items.get(n)
+        if not isinstance(item, ArrayItem):
+            continue
+        if item.locator is None:
+            yes = _apart(item, tt, memo)
+        else:
+            key = (id(item.locator), id(tt), tuple(item.shape))
+            got = said.get(key)
+            if got is None or got[0] is not item.locator or got[1] is not tt:  # ids of live objects only
+                got = said[key] = (item.locator, tt, _apart(item, tt, memo))
+            yes = got[2]
+        if yes:
+            out.add(n)
+    return out
 
 
 @dataclasses.dataclass

@@ -88,7 +88,7 @@ def _restore_step(
         out: Any = None
         try:
             if once:
-                out = restore_exchange(store, manifest, step_dir, target, coord)
+                out = restore_exchange(store, manifest, step_dir, target, coord, progress=progress)
             else:
                 out = restore_checkpoint(store, manifest, step_dir, target, progress=progress, host=host)
         except CheckpointNotFoundError as e:  # the target names an item the checkpoint lacks: not damage
