@@ -124,6 +124,23 @@ def test_plan_durable_only_and_tier_limits():
         plan_restore([], [], 4, tiers=("tape",))
 
 
+def test_plan_takes_the_manifest_from_host_0s_part():
+    """The manifest is broadcast by a holder of host 0's part (its own copy first, then its replica):
+    where host 0 committed it, never a copy in another host's fast tier (#33)."""
+    # Partner = rank + 3 (mod 4): host 3 keeps host 0's replica. Host 0 is lost, and the lowest-ranked
+    # holder of the step (host 1) holds nothing of host 0's part: host 3 sends the manifest.
+    lost0 = [h for r in (1, 2, 3) for h in (own(r, 5), replica(r, (r - 3) % 4, 5))]
+    plan = plan_restore(lost0, [], 4)
+    assert plan.step == 5 and plan.holders(0) == (3,) and plan.manifest_from == 3
+    assert plan_restore(lost0 + [own(0, 5), replica(0, 1, 5)], [], 4).manifest_from == 0  # host 0 itself
+    # Host 0's part is in no fast tier (the durable tier fills it in): the lowest-ranked holder.
+    plan = plan_restore([h for h in lost0 if h.writer != 0], [5], 4)
+    assert plan.step == 5 and plan.manifest_from == 1 and plan.source(1, 0) == (DURABLE, None)
+    # The choice survives the plan's compact encoding: every host derives the same holder of host 0's part.
+    again = type(plan).from_json(plan_restore(lost0, [], 4).to_json())
+    assert again.manifest_from == 3 and again.holders(0)[0] == 3
+
+
 def test_retention_keeps_newest_periodic_and_pinned():
     r = Retention(max_to_keep=2, keep_period=10)
     assert r.doomed([5, 10, 11, 12, 13], pinned={11}) == [5]

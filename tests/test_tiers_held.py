@@ -5,6 +5,7 @@ about it sends the scan back to the manifest. Replica markers likewise carry wha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -18,6 +19,7 @@ from ckptio.engine import run_sync
 from ckptio.names import HeldName, held_key, parse_held
 from ckptio.store import CheckpointStore
 from ckptio.tiers import Holding, TieredCheckpointManager
+from ckptio.tiers.fastcommit import commit_everywhere
 from ckptio.tiers.held import read_held
 from ckptio.tiers.peer import _commit_replica, holdings
 
@@ -161,3 +163,58 @@ def test_a_deletion_takes_the_record_before_the_manifest(saved):
     assert records(saved, 2) == []  # the record is gone while its manifest is still there
     assert (saved / "2" / "ckptio.manifest.json").exists()
     assert [h.step for h in holdings(CheckpointStore(str(saved), host_local=True), None, 0)] == [1]
+
+
+class _Follower:
+    """Host 1's side of the fast tier's commit (the only collective it joins): host 0 broadcasts ``data``."""
+
+    rank, size = 1, 2
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        assert src == 0 and data is None
+        return self.data
+
+
+def test_a_non_coordinators_record_names_its_own_commits_fence(saved, tmp_path, monkeypatch):
+    """A non-coordinator's commit has a fence of its own (not host 0's): its record names that one, so
+    the restart's scan trusts it there too and reads no manifest."""
+    m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
+    root = tmp_path / "fast1"
+    follower = CheckpointStore(str(root), host_local=True)
+    assert commit_everywhere(_Follower(m0.to_json()), follower, 2) is None
+    m1 = run_sync(follower.read_manifest("2"))
+    assert m1.checkpoint_id == m0.checkpoint_id and m1.fence != m0.fence
+    (name,) = records(root, 2)
+    assert json.loads((root / "2" / name).read_bytes())["fence"] == m1.fence
+    with monkeypatch.context() as mp:
+        no_manifest_reads(mp)
+        part = run_sync(read_held(CheckpointStore(str(root), host_local=True), 2, 1))
+        assert part is not None and part.checkpoint_id == m0.checkpoint_id
+        assert holdings(CheckpointStore(str(root), host_local=True), None, 1) == [
+            Holding(1, 2, m0.checkpoint_id, 1, m0.num_hosts, True)]
+
+
+def test_a_paused_record_writer_cannot_make_a_resaved_step_look_like_the_old_one(saved, tmp_path):
+    """Step 2 is deleted and re-saved on a non-coordinator while a writer of the old commit's record is
+    paused; its record lands late, beside the new one: neither is trusted, the manifest says the new
+    checkpoint. A record in a step with no commit is no holding at all."""
+    m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
+    root = tmp_path / "fast1"
+    follower = CheckpointStore(str(root), host_local=True)
+    assert commit_everywhere(_Follower(m0.to_json()), follower, 2) is None
+    (old,) = records(root, 2)
+    late = (root / "2" / old).read_bytes()
+    run_sync(follower.delete("2"))
+    assert not (root / "2").exists() or records(root, 2) == []
+    resaved = dataclasses.replace(m0, checkpoint_id="0123456789ab")
+    assert commit_everywhere(_Follower(resaved.to_json()), follower, 2) is None
+    (root / "2" / old).write_bytes(late)  # the paused writer wakes
+    scan = CheckpointStore(str(root), host_local=True)
+    assert run_sync(read_held(scan, 2, 1)) is None
+    assert holdings(scan, None, 1) == [Holding(1, 2, "0123456789ab", 1, m0.num_hosts, True)]
+    os.makedirs(root / "3")
+    (root / "3" / old.replace(m0.checkpoint_id, "ffffffffffff")).write_bytes(late)  # a record, no commit
+    assert [h.step for h in holdings(CheckpointStore(str(root), host_local=True), None, 1)] == [2]

@@ -26,7 +26,9 @@ pytest.importorskip("torch")
 import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
+from ckptio.manifest import MANIFEST_NAME
 from ckptio.store import CheckpointStore
+from ckptio.tiers.held import read_held
 from ckptio.verify import verify_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -107,6 +109,8 @@ def records_say_what_the_manifests_say(fast: Any, world: int, steps: set[int]) -
             assert records == [f"ckptio.held.{m.checkpoint_id}.h{r:05d}"], (r, s, records)
             doc = json.loads((fast / f"r{r}" / str(s) / records[0]).read_text())
             assert (doc["checkpoint_id"], doc["num_hosts"], doc["host"]) == (m.checkpoint_id, world, r)
+            # It names this host's own commit's fence (a non-coordinator's is not host 0's): trusted.
+            assert doc["fence"] == m.fence and run_sync(read_held(own, s, r)) is not None, (r, s)
         marks = list((fast / f"r{r}" / "peer").glob("*/ckptio.replica-of.h*"))
         assert marks, r
         for mark in marks:
@@ -149,6 +153,26 @@ def test_lost_host_restores_from_its_partner_then_from_the_durable_tier(tmp_path
     assert got[2]["sources"]["2"] == "durable" and got[3]["sources"]["3"] == "durable"
     assert got[2]["durable_reads"] > 0 and got[3]["durable_reads"] > 0
     assert got[0]["durable_reads"] == 0 and got[1]["durable_reads"] == 0  # hosts that kept step 4 read it locally
+
+
+def test_restore_never_reads_a_non_coordinators_manifest(tmp_path):
+    """A restore takes the job's manifest from host 0's part only: host 0's own copy, else its partner's
+    replica of it. The copies every other host's fast tier keeps are not read (damaged here beyond
+    reading; their commit records, fences and objects intact), even with host 0 lost (#33)."""
+    root = str(tmp_path)
+    common = ["--every", "0", "--keep", "2"]
+    saved = run(4, "save", root, "--steps", "4,5", *common)
+    assert all(r["tiers"]["fast"] == [4, 5] and r["tiers"]["peer"] == [5] for r in saved.values()), saved
+    for r in (1, 2, 3):
+        (tmp_path / "fast" / f"r{r}" / "5" / MANIFEST_NAME).write_bytes(b"{damaged")
+    got = run(4, "restore", root, "--expect-step", "5", *common)
+    assert all(r["sources"][str(k)] == "local" for k, r in got.items()), got
+    # Host 0's node is replaced: the manifest comes from host 1's replica of host 0 (partner = rank + 1),
+    # not from host 1's own (damaged) copy, which the lowest-ranked holder used to send.
+    shutil.rmtree(tmp_path / "fast" / "r0")
+    got = run(4, "restore", root, "--expect-step", "5", *common)
+    assert got[0]["sources"]["0"] == "peer" and got[2]["sources"]["0"] == "peer", got
+    assert all(r["durable_reads"] == 0 for r in got.values()), got
 
 
 @pytest.mark.parametrize("victims", [[1], [1, 2]], ids=["host", "host+partner"])

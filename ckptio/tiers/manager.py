@@ -9,8 +9,8 @@ Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
 
 A save is the core save (stage -> write -> gather -> commit by host 0) into
-each host's fast tier; then host 0's manifest is broadcast and committed by
-every other host into its own fast tier, the step is queued for the peer and
+each host's fast tier; then the step is made to stand in every host's fast
+tier (:mod:`ckptio.tiers.fastcommit`), the step is queued for the peer and
 durable replicators, and the fast tier's retention runs. ``result()`` on the
 handle returns when all of that is done -- the replication itself runs in
 the background.
@@ -39,12 +39,11 @@ from ckptio.backends import Backend
 
 from ..distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
 from ..engine import EngineConfig, Progress, run_sync
-from ..manifest import Manifest
 from ..save import SaveHandle, start_save
 from ..staging import StagingPool
 from ..states import SaveState
 from ..store import CheckpointStore
-from .held import write_held
+from .fastcommit import commit_everywhere
 from .group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
 from .peer import holdings, replicate_to_partner, retire_replica
 from .policy import TIERS, Holding, TierPolicy
@@ -292,34 +291,13 @@ class TieredCheckpointManager:
         return handle
 
     def _after_save(self, handle: SaveHandle) -> None:
-        """On every host, in the save's thread: spread the manifest, queue replication, retention."""
+        """On every host, in the save's thread: the fast tier's commit everywhere, queue replication, retention."""
         if handle.state != SaveState.COMMITTED or handle.step is None:
             return  # the same verdict on every host: nobody runs a collective below
-        step, step_dir = handle.step, str(handle.step)
-        data: bytes | None = None
-        m: Manifest | None = None
-        if self.rank == 0:
-            try:
-                m = run_sync(self.fast.read_manifest(step_dir, shards=False))
-                data = m.to_json()
-            except BaseException as e:
-                log.error("%s: cannot read the manifest just committed: %r", self.fast.where(step_dir), e)
-        held = False
-        try:
-            data = self._control.broadcast_bytes(data, 0)
-            if self.rank != 0:
-                m = Manifest.from_json(data, self.fast.where(step_dir))
-                run_sync(self.fast.commit(step_dir, m))
-            held = True
-        except BaseException as e:  # this host then does not hold the step; restore plans around it
-            log.error("%s: the fast-tier commit on host %d failed: %r", self.fast.where(step_dir), self.rank, e)
-            self._hook_error = e
-        if held and m is not None:
-            try:  # after the commit stood: a restart's scan then reads this, not the manifest
-                run_sync(write_held(self.fast, step, m, self.rank))
-            except Exception as e:  # noqa: BLE001 -- without a record, the scan reads the manifest
-                log.warning("%s: cannot write this host's commit record: %r", self.fast.where(step_dir), e)
-        log.info("%s: committed in the fast tier on host %d (held: %s)", self.fast.where(step_dir), self.rank, held)
+        step = handle.step
+        error = commit_everywhere(self._control, self.fast, step)
+        if error is not None:  # this host then does not hold the step; restore plans around it
+            self._hook_error = error
         # Queue on every host alike, held or not: the workers' rounds are collective.
         if self.peer_worker is not None:
             self.peer_worker.submit(step)

@@ -135,7 +135,8 @@ class RestorePlan:
     ``(w + replica_offset) % world`` -- except for the writers listed in ``exceptions`` (lost hosts,
     missing replicas, writers beyond a resized job): what the coordinator broadcasts after a loss
     grows with what went wrong, not with the number of hosts. ``manifest_from`` is the host that
-    broadcasts the manifest (None: every host reads it from the durable tier).
+    broadcasts the manifest, from its copy of host 0's part where it holds one (None: every host
+    reads it from the durable tier).
     """
 
     step: int
@@ -198,6 +199,18 @@ def _ranked_holders(hs: Sequence[Holding]) -> tuple[int, ...]:
     """The holders of one writer's objects in the order they serve: its own copy (kept longest)
     first, then replicas; the lowest rank breaks ties."""
     return tuple(dict.fromkeys(h.rank for h in sorted(hs, key=lambda h: (not h.own, h.rank))))
+
+
+def _manifest_holder(ranked: Mapping[int, tuple[int, ...]], hs: Sequence[Holding]) -> int:
+    """The host that broadcasts the manifest at a restore: the first holder of host 0's part.
+
+    Host 0's part is where the job's manifest lives for sure (host 0 commits it; its partner's
+    replica keeps it), so a restore never depends on the copy in another host's fast tier (the
+    step towards storing only their own part there, issue #33). Without any holder of host 0's
+    part (host 0 and its partner lost), the lowest-ranked holder of the step.
+    """
+    holders = ranked.get(0, ())
+    return holders[0] if holders else min(h.rank for h in hs)
 
 
 def _compact(ranked: Mapping[int, tuple[int, ...]], num_hosts: int, world: int
@@ -272,7 +285,7 @@ def plan_restore(
             continue  # some writer's objects are nowhere allowed
         ranked = {w: _ranked_holders(v) for w, v in per_writer.items() if w < num_hosts}
         offset, exceptions = _compact(ranked, num_hosts, world)
-        return RestorePlan(s, maybe_id, num_hosts, min(h.rank for h in hs), in_durable, world, tiers,
+        return RestorePlan(s, maybe_id, num_hosts, _manifest_holder(ranked, hs), in_durable, world, tiers,
                            offset, exceptions)
     what = f"step {step}" if step is not None else "any checkpoint"
     held = sorted({(h.step, h.writer, h.rank) for h in holdings})

@@ -165,15 +165,19 @@ def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tu
 
 
 def _manifest(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
-    """The step's manifest on every host: broadcast by the host the plan names, else the durable tier's."""
+    """The step's manifest on every host: broadcast by the host the plan names (from its copy of host 0's
+    part where it holds one), else the durable tier's."""
     step_dir = str(plan.step)
     if plan.manifest_from is None:
         assert t.durable is not None
         return run_sync(t.durable.read_manifest(step_dir))
     data = None
     if t.rank == plan.manifest_from:
+        # From the store holding host 0's part where this host holds one (the plan's choice): the
+        # copy that host 0 committed, or its partner's replica of it.
+        there = holding_store(0) if t.rank in plan.holders(0) else holding_store(t.rank)
         try:
-            data = run_sync(holding_store(t.rank).read_manifest(step_dir, shards=False)).to_json()
+            data = run_sync(there.read_manifest(step_dir, shards=False)).to_json()
         except Exception as e:  # broadcasting None makes every host fail alike
             log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
     data = t.group.broadcast_bytes(data, plan.manifest_from)
