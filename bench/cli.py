@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from . import pinning, report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
-from .harness import QUICK_CASES, QUICK_SIZE, run_interleaved, run_job, select_cases
+from .harness import QUICK_CASES, QUICK_SIZE, quick_note, run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
 from .targets import GCSTarget, Target, open_target
@@ -475,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not quick:  # the quick default prints the goals alone; chosen --cases and --full every ratio
         report.render_ratios(results, doc["ratios"])
     report.render_goals(doc["goals"])
+    if quick:
+        print(quick_note())
     missed = report.verdict_line(doc["goals"], check=args.check)
     if doc.get("sweep"):
         from .sweep import render_sweep

@@ -33,6 +33,7 @@ from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
 from .names import parse_object
 from .store import CheckpointStore
+from .store.companions import carried, companions_of, without_others, write_carried
 
 __all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey",
            "verified_reads"]
@@ -229,7 +230,10 @@ async def copy_checkpoint(
     manifest = await src.read_manifest(step_dir)
     if await dst.is_committed(where_to):
         there = await dst.read_manifest(where_to)
-        if there.checkpoint_id == manifest.checkpoint_id:
+        if there.checkpoint_id == manifest.checkpoint_id:  # a copy that died before its companions ends here
+            recorded = {e["name"] for e in companions_of(there)}
+            todo = await carried(src, step_dir, manifest, dst, where_to, there)
+            await write_carried(dst, where_to, {n: b for n, b in todo.items() if n in recorded})
             return there, CopyStats()
         raise FileExistsError(
             f"{dst.where(where_to)} holds another checkpoint ({there.checkpoint_id}, not {manifest.checkpoint_id})"
@@ -244,6 +248,9 @@ async def copy_checkpoint(
                     dst.where(where_to), sorted(revoked))
         out = _renamed_writers(out, revoked)
         writers = {n.save_id for k in out.objects if (n := parse_object(k)) is not None}
+    # DCP's .metadata for stock torch goes with the objects when its paths still name them.
+    companions = await carried(src, step_dir, manifest, dst, where_to, out)
+    out = without_others(out, companions)
     async with async_lease(dst, where_to, new_id(), covers=writers):
         stats = await copy_objects(src, dst, manifest, out, progress=progress)
         try:
@@ -252,6 +259,7 @@ async def copy_checkpoint(
             there = await dst.read_manifest(where_to)
             if there.checkpoint_id != manifest.checkpoint_id:
                 raise
+        await write_carried(dst, where_to, companions)  # after the commit, as the Writer does
     log.info("copied %s -> %s: committed (%d objects written, %d kept)",
              src.where(step_dir), dst.where(where_to), stats.written, stats.kept)
     return out, stats

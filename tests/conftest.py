@@ -41,3 +41,23 @@ def gcs_emulator_env(fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 # ============================ end of the GCS block ============================
+
+
+# ============================================================================
+# xdist: the README's test command runs the suite on every core (-n auto --dist loadgroup)
+# ============================================================================
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share one of the suite's module-scoped fixtures (a fake server, a checkpoint saved
+    once for the module, a multi-process run measured once) run in one worker, as one group: the
+    fixture is then made once, not once per worker that draws one of its tests. Every other test
+    goes to whichever worker is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope != "function" and d.baseid for ds in defs for d in ds):  # ours (pytest's have no baseid)
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+# ============================ end of the xdist block ============================

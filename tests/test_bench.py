@@ -49,7 +49,9 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "-m", "ckptio.bench", "--full", "--size", "4MiB", "--rounds", "1", "--dir", str(out / "work"),
            "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"), "--advise", "--mtbf", "4h"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180)
+    # Every case's worker imports its framework: minutes on a loaded 2-core machine (pytest's own
+    # 600 s timeout covers a hang).
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((out / "bench.json").read_text())
     return proc, doc, out

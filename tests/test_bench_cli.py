@@ -120,10 +120,12 @@ def test_the_default_run_is_the_quick_set_with_one_verdict_line_and_check_exits_
     assert seen == [list(QUICK_CASES)]
     out = capsys.readouterr().out
     assert "÷ each case" not in out  # the ratio tables are --full's
+    assert "quick set: " in out and "--full" in out  # the summary says what the default left out
     met = "0 of 2 met" if ckptio_save < 0.9 else "2 of 2 met"
     assert f"goals: {met}" in out
     if ckptio_save < 0.9:
         assert "missed: ckptio save GiB/s vs raw-disk, ckptio restore GiB/s vs raw-disk" in out
     assert main(["--no-progress", "--full"]) == 0 and seen[-1] is None  # every default case
-    assert "÷ each case" in capsys.readouterr().out
+    full = capsys.readouterr().out
+    assert "÷ each case" in full and "quick set: " not in full
     assert main(["--full", "--cases", "ckptio"]) == 2

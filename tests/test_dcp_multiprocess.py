@@ -26,8 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(n: int, *args: str, timeout: float = 150) -> None:
-    """Run the worker in ``n`` processes; fail with their output if any fails or hangs."""
+def run_ranks(n: int, *args: str, timeout: float = 300) -> None:
+    """Run the worker in ``n`` processes; fail with their output if any fails or hangs (a hang: past
+    ``timeout``, which leaves room for a 2-core machine running the suite in parallel beside busy loops)."""
     port = _free_port()
     procs = []
     for rank in range(n):

@@ -19,6 +19,9 @@ from ckptio.errors import CheckpointNotFoundError
 from hosts import on_hosts
 
 QUICK = EngineConfig(retries=1, backoff_initial=0.001, backoff_max=0.01, deadlines=Deadlines(fixed_s=0.5))
+#: A healthy host's deadlines beside a stuck one: far past any real call's time, even with the disk shared
+#: by a parallel test run (a healthy host must learn of the stuck host's failure, not time out itself).
+HEALTHY = EngineConfig(retries=1, backoff_initial=0.001, backoff_max=0.01, deadlines=Deadlines(fixed_s=60))
 SHAPE = (4, 64)
 
 
@@ -98,11 +101,13 @@ def test_a_host_stuck_on_one_object_fails_the_save_and_the_restore_on_every_host
 
     def save(rank: int, coord: Any, backend: Any) -> None:
         st = {"w": ckptio.Sharded(SHAPE, np.float32, [(piece(rank), full[piece(rank)])]), "step": 1}
-        ckptio.save(tmp_path, st, step=1, coordinator=coord, backend=backend, engine_config=QUICK).result()
+        config = QUICK if rank == 1 else HEALTHY
+        ckptio.save(tmp_path, st, step=1, coordinator=coord, backend=backend, engine_config=config).result()
 
     def restore(rank: int, coord: Any, backend: Any) -> None:
         target = {"w": ckptio.Sharded(SHAPE, np.float32, [(piece(rank), None)]), "step": None}
-        with ckptio.CheckpointManager(tmp_path, coordinator=coord, backend=backend, engine_config=QUICK) as m:
+        config = QUICK if rank == 1 else HEALTHY
+        with ckptio.CheckpointManager(tmp_path, coordinator=coord, backend=backend, engine_config=config) as m:
             m.restore(target=target)
 
     saved = run(("write",), save)

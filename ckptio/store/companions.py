@@ -12,10 +12,19 @@ bytes (anything else there -- a user's file, another tool's -- is left).
 Order: a companion is written after its manifest commits and deleted before
 any object its manifest names, so whoever reads it (torch) never finds it
 pointing at data ckptio has started to delete.
+
+A copy (``ckptio cp``) carries a companion byte for byte (:func:`carried`,
+:func:`write_carried`): its paths are relative to the step directory, so it
+stays right wherever the objects keep their names relative to the step (a
+copy between POSIX roots, to another step number). Where they do not (a
+hashed object store, objects renamed for a revoked save id) the copy's
+manifest drops the record instead: ckptio never unpickles the file to
+rewrite it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any, Protocol
@@ -24,12 +33,18 @@ from ckptio.backends.base import join_key
 
 from ..manifest import Manifest
 
-__all__ = ["companions_of", "delete_companions", "is_companion"]
+__all__ = ["carried", "companions_of", "delete_companions", "is_companion", "without_others", "write_carried"]
 
 log = logging.getLogger("ckptio.store")
 
 #: Names a companion may have (a plain file name in the step directory, never a path).
 _NAMES = frozenset({".metadata"})
+
+
+class _Store(Protocol):
+    io: Any
+
+    def where(self, step_dir: str) -> str: ...
 
 
 class _Deleter(Protocol):
@@ -48,7 +63,7 @@ def companions_of(manifest: Manifest) -> list[dict[str, Any]]:
             and type(e.get("size")) is int and isinstance(e.get("sha256"), str)]
 
 
-async def _matches(store: _Deleter, key: str, entry: dict[str, Any]) -> bool | None:
+async def _matches(store: _Store | _Deleter, key: str, entry: dict[str, Any]) -> bool | None:
     """Whether the file at ``key`` has exactly the bytes ``entry`` records (None: there is no file)."""
     try:
         data = bytes(await store.io.read(key))
@@ -77,3 +92,58 @@ async def delete_companions(store: _Deleter, step_dir: str, manifest: Manifest, 
             doomed.append(key)
     await store.delete_keys(doomed)
     return doomed
+
+
+def _relative(keys: list[str], step_dir: str) -> list[str] | None:
+    """``keys`` relative to ``step_dir`` (None if one lies outside it)."""
+    prefix = f"{step_dir}/" if step_dir else ""
+    if not all(k.startswith(prefix) for k in keys):
+        return None
+    return [k[len(prefix):] for k in keys]
+
+
+async def carried(src: _Store, step_dir: str, manifest: Manifest, dst: _Store, dst_dir: str,
+                  dst_manifest: Manifest) -> dict[str, bytes]:
+    """The companions of ``src``'s ``step_dir`` a copy to ``dst_manifest`` in ``dst_dir`` carries, name -> bytes.
+
+    A companion is carried when the source file still has its recorded bytes and every object keeps
+    its name relative to the step (the companion's paths then name the copied objects). Raises
+    FileExistsError if ``dst_dir`` already holds a file of that name with other bytes (another tool's
+    checkpoint there: neither overwritten nor left beside ours to be misread).
+    """
+    names = _relative(manifest.objects, step_dir)
+    same_names = names is not None and names == _relative(dst_manifest.objects, dst_dir)
+    out: dict[str, bytes] = {}
+    for entry in companions_of(manifest):
+        there = await _matches(dst, join_key(dst_dir, entry["name"]), entry)
+        if there is False:
+            raise FileExistsError(f"{dst.where(dst_dir)} holds a {entry['name']} ckptio did not write there "
+                                  "(another tool's checkpoint?): copy elsewhere or remove it first")
+        try:
+            data = bytes(await src.io.read(join_key(step_dir, entry["name"])))
+        except FileNotFoundError:
+            data = b""
+        if not same_names or len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            log.warning("%s: %s not carried to %s (%s); stock torch cannot read the copy, ckptio can",
+                        src.where(step_dir), entry["name"], dst.where(dst_dir),
+                        "the objects are renamed there" if not same_names else "the source file is not ours")
+            continue
+        out[entry["name"]] = data
+    return out
+
+
+def without_others(manifest: Manifest, names: Any) -> Manifest:
+    """``manifest`` recording only the companions in ``names`` (a copy's manifest claims no file it lacks)."""
+    dcp = manifest.metadata.get("dcp") if isinstance(manifest.metadata, dict) else None
+    if not isinstance(dcp, dict) or "companions" not in dcp:
+        return manifest
+    kept = [e for e in companions_of(manifest) if e["name"] in names]
+    dcp = {k: v for k, v in dcp.items() if k != "companions"} | ({"companions": kept} if kept else {})
+    return dataclasses.replace(manifest, metadata={**manifest.metadata, "dcp": dcp})
+
+
+async def write_carried(dst: _Store, dst_dir: str, companions: dict[str, bytes]) -> None:
+    """Write the carried companions in ``dst_dir`` (after the copy's commit: torch never reads a
+    ``.metadata`` whose objects are not committed)."""
+    for name, data in companions.items():
+        await dst.io.write(join_key(dst_dir, name), [memoryview(data)])
