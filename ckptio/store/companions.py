@@ -63,13 +63,18 @@ def companions_of(manifest: Manifest) -> list[dict[str, Any]]:
             and type(e.get("size")) is int and isinstance(e.get("sha256"), str)]
 
 
+def _is_recorded(data: bytes, entry: dict[str, Any]) -> bool:
+    """Whether ``data`` is exactly the bytes ``entry`` records."""
+    return len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+
+
 async def _matches(store: _Store | _Deleter, key: str, entry: dict[str, Any]) -> bool | None:
     """Whether the file at ``key`` has exactly the bytes ``entry`` records (None: there is no file)."""
     try:
         data = bytes(await store.io.read(key))
     except FileNotFoundError:
         return None
-    return len(data) == entry["size"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    return _is_recorded(data, entry)
 
 
 async def is_companion(store: _Deleter, step_dir: str, manifest: Manifest, name: str) -> bool:
@@ -123,7 +128,7 @@ async def carried(src: _Store, step_dir: str, manifest: Manifest, dst: _Store, d
             data = bytes(await src.io.read(join_key(step_dir, entry["name"])))
         except FileNotFoundError:
             data = b""
-        if not same_names or len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if not same_names or not _is_recorded(data, entry):
             log.warning("%s: %s not carried to %s (%s); stock torch cannot read the copy, ckptio can",
                         src.where(step_dir), entry["name"], dst.where(dst_dir),
                         "the objects are renamed there" if not same_names else "the source file is not ours")
