@@ -17,6 +17,7 @@ HOSTS = 64
 LIMIT = 100.0  # requests/s per class: 64 hosts unbudgeted send several times that at the start
 
 
+@pytest.mark.slow  # 64 hosts behind a rate limit
 def test_64_hosts_save_and_restore_at_once_behind_a_rate_limit(
     fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
