@@ -6,6 +6,11 @@ hands its block (an anonymous ``memfd``) to its sidecar writer (:mod:`ckptio.sid
 reserve slots from the same state under one lock -- a ``threading.Lock`` within a process and a
 POSIX record lock (``lockf``, held per process) on the memfd between them. So trainer and sidecar
 together keep the host's share, rather than one share each.
+
+A process drops every ``lockf`` it holds on a file when it closes *any* descriptor of that file.
+So each memfd has one process-wide thread lock (:func:`_file_lock`), held by whoever holds the
+``lockf`` and by whoever closes a descriptor of it (:meth:`SlotState.join`, :func:`discard`): a
+descriptor is never closed while a thread of this process is inside :meth:`SlotState.locked`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SlotState", "Slots", "STARTED", "TAKEN"]
+__all__ = ["SlotState", "Slots", "STARTED", "TAKEN", "discard"]
 
 #: A throttled host's rate never drops below this fraction of its share.
 _MIN_BOOST = 1 / 64
@@ -36,6 +41,25 @@ _TABLES = 4
 STARTED = _TABLES * _PER_TABLE
 TAKEN = STARTED + 1
 _SIZE = 8 * (TAKEN + 2)
+
+
+#: Per memfd (device, inode): the lock of this process's threads around its ``lockf`` and its closes.
+_file_locks: dict[tuple[int, int], threading.Lock] = {}
+_file_locks_lock = threading.Lock()
+
+
+def _file_lock(fd: int) -> threading.Lock:
+    """The process-wide thread lock of the file behind ``fd``."""
+    st = os.fstat(fd)
+    with _file_locks_lock:
+        return _file_locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
+
+
+def discard(fd: int) -> None:
+    """Close ``fd``, a descriptor of a shared state this process may hold the ``lockf`` of through
+    another descriptor: only once no thread of this process is inside :meth:`SlotState.locked`."""
+    with _file_lock(fd):
+        os.close(fd)
 
 
 class SlotState:
@@ -59,12 +83,14 @@ class SlotState:
         """Exclusive use of the state, against this process's threads and the processes sharing it."""
         with self._lock:
             fd = self.fd
-            if fd is not None:
-                fcntl.lockf(fd, fcntl.LOCK_EX)
-            try:
+            if fd is None:
                 yield
-            finally:
-                if fd is not None:
+                return
+            with _file_lock(fd):
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
 
     def share(self) -> int:
@@ -85,17 +111,17 @@ class SlotState:
         """Use the state behind ``fd`` (another process's :meth:`share`) from now on; takes ``fd``.
         Joining the state already joined only closes ``fd``."""
         with self._lock:
-            if self.fd is not None and os.fstat(self.fd).st_ino == os.fstat(fd).st_ino:
-                os.close(fd)
+            if self.fd is not None and _file_lock(self.fd) is _file_lock(fd):
+                discard(fd)
                 return
             if os.fstat(fd).st_size < _SIZE:
-                os.close(fd)
+                discard(fd)
                 raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
             mm = mmap.mmap(fd, _SIZE)
             self._maps.append(mm)
             old, self.view, self.fd = self.fd, memoryview(mm).cast("d"), fd
             if old is not None:
-                os.close(old)
+                discard(old)
 
 
 class _Field:

@@ -283,3 +283,42 @@ def test_each_request_of_a_call_takes_a_slot_of_its_own() -> None:
     assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4]), "each page waits for its own slot"
     asyncio.run(_Paging(MemoryBackend(), pages=3).list_children(""))
     assert budget.taken("read") == 5
+
+
+
+def test_no_descriptor_of_a_shared_state_is_closed_while_this_process_holds_its_lock() -> None:
+    """Closing any descriptor of a file drops every lockf the process holds on it. Two budgets of one
+    process joined to the host's state (the sidecar's engines of one storage): while one holds the
+    state's lock, the other moving to another state must not close its descriptor under it."""
+    import os
+    import threading
+
+    from ckptio.backends._budget_slots import SlotState
+    from lockprobe import locked_elsewhere
+
+    host = SlotState(0.0)
+    fd = host.share()
+    a, b = SlotState(0.0), SlotState(0.0)
+    a.join(os.dup(fd))
+    b.join(os.dup(fd))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with a.locked():
+            held.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(60)
+    other = SlotState(0.0)
+    mover = threading.Thread(target=b.join, args=(os.dup(other.share()),), daemon=True)
+    try:
+        mover.start()
+        mover.join(0.5)  # b's old descriptor of the host's state is closed only once a lets go
+        assert locked_elsewhere(fd), "a closed descriptor dropped the lock another thread holds"
+    finally:
+        release.set()
+    mover.join(60)
+    holder.join(60)
+    assert not mover.is_alive() and b.fd is not None and os.fstat(b.fd).st_ino == os.fstat(other.fd).st_ino
