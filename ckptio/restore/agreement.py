@@ -11,13 +11,19 @@ its verdict (bounded: the first failures' messages, not every host's).
 
 from __future__ import annotations
 
+from ckptio.backends.base import RetryableError, ThrottledError
+
 from ..distributed import Coordinator, broadcast_from_root, gather_to_root, join_errors
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 
 __all__ = ["agree", "can_read_once", "named"]
 
-#: Error kinds carried across hosts as themselves (so every host makes the same step decision).
+#: Error kinds carried across hosts as themselves (so every host makes the same step decision, and
+#: a storage outage -- a throttle past its patience, a retryable failure -- is one on every host,
+#: as host 0's choice of the step carries it: ckptio.restore.step).
 _KINDS: dict[str, type[BaseException]] = {
+    "ThrottledError": ThrottledError,
+    "RetryableError": RetryableError,
     "CheckpointNotFoundError": CheckpointNotFoundError,
     "IntegrityError": IntegrityError,
     "ManifestError": ManifestError,
