@@ -149,6 +149,19 @@ def without_others(manifest: Manifest, names: Any) -> Manifest:
 
 async def write_carried(dst: _Store, dst_dir: str, companions: dict[str, bytes]) -> None:
     """Write the carried companions in ``dst_dir`` (after the copy's commit: torch never reads a
-    ``.metadata`` whose objects are not committed)."""
+    ``.metadata`` whose objects are not committed).
+
+    Each is created only where no file of its name is: a copy paused after its commit may wake
+    after its step was deleted and saved again, and the newer checkpoint's own ``.metadata`` must
+    stay (a file with other bytes there is left, logged). What stays open: the step deleted and
+    not saved again as a DCP step -- the late file is then a stray the step's deletion leaves
+    (it is not recorded), and a later ``ckptio.dcp.Writer`` there refuses it as a stock checkpoint.
+    """
     for name, data in companions.items():
-        await dst.io.write(join_key(dst_dir, name), [memoryview(data)])
+        key = join_key(dst_dir, name)
+        try:
+            await dst.io.create_if_absent(key, data)
+        except FileExistsError:
+            if bytes(await dst.io.read(key)) != data:
+                log.warning("%s: %s not written: a file of that name is there already (a newer "
+                            "checkpoint's?), left as it is", dst.where(dst_dir), name)
