@@ -181,3 +181,36 @@ def test_a_copy_paused_after_its_commit_never_overwrites_a_newer_checkpoints_met
     assert _companions(dst, "6") == [{"name": ".metadata", "size": os.path.getsize(meta), "sha256": _sha(meta)}]
     dcp.load(out := _zeros_like(newer), storage_reader=FileSystemReader(os.path.join(dst, "6")))
     _same(newer, out)
+
+
+def test_a_writer_paused_after_its_commit_never_overwrites_a_newer_checkpoints_metadata(tmp_path, monkeypatch):
+    """The Writer's own window, as the copy's above: it commits step 7, pauses before its ``.metadata``;
+    the step is deleted and saved again by another Writer; the first one's late file must not replace
+    the newer checkpoint's."""
+    import asyncio
+
+    import ckptio.dcp._overwrite as overwrite
+
+    root = str(tmp_path / "r")
+    newer = {"w": torch.arange(12.0).reshape(3, 4), "step": 70}
+    real = overwrite.write_companion
+    paused: list[bool] = []
+
+    def meanwhile() -> None:
+        with ckptio.CheckpointManager(root) as m:
+            m.delete(7)
+        dcp.save(newer, storage_writer=Writer(root, step=7))
+
+    async def pause_once(store, step_dir, data, **kw):
+        if not paused:
+            paused.append(True)
+            await asyncio.to_thread(meanwhile)  # the first writer sleeps; its step goes and comes back
+        return await real(store, step_dir, data, **kw)
+
+    monkeypatch.setattr(overwrite, "write_companion", pause_once)
+    dcp.save(_state(), storage_writer=Writer(root, step=7))
+    meta = os.path.join(root, "7", ".metadata")
+    assert paused and _companions(root, "7") == [
+        {"name": ".metadata", "size": os.path.getsize(meta), "sha256": _sha(meta)}]
+    dcp.load(out := _zeros_like(newer), storage_reader=FileSystemReader(os.path.join(root, "7")))
+    _same(newer, out)
