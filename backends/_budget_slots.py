@@ -75,6 +75,7 @@ class SlotState:
             self.view[t * _PER_TABLE + 3] = -math.inf  # halved_at
         self.view[STARTED] = started
         self.fd: int | None = None
+        self._flock: threading.Lock | None = None  # _file_lock(self.fd), looked up once per fd
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -82,11 +83,11 @@ class SlotState:
     def locked(self) -> Iterator[None]:
         """Exclusive use of the state, against this process's threads and the processes sharing it."""
         with self._lock:
-            fd = self.fd
-            if fd is None:
+            fd, flock = self.fd, self._flock
+            if fd is None or flock is None:
                 yield
                 return
-            with _file_lock(fd):
+            with flock:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
                 try:
                     yield
@@ -103,7 +104,7 @@ class SlotState:
                 mm = mmap.mmap(fd, _SIZE)
                 view = memoryview(mm).cast("d")
                 view[:] = self.view
-                self.view, self.fd = view, fd
+                self.view, self.fd, self._flock = view, fd, _file_lock(fd)
                 self._maps.append(mm)
             return self.fd
 
@@ -119,7 +120,7 @@ class SlotState:
                 raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
             mm = mmap.mmap(fd, _SIZE)
             self._maps.append(mm)
-            old, self.view, self.fd = self.fd, memoryview(mm).cast("d"), fd
+            old, self.view, self.fd, self._flock = self.fd, memoryview(mm).cast("d"), fd, _file_lock(fd)
             if old is not None:
                 discard(old)
 
