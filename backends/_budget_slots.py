@@ -100,8 +100,12 @@ class SlotState:
         with self._lock:
             if self.fd is None:
                 fd = os.memfd_create("ckptio-request-budget", os.MFD_CLOEXEC)
-                os.ftruncate(fd, _SIZE)
-                mm = mmap.mmap(fd, _SIZE)
+                try:
+                    os.ftruncate(fd, _SIZE)
+                    mm = mmap.mmap(fd, _SIZE)
+                except BaseException:
+                    os.close(fd)  # ours alone yet: no lock of it can be held
+                    raise
                 view = memoryview(mm).cast("d")
                 view[:] = self.view
                 self.view, self.fd, self._flock = view, fd, _file_lock(fd)
@@ -115,10 +119,13 @@ class SlotState:
             if self.fd is not None and _file_lock(self.fd) is _file_lock(fd):
                 discard(fd)
                 return
-            if os.fstat(fd).st_size < _SIZE:
-                discard(fd)
-                raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
-            mm = mmap.mmap(fd, _SIZE)
+            try:
+                if os.fstat(fd).st_size < _SIZE:
+                    raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
+                mm = mmap.mmap(fd, _SIZE)
+            except BaseException:
+                discard(fd)  # taken: closed on every path
+                raise
             self._maps.append(mm)
             old, self.view, self.fd, self._flock = self.fd, memoryview(mm).cast("d"), fd, _file_lock(fd)
             if old is not None:

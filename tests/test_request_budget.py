@@ -322,3 +322,33 @@ def test_no_descriptor_of_a_shared_state_is_closed_while_this_process_holds_its_
     mover.join(60)
     holder.join(60)
     assert not mover.is_alive() and b.fd is not None and os.fstat(b.fd).st_ino == os.fstat(other.fd).st_ino
+
+
+def test_a_state_that_cannot_be_joined_is_refused_and_its_descriptor_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """join() takes the descriptor on every path: a state too small, or one that cannot be mapped,
+    is refused with a clear error and leaves no descriptor open behind it."""
+    import mmap
+    import os
+
+    from ckptio.backends._budget_slots import SlotState
+
+    def open_as(fd: int, name: str) -> bool:  # by /proc: a number reused by another open is not ours
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} ")
+        except OSError:
+            return False
+
+    small = os.memfd_create("ckptio-test-too-small")
+    with pytest.raises(ValueError, match="shared state must hold"):
+        SlotState(0.0).join(small)
+    assert not open_as(small, "ckptio-test-too-small")
+    fd = os.dup(SlotState(0.0).share())
+    assert open_as(fd, "ckptio-request-budget")
+
+    def no_map(*a: Any, **kw: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_map)
+    with pytest.raises(OSError, match="allocate"):
+        SlotState(0.0).join(fd)
+    assert not open_as(fd, "ckptio-request-budget")
