@@ -123,10 +123,12 @@ def test_the_record_goes_with_its_step_and_lookalikes_stay(saved):
 
 def test_gc_keeps_the_standing_commits_record_and_takes_stale_ones(saved):
     (standing,) = records(saved, 2)
-    stale = "ckptio.held.ffffffffffff.h00003"
-    (saved / "2" / stale).write_text("{}")
+    doc = json.loads((saved / "2" / standing).read_text())
+    stale = "ckptio.held.ffffffffffff.h00000"  # another checkpoint's record, its fence not in the step
+    (saved / "2" / stale).write_text(json.dumps({**doc, "checkpoint_id": "ffffffffffff", "fence": "eeeeeeeeeeee"}))
     os.makedirs(saved / "9")
-    (saved / "9" / "ckptio.held.0123456789ab.h00000").write_text("{}")  # a commit's leftover, no manifest
+    leftover = {**doc, "step": 9, "checkpoint_id": "0123456789ab", "objects": [], "sizes": []}
+    (saved / "9" / "ckptio.held.0123456789ab.h00000").write_text(json.dumps(leftover))  # no fence: never stood
     gc = CheckpointStore(str(saved), host_local=True)
     report = run_sync(gc.sweep(3600.0))
     assert not [k for k in report.deleted if parse_held(k)]  # young: spared
@@ -134,6 +136,15 @@ def test_gc_keeps_the_standing_commits_record_and_takes_stale_ones(saved):
     assert sorted(k for k in report.deleted if parse_held(k)) == ["2/" + stale, "9/ckptio.held.0123456789ab.h00000"]
     assert records(saved, 2) == [standing] and records(saved, 1)
     assert run_sync(gc.sweep_step(2, 0.0)).deleted == []
+
+
+def test_gc_leaves_a_step_with_a_damaged_record_alone(saved):
+    """A record that cannot be read may be the only proof of a host's committed part (#33): gc keeps its
+    step whole and reports it damaged; deletion (retention) still takes the step by name."""
+    (saved / "2" / "ckptio.held.ffffffffffff.h00003").write_text("{}")
+    before = sorted(os.listdir(saved / "2"))
+    report = run_sync(CheckpointStore(str(saved), host_local=True).sweep(0.0))
+    assert sorted(os.listdir(saved / "2")) == before and "2" in report.damaged
 
 
 def test_a_replica_marker_says_what_the_scan_needs(tmp_path, monkeypatch):
