@@ -229,3 +229,32 @@ def test_a_paused_record_writer_cannot_make_a_resaved_step_look_like_the_old_one
     os.makedirs(root / "3")
     (root / "3" / old.replace(m0.checkpoint_id, "ffffffffffff")).write_bytes(late)  # a record, no commit
     assert [h.step for h in holdings(CheckpointStore(str(root), host_local=True), None, 1)] == [2]
+
+
+def test_a_replica_of_a_part_is_its_record_and_objects_without_the_manifest(saved, tmp_path, monkeypatch):
+    """The peer round's receiving side (#33): the source's record (version 2) and objects, checked against
+    the record's extents, committed in the replica store under a fence of the replica's own; the scan
+    reads it without a manifest; the previous replica goes once the new one is marked."""
+    from ckptio.tiers.peerround import _check, _commit_part_replica, own_part
+
+    fast = CheckpointStore(str(saved), host_local=True)
+    replica = CheckpointStore(str(tmp_path / "peer"), host_local=True)
+    for step in (1, 2):
+        rec, _m = own_part(fast, step, 0)
+        assert rec.sizes is not None and len(rec.extra["extents"]) == len(rec.objects)
+        for j, key in enumerate(rec.objects):
+            data = bytearray((saved / key).read_bytes())
+            _check(rec, j, data)
+            run_sync(replica.io.write(key, [memoryview(data)]))
+        run_sync(_commit_part_replica(replica, step, rec, None, 0))
+    assert not (tmp_path / "peer" / "2" / "ckptio.manifest.json").exists()
+    assert run_sync(replica.committed_steps()) == [2]  # step 1's replica retired
+    (standing,) = run_sync(replica.parts.standing("2"))
+    assert standing.fence != rec.fence and standing.objects == rec.objects
+    no_manifest_reads(monkeypatch)
+    assert holdings(CheckpointStore(str(tmp_path / "own"), host_local=True), replica, 0) == [
+        Holding(0, 2, rec.checkpoint_id, 0, rec.num_hosts, False)]
+    bad = bytearray((saved / rec.objects[0]).read_bytes())
+    bad[0] ^= 1
+    with pytest.raises(Exception, match="checksum|crc|mismatch"):
+        _check(rec, 0, bad)
