@@ -6,7 +6,8 @@ O(hosts) per host per save). Such a host commits its part by
 
 1. its objects (written by the save),
 2. its *record* ``<step>/ckptio.held.<checkpoint id>.h<host>`` (:func:`ckptio.names.held_key`): the
-   checkpoint id, the host, the number of hosts, a fence id, and each own object's key and size
+   checkpoint id, the host, the number of hosts, a fence id, and each own object's key and size --
+   the bytes its extents need, as a manifest's least size (the object may be longer) --
    (``extra``: what the caller adds, e.g. extents),
 3. the fence ``<step>/ckptio.fence.<fence id>`` claimed "commit": the commit point.
 
@@ -55,8 +56,8 @@ PART_FORMAT = "ckptio.held"
 class PartRecord:
     """One host's part of checkpoint ``checkpoint_id`` at ``step``, as its record says.
 
-    ``sizes``: each object's size (None for a version 1 record, which has none); ``extra``: the
-    caller's fields (e.g. extents), carried as they are.
+    ``sizes``: the bytes each object must have at least (None for a version 1 record, which has
+    none); ``extra``: the caller's fields (e.g. extents), carried as they are.
     """
 
     step: int
@@ -168,7 +169,7 @@ class Parts:
         return outcome == COMMIT
 
     async def commit(self, record: PartRecord) -> None:
-        """Commit this host's part: check its objects (each there with its size), write the record,
+        """Commit this host's part: check its objects (each there with at least its size), write the record,
         claim its fence. FileNotFoundError / IntegrityError for a missing or short object, FileExistsError
         while the step is being deleted, SaveRevokedError if a deleter revoked one of its writers."""
         ctx, step_dir = self.ctx, str(record.step)
@@ -179,8 +180,8 @@ class Parts:
                              "lies outside the step")
         infos = await asyncio.gather(*(ctx.io.stat(k) for k in record.objects))
         for info, size in zip(infos, sizes):
-            if size is not None and info.size != size:
-                raise IntegrityError(f"{info.key}: {info.size} bytes, its record says {size}", key=info.key)
+            if size is not None and info.size < size:
+                raise IntegrityError(f"{info.key}: {info.size} bytes, its record needs {size}", key=info.key)
         if await ctx.exists(join_key(step_dir, TOMBSTONE_NAME)):
             raise FileExistsError(f"{where} is being deleted: this host's part is not committed")
         data = record.to_json()

@@ -34,7 +34,7 @@ import logging
 from ..copy import object_extents, object_writers
 from ..manifest import Manifest
 from ..names import parse_held
-from ..store import CheckpointStore
+from ..store import CheckpointStore, manifest_object_sizes
 from ..store.parts import PART_FORMAT, PartRecord
 
 __all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "read_held", "write_held"]
@@ -58,10 +58,11 @@ def own_object_keys(manifest: Manifest, rank: int) -> list[str]:
     return [manifest.objects[i] for i, w in enumerate(object_writers(manifest)) if w == rank]
 
 
-def own_part_record(manifest: Manifest, rank: int, sizes: dict[str, int], fence: str) -> PartRecord:
+def own_part_record(manifest: Manifest, rank: int, fence: str) -> PartRecord:
     """``rank``'s part of ``manifest`` as a record (version 2): its objects in the manifest's order, each
-    with its size (``sizes``, as stored) and extents ``[offset, length, crcs, item, block]``."""
+    with the bytes its extents need and its extents ``[offset, length, crcs, item, block]``."""
     extents = object_extents(manifest)
+    sizes = manifest_object_sizes(manifest)
     mine = [i for i, w in enumerate(object_writers(manifest)) if w == rank]
     keys = [manifest.objects[i] for i in mine]
     return PartRecord(manifest.step if manifest.step is not None else -1, manifest.checkpoint_id, rank, fence,
@@ -75,9 +76,7 @@ async def write_held(store: CheckpointStore, step: int, manifest: Manifest, rank
     Call it only after the commit stood here (the record names that commit's fence). Replaced whole
     (a re-run after a crash writes the same bytes).
     """
-    keys = own_object_keys(manifest, rank)
-    infos = await asyncio.gather(*(store.io.stat(k) for k in keys))
-    record = own_part_record(manifest, rank, {i.key: i.size for i in infos}, manifest.fence or "")
+    record = own_part_record(manifest, rank, manifest.fence or "")
     await store.io.write(record.key, [memoryview(record.to_json())])
 
 
@@ -86,8 +85,8 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
 
     None when the record cannot be trusted (absent, unreadable, not exactly one for this host, its
     fields disagree with its name, or its commit's fence does not say "commit"): the caller then
-    reads the manifest. FileNotFoundError when the record is sound but one of its objects is gone
-    (or, version 2, not its recorded size): the step is not held.
+    reads the manifest. FileNotFoundError when the record is sound but one of its objects is gone:
+    the step is not held.
     """
     step_dir = str(step)
     try:
@@ -105,7 +104,6 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
         log.warning("%s: commit record %s names a fence that does not stand in its step, reading the manifest "
                     "instead", store.url, record.key)
         return None
-    stats = await asyncio.gather(*(store.io.stat(k) for k in record.objects))
-    if record.sizes is not None and [i.size for i in stats] != record.sizes:
-        raise FileNotFoundError(f"{store.where(step_dir)}: an object of this host's part is not its recorded size")
+    # Each object there, as the manifest's scan checks (a restore checks every byte it reads).
+    await asyncio.gather(*(store.io.stat(k) for k in record.objects))
     return OwnPart(record.checkpoint_id, record.num_hosts, record.objects)

@@ -22,7 +22,6 @@ import logging
 from collections.abc import Callable, Iterator
 
 from ..checksum import verify_blocks
-from ..copy import object_writers
 from ..engine import run_sync
 from ..manifest import Manifest
 from ..names import held_key, new_id
@@ -48,8 +47,7 @@ def own_part(own: CheckpointStore, step: int, rank: int) -> tuple[PartRecord, Ma
     if len(records) == 1 and (m is None or m.checkpoint_id == records[0].checkpoint_id):
         return records[0], m
     assert m is not None
-    sizes = run_sync(own.object_sizes(k for k, w in zip(m.objects, object_writers(m)) if w == rank))
-    return own_part_record(m, rank, sizes, m.fence or ""), m
+    return own_part_record(m, rank, m.fence or ""), m
 
 
 def _check(record: PartRecord, j: int, buf: bytearray) -> None:
