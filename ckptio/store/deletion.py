@@ -115,8 +115,10 @@ class Deletion:
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
 
     async def _settled_parts(self, step_dir: str) -> list[PartRecord]:
-        """The records of ``step_dir`` whose commit stands, each unclaimed fence claimed "revoked" first."""
-        if not step_dir:
+        """The records of ``step_dir`` whose commit stands, each unclaimed fence claimed "revoked" first.
+
+        Only a host-local store's records commit anything (elsewhere they go by name): no listing there."""
+        if not step_dir or not self.ctx.host_local:
             return []
         records, _bad = await self.parts.read(step_dir)
         return [r for r in records if await self.parts.settle(step_dir, r)]
@@ -128,7 +130,7 @@ class Deletion:
 
         Each record not of ``targets`` is settled: a committer paused before its claim is revoked; one
         whose claim stood first keeps its part (a re-save of the step, met by a paused deleter)."""
-        if not step_dir:
+        if not step_dir or not self.ctx.host_local:
             return set(), set()
         records, _bad = await self.parts.read(step_dir, listing)
         spared: set[str] = set()
@@ -198,7 +200,7 @@ class Deletion:
         sids = self.ctx.writers_of(i.key for i in infos)
         await self.fences.revoke(step_dir, sids)
         kept: set[str] = set()
-        records, bad = await self.parts.read(step_dir) if step_dir else ([], [])
+        records, bad = await self.parts.read(step_dir) if step_dir and self.ctx.host_local else ([], [])
         if bad:
             log.warning("gc %s: unreadable commit records in step %r; its objects are kept", self.ctx.url, step_dir)
             return []
