@@ -31,6 +31,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import DEFAULT_LEASE_S, StoreOptions
+from .parts import Parts
 from .resave import Resaves
 
 __all__ = ["CheckpointStore"]
@@ -60,8 +61,9 @@ class CheckpointStore:
         manifests = self.manifests = Manifests(ctx, self.fences)
         objects = self.objects = Objects(ctx)
         intents = self.intents = Intents(ctx)
-        deletion = self.deletion = Deletion(ctx, manifests, intents, self.fences)
-        self.catalog = Catalog(ctx, manifests, objects, intents)
+        self.parts = Parts(ctx, self.fences)
+        deletion = self.deletion = Deletion(ctx, manifests, intents, self.fences, self.parts)
+        self.catalog = Catalog(ctx, manifests, objects, intents, self.parts)
         self.commits = Commits(ctx, manifests, objects, self.fences, deletion)
         self.gc = Collector(ctx, manifests, intents, self.fences, deletion)
         self.resaves = Resaves(ctx, manifests, intents, self.commits, self.gc)
