@@ -61,11 +61,13 @@ class Deletion:
         key = join_key(step_dir, MANIFEST_NAME)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         manifest: Manifest | None = None
+        unreadable = False
         try:
             manifest = await self.manifests.read_unchecked(step_dir)
         except FileNotFoundError:
             pass
         except (ManifestError, IntegrityError, RecursionError) as e:
+            unreadable = True
             log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
         committed = manifest is not None and await self.settle_fence(step_dir, manifest)
         parts = await self._settled_parts(step_dir)  # the parts this deletion takes: standing now
@@ -76,10 +78,11 @@ class Deletion:
         finished |= ctx.writers_of(k for r in parts for k in r.objects)
         root = manifest
         manifest = await self._with_fragments(step_dir, manifest)
+        created = True
         try:
             await ctx.io.create_if_absent(tomb, marker)
         except FileExistsError:
-            pass  # an earlier deletion was interrupted: finish it
+            created = False  # an earlier deletion was interrupted: finish it
         everywhere = manifest is None or await self.intents.others_than(step_dir, ctx.writers_of(manifest.keys()))
         listing = await ctx.step_listing(step_dir, everywhere=everywhere)
         live = await self.intents.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
@@ -93,6 +96,10 @@ class Deletion:
         more, more_fences = await self._newer_parts(step_dir, None, targets)
         spared |= more
         keys -= spared
+        # The deleter's step 2 of ckptio.fence: a commit that stood before our revocations (a re-save
+        # of the step met while we were paused) is not ours to take.
+        if not await self._still_ours(step_dir, root, unreadable):
+            return await self._withdraw(tomb, marker, created, where)
         if root is not None:  # before the objects: torch's .metadata must never name a deleted one
             await delete_companions(ctx, step_dir, root, where)
         records = {k for k in keys if parse_held(k) is not None}
@@ -102,6 +109,10 @@ class Deletion:
         # Records after their objects, before the fences: no record outlives its objects' deletion
         # half-done and still stands.
         await ctx.delete_keys(sorted(records))
+        # Read again just before: a save that finished our deletion while we were paused may have
+        # committed here since (without a conditional delete this narrows the window, not closes it).
+        if not await self._still_ours(step_dir, root, unreadable):
+            return await self._withdraw(tomb, marker, created, where)
         await ctx.delete_keys([key])
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
@@ -113,6 +124,33 @@ class Deletion:
         await ctx.delete_keys([tomb])
         self.manifests.forget(step_dir)
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _still_ours(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
+        """Whether the manifest at ``step_dir`` now is still the one this deletion set out to take.
+
+        No manifest, or ``root``'s checkpoint: yes. Another checkpoint's: yes only if its commit does
+        not stand (an unclaimed fence is claimed "revoked" here, so it never will). One that cannot be
+        read: yes only if the deletion began on an unreadable one (it deletes by name)."""
+        try:
+            now = await self.manifests.read_unchecked(step_dir)
+        except FileNotFoundError:
+            return True
+        except (ManifestError, IntegrityError, RecursionError):
+            return unreadable and root is None
+        if root is not None and now.checkpoint_id == root.checkpoint_id:
+            return True
+        return not await self.settle_fence(step_dir, now)
+
+    async def _withdraw(self, tomb: str, marker: bytes, created: bool, where: str) -> None:
+        """Leave a step a newer commit holds: remove the tombstone this deletion wrote (only that)."""
+        log.warning("deleting %s: a newer checkpoint was committed there meanwhile; it is kept", where)
+        if created:
+            try:
+                if await self.ctx.io.read(tomb) == marker:
+                    await self.ctx.delete_keys([tomb])
+            except FileNotFoundError:
+                pass
+        self.manifests.forget(tomb.rpartition("/")[0])
 
     async def _settled_parts(self, step_dir: str) -> list[PartRecord]:
         """The records of ``step_dir`` whose commit stands, each unclaimed fence claimed "revoked" first.
