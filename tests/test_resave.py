@@ -118,6 +118,7 @@ def test_resave_after_a_kill_between_manifest_and_fence(stalled: Any, caplog: py
     """The killed save's commit is settled (at once if its lease is over, else by the re-save's
     background part once it is), and the re-save commits the new state."""
     root, saver = stalled
+    killed = time.monotonic()
     saver.p.send_signal(signal.SIGKILL)
     saver.stop()
     if when == "after_lease":
@@ -125,13 +126,16 @@ def test_resave_after_a_kill_between_manifest_and_fence(stalled: Any, caplog: py
     mngr = ckptio.CheckpointManager(root)
     try:
         assert mngr.latest_step() == GOOD  # the dead commit never counts
+        # On a loaded machine "at once" may come after the lease: then the re-save may settle at once.
+        surely_live = time.monotonic() - killed < LEASE_S * 0.75
         with caplog.at_level(logging.INFO, logger="ckptio.store"):
             handle = mngr.save(STEP, state_for(STEP), force=True)  # raised FileExistsError before #34
             assert handle is not None
             mngr.wait_until_finished()
         assert handle.result() is not None
         deferred = any("waits for it to confirm" in r.getMessage() for r in caplog.records)
-        assert deferred == (when == "at_once"), [r.getMessage() for r in caplog.records]
+        if when == "after_lease" or surely_live:
+            assert deferred == (when == "at_once"), [r.getMessage() for r in caplog.records]
         assert any("died before confirming its commit" in r.getMessage() for r in caplog.records)
     finally:
         mngr.close()
