@@ -93,3 +93,55 @@ def test_a_deleter_paused_past_a_delete_and_resave_of_its_step_leaves_the_resave
     assert not (root / str(STEP) / TOMBSTONE_NAME).exists(), "the paused deleter left its tombstone"
     assert _same(ckptio.restore(str(root), step=STEP), _state(2)), "the re-saved checkpoint is not whole"
     assert ckptio.CheckpointManager(str(root)).latest_step() == STEP
+
+
+class ResaveThenSweepAroundTheTombstone(WrapperBackend):
+    """Before this deleter's tombstone: a delete and re-save of its step; right after it: a sweep."""
+
+    def __init__(self, inner: Backend, resave: Callable[[], None], sweep: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self.resave, self.sweep, self.stalled = resave, sweep, False
+
+    async def create_if_absent(self, key: str, data: bytes) -> None:
+        first = not self.stalled and key.endswith(TOMBSTONE_NAME)
+        if first:
+            self.stalled = True
+            await asyncio.to_thread(self.resave)
+        await super().create_if_absent(key, data)
+        if first:
+            await asyncio.to_thread(self.sweep)
+
+
+def test_gc_meeting_a_paused_deleters_stale_tombstone_keeps_the_checkpoint_committed_there(tmp_path: Path) -> None:
+    """The tombstone a paused deleter writes over a step re-saved meanwhile names the old checkpoint:
+    gc (or a save) finishing "the interrupted deletion" must not take the new one."""
+    root = tmp_path / "ck"
+    _save(root, seed=1)
+    swept: list[object] = []
+
+    def resave() -> None:
+        other = CheckpointStore(str(root))
+        try:
+            run_sync(other.delete(str(STEP)))
+        finally:
+            run_sync(other.close())
+        _save(root, seed=2)
+
+    def sweep() -> None:
+        gc = CheckpointStore(str(root))
+        try:
+            swept.append(run_sync(gc.sweep(0)))
+        finally:
+            run_sync(gc.close())
+        with pytest.raises(FileExistsError, match="already committed"):  # a save there meets it too
+            _save(root, seed=3)
+
+    backend = ResaveThenSweepAroundTheTombstone(open_backend(str(root)), resave, sweep)
+    deleter = CheckpointStore(str(root), backend=backend)
+    try:
+        run_sync(deleter.delete(str(STEP)))
+    finally:
+        run_sync(deleter.close())
+    assert backend.stalled and swept
+    assert not (root / str(STEP) / TOMBSTONE_NAME).exists()
+    assert _same(ckptio.restore(str(root), step=STEP), _state(2))

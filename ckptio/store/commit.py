@@ -152,8 +152,8 @@ class Commits:
         where = ctx.where(step_dir)
         if await ctx.exists(join_key(step_dir, TOMBSTONE_NAME)):
             log.warning("%s: an earlier deletion of this step was interrupted; finishing it before saving", where)
-            await self.deletion.delete(step_dir)
-        elif await ctx.exists(join_key(step_dir, MANIFEST_NAME)):
+            await self.deletion.delete(step_dir, finishing=True)
+        if await ctx.exists(join_key(step_dir, MANIFEST_NAME)):  # a stale tombstone's step keeps its own
             try:
                 await self.manifests.read_root(step_dir)
             except UnconfirmedCommitError as e:

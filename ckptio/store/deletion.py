@@ -45,7 +45,7 @@ class Deletion:
         self.intents = intents
         self.fences = fences
 
-    async def delete(self, step_dir: str) -> None:
+    async def delete(self, step_dir: str, *, finishing: bool = False) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, records, manifest, fences, tombstone
         (crash-safe order).
 
@@ -55,21 +55,19 @@ class Deletion:
         store a step may be committed by a host's record instead of a manifest
         (:mod:`ckptio.store.parts`): the part whose record stood when the deletion began goes; a
         part committed at the step after that (a re-save, under a paused deleter) stays.
+
+        ``finishing``: only finish the deletion a tombstone announces (gc, a save meeting one). A
+        tombstone naming another checkpoint than the one whose commit stands there now is a paused
+        deleter's, written after that checkpoint's delete-and-re-save: it is removed, the checkpoint kept.
         """
         ctx = self.ctx
         where = ctx.where(step_dir)
         key = join_key(step_dir, MANIFEST_NAME)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
-        manifest: Manifest | None = None
-        unreadable = False
-        try:
-            manifest = await self.manifests.read_unchecked(step_dir)
-        except FileNotFoundError:
-            pass
-        except (ManifestError, IntegrityError, RecursionError) as e:
-            unreadable = True
-            log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only", where, e)
+        manifest, unreadable = await self._read_root(step_dir)
         committed = manifest is not None and await self.settle_fence(step_dir, manifest)
+        if finishing and committed and await self._stale(tomb, manifest, where):  # type: ignore[arg-type]
+            return
         parts = await self._settled_parts(step_dir)  # the parts this deletion takes: standing now
         targets = {r.checkpoint_id for r in parts}
         marker = (manifest.checkpoint_id if manifest is not None else min(targets, default="")).encode()
@@ -124,6 +122,33 @@ class Deletion:
         await ctx.delete_keys([tomb])
         self.manifests.forget(step_dir)
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _read_root(self, step_dir: str) -> tuple[Manifest | None, bool]:
+        """The step's manifest as stored (None if absent or unreadable), and whether it is unreadable."""
+        try:
+            return await self.manifests.read_unchecked(step_dir), False
+        except FileNotFoundError:
+            return None, False
+        except (ManifestError, IntegrityError, RecursionError) as e:
+            log.warning("deleting %s: its manifest is unreadable (%s); deleting by name only",
+                        self.ctx.where(step_dir), e)
+            return None, True
+
+    async def _stale(self, tomb: str, standing: Manifest, where: str) -> bool:
+        """Whether the tombstone at ``tomb`` announces the deletion of another checkpoint than
+        ``standing`` (whose commit stands), or is gone: then there is nothing to finish. A stale one is
+        removed (its deleter, if only paused, withdraws on waking: it re-reads before deleting)."""
+        try:
+            marker = await self.ctx.io.read(tomb)
+        except FileNotFoundError:
+            return True
+        if not marker or marker == standing.checkpoint_id.encode():
+            return False
+        log.warning("%s: a tombstone names checkpoint %r, but %r is committed there; the tombstone is "
+                    "a paused deleter's, written after a delete and re-save of the step: removed, "
+                    "the checkpoint kept", where, marker.decode(errors="replace"), standing.checkpoint_id)
+        await self.ctx.delete_keys([tomb])
+        return True
 
     async def _still_ours(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
         """Whether the manifest at ``step_dir`` now is still the one this deletion set out to take.

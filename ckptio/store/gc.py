@@ -210,7 +210,7 @@ class Collector:
         for step_dir in sorted(rnd.by_step, key=lambda s: (len(s), s)):
             if join_key(step_dir, TOMBSTONE_NAME) in rnd.markers:
                 if not rnd.dry_run:
-                    await self.deletion.delete(step_dir)
+                    await self.deletion.delete(step_dir, finishing=True)
                 rnd.report.finished_deletions.append(int(step_dir) if step_dir else None)
                 rnd.protected.add(step_dir)
                 continue
