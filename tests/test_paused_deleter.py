@@ -39,6 +39,16 @@ def _save(root: Path, seed: int) -> None:
     ckptio.save(str(root), _state(seed), STEP).result()
 
 
+def _delete_and_resave(root: Path) -> None:
+    """Another process: delete step S, save S again (checkpoint B), committed."""
+    other = CheckpointStore(str(root))
+    try:
+        run_sync(other.delete(str(STEP)))
+    finally:
+        run_sync(other.close())
+    _save(root, seed=2)
+
+
 class StallBefore(WrapperBackend):
     """Runs ``meanwhile`` (in a thread) the first time this deleter creates or deletes a key ``when``
     accepts: the deleter is paused there while another process works on the same root."""
@@ -75,15 +85,7 @@ def test_a_deleter_paused_past_a_delete_and_resave_of_its_step_leaves_the_resave
     root = tmp_path / "ck"
     _save(root, seed=1)  # checkpoint A
 
-    def meanwhile() -> None:  # another process: delete S, save S again (checkpoint B), committed
-        other = CheckpointStore(str(root))
-        try:
-            run_sync(other.delete(str(STEP)))
-        finally:
-            run_sync(other.close())
-        _save(root, seed=2)
-
-    backend = StallBefore(open_backend(str(root)), STALLS[stall], meanwhile)
+    backend = StallBefore(open_backend(str(root)), STALLS[stall], lambda: _delete_and_resave(root))
     deleter = CheckpointStore(str(root), backend=backend)
     try:
         run_sync(deleter.delete(str(STEP)))
@@ -119,14 +121,6 @@ def test_gc_meeting_a_paused_deleters_stale_tombstone_keeps_the_checkpoint_commi
     _save(root, seed=1)
     swept: list[object] = []
 
-    def resave() -> None:
-        other = CheckpointStore(str(root))
-        try:
-            run_sync(other.delete(str(STEP)))
-        finally:
-            run_sync(other.close())
-        _save(root, seed=2)
-
     def sweep() -> None:
         gc = CheckpointStore(str(root))
         try:
@@ -136,7 +130,7 @@ def test_gc_meeting_a_paused_deleters_stale_tombstone_keeps_the_checkpoint_commi
         with pytest.raises(FileExistsError, match="already committed"):  # a save there meets it too
             _save(root, seed=3)
 
-    backend = ResaveThenSweepAroundTheTombstone(open_backend(str(root)), resave, sweep)
+    backend = ResaveThenSweepAroundTheTombstone(open_backend(str(root)), lambda: _delete_and_resave(root), sweep)
     deleter = CheckpointStore(str(root), backend=backend)
     try:
         run_sync(deleter.delete(str(STEP)))
