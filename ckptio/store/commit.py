@@ -13,6 +13,7 @@ import logging
 
 from ckptio.backends.base import join_key
 
+from ..engine import gather_or_cancel
 from ..errors import (
     CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError, UnconfirmedCommitError,
 )
@@ -141,6 +142,13 @@ class Commits:
             return
         if info.size == size:  # ours (create_if_absent is exclusive): keyed like any read of it
             self.manifests.remember(step_dir, info.size, info.mtime, manifest)
+
+    async def step_is_clear(self, step_dir: str) -> bool:
+        """True if neither a tombstone nor a manifest is at ``step_dir``: :meth:`prepare_save` would
+        do nothing there. The two stats go at once."""
+        keys = (join_key(step_dir, TOMBSTONE_NAME), join_key(step_dir, MANIFEST_NAME))
+        found = await gather_or_cancel(self.ctx.exists(k) for k in keys)
+        return not any(found)
 
     async def prepare_save(self, step_dir: str) -> None:
         """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step.

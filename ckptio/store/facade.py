@@ -235,6 +235,11 @@ class CheckpointStore:
         (:mod:`ckptio.store.resave`)."""
         return await self.resaves.prepare(step_dir, defer=defer)
 
+    async def step_is_clear(self, step_dir: str) -> bool:
+        """True if ``step_dir`` holds neither a tombstone nor a manifest: :meth:`prepare_save` has
+        nothing to do there (both looked up at once)."""
+        return await self.commits.step_is_clear(step_dir)
+
     async def wait_step_free(self, step_dir: str, deadline: float) -> None:
         """Wait until no unconfirmed commit is in the way of committing ``step_dir`` (settling a dead
         one), until ``deadline`` (``time.time()``): FileExistsError if it committed, else StepBusyError."""
