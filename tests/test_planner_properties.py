@@ -1,21 +1,23 @@
-"""The vectorised planner (ckptio.reshard over ShardTable) against the old per-shard planner.
+"""The planner (ckptio.reshard over ShardTable) against a brute-force numpy oracle.
 
 Random saved shardings x target shardings x dtypes x uneven shapes x tiled/untiled shards x
-extents split over objects x small checksum blocks: the new plan reads exactly the byte ranges
-the old one read (as a union; never more bytes in total), every byte it reads is covered by a
-checksum check, and executing it restores the target regions bit-exact. A corrupted object is
-caught before its bytes reach a destination.
+extents split over objects x small checksum blocks. The oracle maps every byte of every shard to
+its place in the objects (a position per element, in the shard's stream order), materialises the
+saved array from the objects through that map, and lists the exact bytes a target box needs: every
+checksum block holding a byte of an element in the box. The plan reads exactly those bytes, each
+once, every byte it reads is covered by a checksum check, and executing it restores the target
+regions bit-exact. A corrupted object is caught before its bytes reach a destination.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
 import ml_dtypes
 import numpy as np
 import pytest
-from _old_planner import plan_region as old_plan_region
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +29,6 @@ from ckptio import reshard
 from ckptio.readpieces import ConcatView
 from ckptio.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
 from ckptio.scratch import ScratchPool
-from ckptio.tiling import tile_boxes
 
 DTYPES = [np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.float32), np.dtype(np.float64),
           np.dtype(ml_dtypes.bfloat16)]
@@ -45,14 +46,103 @@ def _grid(cuts: list[list[int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]
     return [(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)) for cell in itertools.product(*spans)]
 
 
-def _stream(block: np.ndarray, tile: tuple[int, ...] | None) -> bytes:
-    """A shard's bytes as saved: C order, or its tiles in stream order (each C order)."""
+def _positions(shape: tuple[int, ...], tile: tuple[int, ...] | None) -> np.ndarray:
+    """Per element of a shard of ``shape``, its place in the shard's stream (in elements): C order,
+    or tiled: the tiles in C order over the tile grid, each tile in C order."""
+    pos = np.zeros(shape, np.int64)
     if tile is None:
-        return block.tobytes()
-    out = b""
-    for offs, sizes, _pos in tile_boxes(block.shape, tile):
-        out += np.ascontiguousarray(block[tuple(slice(o, o + n) for o, n in zip(offs, sizes))]).tobytes()
-    return out
+        return np.arange(pos.size, dtype=np.int64).reshape(shape)
+    at = 0
+    for start in itertools.product(*(range(0, n, t) for n, t in zip(shape, tile))):
+        box = tuple(slice(a, a + t) for a, t in zip(start, tile))
+        n = pos[box].size
+        pos[box] = np.arange(at, at + n, dtype=np.int64).reshape(pos[box].shape)
+        at += n
+    assert sorted(pos.ravel().tolist()) == list(range(pos.size))  # a permutation: each element once
+    return pos
+
+
+def _stream(block: np.ndarray, tile: tuple[int, ...] | None) -> bytes:
+    """A shard's bytes as saved: its elements in stream order (:func:`_positions`)."""
+    out = np.empty(block.size, block.dtype)
+    out[_positions(block.shape, tile).ravel()] = block.ravel()
+    return out.tobytes()
+
+
+def _byte_places(item: ArrayItem, shard: ShardRecord, keys: list[str]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per byte of ``shard`` (its shape plus an axis of the dtype's bytes): the object it is
+    stored in (index into ``keys``), its offset there, and the start and end of the checksum
+    block holding it (offsets in that object)."""
+    size = item.dtype.itemsize
+    stream = _positions(shard.shape, shard.tile)[..., None] * size + np.arange(size, dtype=np.int64)
+    obj, at, b0, b1 = (np.full(stream.shape, -1, np.int64) for _ in range(4))
+    for e in shard.extents:
+        inside = (stream >= e.shard_offset) & (stream < e.shard_offset + e.length)
+        rel = stream[inside] - e.shard_offset
+        obj[inside], at[inside] = e.object, e.offset + rel
+        b0[inside] = e.offset + rel // e.block * e.block
+        b1[inside] = e.offset + np.minimum((rel // e.block + 1) * e.block, e.length)
+    assert (obj >= 0).all() and len(keys) > obj.max(initial=0), "every byte of a shard is in an extent"
+    return obj, at, b0, b1
+
+
+def _rows_read(shard: ShardRecord, off: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+    """Which elements of ``shard`` a plan for box ``(off, shape)`` reads, by brute force over
+    every element: the planner's unit is a row (first axis) of the shard, or of one of its tiles,
+    so an element is read when its row meets the box and (tiled) its tile meets the box. None:
+    the box misses the shard."""
+    lo = [max(a, b) - b for a, b in zip(off, shard.offsets)]
+    hi = [min(a + n, b + m) - b for a, n, b, m in zip(off, shape, shard.offsets, shard.shape)]
+    if any(a >= b for a, b in zip(lo, hi)):
+        return None
+    if not shard.shape:
+        return np.ones((), bool)
+    idx = np.indices(shard.shape)
+    mask = (idx[0] >= lo[0]) & (idx[0] < hi[0])
+    for d in range(1, len(shard.shape)):
+        if shard.tile is not None:
+            start = idx[d] // shard.tile[d] * shard.tile[d]
+            mask &= (start < hi[d]) & (start + shard.tile[d] > lo[d])
+    return mask
+
+
+def materialised(item: ArrayItem, objects: dict[str, bytes]) -> np.ndarray:
+    """The saved array, built from the objects' bytes through :func:`_byte_places`."""
+    keys = list(objects)
+    blobs = [np.frombuffer(objects[k], np.uint8) for k in keys]
+    out = np.zeros((*item.shape, item.dtype.itemsize), np.uint8)
+    for s in item.shards:
+        obj, at, _b0, _b1 = _byte_places(item, s, keys)
+        part = np.zeros(obj.shape, np.uint8)
+        for o, blob in enumerate(blobs):
+            part[obj == o] = blob[at[obj == o]]
+        out[tuple(slice(a, a + n) for a, n in zip(s.offsets, s.shape))] = part
+    return out.view(item.dtype).reshape(item.shape)
+
+
+def needed(item: ArrayItem, keys: list[str], off: tuple[int, ...], shape: tuple[int, ...]
+           ) -> dict[tuple[str, int], int]:
+    """The bytes a plan for box ``(off, shape)`` must read, as ``(object, offset)``: every checksum
+    block that holds a byte of an element it reads (:func:`_rows_read`; a byte cannot be used
+    before its block is verified). Each with how often it may be read: once, or once per tile of
+    one shard with bytes to read in its block (each tile's rows are planned apart, and two tiles'
+    rows can share a block)."""
+    tiles: dict[tuple[int, int, int], set[int]] = {}
+    for n, s in enumerate(item.shards):
+        mask = _rows_read(s, off, shape)
+        if mask is None:
+            continue
+        obj, _at, b0, b1 = (a[mask] for a in _byte_places(item, s, keys))
+        tile = np.zeros(mask.shape, np.int64)
+        if s.tile is not None:  # which tile of the shard each element is in, as one number
+            grid = np.indices(s.shape) // np.reshape(s.tile, (-1,) + (1,) * len(s.shape))
+            tile = np.ravel_multi_index(tuple(grid), tuple(-(-a // t) for a, t in zip(s.shape, s.tile)))
+        tile = np.broadcast_to(tile[mask][..., None], obj.shape)
+        for o, a, b, t in set(zip(obj.ravel().tolist(), b0.ravel().tolist(), b1.ravel().tolist(),
+                                  tile.ravel().tolist())):
+            tiles.setdefault((o, a, b), set()).add(n * (1 << 32) + t)
+    return {(keys[o], x): len(ts) for (o, a, b), ts in tiles.items() for x in range(a, b)}
 
 
 @st.composite
@@ -105,6 +195,11 @@ def _ranges(reqs: list) -> dict[str, set[int]]:
     return out
 
 
+def _times_read(reqs: list) -> collections.Counter[tuple[str, int]]:
+    """How often the requests read each ``(object, offset)``."""
+    return collections.Counter((r.key, x) for r in reqs for x in range(r.rng.start, r.rng.end))
+
+
 def execute(reqs: list, objects: dict[str, bytes]) -> None:
     """Run read requests against in-memory objects as the engine does: fill, verify every check
     (which must cover every byte read), then the copy-outs."""
@@ -130,19 +225,19 @@ def execute(reqs: list, objects: dict[str, bytes]) -> None:
 
 @PROFILE
 @given(st.data())
-def test_reads_what_the_old_planner_read_and_restores_bit_exact(data: st.DataObject) -> None:
+def test_reads_exactly_the_needed_bytes_once_and_restores_bit_exact(data: st.DataObject) -> None:
     item, full, objects, bs = data.draw(saved())
     keys = list(objects)
+    saved_array = materialised(item, objects)
+    assert saved_array.tobytes() == full.tobytes()  # the oracle's map of the objects is the saver's
     for off, shape in data.draw(target(item.shape)):
-        new = plan_region("x", item, Region(off, np.zeros(shape, item.dtype)), keys, bs)
-        old = old_plan_region("x", item, Region(off, np.zeros(shape, item.dtype)), keys, bs)
-        assert _ranges(new) == _ranges(old)
-        assert sum(r.rng.length for r in new) <= sum(r.rng.length for r in old)
-        assert len(new) <= len(old)
+        reqs = plan_region("x", item, Region(off, np.zeros(shape, item.dtype)), keys, bs)
+        want, got = needed(item, keys, off, shape), _times_read(reqs)
+        assert got.keys() == want.keys()  # exactly the needed bytes
+        assert all(n <= want[at] for at, n in got.items()), "a byte read more often than its block's tiles"
         dest = np.full(shape, 77, item.dtype)
         execute(plan_region("x", item, Region(off, dest), keys, bs), objects)
-        want = full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
-        assert dest.tobytes() == want.tobytes()
+        assert dest.tobytes() == saved_array[tuple(slice(o, o + n) for o, n in zip(off, shape))].tobytes()
         assert coverage_gaps(item, off, shape) == 0
 
 
