@@ -139,7 +139,10 @@ def test_resave_after_a_kill_between_manifest_and_fence(stalled: Any, caplog: py
         assert any("died before confirming its commit" in r.getMessage() for r in caplog.records)
     finally:
         mngr.close()
-    _audit(root, STEP)
+    # "At once", the dead save's objects may be younger than the lease when its commit is settled
+    # (written after its manifest's timestamp; slow under load): gc's grace spares them, and they
+    # are the next sweep's. After the lease they are always taken by the settling itself.
+    _audit(root, STEP, sweep=when == "at_once")
 
 
 @pytest.mark.parametrize("on_save_error", ["raise", "warn"])
