@@ -56,10 +56,14 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
 from ._budget_slots import STARTED, TAKEN, Slots, SlotState
+from ._budget_slots import discard as discard_shared_state
 from .base import Backend, ByteRange, ObjectInfo, ThrottledError
 from .wrappers import WrapperBackend
 
-__all__ = ["BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "each_request"]
+__all__ = [
+    "BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "discard_shared_state",
+    "each_request",
+]
 
 T = TypeVar("T")
 

@@ -133,8 +133,8 @@ class _Writer:
 
     def _join_budget(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]], fd: int) -> None:
         """Have the engine of ``spec`` draw from the trainer's budget state behind ``fd`` (taken)."""
-        from ckptio.backends._budget_slots import discard
         from ckptio.backends.budget import budget_of
+        from ckptio.backends.budget import discard_shared_state as discard
 
         try:
             budget = budget_of(self._engine(spec).backend)
