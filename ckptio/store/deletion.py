@@ -97,7 +97,7 @@ class Deletion:
         # The deleter's step 2 of ckptio.fence: a commit that stood before our revocations (a re-save
         # of the step met while we were paused) is not ours to take.
         if not await self._still_ours(step_dir, root, unreadable):
-            return await self._withdraw(tomb, marker, created, where)
+            return await self._withdraw(step_dir, marker, created)
         if root is not None:  # before the objects: torch's .metadata must never name a deleted one
             await delete_companions(ctx, step_dir, root, where)
         records = {k for k in keys if parse_held(k) is not None}
@@ -110,7 +110,7 @@ class Deletion:
         # Read again just before: a save that finished our deletion while we were paused may have
         # committed here since (without a conditional delete this narrows the window, not closes it).
         if not await self._still_ours(step_dir, root, unreadable):
-            return await self._withdraw(tomb, marker, created, where)
+            return await self._withdraw(step_dir, marker, created)
         await ctx.delete_keys([key])
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
@@ -166,16 +166,18 @@ class Deletion:
             return True
         return not await self.settle_fence(step_dir, now)
 
-    async def _withdraw(self, tomb: str, marker: bytes, created: bool, where: str) -> None:
+    async def _withdraw(self, step_dir: str, marker: bytes, created: bool) -> None:
         """Leave a step a newer commit holds: remove the tombstone this deletion wrote (only that)."""
-        log.warning("deleting %s: a newer checkpoint was committed there meanwhile; it is kept", where)
+        log.warning("deleting %s: a newer checkpoint was committed there meanwhile; it is kept",
+                    self.ctx.where(step_dir))
+        tomb = join_key(step_dir, TOMBSTONE_NAME)
         if created:
             try:
                 if await self.ctx.io.read(tomb) == marker:
                     await self.ctx.delete_keys([tomb])
             except FileNotFoundError:
                 pass
-        self.manifests.forget(tomb.rpartition("/")[0])
+        self.manifests.forget(step_dir)
 
     async def _settled_parts(self, step_dir: str) -> list[PartRecord]:
         """The records of ``step_dir`` whose commit stands, each unclaimed fence claimed "revoked" first.
