@@ -1,0 +1,177 @@
+"""A deleter paused between its last re-read and its manifest's deletion never takes a re-save's commit.
+
+The last window of :mod:`ckptio.store.deletion`: deleter D re-reads step S just before it deletes
+S's manifest (checkpoint A is still there, or nothing), and pauses right there. Meanwhile another
+process finishes the deletion (D's tombstone says one is under way) and saves S anew: checkpoint
+B commits. D wakes and deletes "the manifest". Before the conditional delete it deleted B's: a
+committed checkpoint lost. With ``Backend.delete_if`` D deletes only the version it judged, finds
+B's standing and withdraws. One test per backend family that declares the capability (memory,
+POSIX with hard links and without -- Parallelstore's lock-and-rename commit --, GCS, through a
+proxy that makes the emulator honour ``ifGenerationMatch`` on DELETE, and S3 through fsspec,
+against moto). fsspec's other protocols declare no conditional delete: there the window stays one
+request wide (docs/deletion.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio.backends import Backend, open_backend
+from ckptio.backends.wrappers import WrapperBackend
+from ckptio.engine import run_sync
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
+from ckptio.store import CheckpointStore
+import test_backend_fsspec as fsspec_tests
+
+STEP = 7
+moto_s3 = fsspec_tests.moto_s3  # the fixture: a moto S3 server for this module
+MANIFEST = f"{STEP}/{MANIFEST_NAME}"
+
+
+def _state(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((32, 16)).astype(np.float32), "b": rng.integers(0, 9, 50)}
+
+
+def _same(a: dict[str, Any], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+class PausedAtDeletion(WrapperBackend):
+    """The first deletion of ``key`` (conditional or not) waits for ``meanwhile`` (run in a thread):
+    the deleter is paused between its last read of ``key`` and its deletion."""
+
+    def __init__(self, inner: Backend, key: str, meanwhile: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self.key, self.meanwhile, self.paused = key, meanwhile, False
+
+    async def _maybe(self, key: str) -> None:
+        if key == self.key and not self.paused:
+            self.paused = True
+            await asyncio.to_thread(self.meanwhile)
+
+    async def delete(self, key: str) -> None:
+        await self._maybe(key)
+        await super().delete(key)
+
+    async def delete_if(self, key: str, version: str) -> bool:
+        await self._maybe(key)
+        return await super().delete_if(key, version)
+
+
+@pytest.fixture(params=["memory", "posix-link", "posix-lock-rename", "gcs", "fsspec-s3"])
+def family(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(root URL, backend options) of one backend family that declares ``conditional_delete``."""
+    kind = request.param
+    if kind == "memory":
+        url = f"mem://conditional-{uuid.uuid4().hex[:8]}"
+        yield url, {}
+        from ckptio.backends.memory import MemoryBackend
+
+        MemoryBackend.forget(url)
+    elif kind == "posix-link":
+        yield str(tmp_path / "ck"), {}
+    elif kind == "posix-lock-rename":
+        yield str(tmp_path / "ck"), {"link_commit": False}
+    elif kind == "fsspec-s3":
+        endpoint = request.getfixturevalue("moto_s3")
+        url = f"fsspec+s3://{fsspec_tests.S3_BUCKET}/conditional-{uuid.uuid4().hex[:8]}"
+        yield url, fsspec_tests.s3_options(endpoint)
+    else:
+        from conftest import GCS_TEST_BUCKET
+
+        endpoint = request.getfixturevalue("gcs_preconditions")
+        yield f"gs://{GCS_TEST_BUCKET}/conditional-{uuid.uuid4().hex[:8]}", {"endpoint": endpoint}
+
+
+def test_a_deleter_paused_before_its_manifest_deletion_leaves_a_resave_committed_meanwhile(
+        family: tuple[str, dict[str, Any]]) -> None:
+    url, options = family
+    ckptio.save(url, _state(1), STEP, backend_options=options).result()  # checkpoint A
+
+    def delete_and_resave() -> None:
+        other = CheckpointStore(url, backend_options=options)
+        try:
+            run_sync(other.delete(str(STEP)))  # finishes the deletion D's tombstone announces
+        finally:
+            run_sync(other.close())
+        ckptio.save(url, _state(2), STEP, backend_options=options).result()  # checkpoint B commits
+
+    backend = PausedAtDeletion(open_backend(url, **options), MANIFEST, delete_and_resave)
+    assert backend.capabilities.conditional_delete
+    deleter = CheckpointStore(url, backend=backend)
+    try:
+        run_sync(deleter.delete(str(STEP)))
+    finally:
+        run_sync(deleter.close())
+    assert backend.paused, "the deleter never reached the pause this test is about"
+    probe = open_backend(url, **options)
+    assert run_sync(_exists(probe, MANIFEST)), "the paused deleter took the re-save's manifest"
+    assert not run_sync(_exists(probe, f"{STEP}/{TOMBSTONE_NAME}")), "the paused deleter left a tombstone"
+    restored = ckptio.restore(url, step=STEP, backend_options=options)
+    assert _same(restored, _state(2)), "the re-saved checkpoint is not whole"
+    assert ckptio.CheckpointManager(url, backend_options=options).latest_step() == STEP
+
+
+async def _exists(backend: Backend, key: str) -> bool:
+    try:
+        await backend.stat(key)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        await backend.close()
+
+
+def test_a_finisher_paused_before_removing_a_stale_tombstone_spares_the_one_a_live_deleter_wrote(
+        family: tuple[str, dict[str, Any]]) -> None:
+    """gc or a save meets a stale tombstone (it names another checkpoint than the one committed) and
+    removes it; paused just before, it must not take the tombstone a live deleter wrote meanwhile
+    (without it, readers could pick a checkpoint whose objects are going away)."""
+    url, options = family
+    ckptio.save(url, _state(1), STEP, backend_options=options).result()
+    tomb = f"{STEP}/{TOMBSTONE_NAME}"
+    probe = CheckpointStore(url, backend_options=options)
+    try:
+        standing = run_sync(probe.manifests.read_unchecked(str(STEP))).checkpoint_id.encode()
+        run_sync(probe.backend.create_if_absent(tomb, b"a-checkpoint-deleted-long-ago"))
+    finally:
+        run_sync(probe.close())
+
+    def a_live_deleter_begins() -> None:
+        async def swap() -> None:
+            b = open_backend(url, **options)
+            try:
+                await b.delete(tomb)  # another finisher removed the stale one...
+                await b.create_if_absent(tomb, standing)  # ...and a deletion of the standing one began
+            finally:
+                await b.close()
+
+        asyncio.run(swap())
+
+    backend = PausedAtDeletion(open_backend(url, **options), tomb, a_live_deleter_begins)
+    finisher = CheckpointStore(url, backend=backend)
+    try:
+        run_sync(finisher.deletion.delete(str(STEP), finishing=True))
+    finally:
+        run_sync(finisher.close())
+    assert backend.paused, "the finisher never reached the pause this test is about"
+    left = run_sync(_read(open_backend(url, **options), tomb))
+    assert left == standing, "the live deleter's tombstone was taken"
+
+
+async def _read(backend: Backend, key: str) -> bytes | None:
+    try:
+        return await backend.read(key)
+    except FileNotFoundError:
+        return None
+    finally:
+        await backend.close()
