@@ -410,7 +410,8 @@ class GCSBackend(Backend):
             read_json,
             ramp=self._read_ramp,
         )
-        return ObjectInfo(key, int(doc["size"]), parse_rfc3339(doc["updated"]), str(doc["generation"]))
+        generation = str(doc.get("generation", ""))  # "" (no delete_if) if a server leaves it out
+        return ObjectInfo(key, int(doc["size"]), parse_rfc3339(doc["updated"]), generation)
 
     async def delete(self, key: str) -> None:
         name = self._name(key)
@@ -462,7 +463,7 @@ class GCSBackend(Backend):
         cut = len(self._name_prefix)
         out = [
             ObjectInfo(item["name"][cut:], int(item["size"]), parse_rfc3339(item["updated"]),
-                       str(item["generation"]))
+                       str(item.get("generation", "")))
             for item in items
             if item["name"][cut:]  # an object named exactly "prefix/" is no key
         ]

@@ -15,6 +15,7 @@ request wide (docs/deletion.md).
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -175,3 +176,52 @@ async def _read(backend: Backend, key: str) -> bytes | None:
         return None
     finally:
         await backend.close()
+
+
+# -- POSIX: the take-compare-put-back mechanics -------------------------------------------------
+
+
+@pytest.mark.parametrize("link_commit", [True, False], ids=["hard-links", "lock-rename"])
+def test_posix_spares_a_newer_object_under_its_name_and_leaves_no_private_copy(
+        tmp_path: Path, link_commit: bool) -> None:
+    from ckptio.backends._posix_conditional import TAKEN_MARK
+    from ckptio.backends.local import LocalBackend
+
+    async def body() -> None:
+        b = LocalBackend(str(tmp_path), link_commit=link_commit)
+        await b.create_if_absent("7/m", b"checkpoint-A")
+        old = (await b.stat("7/m")).version
+        await b.delete("7/m")
+        await b.create_if_absent("7/m", b"checkpoint-B")
+        new = await b.stat("7/m")
+        assert await b.delete_if("7/m", old) is False
+        assert await b.read("7/m") == b"checkpoint-B"
+        # Put back, not copied: the same file (inode, size, mtime), so its version still holds.
+        assert (await b.stat("7/m")).version == new.version
+        assert not [n for n in os.listdir(tmp_path / "7") if TAKEN_MARK in n]
+        with pytest.raises(FileExistsError):  # still committed: the commit primitive refuses
+            await b.create_if_absent("7/m", b"checkpoint-C")
+        assert await b.delete_if("7/m", new.version) is True
+        assert not (tmp_path / "7").exists(), "the emptied step directory (and commit lock) stayed"
+        await b.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("how", ["link", "renameat2", "check-then-rename"])
+def test_posix_put_back_never_replaces_an_object_created_meanwhile(
+        tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from ckptio.backends import _posix_conditional as pc
+
+    if how == "check-then-rename":
+        monkeypatch.setattr(pc, "_renameat2", lambda: None)
+    aside, path = tmp_path / f"{pc.TAKEN_MARK}x", tmp_path / "m"
+    aside.write_bytes(b"set aside")
+    path.write_bytes(b"created meanwhile")
+    pc._put_back(str(aside), str(path), hard_links=how == "link")
+    assert path.read_bytes() == b"created meanwhile"
+    assert aside.read_bytes() == b"set aside", "the object set aside was lost"
+    assert "kept as" in caplog.text
+    path.unlink()
+    pc._put_back(str(aside), str(path), hard_links=how == "link")
+    assert path.read_bytes() == b"set aside" and not aside.exists()
