@@ -1,8 +1,9 @@
 """The conditional delete on POSIX file systems (local SSD, Hyperdisk ML, Parallelstore over dfuse).
 
-POSIX has no "unlink if unchanged". So the object is *taken* first: renamed, atomically, to a
-private temp-marked name beside it (listings skip it). Whatever stood under the name at that
-instant is now ours alone, and is compared with the version the caller read
+POSIX has no "unlink if unchanged". So the object is compared with the version the caller read
+(an lstat: another version standing there is left alone, untouched), then *taken*: renamed,
+atomically, to a private temp-marked name beside it (listings skip it). Whatever stood under the
+name at that instant is now ours alone, and is compared again with that version
 (:func:`file_version`: inode, size and mtime in ns; a rename keeps all three, and a file created
 at the name since has another inode or, if the inode number was reused, another mtime). It is
 unlinked if it matches; if not, it is put back under its name, never over another object
@@ -10,10 +11,11 @@ unlinked if it matches; if not, it is put back under its name, never over anothe
 learns that another version stands.
 
 What others see meanwhile. When the versions match, the object vanishes a moment early: it was
-being deleted. When they do not (only when a deleter met a newer object it must not take), the
-newer object is absent from its name for the few system calls between the take and the put-back
-(a rename, an lstat, a link): a reader then finds nothing there and a concurrent creator of that
-very name may win. ckptio deletes a manifest this way only after its tombstone and revocations, so
+being deleted. A newer object that stood there before the first compare is never touched. Only
+one that replaced the judged object between the first compare and the take (microseconds) is
+taken, and it is then absent from its name for the few system calls until the put-back (an
+lstat, a link): a reader then finds nothing there and a concurrent creator of that very name may
+win. ckptio deletes a manifest this way only after its tombstone and revocations, so
 the creator would have to be a second commit of the same step racing inside those microseconds;
 if one does, the object taken is left beside it under its private name and the error is logged.
 A process killed inside that window, or paused there for longer than gc's grace, leaves the newer
@@ -54,8 +56,11 @@ def take_if(path: str, version: str, *, hard_links: bool, dir_fsync: bool) -> bo
 
     FileNotFoundError if nothing (or a directory) is there; OSErrors are the caller's to translate.
     """
-    if stat_mod.S_ISDIR(os.lstat(path).st_mode):
+    st = os.lstat(path)
+    if stat_mod.S_ISDIR(st.st_mode):
         raise FileNotFoundError(errno.ENOENT, "a directory, not an object", path)
+    if file_version(st) != version:
+        return False  # another version stands: it is never touched (the common case of a mismatch)
     aside = os.path.join(os.path.dirname(path), f"{TAKEN_MARK}{uuid.uuid4().hex}")
     os.rename(path, aside)  # atomic: what stood there at this instant is now ours alone
     if file_version(os.lstat(aside)) == version:

@@ -7,8 +7,9 @@ added to the contract (``delete_if``) passes through every wrapper that does not
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo
 
@@ -37,12 +38,25 @@ class WrapperBackend(Backend):
     apply to whole-object reads as well.
     """
 
+    #: Whether this class's ``delete_if`` does to a conditional delete what its ``delete`` does to a
+    #: delete: it overrides both, or neither (set per class).
+    _wraps_delete_if: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._wraps_delete_if = cls.delete is WrapperBackend.delete or cls.delete_if is not WrapperBackend.delete_if
+
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
 
     @property  # type: ignore[override]
     def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
+        caps = self.inner.capabilities
+        if caps.conditional_delete and not self._wraps_delete_if:
+            # A wrapper that changes delete (a fault, a pause, a log) but says nothing of delete_if would
+            # let conditional deletes bypass it: it offers none, and deleters fall back to delete.
+            return dataclasses.replace(caps, conditional_delete=False)
+        return caps
 
     @property  # type: ignore[override]
     def layout_defaults(self) -> LayoutDefaults:

@@ -11,6 +11,8 @@
   mutation with :class:`PermissionError` (restore/verify paths that must
   never write).
 * :class:`WrapperBackend` (in :mod:`._wrapper_base`, re-exported here) -- the base: delegates.
+  A subclass that overrides ``delete`` but not ``delete_if`` declares no ``conditional_delete``
+  (deleters then use its ``delete``), so no conditional delete bypasses what it does to deletes.
 * :class:`ckptio.backends.retrying.RetryingBackend` (its own module) --
   retries :class:`RetryableError`: the one place the store's calls are retried.
 

@@ -225,3 +225,49 @@ def test_posix_put_back_never_replaces_an_object_created_meanwhile(
     path.unlink()
     pc._put_back(str(aside), str(path), hard_links=how == "link")
     assert path.read_bytes() == b"set aside" and not aside.exists()
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["link", "rename-noreplace"])
+def test_posix_an_object_replaced_between_compare_and_take_is_put_back(
+        tmp_path: Path, hard_links: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one interleaving where the take meets a newer object: it replaced the judged one between
+    the first compare (lstat) and the take (rename). It goes back under its name, whole."""
+    from ckptio.backends import _posix_conditional as pc
+
+    path = tmp_path / "m"
+    path.write_bytes(b"checkpoint-A")
+    judged = pc.file_version(os.lstat(path))
+    real_rename = os.rename
+
+    def replaced_first(src: Any, dst: Any) -> None:
+        if os.fspath(src) == str(path):
+            path.unlink()
+            path.write_bytes(b"checkpoint-B!")  # another process: delete and re-create (another size:
+            # this test is about the put-back, not about telling a reused inode apart)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(pc.os, "rename", replaced_first)
+    assert pc.take_if(str(path), judged, hard_links=hard_links, dir_fsync=True) is False
+    monkeypatch.setattr(pc.os, "rename", real_rename)
+    assert path.read_bytes() == b"checkpoint-B!"
+    assert os.listdir(tmp_path) == ["m"], "the taken object left a private copy behind"
+
+
+def test_a_wrapper_that_changes_delete_but_not_delete_if_offers_no_conditional_delete() -> None:
+    """Else conditional deletes would bypass what it does to deletes (a test's injected crash, a log)."""
+    from ckptio.backends.memory import MemoryBackend
+
+    class OnlyDelete(WrapperBackend):
+        async def delete(self, key: str) -> None:
+            await super().delete(key)
+
+    class Both(OnlyDelete):
+        async def delete_if(self, key: str, version: str) -> bool:
+            return await super().delete_if(key, version)
+
+    inner = MemoryBackend(f"mem://wrap-{uuid.uuid4().hex[:8]}")
+    assert WrapperBackend(inner).capabilities.conditional_delete
+    assert not OnlyDelete(inner).capabilities.conditional_delete
+    assert Both(inner).capabilities.conditional_delete
+    assert PausedAtDeletion(inner, MANIFEST, lambda: None).capabilities.conditional_delete
+    MemoryBackend.forget(inner.url)
