@@ -39,12 +39,13 @@ class WrapperBackend(Backend):
     """
 
     #: Whether this class's ``delete_if`` does to a conditional delete what its ``delete`` does to a
-    #: delete: it overrides both, or neither (set per class).
+    #: delete: no class changed ``delete`` after the one that last defined ``delete_if`` (per class).
     _wraps_delete_if: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._wraps_delete_if = cls.delete is WrapperBackend.delete or cls.delete_if is not WrapperBackend.delete_if
+        owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("delete", "delete_if")}
+        cls._wraps_delete_if = issubclass(owner["delete_if"], owner["delete"])
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner

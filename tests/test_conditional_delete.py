@@ -26,7 +26,7 @@ import pytest
 
 import ckptio
 from ckptio.backends import Backend, open_backend
-from ckptio.backends.wrappers import WrapperBackend
+from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 from ckptio.store import CheckpointStore
@@ -119,7 +119,11 @@ def test_a_deleter_paused_before_its_manifest_deletion_leaves_a_resave_committed
     assert not run_sync(_exists(probe, f"{STEP}/{TOMBSTONE_NAME}")), "the paused deleter left a tombstone"
     restored = ckptio.restore(url, step=STEP, backend_options=options)
     assert _same(restored, _state(2)), "the re-saved checkpoint is not whole"
-    assert ckptio.CheckpointManager(url, backend_options=options).latest_step() == STEP
+    manager = ckptio.CheckpointManager(url, backend_options=options)
+    try:
+        assert manager.latest_step() == STEP
+    finally:
+        manager.close()
 
 
 async def _exists(backend: Backend, key: str) -> bool:
@@ -265,7 +269,13 @@ def test_a_wrapper_that_changes_delete_but_not_delete_if_offers_no_conditional_d
         async def delete_if(self, key: str, version: str) -> bool:
             return await super().delete_if(key, version)
 
+    class CountingThenOnlyDelete(CountingBackend):  # delete changed after the class that wrapped both
+        async def delete(self, key: str) -> None:
+            await super().delete(key)
+
     inner = MemoryBackend(f"mem://wrap-{uuid.uuid4().hex[:8]}")
+    assert CountingBackend(inner).capabilities.conditional_delete
+    assert not CountingThenOnlyDelete(inner).capabilities.conditional_delete
     assert WrapperBackend(inner).capabilities.conditional_delete
     assert not OnlyDelete(inner).capabilities.conditional_delete
     assert Both(inner).capabilities.conditional_delete
