@@ -122,7 +122,8 @@ class ObjectInfo:
     mtime: float  # seconds since the epoch; orphan sweeps compare it to a grace period
     #: An opaque token naming this version of the object, for :meth:`Backend.delete_if`; "" where
     #: the backend declares no :attr:`Capabilities.conditional_delete`. Two versions of one key
-    #: (a re-creation, an overwrite) never share a token.
+    #: (a re-creation, an overwrite) never share a token, unless the storage names versions by
+    #: content (S3's ETag) and both hold the very same bytes.
     version: str = ""
 
 
