@@ -45,7 +45,8 @@ class WrapperBackend(Backend):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("delete", "delete_if")}
-        cls._wraps_delete_if = issubclass(owner["delete_if"], owner["delete"])
+        # By MRO, not issubclass(): ABCMeta has not set this class up yet while this runs.
+        cls._wraps_delete_if = owner["delete"] in owner["delete_if"].__mro__
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
