@@ -297,6 +297,9 @@ class BudgetedBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._call(WRITE, lambda: self.inner.delete(key))
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        return await self._call(WRITE, lambda: self.inner.delete_if(key, version))
+
     async def stat(self, key: str) -> ObjectInfo:
         return await self._call(READ, lambda: self.inner.stat(key))
 

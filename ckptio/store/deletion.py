@@ -28,10 +28,15 @@ from .context import StoreContext
 from .intents import Intents
 from .manifests import Manifests
 from .parts import PartRecord, Parts
+from .unchanged import delete_unchanged, read_versioned, version_of
 
 __all__ = ["Deletion"]
 
 log = logging.getLogger("ckptio.store")
+
+#: Rounds of "version, re-read, delete that version" before a deletion leaves a manifest that keeps
+#: changing under it to whoever is changing it.
+_MANIFEST_ATTEMPTS = 4
 
 
 class Deletion:
@@ -62,7 +67,6 @@ class Deletion:
         """
         ctx = self.ctx
         where = ctx.where(step_dir)
-        key = join_key(step_dir, MANIFEST_NAME)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         manifest, unreadable = await self._read_root(step_dir)
         committed = manifest is not None and await self.settle_fence(step_dir, manifest)
@@ -109,9 +113,8 @@ class Deletion:
         await ctx.delete_keys(sorted(records))
         # Read again just before: a save that finished our deletion while we were paused may have
         # committed here since (without a conditional delete this narrows the window, not closes it).
-        if not await self._still_ours(step_dir, root, unreadable):
+        if not await self._delete_manifest(step_dir, root, unreadable):
             return await self._withdraw(step_dir, marker, created)
-        await ctx.delete_keys([key])
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
         fences = {i.key for i in listing if (n := parse_fence(i.key)) is not None and n.step_dir == step_dir}
@@ -139,15 +142,16 @@ class Deletion:
         ``standing`` (whose commit stands), or is gone: then there is nothing to finish. A stale one is
         removed (its deleter, if only paused, withdraws on waking: it re-reads before deleting)."""
         try:
-            marker = await self.ctx.io.read(tomb)
+            marker, version = await read_versioned(self.ctx.io, tomb)
         except FileNotFoundError:
             return True
         if not marker or marker == standing.checkpoint_id.encode():
             return False
+        if not await delete_unchanged(self.ctx.io, tomb, version):
+            return True  # replaced since it was read: a live deleter's, not the stale one judged here
         log.warning("%s: a tombstone names checkpoint %r, but %r is committed there; the tombstone is "
                     "a paused deleter's, written after a delete and re-save of the step: removed, "
                     "the checkpoint kept", where, marker.decode(errors="replace"), standing.checkpoint_id)
-        await self.ctx.delete_keys([tomb])
         return True
 
     async def _still_ours(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
@@ -166,6 +170,28 @@ class Deletion:
             return True
         return not await self.settle_fence(step_dir, now)
 
+    async def _delete_manifest(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
+        """Delete the step's manifest if it is still one :meth:`_still_ours` accepts; False (nothing
+        deleted) if a newer commit holds the step.
+
+        With a conditional delete the manifest's version is taken before that re-read and only that
+        version is deleted: a commit landing after the re-read (a paused deleter) is never taken.
+        Without one, such a commit is taken if it lands inside the one request between the two."""
+        key = join_key(step_dir, MANIFEST_NAME)
+        io = self.ctx.io
+        for _ in range(_MANIFEST_ATTEMPTS):
+            version = await version_of(io, key)
+            if not await self._still_ours(step_dir, root, unreadable):
+                return False
+            if version is None:  # none before the re-read: none to delete, unless one came since
+                if await version_of(io, key) is None:
+                    return True
+            elif await delete_unchanged(io, key, version):
+                return True
+        log.warning("deleting %s: its manifest kept changing under the deletion; the one there stays",
+                    self.ctx.where(step_dir))
+        return False
+
     async def _withdraw(self, step_dir: str, marker: bytes, created: bool) -> None:
         """Leave a step a newer commit holds: remove the tombstone this deletion wrote (only that)."""
         log.warning("deleting %s: a newer checkpoint was committed there meanwhile; it is kept",
@@ -173,8 +199,9 @@ class Deletion:
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         if created:
             try:
-                if await self.ctx.io.read(tomb) == marker:
-                    await self.ctx.delete_keys([tomb])
+                held, version = await read_versioned(self.ctx.io, tomb)
+                if held == marker:  # with a conditional delete, only if it is still the one read
+                    await delete_unchanged(self.ctx.io, tomb, version)
             except FileNotFoundError:
                 pass
         self.manifests.forget(step_dir)
