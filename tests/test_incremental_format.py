@@ -45,20 +45,28 @@ def with_digests(m: Manifest, state: dict[str, Any]) -> Manifest:
     return dataclasses.replace(m, digests=digests)
 
 
-def referencing(root: Path) -> tuple[CheckpointStore, Manifest, dict[str, Any]]:
-    """Steps 1 and 2 saved in full; step 3 committed as a manifest that holds step 2's state but
-    writes nothing: ``frozen`` from step 1's object, ``moving`` from step 2's."""
+def planned(root: str) -> tuple[CheckpointStore, Manifest, Manifest, dict[str, Any]]:
+    """Steps 1 and 2 saved in full; the manifest of a step 3 that holds step 2's state but writes
+    nothing (``frozen`` from step 1's object, ``moving`` from step 2's), not committed; with
+    step 1's manifest, and step 2's state."""
     one, two = states()
-    ckptio.save(str(root), one, step=1).result()
-    ckptio.save(str(root), two, step=2).result()
-    store = CheckpointStore(str(root))
+    ckptio.save(root, one, step=1).result()
+    ckptio.save(root, two, step=2).result()
+    store = CheckpointStore(root)
     m1 = with_digests(run_sync(store.read_manifest("1")), one)
     m2 = with_digests(run_sync(store.read_manifest("2")), two)
     reuse = unchanged(m2, m1, {(n, b): d for n, rows in m2.digests.items() for b, d in rows.items()})
     assert reuse == {("frozen", ((0,), (N,)))}  # the crcs and digests tell the changed item apart
     m3 = dataclasses.replace(m2, step=3, checkpoint_id=new_id(), fence=None,
                              bases={"2": m2.checkpoint_id})
-    m3 = rebase(m3, m1, "1", reuse)
+    return store, rebase(m3, m1, "1", reuse), m1, two
+
+
+def referencing(root: Path) -> tuple[CheckpointStore, Manifest, dict[str, Any]]:
+    """:func:`planned`'s step 3, pinned and committed as an incremental save would."""
+    store, m3, _m1, two = planned(str(root))
+    for base, cid in m3.bases.items():
+        assert run_sync(store.deletion.pins.pin(base, "3", m3.checkpoint_id, cid))
     run_sync(store.commit("3", m3))
     return store, m3, two
 
