@@ -93,33 +93,44 @@ class Pins:
         self.live_saves = live_saves
         self.settle = settle
 
-    async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str) -> bool:
-        """R1 and R2: pin ``base`` for save ``save_id`` of ``step_dir``, then check that the commit of
-        ``checkpoint_id`` still stands there with no deletion under way. False: reference nothing of
-        ``base`` (the pin is removed; write the shards instead)."""
+    async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str, via: str | None = None) -> bool:
+        """R1 and R2: pin ``base`` (the step whose objects will be referenced) for save ``save_id`` of
+        ``step_dir``, then check that no deletion of ``base`` is under way and that the manifest the
+        references are read from -- step ``via`` (default ``base``), commit ``checkpoint_id`` --
+        still stands there. False: reference nothing (the pin is removed; write the bytes instead).
+
+        ``via`` differs from ``base`` when the references are flattened: ``via`` reused them from
+        ``base``, which may be deleted already (its objects held by the pins of ``via`` and others).
+        """
         key = pin_key(base, step_dir, save_id)
         try:
             await self.io.create_if_absent(key, b"")
         except FileExistsError:
             pass  # a retried create that won the first time
-        if await self._base_stands(base, checkpoint_id):
+        via = base if via is None else via
+        if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
             return True
         await self.unpin([key])
         return False
 
-    async def _base_stands(self, base: str, checkpoint_id: str) -> bool:
+    async def _being_deleted(self, step_dir: str) -> bool:
         try:
-            await self.io.stat(join_key(base, TOMBSTONE_NAME))
-            return False
+            await self.io.stat(join_key(step_dir, TOMBSTONE_NAME))
+            return True
         except FileNotFoundError:
-            pass
+            return False
+
+    async def _stands(self, step_dir: str, checkpoint_id: str) -> bool:
+        """Whether the commit of ``checkpoint_id`` stands at ``step_dir``, no deletion under way."""
+        if await self._being_deleted(step_dir):
+            return False
         try:
-            m = await self.read_unchecked(base)
+            m = await self.read_unchecked(step_dir)
         except (FileNotFoundError, ManifestError, IntegrityError):
             return False
-        if m.checkpoint_id != checkpoint_id or not m.fence:
-            return m.checkpoint_id == checkpoint_id  # a manifest from before fencing counts on its own
-        return await self.fences.outcome(base, m.fence) == b"commit"
+        if m.checkpoint_id != checkpoint_id:
+            return False
+        return not m.fence or await self.fences.outcome(step_dir, m.fence) == b"commit"
 
     async def unpin(self, keys: Iterable[str]) -> None:
         """Remove pins (only keys that parse as pins)."""
