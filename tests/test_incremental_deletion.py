@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_incremental_format import planned, referencing
+from test_incremental_format import planned, referencing, states
 
 import ckptio
 from ckptio.backends import Backend
@@ -30,8 +31,8 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, SaveRevokedError
-from ckptio.incremental.pins import PIN_DIR, parse_pin
-from ckptio.names import parse_object
+from ckptio.incremental.pins import PIN_DIR, parse_pin, pin_key
+from ckptio.names import new_id, parse_object
 from ckptio.store import CheckpointStore
 
 _URLS = itertools.count()
@@ -195,10 +196,14 @@ class Turns(WrapperBackend):
                 await asyncio.sleep(0)
 
 
-async def _saver(store: CheckpointStore, m3: Any) -> str:
-    """An incremental save of step 3, announced already: pin its bases (R1, R2), commit. Its outcome."""
+async def _saver(store: CheckpointStore, m3: Any, via: tuple[str, str] | None = None) -> str:
+    """An incremental save of step 3, announced already: pin the owners of what it references (R1,
+    R2; ``via``: the base it read them from, and its checkpoint id), commit. Its outcome."""
     for base, cid in m3.bases.items():
-        if not await store.deletion.pins.pin(base, "3", m3.checkpoint_id, cid):
+        ok = await (store.deletion.pins.pin(base, "3", m3.checkpoint_id, cid) if via is None else
+                    store.deletion.pins.pin(base, "3", m3.checkpoint_id, via[1], via=via[0]))
+        if not ok:
+            await store.deletion.pins.unpin(pin_key(b, "3", m3.checkpoint_id) for b in m3.bases)
             await store.retire("3", m3.checkpoint_id)
             return "wrote in full"  # (it would write the shards itself)
     try:
@@ -241,15 +246,35 @@ def _check(url: str, store: CheckpointStore, expected: dict[str, dict[str, np.nd
     return named
 
 
+def chained(url: str) -> tuple[CheckpointStore, Any, Any, dict[str, Any]]:
+    """Step 1 in full, step 2 incremental (its ``frozen`` in step 1's object), and the manifest of
+    a step 3 that references all of step 2 (owners 1 and 2, read via base 2), not committed."""
+    one, two = states()
+    mngr = ckptio.CheckpointManager(url, incremental=True)
+    for step, st_ in ((1, one), (2, two)):
+        mngr.save(step, st_, force=True)
+        mngr.wait_until_finished()
+    store = CheckpointStore(url)
+    m2 = run_sync(store.read_manifest("2"))
+    assert m2.bases and "1" in m2.bases
+    m3 = dataclasses.replace(m2, step=3, checkpoint_id=new_id(), fence=None,
+                             bases={**m2.bases, "2": m2.checkpoint_id})
+    return store, m3, m2, two
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(alive=st.booleans(), deleters=st.lists(st.sampled_from(sorted(_DELETERS)), min_size=1, max_size=2),
+@given(alive=st.booleans(), chain=st.booleans(),
+       deleters=st.lists(st.sampled_from(sorted(_DELETERS)), min_size=1, max_size=2),
        picks=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12)), max_size=60))
 def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
-        alive: bool, deleters: list[str], picks: list[tuple[int, int]]) -> None:
-    """``picks``: runs of turns, ``(racer, how many)`` (see :meth:`Turns.run`)."""
+        alive: bool, chain: bool, deleters: list[str], picks: list[tuple[int, int]]) -> None:
+    """``picks``: runs of turns, ``(racer, how many)`` (see :meth:`Turns.run`). ``chain``: the
+    save's references are flattened through an incremental base (step 2, whose ``frozen`` lies in
+    step 1): it pins both owners via step 2."""
     url = f"mem://incr-{next(_URLS)}"
     try:
-        store, m3, _m1, two = planned(url)
+        store, m3, base, two = (chained if chain else planned)(url)
+        via = ("2", base.checkpoint_id) if chain else None
         one = {k: ckptio.restore(url, step=1)[k] for k in ("frozen", "moving")}
         expected = {"1": one, "2": two, "3": two}
         turns = Turns(MemoryBackend(url))
@@ -257,7 +282,7 @@ def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
         run_sync(plain_announce(url, m3.checkpoint_id, alive))
         others = [CheckpointStore(url, backend=turns) for _ in deleters]
 
-        racers = [lambda: _saver(racing, m3)]
+        racers = [lambda: _saver(racing, m3, via)]
         racers += [(lambda d=d, s=s: _DELETERS[d](s)) for d, s in zip(deleters, others)]
         outcome = run_sync(turns.run(racers, picks))[0]
         plain = CheckpointStore(url)
@@ -269,6 +294,11 @@ def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
         named = _check(url, plain, expected)
         listed = {i.key for i in run_sync(plain.backend.list(""))}
         assert {k for k in listed if parse_object(k)} == {k for k in named if parse_object(k)}, outcome
-        assert all(parse_pin(k).step_dir == "3" for k in listed if k.startswith(PIN_DIR)), outcome
+        standing = {str(s): run_sync(plain.read_manifest(str(s))).checkpoint_id
+                    for s in run_sync(plain.committed_steps())}
+        pins = [parse_pin(k) for k in listed if k.startswith(PIN_DIR)]
+        # A pin stays while its save's commit stands; a dead save's goes once its base is deleted
+        # (judged then): on a base that still stands it waits, keeping nothing (a few bytes).
+        assert all(standing.get(p.step_dir) == p.save_id or p.base in standing for p in pins), (outcome, pins)
     finally:
         MemoryBackend.forget(url)

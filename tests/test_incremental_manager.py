@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 import ckptio
+from ckptio.copy import copy_checkpoint
 from ckptio.engine import run_sync
 from ckptio.incremental.pins import PIN_DIR
 from ckptio.names import parse_object
+from ckptio.store import CheckpointStore
 
 FROZEN = 1 << 20  # float32 elements: 4 MiB
 MOVING = 1 << 18  # 1 MiB
@@ -91,4 +93,23 @@ def test_deleting_every_older_step_keeps_the_newest_whole(tmp_path: Path) -> Non
     assert set(data_objects(tmp_path)) == set(run_sync(mngr.store.read_manifest("3")).objects)
     pins = sorted(p.name for p in (tmp_path / PIN_DIR).iterdir())
     assert pins and all(".3." in p for p in pins)  # only the standing step's pins remain
+    mngr.close()
+
+
+def test_cp_of_an_incremental_step_is_self_contained(tmp_path: Path) -> None:
+    frozen = np.random.default_rng(0).standard_normal(FROZEN).astype(np.float32)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    mngr = ckptio.CheckpointManager(src, incremental=True)
+    for step in (1, 2):
+        mngr.save(step, state(step, frozen), force=True)
+        mngr.wait_until_finished()
+    assert run_sync(mngr.store.read_manifest("2")).bases  # step 2 references step 1
+    copied = CheckpointStore(str(dst))
+    run_sync(copy_checkpoint(mngr.store, copied, "2"))
+    m = run_sync(copied.read_manifest("2"))
+    assert m.bases is None and all(k.startswith("2/") for k in m.objects)
+    assert set(data_objects(dst)) == set(m.objects)
+    mngr.delete(1)
+    mngr.delete(2)
+    assert same(ckptio.restore(str(dst), step=2), state(2, frozen))
     mngr.close()

@@ -24,6 +24,7 @@ from ..manifest.itemjson import item_to_json
 from ..manifest.model import Box
 from ..names import step_of_key
 from ..staging import StagedArray
+from .pins import pin_key
 from .reuse import digest_of
 
 __all__ = ["Reuse", "pin_bases", "plan_reuse", "reference_items"]
@@ -136,7 +137,11 @@ async def pin_bases(store: Any, step_dir: str, save_id: str, reuse: Reuse) -> No
     whose intent for ``save_id`` already beats). SaveFailedError if a base is being deleted (or
     is not the commit read): the save then references nothing; the next one writes in full."""
     via, cid = reuse.base_dir, reuse.base.checkpoint_id  # type: ignore[union-attr]
+    pins, made = store.deletion.pins, []
     for base in reuse.bases():
-        if not await store.deletion.pins.pin(base, step_dir, save_id, cid, via=via):
+        if await pins.pin(base, step_dir, save_id, cid, via=via):
+            made.append(pin_key(base, step_dir, save_id))
+        else:
+            await pins.unpin(made)  # the save references nothing: its pins would only wait for a judge
             raise SaveFailedError(f"{store.where(step_dir)}: step {base}, which this incremental save "
                                   "references, is being deleted or was replaced; nothing was committed")
