@@ -74,8 +74,27 @@ def test_a_changing_array_is_written_each_time(tmp_path: Path) -> None:
         mngr.wait_until_finished()
         sizes.append(sum(v for k, v in data_objects(tmp_path).items() if k not in before))
     assert all(s >= FROZEN * 4 for s in sizes)
+    assert run_sync(mngr.store.read_manifest("1")).digests  # a first save digests everything
     m = run_sync(mngr.store.read_manifest("3"))
-    assert m.bases is None and m.digests  # digests recorded, nothing referenced
+    assert m.bases is None and m.digests is None  # its crcs differ from the base's: not even digested
+    mngr.close()
+
+
+def test_an_array_that_stops_changing_is_reused_from_its_second_unchanged_save(tmp_path: Path) -> None:
+    """Its crcs differed, so it had no digest; the first save that finds them equal digests it
+    (and writes it), the next one references it."""
+    mngr = ckptio.CheckpointManager(tmp_path, incremental=True)
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal(FROZEN).astype(np.float32)
+    for step in range(1, 6):
+        if step <= 2:
+            w = rng.standard_normal(FROZEN).astype(np.float32)
+        mngr.save(step, {"w": w}, force=True)
+        mngr.wait_until_finished()
+    refs = {s: run_sync(mngr.store.read_manifest(str(s))).bases for s in range(1, 6)}
+    assert refs[1] is None and refs[2] is None and refs[3] is None  # changed, changed, digested now
+    assert refs[4] == {"3": run_sync(mngr.store.read_manifest("3")).checkpoint_id} and refs[5] == refs[4]
+    assert mngr.restore(5)["w"].tobytes() == w.tobytes()
     mngr.close()
 
 

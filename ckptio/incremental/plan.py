@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checksum import crc32c
 from ..errors import SaveFailedError
 from ..manifest import ArrayItem, Manifest
 from ..manifest.formats import REFS_VERSION
@@ -75,15 +76,34 @@ def plan_reuse(staged: dict[str, Any], source_of: Callable[[np.ndarray], np.ndar
     for name, item in staged.items():
         if not isinstance(item, StagedArray):
             continue
+        old = manifest.items.get(name) if manifest is not None else None
         mine = digests[name] = {}
         for offsets, shape, data in item.shards:
-            src = np.ascontiguousarray(source_of(data))
-            mine[_box(offsets, shape)] = digest_of(memoryview(src.reshape(-1).view(np.uint8)))
-        if manifest is not None and _same(item, mine, manifest.items.get(name),
-                                          (manifest.digests or {}).get(name, {})):
+            raw = memoryview(np.ascontiguousarray(source_of(data)).reshape(-1).view(np.uint8))
+            if _crcs_differ(raw, old, _box(offsets, shape)):
+                continue  # changed: no digest (one is taken once its crcs match the base's again)
+            mine[_box(offsets, shape)] = digest_of(raw)
+        if old is not None and _same(item, mine, old, (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
             items.add(name)
     log.info("incremental save: %d of %d array items unchanged since step %s", len(items), len(digests), base_dir)
     return Reuse(base_dir, manifest, items, digests)
+
+
+def _crcs_differ(raw: memoryview, old: Any, box: Box) -> bool:
+    """The cheap filter (crc32c runs ~20x faster than sha256): True when the base's record of the
+    same box, stored in C order, has a block whose crc32c these bytes do not match (the first
+    mismatch ends it). A box the base does not hold that way is not filtered: it is digested."""
+    if not isinstance(old, ArrayItem):
+        return False
+    for s in old.shards:
+        if _box(s.offsets, s.shape) == box and s.tile is None:
+            for e in s.extents:
+                for j, crc in enumerate(e.crcs):
+                    start = e.shard_offset + j * e.block
+                    if crc32c(raw[start:min(start + e.block, e.shard_offset + e.length)]) != crc:
+                        return True
+            return False
+    return False
 
 
 def _same(item: StagedArray, digests: dict[Box, str], old: Any, old_digests: dict[Box, str]) -> bool:
@@ -97,7 +117,7 @@ def _same(item: StagedArray, digests: dict[Box, str], old: Any, old_digests: dic
         tile = item.tile_of(i)
         if box not in tiles or tiles[box] != (tuple(tile) if tile is not None else None):
             return False
-        if old_digests.get(box) != digests[box]:
+        if box not in digests or old_digests.get(box) != digests[box]:
             return False
     return True
 
@@ -123,12 +143,16 @@ def reference_items(doc: dict[str, Any], reuse: Reuse) -> dict[str, Any]:
                 extents.append(dataclasses.replace(e, object=number[key]))
             shards.append(dataclasses.replace(s, extents=extents))
         items[name] = item_to_json(dataclasses.replace(old, shards=shards), name, doc["block_size"])
-    out = {**doc, "objects": objects, "items": items, "version": max(doc["version"], REFS_VERSION)}
+    out = {**doc, "objects": objects, "items": items}
     bases = reuse.bases()
     if bases:
         out["bases"] = dict(sorted(bases.items(), key=lambda kv: int(kv[0])))
-    out["digests"] = {name: [[list(o), list(s), d] for (o, s), d in sorted(rows.items())]
-                      for name, rows in reuse.digests.items()}
+    digests = {name: [[list(o), list(s), d] for (o, s), d in sorted(rows.items())]
+               for name, rows in reuse.digests.items() if rows}
+    if digests:
+        out["digests"] = digests
+    if bases or digests:
+        out["version"] = max(doc["version"], REFS_VERSION)
     return out
 
 
