@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import ckptio
+from ckptio.cli import main as cli_main
 from ckptio.copy import copy_checkpoint
 from ckptio.engine import run_sync
 from ckptio.incremental.pins import PIN_DIR
@@ -132,3 +134,16 @@ def test_cp_of_an_incremental_step_is_self_contained(tmp_path: Path) -> None:
     mngr.delete(2)
     assert same(ckptio.restore(str(dst), step=2), state(2, frozen))
     mngr.close()
+
+
+def test_ls_shows_a_deleted_base_whose_objects_later_steps_reference(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    frozen = np.random.default_rng(0).standard_normal(FROZEN).astype(np.float32)
+    mngr = ckptio.CheckpointManager(tmp_path, incremental=True, max_to_keep=2)
+    for step in range(1, 4):
+        mngr.save(step, state(step, frozen), force=True)
+        mngr.wait_until_finished()
+    mngr.close()
+    assert cli_main(["ls", str(tmp_path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == ["1"])
+    assert "deleted, objects referenced" in line and "held for step(s) 2, 3" in line
