@@ -22,6 +22,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
 from ..fence import Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ..incremental.pins import parse_pin
 from ..names import ObjectName, fence_key, parse_fence, parse_held, parse_intent
 from .context import StoreContext
 from .deletion import Deletion
@@ -125,6 +126,10 @@ class Collector:
             if parent == "" or (parent.isdigit() and str(int(parent)) == parent):
                 by_step.setdefault(parent, [])
         await self._sweep_steps(_Round(by_step, markers, now, grace_seconds, dry_run, report))
+        pins = [p for i in listing if (p := parse_pin(i.key)) is not None]
+        if pins and not dry_run:  # dead pins on steps that still stand (a killed incremental save's)
+            for base in sorted({p.base for p in pins}, key=int):
+                await self.deletion.pins.unpin((await self.deletion.pins.judge(base)).dead)
         return report
 
     async def sweep_step(self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
