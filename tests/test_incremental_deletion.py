@@ -128,6 +128,7 @@ class Turns(WrapperBackend):
         super().__init__(inner)
         self.waiting: list[tuple[int, asyncio.Future[None]]] = []
         self.busy = 0
+        self.granted: dict[int, int] = {}  # requests let through, by racer
 
     async def _turn(self) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -184,6 +185,7 @@ class Turns(WrapperBackend):
             who = racers_waiting[racer % len(racers_waiting)]
             i = next(i for i, (r, _) in enumerate(self.waiting) if r == who)
             self.waiting.pop(i)[1].set_result(None)
+            self.granted[who] = self.granted.get(who, 0) + 1
             left -= 1
         return [t.result() for t in tasks]
 
@@ -271,6 +273,24 @@ def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
     """``picks``: runs of turns, ``(racer, how many)`` (see :meth:`Turns.run`). ``chain``: the
     save's references are flattened through an incremental base (step 2, whose ``frozen`` lies in
     step 1): it pins both owners via step 2."""
+    _race(alive, chain, deleters, picks)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("alive", [False, True])
+def test_a_deleter_paused_after_each_of_its_requests_while_a_referencing_save_runs(alive: bool, chain: bool) -> None:
+    """The deleter of step 1 makes ``k`` requests, stalls while the save runs to its end, then wakes
+    and finishes; for every ``k`` until the deleter has nothing left. Then the other way round: the
+    save paused after each of its requests while the deleter runs whole."""
+    for first in (1, 0):  # the deleter first (paused deleter), then the save first (paused save)
+        for k in range(1, 60):
+            outcome, requests = _race(alive, chain, ["delete 1"], [(first, k), (1 - first, 1 << 20)])
+            if requests[first] <= k:
+                break  # the paused one had finished before its pause: every k is done
+
+
+def _race(alive: bool, chain: bool, deleters: list[str], picks: list[tuple[int, int]]) -> tuple[str, list[int]]:
+    """One race (see the Hypothesis test); returns the saver's outcome and each racer's request count."""
     url = f"mem://incr-{next(_URLS)}"
     try:
         store, m3, base, two = (chained if chain else planned)(url)
@@ -285,6 +305,7 @@ def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
         racers = [lambda: _saver(racing, m3, via)]
         racers += [(lambda d=d, s=s: _DELETERS[d](s)) for d, s in zip(deleters, others)]
         outcome = run_sync(turns.run(racers, picks))[0]
+        requests = [turns.granted.get(i, 0) for i in range(len(racers))]
         plain = CheckpointStore(url)
         _check(url, plain, expected)
         if alive and outcome == "committed":
@@ -300,5 +321,6 @@ def test_interleavings_of_a_referencing_save_with_deleters_lose_nothing(
         # A pin stays while its save's commit stands; a dead save's goes once its base is deleted
         # (judged then): on a base that still stands it waits, keeping nothing (a few bytes).
         assert all(standing.get(p.step_dir) == p.save_id or p.base in standing for p in pins), (outcome, pins)
+        return outcome, requests
     finally:
         MemoryBackend.forget(url)
