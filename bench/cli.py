@@ -115,6 +115,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                    help="shards per host for --tiers-scale (default 16)")
     g.add_argument("--tiers-scale-no-save", dest="tiers_scale_save", action="store_false",
                    help="--tiers-scale: simulate the restart plan only (the save part builds every host's record)")
+    g.add_argument("--incremental", type=float, default=None, metavar="FRACTION",
+                   help="incremental saves (FRACTION of the arrays changed per step) against full saves")
+    g.add_argument("--incremental-steps", type=int, default=10, help="steps for --incremental (default 10)")
     g.add_argument("--reshard", action="store_true",
                    help="restore one row/column block of a --size array saved as 16 row or column blocks: bytes "
                         "read per byte needed, time and peak RSS, tiled and plain layouts (bench/reshard.py)")
@@ -429,6 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _tiers_scale(args)
     if args.reshard:
         return _reshard(args)
+    if args.incremental is not None:
+        from .incremental import main_incremental
+
+        return main_incremental(args.incremental, parse_size(args.size or "1GiB"), args.arrays,
+                                args.incremental_steps, args.dir, args.keep)
     if args.rate_limit is not None:
         return main_rate_limit_args(args, _error)
     if args.list:

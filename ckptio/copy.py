@@ -31,7 +31,7 @@ from .engine import ByteBudget, Progress, ReadRequest, gather_or_cancel
 from .store.intents import async_lease, new_id
 from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
-from .names import parse_object
+from .names import parse_object, step_of_key
 from .store import CheckpointStore
 from .store.companions import carried, companions_of, without_others, write_carried
 
@@ -114,7 +114,8 @@ def _logical_key(key: str, step_dir: str) -> str:
 
 def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir: str | None = None) -> Manifest:
     """``manifest`` with its object keys renamed for ``dst``'s naming (same order, same checkpoint id;
-    the step of ``dst_step_dir`` when copied to another step).
+    the step of ``dst_step_dir`` when copied to another step), every one in the copy's own step:
+    an incremental step's references to older steps are copied in, the copy has no ``bases``.
 
     Deterministic, so every host of a distributed copy computes the same keys
     on its own. On a hashed destination the i-th object gets the i-th slot
@@ -123,10 +124,15 @@ def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir:
     dst_dir = step_dir if dst_step_dir is None else dst_step_dir
     hashed = isinstance(dst.naming, HashedNaming)
     keys = []
+    bases = manifest.bases or {}
     for i, key in enumerate(manifest.objects):
-        logical = _logical_key(key, step_dir)
-        if step_dir != dst_dir and step_dir and logical.startswith(step_dir + "/"):
-            logical = join_key(dst_dir, logical[len(step_dir) + 1 :])
+        # An incremental step's references (keys of its bases) come into the copy's own step: the
+        # copy is self-contained, and no pin of the destination would hold them in another step.
+        own = step_of_key(key)
+        src_dir = own if own in bases and own != step_dir else step_dir
+        logical = _logical_key(key, src_dir)
+        if src_dir != dst_dir and src_dir and logical.startswith(src_dir + "/"):
+            logical = join_key(dst_dir, logical[len(src_dir) + 1 :])
         if hashed:
             assert isinstance(dst.naming, HashedNaming)
             logical = join_key(dst.naming.component(dst_dir, i, 1, 0), logical)
@@ -136,7 +142,7 @@ def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir:
     # A copy to another step directory is that step's checkpoint (same id: still the same bytes).
     step = int(dst_dir) if dst_dir != step_dir and dst_dir.isdigit() else manifest.step
     # Written whole (format 1), under a fence of its own (the destination's commit picks one).
-    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None, fence=None)
+    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None, fence=None, bases=None)
 
 
 def _renamed_writers(manifest: Manifest, revoked: set[str]) -> Manifest:

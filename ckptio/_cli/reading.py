@@ -59,6 +59,7 @@ def ls(args: argparse.Namespace) -> int:
         return 0
     labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
               "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)",
+              "referenced": "deleted, objects referenced",
               "unfinalized": "NOT FINALIZED (Orbax's)", "unreadable": "UNREADABLE (permission denied)"}
     print(f"{'step':>10}  {'state':<28} {'size':>10}  {'saved':<19}  what")
     for r in rows:

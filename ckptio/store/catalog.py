@@ -19,6 +19,7 @@ from contextlib import aclosing
 from ckptio.backends.base import join_key
 
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..incremental.pins import PIN_DIR, parse_pin
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..orbax_steps import OrbaxStep, StepSource, orbax_step
 from .context import StoreContext
@@ -44,8 +45,9 @@ class StepStatus:
     ``state``: ``committed`` (intact), ``damaged`` (a manifest that does not
     validate or is not bound to this step, or an object or fragment it names
     is missing or short), ``unreadable`` (permission denied), ``deleting`` (tombstoned),
-    ``in-flight`` (a live save's intent, no manifest) or ``incomplete``
-    (neither: a crashed save's leftovers, for the sweep).
+    ``in-flight`` (a live save's intent, no manifest), ``referenced`` (no manifest, but pins of
+    incremental saves of later steps: a deleted step whose objects they reference) or ``incomplete``
+    (none of these: a crashed save's leftovers, for the sweep).
 
     A step directory that Orbax saved (through ``ckptio.orbax``, or stock) has no manifest
     of its own: Orbax commits it, and the sweep never touches it. Its ``state`` is Orbax's
@@ -151,6 +153,11 @@ class Catalog:
         orbax = await orbax_step(store, step_dir) if step_dir else None
         if orbax is not None:
             return StepStatus(step, orbax.state, problem=orbax.problem, orbax=orbax)
+        pins = [p for i in await self.ctx.io.list(f"{PIN_DIR}/{step_dir}.") if (p := parse_pin(i.key))
+                and p.base == step_dir] if step_dir else []
+        if pins:  # a deleted base of incremental saves: its objects stay while later steps reference them
+            later = ", ".join(sorted({p.step_dir for p in pins}, key=int))
+            return StepStatus(step, "referenced", problem=f"objects held for step(s) {later}")
         return StepStatus(step, "incomplete")
 
     async def intact_roots(

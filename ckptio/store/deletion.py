@@ -20,6 +20,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 
 from ..errors import IntegrityError, ManifestError
 from ..fence import COMMIT, REVOKED, Fences
+from ..incremental.pins import Pins, pin_key
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import parse_held  # hosts' commit records (ckptio.tiers.held): see _doomed
 from ..names import fence_key, parse_fence, parse_intent, step_of_key
@@ -49,6 +50,8 @@ class Deletion:
         self.manifests = manifests
         self.intents = intents
         self.fences = fences
+        #: Saves referencing this store's steps (incremental saves, docs/incremental.md).
+        self.pins = Pins(ctx.io, fences, manifests.read_unchecked, intents.live_saves, self.settle_fence)
 
     async def delete(self, step_dir: str, *, finishing: bool = False) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, records, manifest, fences, tombstone
@@ -89,6 +92,7 @@ class Deletion:
         listing = await ctx.step_listing(step_dir, everywhere=everywhere)
         live = await self.intents.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
         keys = self._doomed(step_dir, manifest, listing, live)
+        dead_pins = await self._unpinned(step_dir, keys)  # after the tombstone (docs/incremental.md, D2)
         spared, late_fences = await self._newer_parts(step_dir, listing, targets)
         # Objects a standing commit names belong to a finished save; any other writer is revoked
         # first, so that if it is only paused it can never commit them (ckptio.fence).
@@ -115,6 +119,7 @@ class Deletion:
         # committed here since (without a conditional delete this narrows the window, not closes it).
         if not await self._delete_manifest(step_dir, root, unreadable):
             return await self._withdraw(step_dir, marker, created)
+        await self._unpin_bases(step_dir, root)
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
         fences = {i.key for i in listing if (n := parse_fence(i.key)) is not None and n.step_dir == step_dir}
@@ -123,8 +128,24 @@ class Deletion:
             fences.add(fence_key(step_dir, fence_id))
         await ctx.delete_keys(sorted(fences - spared))
         await ctx.delete_keys([tomb])
+        await self.pins.unpin(dead_pins)  # revoked, never committed: they can never matter again
         self.manifests.forget(step_dir)
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _unpin_bases(self, step_dir: str, root: Manifest | None) -> None:
+        """Once the step's manifest is deleted, the pins its save made on older steps (after it: while
+        the manifest may count, its references must hold; docs/incremental.md, R4)."""
+        if root is not None and root.bases:
+            await self.pins.unpin(pin_key(b, step_dir, root.checkpoint_id) for b in root.bases)
+
+    async def _unpinned(self, step_dir: str, keys: set[str]) -> list[str]:
+        """Take out of ``keys`` what later steps' saves reference through their pins on ``step_dir``
+        (all of its objects while one of them is alive); returns the pins found dead."""
+        if not step_dir:
+            return []
+        pinned = await self.pins.judge(step_dir)
+        keys -= {k for k in keys if self.ctx.parse_object(k)} if pinned.keep_all else pinned.keep
+        return pinned.dead
 
     async def _read_root(self, step_dir: str) -> tuple[Manifest | None, bool]:
         """The step's manifest as stored (None if absent or unreadable), and whether it is unreadable."""
@@ -257,8 +278,8 @@ class Deletion:
         listed there that are provably ckptio's and of no live save, and its hosts' commit records."""
         owned = manifest.keys() if manifest is not None else []
         keys = {k for k in owned if step_of_key(k) == step_dir}
-        foreign = len(owned) - len(keys)
-        if foreign:
+        foreign = len([k for k in owned if step_of_key(k) not in (manifest.bases or {})]) - len(keys)  # type: ignore[union-attr]
+        if foreign > 0:  # a base's objects (incremental) are its own step's to delete
             log.warning("deleting %s: its manifest names %d objects outside the step; left alone",
                         self.ctx.where(step_dir), foreign)
         for info in listing:
