@@ -36,7 +36,7 @@ from .store import CheckpointStore
 from .store.companions import carried, companions_of, without_others, write_carried
 
 __all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_keys", "copy_objects", "object_extents", "object_writers",
-           "rekey", "rekey_one", "verified_reads"]
+           "rekey", "rekey_one", "stored_extents", "verified_reads"]
 
 log = logging.getLogger("ckptio.copy")
 
@@ -69,6 +69,12 @@ def object_extents(manifest: Manifest) -> list[list[StoredExtent]]:
                 for e in shard.extents:
                     out[e.object].append((e.offset, e.length, e.crcs, name, e.block))
     return out
+
+
+def stored_extents(rows: Iterable[Sequence[object]]) -> list[StoredExtent]:
+    """Extents as a commit record carries them (JSON rows ``[offset, length, crcs, item, block]``,
+    :func:`ckptio.tiers.held.part_records`) as :data:`StoredExtent`."""
+    return [(int(r[0]), int(r[1]), [int(c) for c in r[2]], str(r[3]), int(r[4])) for r in rows]  # type: ignore[call-overload,union-attr]
 
 
 def verified_reads(key: str, buf: memoryview, extents: list[StoredExtent]) -> list[ReadRequest]:

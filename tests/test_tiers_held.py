@@ -300,3 +300,30 @@ def test_a_replica_of_a_part_is_its_record_and_objects_without_the_manifest(save
     bad[0] ^= 1
     with pytest.raises(Exception, match="checksum|crc|mismatch"):
         _check(rec, 0, bad)
+
+
+def test_ls_and_verify_show_and_check_a_part_committed_by_its_record(saved, tmp_path, capsys):
+    """``ckptio ls`` shows a record-only step as the host's part it is (not as an uncommitted leftover), and
+    ``ckptio verify`` re-reads its objects against the record's extents: a flipped byte is reported by name."""
+    from ckptio.cli import main
+
+    m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
+    root = tmp_path / "fast1"
+    assert commit_everywhere(_Follower(_as_host_1(saved, root, m0)), CheckpointStore(str(root), host_local=True),
+                             2) is None
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"host 1's part of checkpoint {m0.checkpoint_id} (of 2 hosts)" in out and "UNCOMMITTED" not in out
+    assert main(["ls", "--json", str(root)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["state"] == "part" and row["parts"][0]["host"] == 1 and row["parts"][0]["objects"] == len(m0.objects)
+    assert main(["verify", str(root / "2")]) == 0
+    assert "host 1's part" in capsys.readouterr().out
+    key = m0.objects[0]
+    data = bytearray((root / key).read_bytes())
+    data[10] ^= 0xFF
+    (root / key).write_bytes(bytes(data))
+    assert main(["verify", str(root / "2")]) == 4
+    err = capsys.readouterr().err
+    assert key.rpartition("/")[2] in err and "host 1's part" in err, err

@@ -15,7 +15,7 @@ import logging
 
 from ckptio.backends.base import join_key
 
-from ..copy import StoredExtent, copy_keys, object_extents, object_writers, rekey, rekey_one
+from ..copy import StoredExtent, copy_keys, object_extents, object_writers, rekey, rekey_one, stored_extents
 from ..distributed import join_errors
 from ..engine import run_sync
 from ..store.intents import Lease, new_id
@@ -212,8 +212,7 @@ def _objects_to_copy(own: CheckpointStore, durable: CheckpointStore, step_dir: s
         return [(m.objects[i], out.objects[i], extents[i])
                 for i in _own_indices(own, m.objects, object_writers(m), rank)], out
     assert part is not None
-    return [(k, rekey_one(k, int(i), step_dir, durable), [(int(e[0]), int(e[1]), list(e[2]), str(e[3]), int(e[4]))
-                                                          for e in ex])
+    return [(k, rekey_one(k, int(i), step_dir, durable), stored_extents(ex))
             for k, i, ex in zip(part.objects, part.extra["indices"], part.extra["extents"], strict=True)], None
 
 
