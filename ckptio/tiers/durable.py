@@ -1,8 +1,11 @@
 """The durable tier's rounds: copy every host's own objects there, then host 0 commits the manifest, last.
 
 :func:`durable_round` copies every host's own objects of a fast-tier step to
-the durable tier with :func:`ckptio.copy.copy_objects` and then host 0
-commits the manifest there, last, and runs the durable tier's retention. A
+the durable tier (:func:`ckptio.copy.copy_keys`) and then host 0 commits the
+manifest there, last, and runs the durable tier's retention. Host 0 copies by
+the manifest; every other host by its commit record (its fast tier holds no
+manifest, #33), which carries each object's index in the manifest, so that
+its keys are those :func:`ckptio.copy.rekey` gives the manifest's copy. A
 run killed mid-copy leaves objects without a manifest (invisible to
 readers); :func:`durable_recovery`, the first thing a new run's durable
 worker does, finds fast-tier steps newer than the durable tier's newest and
