@@ -171,6 +171,23 @@ def test_lost_host_restores_from_its_partner_then_from_the_durable_tier(tmp_path
     assert got[0]["durable_reads"] == 0 and got[1]["durable_reads"] == 0  # hosts that kept step 4 read it locally
 
 
+def test_host_0_and_its_partner_lost_restore_with_the_durable_tiers_manifest(tmp_path):
+    """Host 0 and host 1 (which kept host 0's replica) are lost: no fast tier holds host 0's part, where the
+    job's manifest is, and the other hosts' fast tiers hold only their own parts (#33 item 1). The newest
+    step in the durable tier is restored: its manifest comes from there, under the fast tiers' keys, so
+    the surviving hosts still read their own shards locally."""
+    root = str(tmp_path)
+    common = ["--every", "2", "--keep", "2"]
+    saved = run(4, "save", root, "--steps", "1,2,3,4,5", *common)
+    assert saved[0]["tiers"]["durable"] == [2, 4] and saved[2]["tiers"]["fast"] == [4, 5], saved
+    for r in (0, 1):
+        shutil.rmtree(tmp_path / "fast" / f"r{r}")
+    got = run(4, "restore", root, "--expect-step", "4", *common)
+    assert got[0]["sources"]["0"] == "durable" and got[1]["sources"]["1"] == "durable", got
+    assert got[2]["sources"]["2"] == "local" and got[3]["sources"]["3"] == "local", got
+    assert got[2]["bytes_from"].get("local", 0) > 0 and got[3]["bytes_from"].get("local", 0) > 0, got
+
+
 def test_restore_never_reads_a_non_coordinators_manifest(tmp_path):
     """A restore takes the job's manifest from host 0's part only: host 0's own copy, else its partner's
     replica of it. Every other host's fast tier holds no manifest at all (its part stands by its record,
