@@ -27,7 +27,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import MAX_STEP, step_dir_of
-from .parts import Parts
+from .parts import PartRecord, Parts
 
 
 __all__ = ["Catalog", "StepStatus"]
@@ -46,7 +46,10 @@ class StepStatus:
     validate or is not bound to this step, or an object or fragment it names
     is missing or short), ``unreadable`` (permission denied), ``deleting`` (tombstoned),
     ``in-flight`` (a live save's intent, no manifest), ``referenced`` (no manifest, but pins of
-    incremental saves of later steps: a deleted step whose objects they reference) or ``incomplete``
+    incremental saves of later steps: a deleted step whose objects they reference), ``part`` (no
+    manifest, but standing commit records: hosts' parts committed without the manifest, as a tiered
+    job's non-coordinators and replica stores keep them, :mod:`ckptio.store.parts`; ``parts`` says
+    which) or ``incomplete``
     (none of these: a crashed save's leftovers, for the sweep).
 
     A step directory that Orbax saved (through ``ckptio.orbax``, or stock) has no manifest
@@ -60,6 +63,7 @@ class StepStatus:
     problem: str = ""
     manifest: Manifest | None = None
     orbax: OrbaxStep | None = None
+    parts: tuple[PartRecord, ...] = ()
 
 
 def _is_damage(found: Manifest | Exception) -> bool:
@@ -148,6 +152,9 @@ class Catalog:
             except (FileNotFoundError, IntegrityError) as e:
                 return StepStatus(step, "damaged", problem=str(e), manifest=manifest)
             return StepStatus(step, "committed", manifest=manifest)
+        parts = await self.parts.standing(step_dir) if step_dir else []
+        if parts:
+            return StepStatus(step, "part", parts=tuple(sorted(parts, key=lambda r: r.host)))
         if await self.intents.live_saves(step_dir):
             return StepStatus(step, "in-flight")
         orbax = await orbax_step(store, step_dir) if step_dir else None

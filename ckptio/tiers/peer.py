@@ -1,8 +1,9 @@
 """Peer replicas: each host's latest snapshot kept by a partner host, and reads from peers at restore.
 
-A host's fast tier holds the objects it wrote plus, for every committed
-step, the job's whole manifest (the coordinator's bytes, committed by every
-host) and its commit record (:mod:`ckptio.tiers.held`). Its *replica store*
+A host's fast tier holds, for every committed step, the objects it wrote and
+its commit record (:mod:`ckptio.tiers.held`), by which a non-coordinator's
+part is committed (:mod:`ckptio.tiers.fastcommit`); host 0's also holds the
+job's manifest. Its *replica store*
 holds what partners sent in a round (:mod:`ckptio.tiers.peerround`): the
 partner's record (host 0's partner: the job's manifest), the partner's
 objects under the same keys, and a marker per partner
