@@ -27,6 +27,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import MAX_STEP, step_dir_of
+from ..engine import gather_or_cancel
 from .parts import PartRecord, Parts
 
 
@@ -90,8 +91,8 @@ class Catalog:
         In a host-local store, a standing commit record (:mod:`ckptio.store.parts`: a host's part
         committed without the manifest) counts as a manifest does.
         """
-        manifest, tombstone = await asyncio.gather(
-            self.ctx.exists(join_key(step_dir, MANIFEST_NAME)), self.ctx.exists(join_key(step_dir, TOMBSTONE_NAME))
+        manifest, tombstone = await gather_or_cancel(
+            [self.ctx.exists(join_key(step_dir, MANIFEST_NAME)), self.ctx.exists(join_key(step_dir, TOMBSTONE_NAME))]
         )
         if tombstone:
             return False
@@ -113,7 +114,7 @@ class Catalog:
         :meth:`intact_roots` (fences and validation).
         """
         steps = await self.step_dirs()
-        flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
+        flags = await gather_or_cancel(self.is_committed(str(s)) for s in steps)
         return [s for s, ok in zip(steps, flags) if ok]
 
     async def standing_steps(self) -> list[int]:

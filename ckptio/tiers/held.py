@@ -28,7 +28,6 @@ standing record as a commit of the host's part on its own (:mod:`ckptio.store.pa
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -36,6 +35,7 @@ from ..copy import object_extents, object_writers
 from ..manifest import Manifest
 from ..names import parse_held
 from ..store import CheckpointStore, manifest_object_sizes
+from ..engine import gather_or_cancel
 from ..store.parts import PART_FORMAT, PartRecord
 
 __all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "part_records", "read_held", "write_held"]
@@ -114,7 +114,7 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
         return None
     # A record whose fence does not stand (one written late by a writer paused past a deletion and a
     # re-save of the step) speaks for nothing; the one that stands is this host's commit.
-    flags = await asyncio.gather(*(store.parts.stands(step_dir, r) for r in records))
+    flags = await gather_or_cancel(store.parts.stands(step_dir, r) for r in records)
     standing = [r for r, ok in zip(records, flags) if ok]
     if len(standing) != 1:
         log.warning("%s: %d of this host's commit records in step %s stand, reading the manifest instead",
@@ -122,5 +122,5 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
         return None
     (record,) = standing
     # Each object there, as the manifest's scan checks (a restore checks every byte it reads).
-    await asyncio.gather(*(store.io.stat(k) for k in record.objects))
+    await gather_or_cancel(store.io.stat(k) for k in record.objects)
     return OwnPart(record.checkpoint_id, record.num_hosts, record.objects)

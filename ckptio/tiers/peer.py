@@ -19,7 +19,6 @@ receiver checks each extent's block checksums before keeping it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,7 +28,7 @@ from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, R
 
 from ..copy import object_extents, object_writers
 from ..distributed import join_errors
-from ..engine import run_sync
+from ..engine import gather_or_cancel, run_sync
 from ..errors import CheckpointNotFoundError
 from ..manifest import Manifest
 from ..names import parse_replica_mark, replica_mark_key
@@ -77,7 +76,7 @@ async def _own_holdings(own: CheckpointStore, rank: int) -> list[Holding]:
             if part is None:
                 m = await own.read_manifest(str(step))
                 part = OwnPart(m.checkpoint_id, m.num_hosts, own_object_keys(m, rank))
-                await asyncio.gather(*(own.io.stat(k) for k in part.objects))
+                await gather_or_cancel(own.io.stat(k) for k in part.objects)
         except FileNotFoundError:  # deleted meanwhile, or objects lost: not held
             continue
         out.append(Holding(rank, step, part.checkpoint_id, rank, part.num_hosts, True))
