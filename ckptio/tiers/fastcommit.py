@@ -55,7 +55,6 @@ def commit_everywhere(group: PeerGroup, fast: CheckpointStore, step: int) -> Bas
             records = {r: p.to_json() for r, p in part_records(m, new_id(), range(1, group.size)).items()}
         except BaseException as e:  # sending nothing fails every other host alike
             log.error("%s: cannot read the manifest just committed: %r", fast.where(step_dir), e)
-            records = {}
     error: BaseException | None = None
     try:
         data = _send_parts(group, records) if group.size > 1 else None
