@@ -1,4 +1,7 @@
-"""Which digest an incremental save computes (docs/incremental.md): speed, and whether it lets Python run.
+"""How an incremental save tells an unchanged shard (docs/incremental.md): speed, and whether it lets Python run.
+
+The digests, against the byte compare with a held copy (``memcmp``, ckptio.incremental.shadow) and
+the staging copy a full save makes of the same bytes (``copy``).
 
 ``python -m ckptio.bench.hash_candidates [MiB]``: each candidate over one buffer (best of 3), its
 aggregate over two threads at once, and how many iterations a pure-Python thread made per second
@@ -18,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ckptio.checksum import crc32c
+from ckptio.incremental.shadow import same_bytes
 
 
 def _rate(fn: Callable[[], object], nbytes: int, n: int = 3) -> float:
@@ -54,7 +58,9 @@ def _python_rate(fn: Callable[[], object] | None) -> float:
 
 def main(mib: int = 64) -> None:
     """Print each candidate's figures for a buffer of ``mib`` MiB."""
-    mv = memoryview(np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8))
+    arr = np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8)
+    held, out = arr.copy(), np.empty_like(arr)
+    mv = memoryview(arr)
     nbytes = mib << 20
     candidates: dict[str, Callable[[], object]] = {
         "sha256": lambda: hashlib.sha256(mv).digest(),
@@ -63,6 +69,8 @@ def main(mib: int = 64) -> None:
         "blake2b": lambda: hashlib.blake2b(mv).digest(),
         "blake2b-32": lambda: hashlib.blake2b(mv, digest_size=32).digest(),
         "crc32c": lambda: crc32c(mv),
+        "memcmp (a held copy)": lambda: same_bytes(arr, held),
+        "copy (full staging)": lambda: np.copyto(out, arr),
     }
     print(f"Python loop alone: {_python_rate(None):.2f} M it/s; load {os.getloadavg()}")
     for name, fn in candidates.items():

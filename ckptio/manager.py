@@ -22,6 +22,7 @@ from .distributed import Coordinator, config_for_host, default_coordinator
 from . import sidecar
 from .engine import EngineConfig, Progress, run_sync
 from .errors import IntegrityError, StepBusyError
+from .incremental.shadow import Shadows
 from .layout import Naming
 from .manifest import Manifest
 from .preemption import Preemption
@@ -154,6 +155,7 @@ class CheckpointManager:
         self._pool = StagingPool()
         self.incremental = incremental
         self._base: tuple[str, Manifest] | None = None  # the last commit, which an incremental save reuses
+        self._shadows = Shadows() if incremental else None  # what it wrote, for a byte compare
         sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()
@@ -239,6 +241,7 @@ class CheckpointManager:
             handle = start_save(
                 self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
                 progress=progress, on_done=self._after_save, incremental=self.incremental, base=self._base,
+                shadows=self._shadows,
             )
         except Exception as e:  # start_save has told the other hosts already
             self._outage_or_raise(step, e)
@@ -351,6 +354,8 @@ class CheckpointManager:
             try:
                 manifest = handle.result()
             except Exception as e:
+                if self._shadows is not None:
+                    self._shadows.settle(None)
                 self._failed(handle.step, e)
                 if self.on_save_error == "raise":
                     raise
@@ -359,6 +364,8 @@ class CheckpointManager:
                 self.save_failures.last_good_step = handle.step
                 if self.incremental and manifest is not None and handle.step is not None:
                     self._base = (step_dir_of(handle.step), manifest)
+                if self._shadows is not None:
+                    self._shadows.settle(manifest if self._base is not None else None)
         if self._retention_error is not None:
             err, self._retention_error = self._retention_error, None
             self.save_failures.retention += 1
@@ -395,6 +402,8 @@ class CheckpointManager:
         if self._preemption is not None:
             self._preemption.close()
         self.wait_until_finished()
+        if self._shadows is not None:
+            self._shadows.drop()
         self._pool.clear()
         run_sync(self.store.close())
 

@@ -27,6 +27,7 @@ from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
 from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items
+from .incremental.shadow import Shadows
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .store.intents import Lease, new_id
@@ -176,11 +177,12 @@ class SaveJob:
         options: SaveOptions | None = None,
         incremental: bool = False,
         base: tuple[str, Manifest] | None = None,
+        shadows: Shadows | None = None,
     ) -> None:
         self._t0 = time.perf_counter()
         #: An incremental save's base (step directory, its committed manifest; None: digests only)
-        #: and, once staged, what it takes from it (ckptio.incremental).
-        self.incremental, self.base = incremental, base
+        #: and, once staged, what it takes from it; the manager's shadows (ckptio.incremental).
+        self.incremental, self.base, self.shadows = incremental, base, shadows
         self.reuse: Reuse | None = None
         self.store, self.step, self.metadata = store, step, metadata or {}
         self.coord: Coordinator = coordinator or SingleProcess()
@@ -242,7 +244,7 @@ class SaveJob:
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if self.incremental and self.single_host and not store.host_local and self.step is not None:
-            self.reuse = plan_reuse(self.staged, self.area.source_of, self.base)
+            self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
         # budget a read and a write take separate slots, so the checks cost no round of their own.
         self._clear = submit(_step_is_clear(store, self.step_dir, coordinator=rank == 0))
@@ -253,9 +255,7 @@ class SaveJob:
         pieces, self.arrays = pieces_of(self.staged, self.packs, store.engine.config.block_size)
         if self.reuse is not None:  # unchanged items: neither copied nor written
             pieces = [p for p in pieces if p.item not in self.reuse.items or p.shard < 0]
-            for name in self.reuse.items:
-                for _o, _s, data in self.staged[name].shards:
-                    self.area.forget(data)
+            self.area.forget([data for name in self.reuse.items for _o, _s, data in self.staged[name].shards])
         self.save_id = save_id = new_id()
         self.plans = pack(
             pieces,
@@ -337,6 +337,9 @@ class SaveJob:
         failure: BaseException | None = None
         try:
             record = self.record(self.write())
+            if self.reuse is not None and self.shadows is not None:  # written: the copies outlive the area
+                self.shadows.offer(self.save_id, self.reuse.kept(), self.reuse.written_private(), self.staged,
+                                   self.area)
         except BaseException as e:  # every host must still join the gather, or the others hang
             log.error("%s: host %d failed to write: %r", self.where, self.coord.rank, e)
             record, failure = failed_record(self.coord.rank, e), e

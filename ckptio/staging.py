@@ -228,9 +228,14 @@ class StagingArea:
         job = self._pending.get(id(out))
         return job[1] if job is not None and not isinstance(job[1], list) else out  # type: ignore[return-value]
 
-    def forget(self, out: np.ndarray) -> None:
-        """Never fill ``out``: its bytes are not written (an incremental save's unchanged item)."""
-        self._pending.pop(id(out), None)
+    def forget(self, outs: Sequence[np.ndarray]) -> None:
+        """Never fill ``outs`` (an incremental save's unchanged items): their buffers go back untouched."""
+        addrs = {o.ctypes.data for o in outs if self._pending.pop(id(o), None) is not None and o.nbytes}
+        gone = {id(b) for b in self.owned if b.nbytes and b.ctypes.data in addrs}
+        unused = [b for b in self.owned if id(b) in gone]
+        self.owned, self.fresh = ([b for b in bs if id(b) not in gone] for bs in (self.owned, self.fresh))
+        if self.pool is not None:
+            self.pool.give_back(unused)
 
     def fill_all(self) -> None:
         for out, _src in list(self._pending.values()):

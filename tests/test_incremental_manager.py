@@ -66,24 +66,36 @@ def test_a_frozen_base_is_written_once_and_every_kept_step_restores(tmp_path: Pa
     mngr.close()
 
 
-def test_a_changing_array_is_written_each_time(tmp_path: Path) -> None:
+def as_kind(kind: str, arr: np.ndarray) -> Any:
+    """numpy: staged as a private copy (compared with its shadow); jax: an immutable view (digested)."""
+    if kind == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        return jnp.asarray(arr)
+    return arr
+
+
+@pytest.mark.parametrize("kind", ["numpy", "jax"])
+def test_a_changing_array_is_written_each_time(tmp_path: Path, kind: str) -> None:
     mngr = ckptio.CheckpointManager(tmp_path, incremental=True)
     rng = np.random.default_rng(1)
     sizes = []
     for step in range(1, 4):
         before = data_objects(tmp_path)
-        mngr.save(step, {"w": rng.standard_normal(FROZEN).astype(np.float32)}, force=True)
+        mngr.save(step, {"w": as_kind(kind, rng.standard_normal(FROZEN).astype(np.float32))}, force=True)
         mngr.wait_until_finished()
         sizes.append(sum(v for k, v in data_objects(tmp_path).items() if k not in before))
     assert all(s >= FROZEN * 4 for s in sizes)
-    assert run_sync(mngr.store.read_manifest("1")).digests  # a first save digests everything
+    # A first save digests the views it cannot keep a copy of; a private copy is never digested.
+    assert bool(run_sync(mngr.store.read_manifest("1")).digests) == (kind == "jax")
     m = run_sync(mngr.store.read_manifest("3"))
     assert m.bases is None and m.digests is None  # its crcs differ from the base's: not even digested
     mngr.close()
 
 
-def test_an_array_that_stops_changing_is_reused_from_its_second_unchanged_save(tmp_path: Path) -> None:
-    """Its crcs differed, so it had no digest; the first save that finds them equal digests it
+@pytest.mark.parametrize("kind", ["numpy", "jax"])
+def test_an_array_that_stops_changing_is_reused(tmp_path: Path, kind: str) -> None:
+    """A private copy is reused from its first unchanged save (its shadow is the last save's copy).
+    A view: its crcs differed, so it had no digest; the first save that finds them equal digests it
     (and writes it), the next one references it."""
     mngr = ckptio.CheckpointManager(tmp_path, incremental=True)
     rng = np.random.default_rng(2)
@@ -91,12 +103,14 @@ def test_an_array_that_stops_changing_is_reused_from_its_second_unchanged_save(t
     for step in range(1, 6):
         if step <= 2:
             w = rng.standard_normal(FROZEN).astype(np.float32)
-        mngr.save(step, {"w": w}, force=True)
+        mngr.save(step, {"w": as_kind(kind, w)}, force=True)
         mngr.wait_until_finished()
     refs = {s: run_sync(mngr.store.read_manifest(str(s))).bases for s in range(1, 6)}
-    assert refs[1] is None and refs[2] is None and refs[3] is None  # changed, changed, digested now
-    assert refs[4] == {"3": run_sync(mngr.store.read_manifest("3")).checkpoint_id} and refs[5] == refs[4]
-    assert mngr.restore(5)["w"].tobytes() == w.tobytes()
+    first = 3 if kind == "jax" else 2  # the step every later one references
+    assert all(refs[s] is None for s in range(1, first + 1))
+    cid = run_sync(mngr.store.read_manifest(str(first))).checkpoint_id
+    assert all(refs[s] == {str(first): cid} for s in range(first + 1, 6))
+    assert np.asarray(mngr.restore(5)["w"]).tobytes() == w.tobytes()
     mngr.close()
 
 

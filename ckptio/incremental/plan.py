@@ -2,10 +2,12 @@
 make the committed document reference it (docs/incremental.md, sections 1 and 2).
 
 Granularity in this first part: a whole array item of a single-host save is reused when every
-one of its shards has the same box and tiling in the base and the same sha256 (of the shard's
-C-order bytes, computed from the caller's array while the training step waits: it is stable
-then). Its bytes are then neither copied to staging nor written; the commit's document names
-the base's objects and extents for it. Packed small arrays are always written.
+one of its shards has the same box and tiling in the base and the same bytes: a shard staged as a
+private copy is compared with its shadow (:mod:`.shadow`, a byte compare against the copy the last
+save wrote); any other (a view of an immutable array) by its sha256 (of its C-order bytes),
+computed from the caller's array while the training step waits: it is stable then. Its bytes
+are then neither copied to staging nor written; the commit's document names the base's objects
+and extents for it. Packed small arrays are always written.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..names import step_of_key
 from ..staging import StagedArray
 from .pins import pin_key
 from .reuse import digest_of
+from .shadow import Shadows, ShardKey
 
 __all__ = ["Reuse", "pin_bases", "plan_reuse", "reference_items"]
 
@@ -41,8 +44,20 @@ class Reuse:
     base: Manifest | None
     #: The array items the base holds unchanged: not written, referenced.
     items: set[str]
-    #: The digest of every staged array shard (reused or written), by item and box.
+    #: The digest of every staged array shard (reused or written) that has no shadow, by item and box.
     digests: dict[str, dict[Box, str]]
+    #: Shards staged as private copies (compared with shadows, never digested), and those of them
+    #: whose bytes equal their shadow's.
+    private: set[ShardKey] = dataclasses.field(default_factory=set)
+    matched: set[ShardKey] = dataclasses.field(default_factory=set)
+
+    def kept(self) -> set[ShardKey]:
+        """The shards reused by a byte compare (their shadows stay valid for this save's commit)."""
+        return {k for k in self.matched if k[0] in self.items}
+
+    def written_private(self) -> set[ShardKey]:
+        """The private copies this save writes (the shadows it offers)."""
+        return {k for k in self.private if k[0] not in self.items}
 
     def bases(self) -> dict[str, str]:
         """The steps the reused items' objects lie in, each with its checkpoint id (flattened)."""
@@ -67,26 +82,34 @@ def _box(offsets: Any, shape: Any) -> Box:
 
 
 def plan_reuse(staged: dict[str, Any], source_of: Callable[[np.ndarray], np.ndarray],
-               base: tuple[str, Manifest] | None) -> Reuse:
-    """Digest every staged array shard (from its source: ``source_of(staged buffer)``) and find the
-    items the base (its step directory and manifest; None: a first save) holds unchanged."""
+               base: tuple[str, Manifest] | None, shadows: Shadows | None = None) -> Reuse:
+    """Find the items the base (its step directory and manifest; None: a first save) holds
+    unchanged: a shard staged as a private copy (``source_of(staged buffer)`` is another array)
+    by a byte compare with its shadow (with ``shadows``), any other by its digest (from its source)."""
     base_dir, manifest = base if base is not None else ("", None)
-    digests: dict[str, dict[Box, str]] = {}
-    items: set[str] = set()
+    reuse = Reuse(base_dir, manifest, set(), {})
     for name, item in staged.items():
         if not isinstance(item, StagedArray):
             continue
         old = manifest.items.get(name) if manifest is not None else None
-        mine = digests[name] = {}
+        mine = reuse.digests[name] = {}
         for offsets, shape, data in item.shards:
-            raw = memoryview(np.ascontiguousarray(source_of(data)).reshape(-1).view(np.uint8))
-            if _crcs_differ(raw, old, _box(offsets, shape)):
+            box, source = _box(offsets, shape), source_of(data)
+            if shadows is not None and source is not data:
+                reuse.private.add((name, box))
+                if old is not None and shadows.unchanged(manifest, name, box, source):
+                    reuse.matched.add((name, box))
+                continue
+            raw = memoryview(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+            if _crcs_differ(raw, old, box):
                 continue  # changed: no digest (one is taken once its crcs match the base's again)
-            mine[_box(offsets, shape)] = digest_of(raw)
-        if old is not None and _same(item, mine, old, (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
-            items.add(name)
-    log.info("incremental save: %d of %d array items unchanged since step %s", len(items), len(digests), base_dir)
-    return Reuse(base_dir, manifest, items, digests)
+            mine[box] = digest_of(raw)
+        matched = {b for n, b in reuse.matched if n == name}
+        if old is not None and _same(item, mine, matched, old, (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
+            reuse.items.add(name)
+    log.info("incremental save: %d of %d array items unchanged since step %s (%d shards by shadow)",
+             len(reuse.items), len(reuse.digests), base_dir, len(reuse.kept()))
+    return reuse
 
 
 def _crcs_differ(raw: memoryview, old: Any, box: Box) -> bool:
@@ -106,7 +129,8 @@ def _crcs_differ(raw: memoryview, old: Any, box: Box) -> bool:
     return False
 
 
-def _same(item: StagedArray, digests: dict[Box, str], old: Any, old_digests: dict[Box, str]) -> bool:
+def _same(item: StagedArray, digests: dict[Box, str], matched: set[Box], old: Any,
+          old_digests: dict[Box, str]) -> bool:
     if not isinstance(old, ArrayItem) or old.dtype != item.dtype or tuple(old.shape) != tuple(item.shape):
         return False
     tiles = {_box(s.offsets, s.shape): s.tile for s in old.shards}
@@ -117,6 +141,8 @@ def _same(item: StagedArray, digests: dict[Box, str], old: Any, old_digests: dic
         tile = item.tile_of(i)
         if box not in tiles or tiles[box] != (tuple(tile) if tile is not None else None):
             return False
+        if box in matched:
+            continue  # its bytes equal the shadow of the base's record
         if box not in digests or old_digests.get(box) != digests[box]:
             return False
     return True
