@@ -218,7 +218,7 @@ def account(root: str) -> dict[str, int]:
     """Bytes on disk under ``root`` against the bytes its kept checkpoints account for."""
     import ckptio
     from ckptio.manifest import MANIFEST_NAME
-    from ckptio.incremental.pins import pin_key
+    from ckptio.incremental.pins import hold_key, parse_pin, pin_key
     from ckptio.names import REVOKED_DIR, fence_key
 
     mngr = ckptio.CheckpointManager(root)
@@ -228,7 +228,9 @@ def account(root: str) -> dict[str, int]:
         owned.update(os.path.join(root, k) for k in m.keys())  # objects, and a format-2 step's fragments
         owned.add(os.path.join(root, str(step), MANIFEST_NAME))
         # An incremental step's pins on the steps whose objects it references go with it.
-        owned.update(os.path.join(root, pin_key(b, str(step), m.checkpoint_id)) for b in m.bases or {})
+        pins = [pin_key(b, str(step), m.checkpoint_id) for b in m.bases or {}]
+        owned.update(os.path.join(root, k) for k in pins)
+        owned.update(os.path.join(root, hold_key(parse_pin(k))) for k in pins)  # and each pin's hold
         if m.fence:  # the commit's fence goes with its step (ckptio.fence)
             owned.add(os.path.join(root, fence_key(str(step), m.fence)))
     mngr.close()

@@ -15,13 +15,25 @@ the argument that no interleaving loses a referenced object are in docs/incremen
 
 Either the deleter's listing sees the pin, or the pin came after it, hence after the
 tombstone, and the save's check sees the tombstone (or no manifest) and references nothing.
+
+**Holds: the guard against an older ckptio.** An older version cannot see pins, so its gc
+would take a deleted base's objects as orphans, and its ``delete`` would take them by name.
+Every version spares the objects of a live save, and an intent's doc declares its own lease.
+So with each pin comes a *hold*: an intent ``<base>/ckptio.intent.<save id>`` (never that save's
+own intent: a save never pins its own step) with a lease no clock reaches, covering the writers
+of the base's objects the save references. An older deleter then spares them whatever it
+makes of the step; this version ignores holds (``"hold"`` in the doc: pins decide), never
+removes one whose pin stands, and removes each right after its pin (:meth:`Pins.unpin`). A
+hold left by a crash between the two is a dead intent to this version's gc.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from ckptio.backends import Backend
@@ -31,8 +43,9 @@ from ..errors import IntegrityError, ManifestError
 from ..fence import Fences
 from ..manifest import TOMBSTONE_NAME, Manifest
 from ..manifest.refs import referenced
+from ..names import intent_key
 
-__all__ = ["PIN_DIR", "Judgement", "PinName", "Pins", "parse_pin", "pin_key"]
+__all__ = ["HOLD_LEASE_S", "PIN_DIR", "Judgement", "PinName", "Pins", "hold_key", "parse_pin", "pin_key"]
 
 log = logging.getLogger("ckptio.incremental")
 
@@ -40,6 +53,8 @@ log = logging.getLogger("ckptio.incremental")
 PIN_DIR = "ckptio.pins"
 _STEP = r"0|[1-9][0-9]{0,18}"
 _PIN = re.compile(rf"{PIN_DIR}/(?P<base>{_STEP})\.(?P<step>{_STEP})\.(?P<sid>[0-9a-f]{{12}})")
+#: A hold's lease: live to every clock (an older ckptio judges an intent by the lease it declares).
+HOLD_LEASE_S = 1e18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +74,11 @@ def pin_key(base: str, step_dir: str, save_id: str) -> str:
     return f"{PIN_DIR}/{base}.{step_dir}.{save_id}"
 
 
+def hold_key(pin: PinName) -> str:
+    """The hold that goes with ``pin``: an intent in the base's step under the pinning save's id."""
+    return intent_key(pin.base, pin.save_id)
+
+
 def parse_pin(key: str) -> PinName | None:
     """The pin ``key`` names; None for any other key (never ours to delete)."""
     m = _PIN.fullmatch(key)
@@ -75,6 +95,8 @@ class Judgement:
     keep: set[str] = dataclasses.field(default_factory=set)
     #: Pins of saves that were revoked and never committed: they can never matter again.
     dead: list[str] = dataclasses.field(default_factory=list)
+    #: The save ids of every pin seen: their holds in the base are removed only with their pins.
+    pinners: set[str] = dataclasses.field(default_factory=set)
 
 
 class Pins:
@@ -93,7 +115,8 @@ class Pins:
         self.live_saves = live_saves
         self.settle = settle
 
-    async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str, via: str | None = None) -> bool:
+    async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str, via: str | None = None,
+                  covers: Iterable[str] = ()) -> bool:
         """R1 and R2: pin ``base`` (the step whose objects will be referenced) for save ``save_id`` of
         ``step_dir``, then check that no deletion of ``base`` is under way and that the manifest the
         references are read from -- step ``via`` (default ``base``), commit ``checkpoint_id`` --
@@ -101,12 +124,17 @@ class Pins:
 
         ``via`` differs from ``base`` when the references are flattened: ``via`` reused them from
         ``base``, which may be deleted already (its objects held by the pins of ``via`` and others).
+        ``covers``: the writers of the objects of ``base`` it references (its hold's, for older ckptio).
         """
         key = pin_key(base, step_dir, save_id)
         try:
             await self.io.create_if_absent(key, b"")
         except FileExistsError:
             pass  # a retried create that won the first time
+        # After the pin: a gc that lists the hold then finds its pin, and never takes it.
+        doc = {"save_id": save_id, "step": int(base), "host": 0, "lease_s": HOLD_LEASE_S, "heartbeat": time.time(),
+               "covers": sorted(set(covers)), "hold": key}
+        await self.io.write(hold_key(parse_pin(key)), [memoryview(json.dumps(doc).encode())])  # type: ignore[arg-type]
         via = base if via is None else via
         if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
             return True
@@ -133,14 +161,16 @@ class Pins:
         return not m.fence or await self.fences.outcome(step_dir, m.fence) == b"commit"
 
     async def unpin(self, keys: Iterable[str]) -> None:
-        """Remove pins (only keys that parse as pins)."""
+        """Remove pins (only keys that parse as pins), each followed by its hold."""
         for key in sorted(set(keys)):
-            if parse_pin(key) is None:
+            pin = parse_pin(key)
+            if pin is None:
                 raise ValueError(f"{key!r} is not a pin")
-            try:
-                await self.io.delete(key)
-            except FileNotFoundError:
-                pass
+            for k in (key, hold_key(pin)):
+                try:
+                    await self.io.delete(k)
+                except FileNotFoundError:
+                    pass
 
     async def of(self, base: str) -> list[PinName]:
         """The pins on step ``base``."""
@@ -157,6 +187,7 @@ class Pins:
         everything: it may be the only proof of a reference."""
         out = Judgement()
         for p in await self.of(base):
+            out.pinners.add(p.save_id)
             if p.save_id in await self.live_saves(p.step_dir):
                 log.info("step %s: save %s of step %s is alive and references it: its objects stay",
                          base, p.save_id, p.step_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,16 @@ class Reuse:
     #: whose bytes equal their shadow's.
     private: set[ShardKey] = dataclasses.field(default_factory=set)
     matched: set[ShardKey] = dataclasses.field(default_factory=set)
+
+    def writers(self, writers_of: Callable[[Iterable[str]], set[str]]) -> dict[str, set[str]]:
+        """By base step, the save ids that wrote the objects the reused items reference there."""
+        keys: dict[str, set[str]] = {}
+        for name in self.items:
+            for s in self.base.items[name].shards:  # type: ignore[union-attr]
+                for e in s.extents:
+                    key = self.base.objects[e.object]  # type: ignore[union-attr]
+                    keys.setdefault(step_of_key(key) or "", set()).add(key)
+        return {step: writers_of(ks) for step, ks in keys.items()}
 
     def kept(self) -> set[ShardKey]:
         """The shards reused by a byte compare (their shadows stay valid for this save's commit)."""
@@ -177,8 +187,10 @@ def reference_items(doc: dict[str, Any], reuse: Reuse) -> dict[str, Any]:
                for name, rows in reuse.digests.items() if rows}
     if digests:
         out["digests"] = digests
-    if bases or digests:
-        out["version"] = max(doc["version"], REFS_VERSION)
+    # Always format 9, even with no reference: an older ckptio then never deletes an incremental
+    # step by its manifest (its retention skips it, its gc keeps it: "unreadable"), and its objects
+    # that later saves reference are spared by name through their holds (ckptio.incremental.pins).
+    out["version"] = max(doc["version"], REFS_VERSION)
     return out
 
 
@@ -188,8 +200,9 @@ async def pin_bases(store: Any, step_dir: str, save_id: str, reuse: Reuse) -> No
     is not the commit read): the save then references nothing; the next one writes in full."""
     via, cid = reuse.base_dir, reuse.base.checkpoint_id  # type: ignore[union-attr]
     pins, made = store.deletion.pins, []
+    writers = reuse.writers(store.deletion.ctx.writers_of)
     for base in reuse.bases():
-        if await pins.pin(base, step_dir, save_id, cid, via=via):
+        if await pins.pin(base, step_dir, save_id, cid, via=via, covers=writers.get(base, ())):
             made.append(pin_key(base, step_dir, save_id))
         else:
             await pins.unpin(made)  # the save references nothing: its pins would only wait for a judge

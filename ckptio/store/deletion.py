@@ -92,7 +92,7 @@ class Deletion:
         listing = await ctx.step_listing(step_dir, everywhere=everywhere)
         live = await self.intents.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
         keys = self._doomed(step_dir, manifest, listing, live)
-        dead_pins = await self._unpinned(step_dir, keys)  # after the tombstone (docs/incremental.md, D2)
+        dead_pins, pinners = await self._unpinned(step_dir, keys)  # after the tombstone (docs/incremental.md, D2)
         spared, late_fences = await self._newer_parts(step_dir, listing, targets)
         # Objects a standing commit names belong to a finished save; any other writer is revoked
         # first, so that if it is only paused it can never commit them (ckptio.fence).
@@ -111,7 +111,7 @@ class Deletion:
         records = {k for k in keys if parse_held(k) is not None}
         await ctx.delete_keys(sorted(keys - records))
         await ctx.delete_keys([i.key for i in listing if (n := parse_intent(i.key)) is not None
-                               and n.save_id not in live])
+                               and n.save_id not in live | pinners])  # holds go with their pins
         # Records after their objects, before the fences: no record outlives its objects' deletion
         # half-done and still stands.
         await ctx.delete_keys(sorted(records))
@@ -138,14 +138,15 @@ class Deletion:
         if root is not None and root.bases:
             await self.pins.unpin(pin_key(b, step_dir, root.checkpoint_id) for b in root.bases)
 
-    async def _unpinned(self, step_dir: str, keys: set[str]) -> list[str]:
+    async def _unpinned(self, step_dir: str, keys: set[str]) -> tuple[list[str], set[str]]:
         """Take out of ``keys`` what later steps' saves reference through their pins on ``step_dir``
-        (all of its objects while one of them is alive); returns the pins found dead."""
+        (all of its objects while one of them is alive); returns the pins found dead, and the save
+        ids of all pins seen (their holds stay: they go with their pins)."""
         if not step_dir:
-            return []
+            return [], set()
         pinned = await self.pins.judge(step_dir)
         keys -= {k for k in keys if self.ctx.parse_object(k)} if pinned.keep_all else pinned.keep
-        return pinned.dead
+        return pinned.dead, pinned.pinners
 
     async def _read_root(self, step_dir: str) -> tuple[Manifest | None, bool]:
         """The step's manifest as stored (None if absent or unreadable), and whether it is unreadable."""

@@ -189,7 +189,7 @@ class Collector:
         intents = [i for infos in rnd.by_step.values() for i in infos if (n := parse_intent(i.key)) is not None
                    and n.step_dir not in rnd.protected and n.save_id not in rnd.live[n.step_dir]
                    and rnd.now - i.mtime >= rnd.grace]
-        report.intents = [i.key for i in intents]
+        report.intents = [i.key for i in await self._without_holds(intents)]
         stale, stale_fences = await self._stale_records(rnd)
         report.objects += stale
         if not rnd.dry_run:
@@ -207,6 +207,15 @@ class Collector:
             await self.ctx.delete_keys(manifests)
             await self.ctx.delete_keys(fences)  # fences after manifests (ckptio.fence, step 5)
         report.objects.sort()
+
+    async def _without_holds(self, intents: list[ObjectInfo]) -> list[ObjectInfo]:
+        """``intents`` less the holds whose pins stand (ckptio.incremental.pins: a hold goes with its
+        pin, which is created first, so a hold listed before this pins' listing finds its pin)."""
+        pinners: dict[str, set[str]] = {}
+        for step_dir in sorted({n.step_dir for i in intents if (n := parse_intent(i.key)) is not None and n.step_dir}):
+            pinners[step_dir] = {p.save_id for p in await self.deletion.pins.of(step_dir)}
+        return [i for i in intents if (n := parse_intent(i.key)) is None
+                or n.save_id not in pinners.get(n.step_dir, set())]
 
     async def _read_markers(self, rnd: _Round) -> None:
         """Finish the deletions tombstones announce; read each listed manifest: what a committed one

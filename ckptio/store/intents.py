@@ -85,6 +85,8 @@ class Intents:
             doc = json.loads(await self.ctx.io.read(info.key))
             lease = float(doc.get("lease_s", DEFAULT_LEASE_S))
             covers = {save_id, *(c for c in doc.get("covers", []) if isinstance(c, str))}
+            if doc.get("hold"):  # for older ckptio only (ckptio.incremental.pins): pins decide here
+                return set()
         except FileNotFoundError:
             return {save_id}
         except (ValueError, TypeError, AttributeError):

@@ -1,0 +1,161 @@
+"""The mixed-version guard (ckptio/incremental/pins.py, "Holds"): an older ckptio, which cannot see
+pins, never deletes what a kept incremental step references -- its gc and its ``delete`` spare the
+objects of a live save, and each pin comes with a hold (an intent whose lease no clock reaches) in
+the referenced step; every incremental manifest is format 9, which an older retention skips.
+This version ignores holds (pins decide), and removes each with its pin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio.engine import run_sync
+from ckptio.incremental.pins import PIN_DIR
+from ckptio.manifest.formats import MANIFEST_NAME, REFS_VERSION
+from ckptio.names import parse_intent, parse_object
+
+REPO = Path(__file__).resolve().parents[1]
+#: The last commit before incremental saves (format 8): the "older ckptio" of this guard.
+PREVIOUS = "40c2020d3b10b47a5b23275238c1e8339f5427e0"
+FROZEN = 1 << 19  # float32: 2 MiB
+
+
+def _run(root: Path, steps: int, keep: int) -> tuple[ckptio.CheckpointManager, dict[int, dict[str, Any]]]:
+    frozen = np.random.default_rng(0).standard_normal(FROZEN).astype(np.float32)
+    mngr = ckptio.CheckpointManager(root, max_to_keep=keep, incremental=True)
+    states = {}
+    for step in range(1, steps + 1):
+        states[step] = {"frozen": frozen, "moving": np.full(FROZEN // 4, step, np.float32)}
+        mngr.save(step, states[step], force=True)
+        mngr.wait_until_finished()
+    return mngr, states
+
+
+def _files(root: Path, under: str) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in (root / under).rglob("*") if p.is_file()} if (root / under).exists() \
+        else {}
+
+
+def _version(root: Path, step: int) -> int:
+    return int(json.loads((root / str(step) / MANIFEST_NAME).read_bytes())["manifest"]["version"])
+
+
+def _restores(mngr: ckptio.CheckpointManager, states: dict[int, dict[str, Any]]) -> None:
+    for step in mngr.all_steps():
+        out = mngr.restore(step)
+        assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in states[step].items()), step
+
+
+def test_a_held_base_is_spared_by_the_older_liveness_rule(tmp_path: Path) -> None:
+    mngr, states = _run(tmp_path, 4, keep=2)
+    assert mngr.all_steps() == [3, 4]
+    for step in (3, 4):
+        assert run_sync(mngr.store.read_manifest(str(step))).bases == {"1": run_sync(
+            mngr.store.read_manifest("3")).bases["1"]}  # type: ignore[index]
+    held = {k for k in _files(tmp_path, "1") if parse_object(k)}
+    assert held  # step 1 is deleted, the frozen array's object is held
+    holds = {k: p for k, p in _files(tmp_path, "1").items() if parse_intent(k)}
+    pins = sorted(p.name for p in (tmp_path / PIN_DIR).iterdir())
+    assert len(holds) == len(pins) == 2  # one hold per pin, under the pinning save's id
+    covered: set[str] = set()
+    for key, path in holds.items():
+        doc = json.loads(path.read_text())
+        assert doc["hold"].rpartition("/")[2] in pins and parse_intent(key).save_id == doc["save_id"]  # type: ignore[union-attr]
+        # The older rule (ckptio.store.intents before #37): live while mtime is younger than the lease.
+        assert time.time() + 10 * 365 * 86400 - path.stat().st_mtime < float(doc["lease_s"])
+        covered |= {doc["save_id"], *doc["covers"]}
+    assert {parse_object(k).save_id for k in held} <= covered  # type: ignore[union-attr]
+    # This version: holds are no live save, and gc keeps what pins hold, holds included.
+    run_sync(mngr.store.sweep(grace_seconds=0))
+    assert set(_files(tmp_path, "1")) == held | set(holds)
+    _restores(mngr, states)
+    assert _version(tmp_path, 3) >= REFS_VERSION
+    for step in (3, 4):
+        mngr.delete(step)
+    run_sync(mngr.store.sweep(grace_seconds=0))
+    assert not _files(tmp_path, "1") and not _files(tmp_path, PIN_DIR)  # the holds went with their pins
+    mngr.close()
+
+
+def test_every_incremental_manifest_is_format_9(tmp_path: Path) -> None:
+    """Even a first save that references nothing: an older retention never deletes by its manifest."""
+    mngr, _ = _run(tmp_path, 1, keep=2)
+    m = run_sync(mngr.store.read_manifest("1"))
+    assert m.bases is None and _version(tmp_path, 1) >= REFS_VERSION
+    mngr.close()
+
+
+def _previous_release(tmp_path: Path) -> Path:
+    """The previous release's package (``git archive`` of :data:`PREVIOUS`), importable as ckptio."""
+    if not (REPO / ".git").exists():
+        pytest.skip("needs this repository's git history (the previous release's code)")
+    out = tmp_path / "previous"
+    out.mkdir()
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "ckptio", "backends"], capture_output=True)
+    if tar.returncode != 0:
+        pytest.skip(f"git archive {PREVIOUS[:7]} failed: {tar.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=tar.stdout, check=True)
+    (out / "backends").rename(out / "ckptio" / "backends")
+    return out
+
+
+_OLD = """
+import sys
+from ckptio.engine import run_sync
+from ckptio.manifest.formats import VERSION
+from ckptio.store import CheckpointStore
+assert VERSION == 8, VERSION
+store = CheckpointStore(sys.argv[1])
+report = run_sync(store.sweep(0))
+print("old gc deleted", report.deleted, "damaged", report.damaged)
+for step in sys.argv[2:]:
+    try:
+        run_sync(store.delete(step))
+        print("old delete", step, "done")
+    except Exception as e:
+        print("old delete", step, "refused:", repr(e))
+print("old committed", run_sync(store.committed_steps()))
+run_sync(store.close())
+if sys.argv[-1] == "1" and len(sys.argv) == 3 and sys.argv[1].endswith("standing"):
+    import numpy as np
+    import ckptio
+    m = ckptio.CheckpointManager(sys.argv[1], max_to_keep=1)  # its retention runs after each save
+    for step in (5, 6):
+        m.save(step, {"x": np.zeros(4)}, force=True)
+        m.wait_until_finished()
+    print("old retention kept", m.all_steps())
+    m.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["deleted", "standing"])
+def test_the_previous_release_deletes_nothing_a_kept_step_references(tmp_path: Path, base: str) -> None:
+    """The previous release's gc (grace 0), its ``delete`` of the base, and (base standing) its
+    retention with newer steps of its own, on a root where kept incremental steps reference that
+    base: every incremental step still restores bit-exact."""
+    old = _previous_release(tmp_path)
+    root = tmp_path / base
+    mngr, states = _run(root, 4 if base == "deleted" else 3, keep=2 if base == "deleted" else 3)
+    mngr.close()
+    env = {**os.environ, "PYTHONPATH": str(old)}
+    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "1"], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{old}/ckptio" not in done.stderr
+    mngr = ckptio.CheckpointManager(root, incremental=True)
+    for step in states:
+        if step in mngr.all_steps():  # the older delete took step 1's manifest (by name), not its objects
+            out = mngr.restore(step)
+            assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in states[step].items()), step
+    assert set(mngr.all_steps()) >= ({3, 4} if base == "deleted" else {2, 3}), done.stdout
+    mngr.close()
