@@ -6,7 +6,8 @@ place: a frozen base and trained adapters). Two
 managers save every step side by side, each in its own directory, ``max_to_keep=3``: one full
 (today's saves), one ``incremental=True``, the order alternating per step. Per save: the bytes
 written (new data objects), the stall (the ``save`` call: staging, and with ``incremental`` the
-digests), the save time (until committed, retention included) and the storage held after it.
+byte compares or digests), the save time (until committed, retention included) and the storage
+held after it; at the end, the last step's restore time from each (alternating, median of 3).
 """
 
 from __future__ import annotations
@@ -78,12 +79,27 @@ def main_incremental(fraction: float, size: int, arrays: int, steps: int, parent
                 print(f"{step:>4} {name:>12} {r['written'] / 2**20:>12.1f} {r['stall']:>8.3f} {r['save']:>8.3f} "
                       f"{r['held'] / 2**20:>9.1f}", flush=True)
         _summary(rows, total)
+        _restores(mngrs, steps)
     finally:
         for m in mngrs.values():
             m.close()
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+def _restores(mngrs: dict[str, ckptio.CheckpointManager], step: int, rounds: int = 3) -> None:
+    """The last step restored from each manager, alternating, ``rounds`` times: references are
+    other keys, read the same way (both steps were just written: the page cache holds both)."""
+    times: dict[str, list[float]] = {name: [] for name in mngrs}
+    for r in range(rounds):
+        for name in (list(mngrs) if r % 2 else list(reversed(mngrs))):
+            t0 = time.perf_counter()
+            mngrs[name].restore(step)
+            times[name].append(time.perf_counter() - t0)
+    full, inc = statistics.median(times["full"]), statistics.median(times["incremental"])
+    print(f"  restore of step {step} (median of {rounds}): full {full:.3f} s, incremental {inc:.3f} s, "
+          f"ratio {inc / full if full else math.nan:6.3f}")
 
 
 def _summary(rows: dict[str, list[dict[str, float]]], total: int) -> None:

@@ -17,7 +17,7 @@ def test_incremental_bench_writes_less_for_a_frozen_base(tmp_path: Path, capsys:
     written = {(r[0], r[1]): float(r[2]) for r in rows}
     for step in ("2", "3"):
         assert written[(step, "incremental")] < written[(step, "full")] / 5  # 1 array of 10 changed
-    assert "storage held" in out
+    assert "storage held" in out and "restore of step 3" in out
     assert not list(tmp_path.iterdir())  # its checkpoints go unless --keep
 
 
