@@ -84,6 +84,7 @@ def test_a_pin_after_the_tombstone_references_nothing(tmp_path: Path) -> None:
     (tmp_path / "1" / "ckptio.deleting").write_bytes(m1.checkpoint_id.encode())  # a deletion under way
     assert not run_sync(store.deletion.pins.pin("1", "3", m3.checkpoint_id, m1.checkpoint_id))
     assert not list((tmp_path / PIN_DIR).glob("1.*"))  # it took its pin back
+    assert not list((tmp_path / "1").glob(f"ckptio.intent.{m3.checkpoint_id}"))  # and its hold
 
 
 def test_a_paused_referencing_save_is_revoked_and_cannot_commit(tmp_path: Path) -> None:
