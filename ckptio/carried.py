@@ -94,9 +94,9 @@ def carried_save_ids(summaries: list[dict[str, Any]], step_dir: str, where: str)
 async def write_carried(io: Any, summaries: list[dict[str, Any]], where: str) -> list[int]:
     """Write every fragment ``summaries`` carry through ``io`` (a store's IO; the keys checked first by
     :func:`carried_save_ids`) and return each host's base (-1: no fragment). Each fragment's bytes are dropped
-    from its summary once checked; IntegrityError-like ManifestError naming a host whose bytes are not
-    what its reference says."""
-    bases, base, writes = [], 0, []
+    from its summary once checked; ManifestError naming a host whose bytes are not
+    what its reference says (then nothing is written)."""
+    bases, base, checked = [], 0, []
     for rank, s in enumerate(summaries):
         ref, raw = s.get("fragment"), s.pop(CARRIED, None)
         if ref is None:
@@ -110,7 +110,8 @@ async def write_carried(io: Any, summaries: list[dict[str, Any]], where: str) ->
             raise ManifestError(f"{where}: host {rank}'s fragment does not match its reference (size or crc32c)")
         bases.append(base)
         base += int(s["n_objects"])
-        writes.append(io.write(ref["key"], [memoryview(data)]))
-    await gather_or_cancel(writes, limit=64)
+        checked.append((ref["key"], data))
+    # Every fragment checked before the first write: a bad one leaves nothing of this save behind.
+    await gather_or_cancel((io.write(key, [memoryview(data)]) for key, data in checked), limit=64)
     await io.sync()
     return bases
