@@ -160,39 +160,52 @@ def _manager(fast: str, sim: SimGroup) -> Any:
     return m
 
 
-def _committed_handle(where: str) -> Any:
-    from ckptio.handle import SaveHandle
-    from ckptio.states import SaveState
-
-    h = SaveHandle(where, NEWEST)
-    h.state = SaveState.COMMITTED
-    return h
+def _own_record(records_path: str, rank: int) -> dict[str, Any]:
+    """Host ``rank``'s record (one JSON line of ``records_path``): no host reads any other's."""
+    with open(records_path) as f:
+        for r, line in enumerate(f):
+            if r == rank:
+                return json.loads(line)
+    raise IndexError(rank)
 
 
 def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path: str, out: Any) -> None:
-    """Host ``rank``'s side of one fast-tier save after its writes: the verdict (+ commit), ``_after_save``."""
-    from ckptio.collective import collective_verdict
-    from ckptio.save import SaveJob
+    """Host ``rank``'s side of one fast-tier save after its writes: the verdict (+ commit), ``_after_save``.
 
-    with open(records_path) as f:
-        records = json.load(f)
+    What each host sends the gather is what a save by many hosts to a host-local store sends
+    (``ckptio.carried``: its summary and its sealed fragment), read from ``<records_path>.gather``."""
+    from ckptio.carried import own_part
+    from ckptio.collective import collective_verdict
+    from ckptio.manifest.builder import expanded
+    from ckptio.save import SaveJob
+    from ckptio.states import SaveState
+    from ckptio.store.intents import Lease
+
+    with open(records_path + ".gather") as f:
+        gathered = json.load(f)
+    record = _own_record(records_path, rank)
     replay: list[bytes] = []
     if rank != 0:
         with open(replay_path) as f:
             replay = [bytes.fromhex(x) for x in json.load(f)]
-    sim = SimGroup(rank, hosts, records, replay)
+    sim = SimGroup(rank, hosts, gathered, replay)
     mngr = _manager(os.path.join(root, f"fast{rank}"), sim)
     step_dir = str(NEWEST)
     job = SaveJob(mngr.fast, NEWEST, coordinator=sim)
-    job.head = {"format": "ckptio", "version": 1, "step": NEWEST, "checkpoint_id": "0" * 12, "fence": "1" * 12,
+    job.save_id = f"{rank:012x}"
+    job.head = {"format": "ckptio", "version": 1, "step": NEWEST, "checkpoint_id": job.save_id, "fence": "1" * 12,
                 "created": time.time(), "block_size": 4 << 20, "num_hosts": hosts,
-                "tree": {"dict": {m: {"leaf": m} for m in records[0]["items"]}}, "metadata": {}}
-    _objects_of(mngr.fast.url, records[rank])  # the part's commit checks its objects are there (no data)
+                "tree": {"dict": {m: {"leaf": m} for m in record["items"]}}, "metadata": {}}
+    job.lease = Lease(mngr.fast, step_dir, job.save_id, rank).start()
+    job.handle.part = own_part(expanded(record), 4 << 20)
+    _objects_of(mngr.fast.url, record)  # the part's commit checks its objects are there (no data)
     t0 = time.perf_counter()
-    verdict = collective_verdict(sim, records[rank], job.commit if rank == 0 else None)
+    verdict = collective_verdict(sim, gathered[rank], job.commit if rank == 0 else None)
     assert verdict.ok, verdict.error
     t_commit = time.perf_counter() - t0
-    mngr._after_save(_committed_handle(mngr.fast.where(step_dir)))
+    job.lease.close(retire=True)
+    job.handle.state = SaveState.COMMITTED
+    mngr._after_save(job.handle)
     if mngr._hook_error is not None:
         raise mngr._hook_error
     t_all = time.perf_counter() - t0
@@ -213,6 +226,14 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
                          if n.startswith("ckptio.manifest") and dp.startswith(os.path.join(root, f"fast{rank}")))
     out.put({"commit_s": t_commit, "save_s": t_all, "holdings_s": t_held, "received": sim.received, "sent": sim.sent,
              "rss_mb": _rss_mb(), "manifest_bytes": manifest_bytes})
+
+
+def _sent(record: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What host ``rank`` sends the save's gather (``ckptio.carried``): its summary and sealed fragment."""
+    from ckptio.carried import carried_summary
+    from ckptio.manifest.builder import expanded
+
+    return {"ok": True, **carried_summary(expanded(record), str(NEWEST), NEWEST, f"{rank:012x}", rank)}
 
 
 def _objects_of(root: str, record: dict[str, Any]) -> None:
@@ -301,13 +322,18 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
         replay = os.path.join(root, "replay.json")
         if save:
             t0 = time.perf_counter()
-            records = [_record(hosts, shards, r) for r in range(hosts)]
-            res["records_s"] = time.perf_counter() - t0
-            path = os.path.join(root, "records.json")
+            path = os.path.join(root, "records.jsonl")
+            gathered = []
             with open(path, "w") as f:
-                json.dump(records, f)
-            sizes = [len(json.dumps(r)) for r in records]
-            del records
+                for r in range(hosts):
+                    record = _record(hosts, shards, r)
+                    f.write(json.dumps(record) + "\n")
+                    gathered.append(_sent(record, r))
+            res["records_s"] = time.perf_counter() - t0
+            with open(path + ".gather", "w") as f:
+                json.dump(gathered, f)
+            sizes = [len(json.dumps(g)) for g in gathered]
+            del gathered
             coord = _in_child(_save_side, root, path, hosts, 0, replay)
             other = _in_child(_save_side, root, path, hosts, min(1, hosts - 1), replay) if hosts > 1 else coord
             res.update({

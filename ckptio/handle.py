@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from .layout import LayoutOptions
 from .manifest import Manifest
@@ -30,6 +31,11 @@ class SaveHandle:
         self.step = step
         self.state = SaveState.STAGED
         self.stage_seconds = 0.0
+        #: A save by many hosts to a host-local store (ckptio.carried): this host's own part
+        #: (``objects``, ``sizes``, ``extents``) and, on the coordinator, each host's fragment base
+        #: (its objects' first index in the checkpoint; -1: no fragment). The tiers' commit records.
+        self.part: dict[str, Any] | None = None
+        self.part_bases: list[int] | None = None
         self._future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
 
     def result(self, timeout: float | None = None) -> Manifest | None:

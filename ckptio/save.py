@@ -33,6 +33,7 @@ from .errors import SaveFailedError
 from .store.intents import Lease, new_id
 from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
+from .carried import carried_save_ids, carried_summary, own_part, write_carried
 from .checksum import crc32c
 from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of
 from .manifest.builder import PACKED
@@ -95,15 +96,17 @@ async def _write_fragment(
         await store.io.sync()
         return FragmentRef(key, len(data), crc32c(data), host)
 
-    async def vouch() -> None:
-        # The coordinator sees only fragments: each host vouches for its own objects before the commit.
-        have = await store.object_sizes(p.key for p in plans)
-        for p in plans:
-            if have.get(p.key, -1) < p.size:
-                raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
-
-    ref, _ = await gather_or_cancel([fragment(), vouch()])
+    ref, _ = await gather_or_cancel([fragment(), _vouch(store, step_dir, plans)])
     return summary_of(record, ref, coordinator=host == 0)
+
+
+async def _vouch(store: CheckpointStore, step_dir: str, plans: list[ObjectPlan]) -> None:
+    """FileNotFoundError unless this host's objects are all there: the coordinator sees only fragments,
+    so each host vouches for its own objects before the commit."""
+    have = await store.object_sizes(p.key for p in plans)
+    for p in plans:
+        if have.get(p.key, -1) < p.size:
+            raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
 
 
 async def _step_is_clear(store: CheckpointStore, step_dir: str, *, coordinator: bool) -> bool:
@@ -197,8 +200,10 @@ class SaveJob:
         self.area = StagingArea(self.options.writer.staging_pool(pool))
         self.single_host = self.coord.size == 1  # its record is the whole manifest: pack tables
         # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
-        # (ckptio.manifest.fragments). A host-local store could not read other hosts' fragments back.
-        self.split = self.coord.size > 1 and not store.host_local
+        # (ckptio.manifest.fragments). A host-local store cannot read other hosts' fragments back:
+        # there each host's fragment travels to the coordinator in the gather (ckptio.carried).
+        self.split = self.coord.size > 1
+        self.carry = self.split and store.host_local
         self.deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the save's thread
         self.manifest: Manifest | None = None
         #: Set on the coordinator when the step is busy (ckptio.store.resave): the latest
@@ -363,7 +368,13 @@ class SaveJob:
         with _gc.paused():
             record = _host_record(self.staged, self.plans, written, rank, include_values=rank == 0, packs=self.packs,
                                   tables=self.single_host)
-        if self.split:
+        if self.carry:
+            record = _expanded(record)
+            # Its own objects, vouched for here as a native save's host does (the coordinator sees only fragments).
+            run_sync(_vouch(self.store, self.step_dir, self.plans))
+            self.handle.part = own_part(record, self.store.engine.config.block_size)
+            record = carried_summary(record, self.step_dir, self.step, self.save_id, rank)
+        elif self.split:
             record = _expanded(record)  # fragments hold full items
             record = run_sync(_write_fragment(self.store, self.step_dir, self.save_id, rank, self.step, record,
                                               self.plans))
@@ -374,6 +385,8 @@ class SaveJob:
     def commit(self, records: list[dict[str, Any]]) -> None:
         """The coordinator's phase: every host's record as one manifest, committed."""
         where = self.where
+        if self.carry:
+            self._write_carried(records)
         with _gc.paused():
             if self.split:
                 data = seal(build_root(records, self.head, where))
@@ -391,6 +404,15 @@ class SaveJob:
                 run_sync(self.store.wait_step_free(self.step_dir, self.busy_until))
             run_sync(self.store.commit(self.step_dir, manifest, data))
         self.manifest = manifest
+
+    def _write_carried(self, records: list[dict[str, Any]]) -> None:
+        """The coordinator's fragments step on a host-local store (:mod:`ckptio.carried`): every host's
+        fragment written here under this save's intent, covering their save ids first."""
+        sids = carried_save_ids(records, self.step_dir, self.where)
+        lease = self.lease
+        lease.covers = sorted(set(lease.covers) | set(sids))
+        run_sync(self.store.announce(self.step_dir, self.save_id, 0, lease.lease_s, lease.covers))
+        self.handle.part_bases = run_sync(write_carried(self.store.io, records, self.where))
 
     def verdict(
         self, record: dict[str, Any], failure: BaseException | None,

@@ -5,7 +5,6 @@ about it sends the scan back to the manifest. Replica markers likewise carry wha
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -180,12 +179,13 @@ def test_a_deletion_takes_the_record_before_the_manifest(saved):
 
 class _Follower:
     """Host 1's side of the fast tier's commit (the only collectives it joins): host 0 sends it the length of
-    its record, then the record; :attr:`received` counts the bytes it receives."""
+    its message, then the message (the checkpoint id and host 1's fragment base); :attr:`received` counts
+    the bytes it receives."""
 
     rank, size = 1, 2
 
-    def __init__(self, record: bytes) -> None:
-        self.queue = [struct.pack("<q", len(record)), record]
+    def __init__(self, message: bytes) -> None:
+        self.queue = [struct.pack("<q", len(message)), message]
         self.received = 0
 
     def exchange(self, sends: dict, sizes: dict | None = None) -> dict:
@@ -198,15 +198,21 @@ class _Follower:
         return {0: bytearray(data)}
 
 
-def _as_host_1(saved, root, m0, checkpoint_id: str | None = None) -> bytes:
-    """Host 0's record of host 1's part, sent as host 0 sends it: host 0's own part of ``m0`` (a one-host save)
-    played as host 1's of a two-host job, its objects copied into host 1's fast tier ``root``."""
+def _as_host_1(saved, root, m0, checkpoint_id: str | None = None, base: int = 0) -> tuple[bytes, dict]:
+    """Host 0's message to host 1 as host 0 sends it, and host 1's own part as its save recorded it: host 0's
+    part of ``m0`` (a one-host save) played as host 1's of a two-host job, its objects copied into host 1's
+    fast tier ``root``."""
     rec = part_records(m0, "0" * 12, [0])[0]
-    rec = dataclasses.replace(rec, host=1, num_hosts=2, checkpoint_id=checkpoint_id or rec.checkpoint_id)
     for k in rec.objects:
         os.makedirs(root / os.path.dirname(k), exist_ok=True)
         shutil.copyfile(saved / k, root / k)
-    return rec.to_json()
+    part = {"objects": rec.objects, "sizes": rec.sizes, "extents": rec.extra["extents"]}
+    return json.dumps({"checkpoint_id": checkpoint_id or rec.checkpoint_id, "base": base}).encode(), part
+
+
+def _commit_as_host_1(message: bytes, part: dict, root) -> tuple[BaseException | None, _Follower]:
+    group = _Follower(message)
+    return commit_everywhere(group, CheckpointStore(str(root), host_local=True), 2, part), group
 
 
 def test_a_non_coordinator_commits_its_part_by_its_record_alone(saved, tmp_path, monkeypatch):
@@ -216,12 +222,14 @@ def test_a_non_coordinator_commits_its_part_by_its_record_alone(saved, tmp_path,
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
     follower = CheckpointStore(str(root), host_local=True)
-    group = _Follower(_as_host_1(saved, root, m0))
-    assert commit_everywhere(group, follower, 2) is None
-    assert group.received < len(m0.to_json()) + 8 and not (root / "2" / "ckptio.manifest.json").exists()
+    err, group = _commit_as_host_1(*_as_host_1(saved, root, m0, base=7), root)
+    assert err is None
+    assert group.received < 100 and not (root / "2" / "ckptio.manifest.json").exists()
     assert run_sync(follower.committed_steps()) == [2]
     (name,) = records(root, 2)
-    fence = json.loads((root / "2" / name).read_bytes())["fence"]
+    doc = json.loads((root / "2" / name).read_bytes())
+    fence = doc["fence"]
+    assert doc["indices"] == list(range(7, 7 + len(doc["objects"])))  # its fragment's base onwards
     assert fence != m0.fence and (root / "2" / f"ckptio.fence.{fence}").exists()
     with monkeypatch.context() as mp:
         no_manifest_reads(mp)
@@ -233,20 +241,23 @@ def test_a_non_coordinator_commits_its_part_by_its_record_alone(saved, tmp_path,
     assert not (root / "2").exists() or os.listdir(root / "2") == []
 
 
-@pytest.mark.parametrize("damage", ["nothing sent", "another host's", "another step's", "not JSON"])
-def test_a_non_coordinator_refuses_a_record_not_its_own(saved, tmp_path, damage):
-    """What host 0 sends must be this host's part of this step: else nothing is committed, and the error
-    says why (the host then does not hold the step)."""
+@pytest.mark.parametrize("damage", ["nothing sent", "not JSON", "no base", "a negative base", "a bad id", "no part"])
+def test_a_non_coordinator_refuses_a_message_that_is_not_one(saved, tmp_path, damage):
+    """What host 0 sends must be a checkpoint id and a base, and the save must have recorded this host's part:
+    else nothing is committed, and the error names host 0 or the part (the host then does not hold the step)."""
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
-    doc = json.loads(_as_host_1(saved, root, m0))
-    data = {"nothing sent": b"", "another host's": json.dumps({**doc, "host": 2}).encode(),
-            "another step's": json.dumps({**doc, "step": 3}).encode(), "not JSON": b"{part"}[damage]
+    message, part = _as_host_1(saved, root, m0)
+    doc = json.loads(message)
+    data = {"nothing sent": b"", "not JSON": b"{part", "no base": json.dumps({"checkpoint_id": doc["checkpoint_id"]}),
+            "a negative base": json.dumps({**doc, "base": -1}), "a bad id": json.dumps({**doc, "checkpoint_id": "../x"}),
+            "no part": message}[damage]
+    data = data.encode() if isinstance(data, str) else data
     group = _Follower(data)
     if not data:
         group.queue = [struct.pack("<q", 0)]
-    err = commit_everywhere(group, CheckpointStore(str(root), host_local=True), 2)
-    assert err is not None and ("host 0" in str(err)), err
+    err = commit_everywhere(group, CheckpointStore(str(root), host_local=True), 2, None if damage == "no part" else part)
+    assert err is not None and ("host 0" in str(err) or "part" in str(err)), err
     assert records(root, 2) == [] and run_sync(CheckpointStore(str(root), host_local=True).committed_steps()) == []
 
 
@@ -257,13 +268,12 @@ def test_a_paused_record_writer_cannot_make_a_resaved_step_look_like_the_old_one
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
     follower = CheckpointStore(str(root), host_local=True)
-    assert commit_everywhere(_Follower(_as_host_1(saved, root, m0)), follower, 2) is None
+    assert _commit_as_host_1(*_as_host_1(saved, root, m0), root)[0] is None
     (old,) = records(root, 2)
     late = (root / "2" / old).read_bytes()
     run_sync(follower.delete("2"))
     assert not (root / "2").exists() or records(root, 2) == []
-    new = _as_host_1(saved, root, m0, "0123456789ab")
-    assert commit_everywhere(_Follower(new), follower, 2) is None
+    assert _commit_as_host_1(*_as_host_1(saved, root, m0, "0123456789ab"), root)[0] is None
     (root / "2" / old).write_bytes(late)  # the paused writer wakes
     scan = CheckpointStore(str(root), host_local=True)
     assert run_sync(read_held(scan, 2, 1)).checkpoint_id == "0123456789ab"
@@ -309,8 +319,7 @@ def test_ls_and_verify_show_and_check_a_part_committed_by_its_record(saved, tmp_
 
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
-    assert commit_everywhere(_Follower(_as_host_1(saved, root, m0)), CheckpointStore(str(root), host_local=True),
-                             2) is None
+    assert _commit_as_host_1(*_as_host_1(saved, root, m0), root)[0] is None
     capsys.readouterr()
     assert main(["ls", str(root)]) == 0
     out = capsys.readouterr().out

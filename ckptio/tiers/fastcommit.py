@@ -1,82 +1,124 @@
 """The fast tier's commit on every host: what stands in each host's own fast tier once a save committed.
 
-The core save commits the job's manifest in host 0's fast tier only (the fast tier is host-local).
-:func:`commit_everywhere` then makes the step stand on every other host, each with its own part
-only (issue #33 item 1: per save, O(its own part) per host and O(hosts) in total):
+The core save commits the job's checkpoint in host 0's fast tier only (the fast tier is host-local),
+as format 2 (:mod:`ckptio.carried`, issue #33): each host sealed its own fragment and sent it with its
+boxes in the save's gather; host 0 wrote every fragment as it came and committed a small root built
+from the boxes -- it parses no other host's shards. :func:`commit_everywhere` then makes the step stand
+on every other host, each with its own part only (per save, O(its own part) per host, O(hosts) in total):
 
-1. host 0 reads the manifest it just committed and cuts it into every host's part, a version 2
-   commit record (:func:`ckptio.tiers.held.part_records`: the checkpoint id, the number of hosts,
-   each own object's key, least size, extents and index in the manifest);
-2. host 0 sends each other host its own record, and only that (two point-to-point exchanges: an
-   8-byte length, then the record; no host receives another's part, nor the manifest);
-3. each other host commits its part by that record under a fence of its own
+1. host 0 reads its root (small: no fragment) for the checkpoint id and fence, and sends each other
+   host two numbers: the checkpoint id and its fragment's *base* (the index in the checkpoint of its
+   first object). Two point-to-point exchanges: an 8-byte length, then the message; no host receives
+   another's part, nor the manifest;
+2. each other host builds its own commit record (version 2: its objects, least sizes, extents, each
+   object's index = base + its index in its fragment) from what its save recorded of its own part
+   (``SaveHandle.part``) and commits it under a fence of its own
    (:meth:`ckptio.store.parts.Parts.commit`: objects checked, record written, fence claimed), with no
-   manifest in its fast tier; host 0 writes its own record beside its manifest.
+   manifest in its fast tier; host 0 writes its own record beside its root.
 
 A restart's scan (:func:`ckptio.tiers.held.read_held`), retention and deletion, gc, the peer and
 durable rounds read a non-coordinator's part from its record; a restore takes the manifest from host
-0's part (:func:`ckptio.tiers.policy.plan_restore`'s ``manifest_from``) or the durable tier.
+0's part (:func:`ckptio.tiers.policy.plan_restore`'s ``manifest_from``: host 0's fast tier holds the
+root and every fragment, its partner's replica a whole format-1 manifest) or the durable tier.
+A save without a host's part (one host) falls back to reading host 0's manifest.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
+import re
 import struct
+from typing import Any
 
 from ..engine import run_sync
-from ..manifest import Manifest
-from ..names import held_key, new_id
+from ..names import new_id
 from ..store import CheckpointStore
+from ..store.parts import PartRecord
 from .group import PeerGroup
-from ..store.parts import PartRecord, part_from_json
-from .held import part_records, write_held
+from .held import write_held
 
-__all__ = ["commit_everywhere"]
+__all__ = ["commit_everywhere", "part_record"]
 
 log = logging.getLogger("ckptio.tiers")
 
+_SID = re.compile(r"[0-9a-f]{12}")
 
-def commit_everywhere(group: PeerGroup, fast: CheckpointStore, step: int) -> BaseException | None:
+
+def commit_everywhere(group: PeerGroup, fast: CheckpointStore, step: int, part: dict[str, Any] | None = None,
+                      bases: list[int] | None = None) -> BaseException | None:
     """Collective, after a save of ``step`` committed (the same verdict on every host): make it stand in
-    every host's fast tier -- the manifest on host 0, each other host's own part by its record.
+    every host's fast tier -- the root and every fragment on host 0, each other host's own part by its record.
 
-    Returns None once this host holds the step, else why not (logged: the host then does not hold
-    the step, and a restore plans around it). Raises nothing: every host takes part in the exchanges.
+    ``part``: this host's own part as its save recorded it (``SaveHandle.part``); ``bases``: on host 0,
+    each host's fragment base (``SaveHandle.part_bases``). Returns None once this host holds the step,
+    else why not (logged: the host then does not hold the step, and a restore plans around it). Raises
+    nothing: every host takes part in the exchanges.
     """
     rank, step_dir = group.rank, str(step)
-    m: Manifest | None = None
-    records: dict[int, bytes] = {}
+    where = fast.where(step_dir)
+    if group.size == 1:  # one host: its manifest is the whole checkpoint
+        return _write_own_record(fast, step, None, rank, where)
+    messages: dict[int, bytes] = {}
+    head: tuple[str, str] | None = None
     if rank == 0:
         try:
-            m = run_sync(fast.read_manifest(step_dir))
-            # The fence is a placeholder: each host commits its part under a fence of its own.
-            records = {r: p.to_json() for r, p in part_records(m, new_id(), range(1, group.size)).items()}
+            root = run_sync(fast.read_manifest(step_dir, shards=False))
+            if bases is None or len(bases) != group.size:
+                raise RuntimeError("the save recorded no fragment bases (not a save by many hosts?)")
+            head = (root.checkpoint_id, root.fence or "")
+            messages = {r: json.dumps({"checkpoint_id": root.checkpoint_id, "base": max(bases[r], 0)}).encode()
+                        for r in range(1, group.size)}
         except BaseException as e:  # sending nothing fails every other host alike
-            log.error("%s: cannot read the manifest just committed: %r", fast.where(step_dir), e)
+            log.error("%s: cannot read the root just committed: %r", where, e)
     error: BaseException | None = None
     try:
-        data = _send_parts(group, records) if group.size > 1 else None
+        data = _send_parts(group, messages)
         if rank != 0:
-            m = None
-            run_sync(fast.parts.commit(_own_record(data, step, rank, fast.where(step_dir))))
+            cid, base = _checked_message(data, rank, where)
+            run_sync(fast.parts.commit(part_record(part, step, cid, rank, group.size, base, new_id(), where)))
     except BaseException as e:
-        log.error("%s: the fast-tier commit on host %d failed: %r", fast.where(step_dir), rank, e)
+        log.error("%s: the fast-tier commit on host %d failed: %r", where, rank, e)
         error = e
-    if error is None and m is not None:
-        try:  # after the commit stood: a restart's scan then reads this, not the manifest
-            run_sync(write_held(fast, step, m, rank))
-        except Exception as e:  # noqa: BLE001 -- without a record, the scan reads the manifest
-            log.warning("%s: cannot write this host's commit record: %r", fast.where(step_dir), e)
-    log.info("%s: committed in the fast tier on host %d (held: %s)", fast.where(step_dir), rank, error is None)
+    if rank == 0 and error is None:
+        if head is None:
+            error = RuntimeError(f"{where}: host 0 could not read its root")
+        else:  # after the commit stood: a restart's scan then reads this, not the manifest
+            bases = bases or [0]
+            error = _write_own_record(fast, step, part_record(part, step, head[0], 0, group.size, max(bases[0], 0),
+                                                              head[1], where), 0, where)
+    log.info("%s: committed in the fast tier on host %d (held: %s)", where, rank, error is None)
     return error
+
+
+def part_record(part: dict[str, Any] | None, step: int, checkpoint_id: str, rank: int, num_hosts: int, base: int,
+                fence: str, where: str) -> PartRecord:
+    """Host ``rank``'s commit record (version 2) of its ``part`` of checkpoint ``checkpoint_id``: each object's
+    index in the checkpoint is ``base`` plus its index in the part (its fragment's order)."""
+    if part is None:
+        raise RuntimeError(f"{where}: host {rank}'s save recorded no part of its own")
+    objects = part["objects"]
+    return PartRecord(step, checkpoint_id, rank, fence, num_hosts, list(objects), list(part["sizes"]),
+                      {"extents": part["extents"], "indices": list(range(base, base + len(objects)))})
+
+
+def _write_own_record(fast: CheckpointStore, step: int, record: PartRecord | None, rank: int,
+                      where: str) -> BaseException | None:
+    """This host's record beside its committed manifest (None: cut from the manifest, one host's save)."""
+    try:
+        if record is None:
+            run_sync(write_held(fast, step, run_sync(fast.read_manifest(str(step))), rank))
+        else:
+            run_sync(fast.io.write(record.key, [memoryview(record.to_json())]))
+    except Exception as e:  # noqa: BLE001 -- without a record, the scan reads the manifest
+        log.warning("%s: cannot write this host's commit record: %r", where, e)
+    return None
 
 
 def _send_parts(group: PeerGroup, records: dict[int, bytes]) -> bytes | None:
     """Collective: host 0 sends each other host ``records[host]`` (absent: an empty one); returns this
     host's (None on host 0). Two exchanges whose sizes every receiver knows: the 8-byte length, then
-    the record -- so no host receives any length or byte but its own."""
+    the message -- so no host receives any length or byte but its own."""
     rank, size = group.rank, group.size
     lengths = {r: [memoryview(struct.pack("<q", len(records.get(r, b""))))] for r in range(1, size)} if rank == 0 else {}
     got = group.exchange(lengths, {} if rank == 0 else {0: [8]})
@@ -86,16 +128,15 @@ def _send_parts(group: PeerGroup, records: dict[int, bytes]) -> bytes | None:
     return bytes(got[0]) if n > 0 else None
 
 
-def _own_record(data: bytes | None, step: int, rank: int, where: str) -> PartRecord:
-    """This host's part as host 0 sent it, bound to ``step`` and this host, under a fence of its own."""
+def _checked_message(data: bytes | None, rank: int, where: str) -> tuple[str, int]:
+    """The checkpoint id and this host's base, as host 0 sent them; an error naming host 0 otherwise."""
     if data is None:
-        raise RuntimeError(f"{where}: host 0 sent no record of this host's part (it could not read its manifest)")
+        raise RuntimeError(f"{where}: host 0 sent nothing for host {rank}'s part (it could not read its root)")
     try:
-        cid = json.loads(data)["checkpoint_id"]
-        record = part_from_json(data, held_key(str(step), str(cid), rank))
+        doc = json.loads(data)
+        cid, base = doc["checkpoint_id"], doc["base"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: host 0's record of host {rank}'s part is not one: {e}") from None
-    if record.sizes is None or "extents" not in record.extra:
-        raise ValueError(f"{where}: host 0's record of host {rank}'s part lacks its sizes or extents")
-    # A fence of this host's own commit: the record must name the fence that stands in this host's step.
-    return dataclasses.replace(record, fence=new_id())
+        raise ValueError(f"{where}: host 0's message for host {rank}'s part is not one: {e!r}") from None
+    if not (isinstance(cid, str) and _SID.fullmatch(cid)) or type(base) is not int or base < 0:
+        raise ValueError(f"{where}: host 0's message for host {rank}'s part is not one: {str(doc)[:80]!r}")
+    return cid, base

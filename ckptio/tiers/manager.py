@@ -5,15 +5,16 @@ Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
 
     <fast_url>/<step>/...           this host's objects + its commit record (ckptio.tiers.held: what a
                                     restart scans; a non-coordinator's part is committed by it alone)
-                                    + on host 0 only, the job's manifest
+                                    + on host 0 only, the job's manifest: a format-2 root and every
+                                    host's fragment (ckptio.carried: carried in the save's gather)
     <peer_url>/<step>/...           a partner's latest snapshot: its objects, its record (host 0's: the
                                     manifest), a marker
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
 
 A save is the core save (stage -> write -> gather -> commit by host 0) into
 each host's fast tier; then the step is made to stand in every host's fast
-tier (:mod:`ckptio.tiers.fastcommit`: host 0 sends each host only its own
-part's record), the step is queued for the peer and
+tier (:mod:`ckptio.tiers.fastcommit`: host 0 sends each host its checkpoint id
+and fragment base, and each host commits its own part's record), the step is queued for the peer and
 durable replicators, and the fast tier's retention runs. ``result()`` on the
 handle returns when all of that is done -- the replication itself runs in
 the background.
@@ -299,7 +300,7 @@ class TieredCheckpointManager:
         if handle.state != SaveState.COMMITTED or handle.step is None:
             return  # the same verdict on every host: nobody runs a collective below
         step = handle.step
-        error = commit_everywhere(self._control, self.fast, step)
+        error = commit_everywhere(self._control, self.fast, step, handle.part, handle.part_bases)
         if error is not None:  # this host then does not hold the step; restore plans around it
             self._hook_error = error
         # Queue on every host alike, held or not: the workers' rounds are collective.

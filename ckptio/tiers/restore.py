@@ -198,11 +198,11 @@ def _manifest_to_send(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) 
     durable tier's, under the fast tiers' keys (other hosts' fast tiers hold only their own part, #33)."""
     step_dir = str(plan.step)
     if t.rank in plan.holders(0):
-        return run_sync(holding_store(0).read_manifest(step_dir, shards=False))
+        return run_sync(holding_store(0).read_manifest(step_dir))
     if t.durable is None or not plan.in_durable:
         raise CheckpointNotFoundError(f"step {plan.step}: host 0's part (the job's manifest) is in no fast tier, and "
                                       "the durable tier does not hold the step")
-    there = run_sync(t.durable.read_manifest(step_dir, shards=False))
+    there = run_sync(t.durable.read_manifest(step_dir))
     if there.checkpoint_id != plan.checkpoint_id:
         raise CheckpointNotFoundError(f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
                                       f"the fast tiers {plan.checkpoint_id}, and host 0's part is in no fast tier")
