@@ -112,6 +112,13 @@ class Columns:
             raise ManifestError(f"{self.here}: its extent or checksum counts do not add up")
         return boxes, counts, extents, crcs
 
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`arrays`, then forgotten: a reader copying thousands of fragments' columns into
+        one set holds each fragment's own copy only until it is copied."""
+        out = self.arrays()
+        self.kept, self.text = None, ""
+        return out
+
 
 def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None, *,
                    keep: Collection[str] | None = None, arrays: Collection[str] | None = None) -> Columns:
@@ -158,12 +165,28 @@ def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = Non
     if len(counts) == len(listed):
         cols.kept = full
     else:
-        cols.kept = _take_rows(full, _ranges(np.array([lstarts[n] for n in counts], np.int64),
-                                             np.array(list(counts.values()), np.int64)))
+        first = [lstarts[n] for n in counts]
+        sizes = list(counts.values())
+        if all(a + k == b for a, k, b in zip(first, sizes, first[1:])):  # one run of rows (one item, say)
+            cols.kept = _take_run(full, first[0] if first else 0, (first[0] if first else 0) + sum(sizes))
+        else:
+            cols.kept = _take_rows(full, _ranges(np.array(first, np.int64), np.array(sizes, np.int64)))
         cols.starts = starts
         cols.rows, cols.n_ext, cols.n_crc = len(cols.kept[0]), len(cols.kept[2]), len(cols.kept[3])
     cols.text = ""
     return cols
+
+
+def _take_run(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], r0: int, r1: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_take_rows` of the rows ``[r0, r1)``: slices, a few array calls whatever the
+    fragment holds (a host wanting one array of 4096 fragments takes one run of each)."""
+    boxes, ecount, ext, crcs = arrays
+    e0 = int(ecount[:r0].sum())
+    e1 = e0 + int(ecount[r0:r1].sum())
+    c0 = int(ext[:e0, 4].sum())
+    c1 = c0 + int(ext[e0:e1, 4].sum())
+    return boxes[r0:r1].copy(), ecount[r0:r1].copy(), ext[e0:e1].copy(), crcs[c0:c1].copy()
 
 
 def _take_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray
@@ -239,7 +262,7 @@ def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], a
     out = _Filled(width, sizes[0] if sizes else None)
     for f, base, c in fragments:
         item, rows = known[id(c.counts)]
-        boxes, ecount, ext, crcs = c.arrays()
+        boxes, ecount, ext, crcs = c.take()
         if not isinstance(rows, slice):
             boxes, ecount, ext, crcs = _take_rows((boxes, ecount, ext, crcs), rows)
         if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
@@ -289,22 +312,25 @@ class _Filled:
 
 
 def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
-    """``cols`` with rows (and their extents and checksums) in item order, so that each item's
-    table is views of them; ``efirst``/``cfirst``: each row's first extent, each extent's first crc."""
-    order = np.argsort(cols["item"], kind="stable")
-    for k in ("item", "frag", "boxes"):
-        cols[k] = cols[k][order]
-    ecount = cols["ecount"]
-    efirst = np.concatenate([[0], np.cumsum(ecount)])
-    e = _ranges(efirst[order], ecount[order])
-    cols["ecount"] = ecount = ecount[order]
+    """``cols`` with rows (and their extents) in item order, so that each item's table is views of
+    them; ``efirst``: each row's first extent; ``cfirst``: each extent's first crc in ``crcs``.
+
+    The checksums stay where they are (fragment by fragment) and every item's table indexes
+    them: a host planning a column block of every array of 4096 hosts holds 28 M checksums
+    once, not twice plus a 28 M-entry index to reorder them."""
     ncrc = cols["extents"][:, 4]
-    c = _ranges((np.cumsum(ncrc) - ncrc)[e], ncrc[e])
-    cols["extents"] = cols["extents"][e]
-    cols["crcs"] = cols["crcs"][c]
-    ncrc = cols["extents"][:, 4]
-    cols["efirst"] = np.concatenate([[0], np.cumsum(ecount)])
-    cols["cfirst"] = np.cumsum(ncrc) - ncrc
+    cfirst = np.cumsum(ncrc) - ncrc
+    item = cols["item"]
+    if len(item) > 1 and (item[1:] < item[:-1]).any():
+        order = np.argsort(item, kind="stable")
+        for k in ("item", "frag", "boxes"):
+            cols[k] = cols[k][order]
+        ecount = cols["ecount"]
+        e = _ranges(np.concatenate([[0], np.cumsum(ecount)])[order], ecount[order])
+        cols["ecount"] = ecount[order]
+        cols["extents"], cfirst = cols["extents"][e], cfirst[e]
+    cols["efirst"] = np.concatenate([[0], np.cumsum(cols["ecount"])])
+    cols["cfirst"] = cfirst
     return cols
 
 
@@ -361,13 +387,9 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
     if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
             or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
         raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
-    if isinstance(e, slice):
-        c0 = int(cols["cfirst"][e.start]) if e.stop > e.start else 0
-        c: np.ndarray | slice = slice(c0, c0 + int(ncrc.sum()))
-    else:
-        c = _ranges(cols["cfirst"][e], ncrc)
+    # Every table shares the loaded checksums (see _by_item): crc0 indexes them.
     return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
-                      obj, at, so, length, np.cumsum(ncrc) - ncrc, ncrc, bs, cols["crcs"][c])
+                      obj, at, so, length, cols["cfirst"][e], ncrc, bs, cols["crcs"])
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
