@@ -26,6 +26,7 @@ LAYERS = [
     "codec.packs",
     "codec.arrays",
     "codec.columns",
+    "codec.gather",
     "codec.single",
     "codec.split",
     "codec",

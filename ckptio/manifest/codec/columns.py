@@ -200,22 +200,20 @@ def _take_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ro
     return boxes[rows], ecount[rows], ext[e], crcs[_ranges(cfirst[e], ext[e, 4])]
 
 
-def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
-                 *, complete: bool, names: Collection[str] | None = None) -> dict[str, ArrayItem]:
-    """The array items of a format-2 ``manifest`` that the columnar ``fragments`` (``(fragment
-    number, its first object in the loaded objects, its columns)``) hold rows of, each with its
-    :class:`ShardTable` made from those rows (replicas the root assigns to another fragment
-    dropped) and checked as columns: boxes inside the array, extents tiling each shard's bytes
-    with one checksum per block, objects that exist; with ``complete``, shards tiling the array.
-    Only the items ``names`` lists (None: all): the rows of the others are not looked at."""
-    arrays = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
-    cols = _by_item(_concat(manifest, fragments, arrays, where, names))
-    names = arrays
+def from_columns(manifest: Manifest, gathered: dict[str, Any], where: str, *, complete: bool) -> dict[str, ArrayItem]:
+    """The array items of a format-2 ``manifest`` that the rows ``gathered`` from its columnar
+    fragments (:class:`~.gather.Gather`, item indices into the manifest's array items) hold,
+    each with its :class:`ShardTable` made from those rows (replicas the root assigns to another
+    fragment dropped) and checked as columns: boxes inside the array, extents tiling each
+    shard's bytes with one checksum per block, objects that exist; with ``complete``, shards
+    tiling the array."""
+    names = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+    cols = _by_item(gathered)
     width = cols["width"]
     cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
     order = np.arange(len(cols["item"]))
     bounds = np.searchsorted(cols["item"], np.arange(len(names) + 1)).tolist()
-    loaded = np.array(sorted({f for f, _b, _c in fragments}), np.int64)
+    loaded = cols["loaded"]
     out: dict[str, ArrayItem] = {}
     for i, name in enumerate(names):
         if bounds[i] == bounds[i + 1]:
@@ -233,82 +231,6 @@ def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns
             check_tiling(full.shards, item.shape, here)  # type: ignore[arg-type]
         out[name] = full
     return out
-
-
-def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], arrays: list[str],
-            where: str, names: Collection[str] | None) -> dict[str, Any]:
-    """The rows of items ``names`` (None: all) of every fragment as one set of columns: ``item``
-    (index into ``arrays``), ``frag``, ``boxes`` (widened to the widest rank), ``ecount``,
-    ``extents`` (objects made global), ``crcs``. Fragments are decompressed one at a time, each
-    copied into columns allocated once (every row wanted) or sliced to the wanted items' rows."""
-    ids = {n: i for i, n in enumerate(arrays)}
-    width = max(c.width for _f, _b, c in fragments)
-    # Every host lists the same items with the same counts (decode_columns then shares one
-    # dict): the item index of those rows, and which of them are wanted, are worked out once.
-    known: dict[int, tuple[np.ndarray, Any]] = {}
-    for _f, _b, c in fragments:
-        if id(c.counts) not in known:
-            unknown = [n for n in c.counts if n not in ids]
-            if unknown:
-                raise ManifestError(f"{c.here}: names item {unknown[0]!r} that the root does not hold as an array")
-            kept = list(c.counts) if names is None else [n for n in c.counts if n in names]
-            counts = np.array([c.counts[n] for n in kept], np.int64)
-            rows_of = (slice(None) if len(kept) == len(c.counts) else  # each item's rows are contiguous
-                       _ranges(np.array([c.starts[n] for n in kept], np.int64), counts))
-            known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
-    whole = all(isinstance(known[id(c.counts)][1], slice) for _f, _b, c in fragments)
-    sizes = [(sum(c.rows for _f, _b, c in fragments), sum(c.n_ext for _f, _b, c in fragments),
-              sum(c.n_crc for _f, _b, c in fragments))] if whole else None
-    out = _Filled(width, sizes[0] if sizes else None)
-    for f, base, c in fragments:
-        item, rows = known[id(c.counts)]
-        boxes, ecount, ext, crcs = c.take()
-        if not isinstance(rows, slice):
-            boxes, ecount, ext, crcs = _take_rows((boxes, ecount, ext, crcs), rows)
-        if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
-            raise ManifestError(f"{c.here}: an extent names an object the fragment does not list")
-        out.add(f, base, item, boxes if c.width == width else _widened(boxes, c.width, width), ecount, ext, crcs)
-    return out.done()
-
-
-class _Filled:
-    """Columns filled fragment by fragment: into arrays allocated once when the sizes are known
-    (``(rows, extents, crcs)``), else gathered and joined at the end."""
-
-    def __init__(self, width: int, sizes: tuple[int, int, int] | None) -> None:
-        self.width, self.sizes = width, sizes
-        self.at = [0, 0, 0]
-        if sizes is not None:
-            r, e, c = sizes
-            self.cols = {"item": np.empty(r, np.int64), "frag": np.empty(r, np.int64),
-                         "boxes": np.empty((r, 3 * width), np.int64), "ecount": np.empty(r, np.int64),
-                         "extents": np.empty((e, 6), np.int64), "crcs": np.empty(c, np.uint32)}
-        else:
-            self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents",
-                                                                        "crcs")}
-
-    def add(self, f: int, base: int, item: np.ndarray, boxes: np.ndarray, ecount: np.ndarray, ext: np.ndarray,
-            crcs: np.ndarray) -> None:
-        if self.sizes is None:
-            ext = ext.astype(np.int64)  # a copy: the object numbers are made global below
-            ext[:, 0] += base
-            for k, v in (("item", item), ("frag", np.full(len(boxes), f, np.int64)), ("boxes", boxes.astype(np.int64)),
-                         ("ecount", ecount.astype(np.int64)), ("extents", ext), ("crcs", crcs.astype(np.uint32))):
-                self.parts[k].append(v)
-            return
-        r, e, c = self.at
-        n, m, k = len(boxes), len(ext), len(crcs)
-        cols = self.cols
-        cols["item"][r : r + n], cols["frag"][r : r + n], cols["boxes"][r : r + n] = item, f, boxes
-        cols["ecount"][r : r + n], cols["extents"][e : e + m], cols["crcs"][c : c + k] = ecount, ext, crcs
-        cols["extents"][e : e + m, 0] += base
-        self.at = [r + n, e + m, c + k]
-
-    def done(self) -> dict[str, Any]:
-        out: dict[str, Any] = (self.cols if self.sizes is not None else
-                               {k: np.concatenate(v) for k, v in self.parts.items()})
-        out["width"] = self.width
-        return out
 
 
 def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
