@@ -103,7 +103,7 @@ class Columns:
         if len(raw) != sum(sizes):
             raise ManifestError(f"{self.here}: its shard columns do not hold the {rows} shards and {n_ext} "
                                 "extents it names")
-        at = np.cumsum([0, *sizes]).tolist()
+        at = list(itertools.accumulate(sizes, initial=0))  # plain ints: no array call per fragment
         boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
         counts = np.frombuffer(raw, _LE64, rows, at[1])
         extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
