@@ -25,6 +25,7 @@ LAYERS = [
     "refs",
     "codec.packs",
     "codec.arrays",
+    "codec.rowcheck",
     "codec.columns",
     "codec.gather",
     "codec.single",

@@ -32,7 +32,8 @@ import numpy as np
 
 from ...errors import ManifestError
 from ..geometry import check_tiling
-from ..limits import MAX_COUNT, MAX_DIM, MAX_NDIM, check_int
+from .rowcheck import check_rows
+from ..limits import MAX_COUNT, MAX_NDIM, check_int
 from ..model import ArrayItem, Manifest
 from ..table import ShardList, ShardTable
 
@@ -213,18 +214,19 @@ def from_columns(manifest: Manifest, gathered: dict[str, Any], where: str, *, co
     cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
     order = np.arange(len(cols["item"]))
     bounds = np.searchsorted(cols["item"], np.arange(len(names) + 1)).tolist()
-    loaded = cols["loaded"]
+    items: list[ArrayItem] = [manifest.items[n] for n in names]  # type: ignore[misc]
+    check_rows(cols, items, names, manifest.block_size, where)
+    mine: dict[int, np.ndarray] = {}  # per locator: the rows it assigns the loaded fragments
     out: dict[str, ArrayItem] = {}
     for i, name in enumerate(names):
         if bounds[i] == bounds[i + 1]:
             continue
-        item = manifest.items[name]
-        assert isinstance(item, ArrayItem)
+        item = items[i]
         here = f"{where}: item {name!r}"
-        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, mine)
         if len(rows) == bounds[i + 1] - bounds[i]:  # every row owned: the table is views of the columns
             rows = slice(bounds[i], bounds[i + 1])
-        table = _table(item, rows, cols, width, manifest.block_size, here)
+        table = _table(item, rows, cols, width)
         full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
         full.table = table
         if complete:
@@ -263,12 +265,17 @@ def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
                            np.ones((n, pad), np.int64), boxes[:, 2 * width :], np.full((n, pad), -1, np.int64)], axis=1)
 
 
-def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, loaded: np.ndarray) -> np.ndarray:
-    """``rows`` without the replicas the root's locator assigns to another fragment."""
+def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int,
+           assigned_to: dict[int, np.ndarray]) -> np.ndarray:
+    """``rows`` without the replicas the root's locator assigns to another fragment
+    (``assigned_to``: per locator, the rows it assigns the loaded fragments, filled here)."""
     ndim = len(item.shape)
     keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
     loc = item.locator
-    mine = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    mine = assigned_to.get(id(loc))
+    if mine is None:  # arrays of one layout share their locator: its rows are picked once
+        loaded = cols["loaded"]
+        mine = assigned_to[id(loc)] = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
     # The common case: exactly the rows the root assigns these fragments, in the root's order
     # (fragment by fragment, each in its own order), or at least the same set of them.
     if len(mine) == len(keys) and (np.array_equal(keys, mine) or np.array_equal(
@@ -278,40 +285,19 @@ def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
 
 
-def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int, block_size: int,
-           here: str) -> ShardTable:
-    """The shard table of ``rows`` (a slice: views of ``cols``), checked (ManifestError naming ``here``)."""
+def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int) -> ShardTable:
+    """The shard table of ``rows`` (a slice: views of ``cols``), whose rows :func:`check_rows` checked."""
     ndim, boxes = len(item.shape), cols["boxes"][rows]
     offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
-    if ((boxes[:, ndim:width] != 0).any() or (boxes[:, width + ndim : 2 * width] != 1).any()
-            or (boxes[:, 2 * width + ndim :] != -1).any()):
-        raise ManifestError(f"{here}: a shard's rank differs from the array's {ndim}")
-    limit = np.asarray(item.shape, np.int64)
-    if (offs < 0).any() or (shape < 0).any() or (offs > limit - shape).any():
-        raise ManifestError(f"{here}: a shard lies outside the array shape {list(item.shape)}")
-    untiled = (tile == -1).all(axis=1)
-    if not (untiled | ((tile >= 1) & (tile <= np.maximum(shape, 1))).all(axis=1)).all():
-        raise ManifestError(f"{here}: a shard's tile does not fit its shape")
     counts = cols["ecount"][rows]
     if isinstance(rows, slice):
         e: np.ndarray | slice = slice(int(cols["efirst"][rows.start]), int(cols["efirst"][rows.stop]))
     else:
         e = _ranges(cols["efirst"][rows], counts)
-    ext = cols["extents"][e]
-    obj, at, so, length, ncrc, block = ext.T
-    prior = np.cumsum(length) - length  # bytes of this item's extents before each one
-    covered = prior - prior[np.repeat(np.cumsum(counts) - counts, counts)]  # ... within its shard
-    nbytes = np.prod(shape, axis=1, dtype=np.int64) * item.dtype.itemsize
-    ends = np.concatenate([[0], np.cumsum(length)])
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    total = ends[bounds[1:]] - ends[bounds[:-1]]  # each shard's extents' bytes
-    bs = np.where(block > 0, block, block_size)
-    if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
-            or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
-        raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
+    obj, at, so, length, ncrc, _block = cols["extents"][e].T
     # Every table shares the loaded checksums (see _by_item): crc0 indexes them.
     return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
-                      obj, at, so, length, cols["cfirst"][e], ncrc, bs, cols["crcs"])
+                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"])
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
