@@ -81,3 +81,25 @@ def test_a_bad_row_is_refused_naming_its_item(n_items: int, n_frag: int, chunk: 
             _load(root, frags)
     finally:
         rowcheck._CHUNK = old
+
+
+def test_gathering_reserves_a_bounded_guess_and_grows_past_it() -> None:
+    """The first fragment's sizes times the fragments expected reserve at most about a GiB of
+    address space (a huge first fragment times thousands must not be refused by the kernel);
+    fragments beyond the guess grow the columns, and every row lands."""
+    root, frags = _manifest(3, 5, ["float32"])
+    gather = Gather(list(root.items), None, expect=10**9)
+    like = None
+    for f, listed in enumerate(frags):
+        like = decode_columns({"objects": ["o"], **encode_columns(listed)}, f"frag{f}", like, keep=set(root.items))
+        gather.add(f, f, like)
+        assert gather.cols["crcs"].nbytes + gather.cols["extents"].nbytes + gather.cols["boxes"].nbytes <= 2 << 30
+    cols = gather.done()
+    assert len(cols["item"]) == 3 * 5 and cols["loaded"].tolist() == list(range(5))
+    small = Gather(list(root.items), None, expect=1)  # a guess too small: the columns double
+    like = None
+    for f, listed in enumerate(frags):
+        like = decode_columns({"objects": ["o"], **encode_columns(listed)}, f"frag{f}", like, keep=set(root.items))
+        small.add(f, f, like)
+    got = small.done()
+    assert all(np.array_equal(got[k], cols[k]) for k in ("item", "frag", "boxes", "ecount", "extents", "crcs"))

@@ -22,6 +22,8 @@ from .columns import Columns, _ranges, _take_rows, _widened
 __all__ = ["Gather"]
 
 _ROW_COLS = ("item", "frag", "boxes", "ecount")
+#: At most this much address space is reserved on the first fragment's guess.
+_GUESS_BYTES = 1 << 30
 
 
 class Gather:
@@ -100,7 +102,12 @@ class Gather:
             cap = [max(2 * len(self.cols["item"]), r + n), max(2 * len(self.cols["extents"]), e + m),
                    max(2 * len(self.cols["crcs"]), q + k)]
         else:
+            w = self.width
             times = max(self.expect or 1, 1)
+            # The guess's address space is capped (a first fragment far larger than the others,
+            # times thousands, could be refused by the kernel): past the cap, columns double.
+            room = (n * 8 * (3 + 3 * w) + m * 48 + k * 4) * times
+            times = max(1, min(times, times * _GUESS_BYTES // max(room, 1)))
             cap = [n * times, m * times, k * times]
         w = self.width
         fresh = {"item": np.empty(cap[0], np.int64), "frag": np.empty(cap[0], np.int64),
