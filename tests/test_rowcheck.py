@@ -55,15 +55,18 @@ FAULTS = {  # what a lying row says -> the message naming it
     "outside": (lambda r: {**r, "offsets": [r["offsets"][0] + 1000, *r["offsets"][1:]]}, "outside the array"),
     "tile": (lambda r: {**r, "tile": [r["shape"][0] + 5, *r["shape"][1:]]}, "tile does not fit"),
     "extents": (lambda r: {**r, "extents": [[0, 0, 0, r["extents"][0][3] - 1, [1]]]}, "extents do not hold"),
+    # Two faults in one row: the first check in order names it.
+    "tile+extents": (lambda r: {**r, "tile": [r["shape"][0] + 5, *r["shape"][1:]],
+                                "extents": [[0, 0, 0, r["extents"][0][3] - 1, [1]]]}, "tile does not fit"),
 }
 
 
 @settings(max_examples=40, derandomize=True, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 5), st.integers(1, 7), st.data())
+@given(st.integers(1, 12), st.integers(1, 5), st.sampled_from([1, 2, 3, 7, 1 << 16]), st.data())
 def test_a_bad_row_is_refused_naming_its_item(n_items: int, n_frag: int, chunk: int, data: st.DataObject) -> None:
     root, frags = _manifest(n_items, n_frag, ["float32", "int8", "float64"])
     old = rowcheck._CHUNK
-    rowcheck._CHUNK = chunk  # rows of one item fall in several chunks
+    rowcheck._CHUNK = chunk  # rows of one item in several chunks, or several items in one
     try:
         good = _load(root, frags)
         for k in range(n_items):  # good rows: every array whole, each shard its own box and bytes
