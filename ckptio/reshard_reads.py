@@ -75,15 +75,22 @@ class _Extents:
         tabs = [w.table for w in ws]
         self.row_base = np.cumsum([0] + [t.n for t in tabs])
         ext_base = np.cumsum([0] + [t.object.size for t in tabs])
-        crc_base = np.cumsum([0] + [t.crcs.size for t in tabs])
+        # Tables of one loaded manifest share one checksum array (ShardTable): each distinct
+        # array is joined once, and every table's crc0 is moved by where its array landed.
+        crc_at: dict[int, int] = {}
+        shared: list[np.ndarray] = []
+        for t in tabs:
+            if id(t.crcs) not in crc_at:
+                crc_at[id(t.crcs)] = sum(len(c) for c in shared)
+                shared.append(t.crcs)
         self.first = np.concatenate([t.first[:-1] + b for t, b in zip(tabs, ext_base.tolist())])
         self.count = np.concatenate([np.diff(t.first) for t in tabs])
         cat = np.concatenate
         self.object, self.offset = cat([t.object for t in tabs]), cat([t.offset for t in tabs])
         self.shard_offset, self.length = cat([t.shard_offset for t in tabs]), cat([t.length for t in tabs])
         self.block = cat([t.block for t in tabs])
-        self.crc0 = cat([t.crc0 + b for t, b in zip(tabs, crc_base.tolist())])
-        self.crcs = cat([t.crcs for t in tabs])
+        self.crc0 = cat([t.crc0 + crc_at[id(t.crcs)] for t in tabs])
+        self.crcs = shared[0] if len(shared) == 1 else cat(shared)
 
 
 def _pieces(seg: dict[str, np.ndarray], ext: _Extents, block_size: int) -> dict[str, np.ndarray]:

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from ckptio.checksum import block_crcs, verify_blocks
 from ckptio.errors import IntegrityError, ManifestError
 from ckptio.manifest import ArrayItem, Extent, FragmentRef, Manifest, ShardRecord
-from ckptio.manifest.codec.columns import decode_columns, encode_columns, from_columns
+from ckptio.manifest.codec.columns import Columns, decode_columns, encode_columns, from_columns
+from ckptio.manifest.codec.gather import Gather
 from ckptio import reshard
 from ckptio.readpieces import ConcatView
 from ckptio.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
@@ -334,7 +335,7 @@ def test_columnar_fragments_plan_and_restore_as_the_shards_they_were_written_fro
     for f, rows in enumerate(per_frag):
         doc = {"objects": keys, **encode_columns([("x", rows)] if rows else [])}
         cols.append((f, f * len(keys), decode_columns(doc, f"frag{f}")))
-    got = from_columns(root, cols, "root", complete=True)["x"]
+    got = from_columns(root, _gathered(root, cols), "root", complete=True)["x"]
     all_keys = keys * n_frag
     assert sorted((s.offsets, s.shape, s.tile, [(all_keys[e.object], e.offset, e.shard_offset, e.length, e.crcs)
                                                  for e in s.extents]) for s in got.shards) == \
@@ -349,6 +350,14 @@ def test_columnar_fragments_plan_and_restore_as_the_shards_they_were_written_fro
         assert dest.tobytes() == full[tuple(slice(o, o + n) for o, n in zip(off, shape))].tobytes()
 
 
+def _gathered(root: Manifest, fragments: list[tuple[int, int, Columns]]) -> dict:
+    """The columns of ``fragments`` (fragment, first object, columns) gathered as a loader does."""
+    gather = Gather(list(root.items), None, len(fragments))
+    for f, base, c in fragments:
+        gather.add(f, base, c)
+    return gather.done()
+
+
 def test_a_columnar_fragment_that_lies_is_refused() -> None:
     """Columns that do not add up, boxes outside the array and extents that do not hold a
     shard's bytes are ManifestErrors naming the fragment or item, never a plan."""
@@ -360,7 +369,7 @@ def test_a_columnar_fragment_that_lies_is_refused() -> None:
 
     def load(row: dict, **doc_changes: object) -> None:
         doc = {"objects": ["o"], **encode_columns([("x", [row])]), **doc_changes}
-        from_columns(root, [(0, 0, decode_columns(doc, "frag f"))], "root", complete=True)
+        from_columns(root, _gathered(root, [(0, 0, decode_columns(doc, "frag f"))]), "root", complete=True)
 
     load(shard)  # as written: fine
     with pytest.raises(ManifestError, match="frag f"):

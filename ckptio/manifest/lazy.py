@@ -90,7 +90,8 @@ async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, s
     # Only the wanted items' rows are made into shards: nobody parses what it does not restore.
     # Fragments are read in batches and each dropped once decoded: a host that meets every
     # fragment holds one batch of their bytes, not all of them.
-    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(numbers) <= 8)
+    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(numbers) <= 8,
+                            expect=len(numbers))
     for i in range(0, len(numbers), FETCH_BATCH):
         batch = numbers[i : i + FETCH_BATCH]
         datas = await fetch(batch)

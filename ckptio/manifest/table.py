@@ -42,6 +42,10 @@ class ShardTable:
     ``offset`` (in the object), ``shard_offset``, ``length``, ``crc0`` (its first checksum in
     ``crcs``), ``ncrc``, ``block`` (its checksum block size, as :attr:`Extent.block`; 0 would mean the manifest's). Extents of a
     shard are in shard-offset order and tile its bytes.
+
+    ``crcs`` may hold more than this table's checksums: the tables of a manifest read from
+    columnar fragments share one array of every checksum loaded. Index it by ``crc0`` and
+    ``ncrc``; never walk it whole.
     """
 
     offsets: np.ndarray
@@ -59,7 +63,6 @@ class ShardTable:
     crcs: np.ndarray
     #: (dimension, row order along it, sorted starts, longest shard along it): made on first use.
     _index: tuple[int, np.ndarray, np.ndarray, int] | None = None
-    _crc_list: list[int] | None = None
 
     @property
     def n(self) -> int:
@@ -73,12 +76,6 @@ class ShardTable:
     def tiled(self) -> np.ndarray:
         """Per shard: whether its bytes are its tiles in stream order."""
         return self.tile[:, 0] >= 0 if self.ndim else np.zeros(self.n, bool)
-
-    def crc_list(self) -> list[int]:
-        """``crcs`` as Python ints (slices of it are what a read request checks against)."""
-        if self._crc_list is None:
-            self._crc_list = self.crcs.tolist()
-        return self._crc_list
 
     @classmethod
     def from_records(cls, shards: Sequence[ShardRecord], ndim: int) -> ShardTable:
@@ -98,10 +95,13 @@ class ShardTable:
 
     def records(self) -> list[ShardRecord]:
         """The shards as :class:`ShardRecord` objects (for tools that want objects)."""
-        crcs = self.crc_list()
-        exts = [Extent(o, a, so, ln, crcs[c : c + k], b) for o, a, so, ln, c, k, b in zip(
+        # This table's checksums only, back to back (``crcs`` may be shared, see the class).
+        ncrc = self.ncrc.astype(_I64)
+        mine = self.crcs[np.repeat(self.crc0 - (np.cumsum(ncrc) - ncrc), ncrc) + np.arange(int(ncrc.sum()))].tolist()
+        ends = np.cumsum(ncrc).tolist()
+        exts = [Extent(o, a, so, ln, mine[c - k : c], b) for o, a, so, ln, c, k, b in zip(
             self.object.tolist(), self.offset.tolist(), self.shard_offset.tolist(), self.length.tolist(),
-            self.crc0.tolist(), self.ncrc.tolist(), self.block.tolist())]
+            ends, ncrc.tolist(), self.block.tolist())]
         first = self.first.tolist()
         return [ShardRecord(tuple(off), tuple(sh), h, exts[a:b], tuple(t) if t and t[0] >= 0 else None)
                 for off, sh, h, t, a, b in zip(self.offsets.tolist(), self.shape.tolist(), self.host.tolist(),

@@ -32,7 +32,8 @@ import numpy as np
 
 from ...errors import ManifestError
 from ..geometry import check_tiling
-from ..limits import MAX_COUNT, MAX_DIM, MAX_NDIM, check_int
+from .rowcheck import check_rows
+from ..limits import MAX_COUNT, MAX_NDIM, check_int
 from ..model import ArrayItem, Manifest
 from ..table import ShardList, ShardTable
 
@@ -103,7 +104,7 @@ class Columns:
         if len(raw) != sum(sizes):
             raise ManifestError(f"{self.here}: its shard columns do not hold the {rows} shards and {n_ext} "
                                 "extents it names")
-        at = np.cumsum([0, *sizes]).tolist()
+        at = list(itertools.accumulate(sizes, initial=0))  # plain ints: no array call per fragment
         boxes = np.frombuffer(raw, _LE64, rows * 3 * width, at[0]).reshape(rows, 3 * width)
         counts = np.frombuffer(raw, _LE64, rows, at[1])
         extents = np.frombuffer(raw, _LE64, n_ext * 6, at[2]).reshape(n_ext, 6)
@@ -111,6 +112,13 @@ class Columns:
         if rows and (counts.min() < 0 or int(counts.sum()) != n_ext) or (n_ext and int(extents[:, 4].sum()) != n_crc):
             raise ManifestError(f"{self.here}: its extent or checksum counts do not add up")
         return boxes, counts, extents, crcs
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`arrays`, then forgotten: a reader copying thousands of fragments' columns into
+        one set holds each fragment's own copy only until it is copied."""
+        out = self.arrays()
+        self.kept, self.text = None, ""
+        return out
 
 
 def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = None, *,
@@ -158,12 +166,28 @@ def decode_columns(doc: Mapping[str, Any], here: str, like: Columns | None = Non
     if len(counts) == len(listed):
         cols.kept = full
     else:
-        cols.kept = _take_rows(full, _ranges(np.array([lstarts[n] for n in counts], np.int64),
-                                             np.array(list(counts.values()), np.int64)))
+        first = [lstarts[n] for n in counts]
+        sizes = list(counts.values())
+        if all(a + k == b for a, k, b in zip(first, sizes, first[1:])):  # one run of rows (one item, say)
+            cols.kept = _take_run(full, first[0] if first else 0, (first[0] if first else 0) + sum(sizes))
+        else:
+            cols.kept = _take_rows(full, _ranges(np.array(first, np.int64), np.array(sizes, np.int64)))
         cols.starts = starts
         cols.rows, cols.n_ext, cols.n_crc = len(cols.kept[0]), len(cols.kept[2]), len(cols.kept[3])
     cols.text = ""
     return cols
+
+
+def _take_run(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], r0: int, r1: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_take_rows` of the rows ``[r0, r1)``: slices, a few array calls whatever the
+    fragment holds (a host wanting one array of 4096 fragments takes one run of each)."""
+    boxes, ecount, ext, crcs = arrays
+    e0 = int(ecount[:r0].sum())
+    e1 = e0 + int(ecount[r0:r1].sum())
+    c0 = int(ext[:e0, 4].sum())
+    c1 = c0 + int(ext[e0:e1, 4].sum())
+    return boxes[r0:r1].copy(), ecount[r0:r1].copy(), ext[e0:e1].copy(), crcs[c0:c1].copy()
 
 
 def _take_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray
@@ -177,33 +201,32 @@ def _take_rows(arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ro
     return boxes[rows], ecount[rows], ext[e], crcs[_ranges(cfirst[e], ext[e, 4])]
 
 
-def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], where: str,
-                 *, complete: bool, names: Collection[str] | None = None) -> dict[str, ArrayItem]:
-    """The array items of a format-2 ``manifest`` that the columnar ``fragments`` (``(fragment
-    number, its first object in the loaded objects, its columns)``) hold rows of, each with its
-    :class:`ShardTable` made from those rows (replicas the root assigns to another fragment
-    dropped) and checked as columns: boxes inside the array, extents tiling each shard's bytes
-    with one checksum per block, objects that exist; with ``complete``, shards tiling the array.
-    Only the items ``names`` lists (None: all): the rows of the others are not looked at."""
-    arrays = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
-    cols = _by_item(_concat(manifest, fragments, arrays, where, names))
-    names = arrays
+def from_columns(manifest: Manifest, gathered: dict[str, Any], where: str, *, complete: bool) -> dict[str, ArrayItem]:
+    """The array items of a format-2 ``manifest`` that the rows ``gathered`` from its columnar
+    fragments (:class:`~.gather.Gather`, item indices into the manifest's array items) hold,
+    each with its :class:`ShardTable` made from those rows (replicas the root assigns to another
+    fragment dropped) and checked as columns: boxes inside the array, extents tiling each
+    shard's bytes with one checksum per block, objects that exist; with ``complete``, shards
+    tiling the array."""
+    names = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+    cols = _by_item(gathered)
     width = cols["width"]
     cols["hosts"] = np.array([r.host for r in manifest.fragments or []], np.int64)
     order = np.arange(len(cols["item"]))
     bounds = np.searchsorted(cols["item"], np.arange(len(names) + 1)).tolist()
-    loaded = np.array(sorted({f for f, _b, _c in fragments}), np.int64)
+    items: list[ArrayItem] = [manifest.items[n] for n in names]  # type: ignore[misc]
+    check_rows(cols, items, names, manifest.block_size, where)
+    mine: dict[int, np.ndarray] = {}  # per locator: the rows it assigns the loaded fragments
     out: dict[str, ArrayItem] = {}
     for i, name in enumerate(names):
         if bounds[i] == bounds[i + 1]:
             continue
-        item = manifest.items[name]
-        assert isinstance(item, ArrayItem)
+        item = items[i]
         here = f"{where}: item {name!r}"
-        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, loaded)
+        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, mine)
         if len(rows) == bounds[i + 1] - bounds[i]:  # every row owned: the table is views of the columns
             rows = slice(bounds[i], bounds[i + 1])
-        table = _table(item, rows, cols, width, manifest.block_size, here)
+        table = _table(item, rows, cols, width)
         full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
         full.table = table
         if complete:
@@ -212,99 +235,26 @@ def from_columns(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns
     return out
 
 
-def _concat(manifest: Manifest, fragments: Sequence[tuple[int, int, Columns]], arrays: list[str],
-            where: str, names: Collection[str] | None) -> dict[str, Any]:
-    """The rows of items ``names`` (None: all) of every fragment as one set of columns: ``item``
-    (index into ``arrays``), ``frag``, ``boxes`` (widened to the widest rank), ``ecount``,
-    ``extents`` (objects made global), ``crcs``. Fragments are decompressed one at a time, each
-    copied into columns allocated once (every row wanted) or sliced to the wanted items' rows."""
-    ids = {n: i for i, n in enumerate(arrays)}
-    width = max(c.width for _f, _b, c in fragments)
-    # Every host lists the same items with the same counts (decode_columns then shares one
-    # dict): the item index of those rows, and which of them are wanted, are worked out once.
-    known: dict[int, tuple[np.ndarray, Any]] = {}
-    for _f, _b, c in fragments:
-        if id(c.counts) not in known:
-            unknown = [n for n in c.counts if n not in ids]
-            if unknown:
-                raise ManifestError(f"{c.here}: names item {unknown[0]!r} that the root does not hold as an array")
-            kept = list(c.counts) if names is None else [n for n in c.counts if n in names]
-            counts = np.array([c.counts[n] for n in kept], np.int64)
-            rows_of = (slice(None) if len(kept) == len(c.counts) else  # each item's rows are contiguous
-                       _ranges(np.array([c.starts[n] for n in kept], np.int64), counts))
-            known[id(c.counts)] = (np.repeat(np.array([ids[n] for n in kept], np.int64), counts), rows_of)
-    whole = all(isinstance(known[id(c.counts)][1], slice) for _f, _b, c in fragments)
-    sizes = [(sum(c.rows for _f, _b, c in fragments), sum(c.n_ext for _f, _b, c in fragments),
-              sum(c.n_crc for _f, _b, c in fragments))] if whole else None
-    out = _Filled(width, sizes[0] if sizes else None)
-    for f, base, c in fragments:
-        item, rows = known[id(c.counts)]
-        boxes, ecount, ext, crcs = c.arrays()
-        if not isinstance(rows, slice):
-            boxes, ecount, ext, crcs = _take_rows((boxes, ecount, ext, crcs), rows)
-        if len(ext) and (ext[:, 0].min() < 0 or ext[:, 0].max() >= c.n_objects):
-            raise ManifestError(f"{c.here}: an extent names an object the fragment does not list")
-        out.add(f, base, item, boxes if c.width == width else _widened(boxes, c.width, width), ecount, ext, crcs)
-    return out.done()
-
-
-class _Filled:
-    """Columns filled fragment by fragment: into arrays allocated once when the sizes are known
-    (``(rows, extents, crcs)``), else gathered and joined at the end."""
-
-    def __init__(self, width: int, sizes: tuple[int, int, int] | None) -> None:
-        self.width, self.sizes = width, sizes
-        self.at = [0, 0, 0]
-        if sizes is not None:
-            r, e, c = sizes
-            self.cols = {"item": np.empty(r, np.int64), "frag": np.empty(r, np.int64),
-                         "boxes": np.empty((r, 3 * width), np.int64), "ecount": np.empty(r, np.int64),
-                         "extents": np.empty((e, 6), np.int64), "crcs": np.empty(c, np.uint32)}
-        else:
-            self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("item", "frag", "boxes", "ecount", "extents",
-                                                                        "crcs")}
-
-    def add(self, f: int, base: int, item: np.ndarray, boxes: np.ndarray, ecount: np.ndarray, ext: np.ndarray,
-            crcs: np.ndarray) -> None:
-        if self.sizes is None:
-            ext = ext.astype(np.int64)  # a copy: the object numbers are made global below
-            ext[:, 0] += base
-            for k, v in (("item", item), ("frag", np.full(len(boxes), f, np.int64)), ("boxes", boxes.astype(np.int64)),
-                         ("ecount", ecount.astype(np.int64)), ("extents", ext), ("crcs", crcs.astype(np.uint32))):
-                self.parts[k].append(v)
-            return
-        r, e, c = self.at
-        n, m, k = len(boxes), len(ext), len(crcs)
-        cols = self.cols
-        cols["item"][r : r + n], cols["frag"][r : r + n], cols["boxes"][r : r + n] = item, f, boxes
-        cols["ecount"][r : r + n], cols["extents"][e : e + m], cols["crcs"][c : c + k] = ecount, ext, crcs
-        cols["extents"][e : e + m, 0] += base
-        self.at = [r + n, e + m, c + k]
-
-    def done(self) -> dict[str, Any]:
-        out: dict[str, Any] = (self.cols if self.sizes is not None else
-                               {k: np.concatenate(v) for k, v in self.parts.items()})
-        out["width"] = self.width
-        return out
-
-
 def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
-    """``cols`` with rows (and their extents and checksums) in item order, so that each item's
-    table is views of them; ``efirst``/``cfirst``: each row's first extent, each extent's first crc."""
-    order = np.argsort(cols["item"], kind="stable")
-    for k in ("item", "frag", "boxes"):
-        cols[k] = cols[k][order]
-    ecount = cols["ecount"]
-    efirst = np.concatenate([[0], np.cumsum(ecount)])
-    e = _ranges(efirst[order], ecount[order])
-    cols["ecount"] = ecount = ecount[order]
+    """``cols`` with rows (and their extents) in item order, so that each item's table is views of
+    them; ``efirst``: each row's first extent; ``cfirst``: each extent's first crc in ``crcs``.
+
+    The checksums stay where they are (fragment by fragment) and every item's table indexes
+    them: a host planning a column block of every array of 4096 hosts holds 28 M checksums
+    once, not twice plus a 28 M-entry index to reorder them."""
     ncrc = cols["extents"][:, 4]
-    c = _ranges((np.cumsum(ncrc) - ncrc)[e], ncrc[e])
-    cols["extents"] = cols["extents"][e]
-    cols["crcs"] = cols["crcs"][c]
-    ncrc = cols["extents"][:, 4]
-    cols["efirst"] = np.concatenate([[0], np.cumsum(ecount)])
-    cols["cfirst"] = np.cumsum(ncrc) - ncrc
+    cfirst = np.cumsum(ncrc) - ncrc
+    item = cols["item"]
+    if len(item) > 1 and (item[1:] < item[:-1]).any():
+        order = np.argsort(item, kind="stable")
+        for k in ("item", "frag", "boxes"):
+            cols[k] = cols[k][order]
+        ecount = cols["ecount"]
+        e = _ranges(np.concatenate([[0], np.cumsum(ecount)])[order], ecount[order])
+        cols["ecount"] = ecount[order]
+        cols["extents"], cfirst = cols["extents"][e], cfirst[e]
+    cols["efirst"] = np.concatenate([[0], np.cumsum(cols["ecount"])])
+    cols["cfirst"] = cfirst
     return cols
 
 
@@ -315,12 +265,17 @@ def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
                            np.ones((n, pad), np.int64), boxes[:, 2 * width :], np.full((n, pad), -1, np.int64)], axis=1)
 
 
-def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, loaded: np.ndarray) -> np.ndarray:
-    """``rows`` without the replicas the root's locator assigns to another fragment."""
+def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int,
+           assigned_to: dict[int, np.ndarray]) -> np.ndarray:
+    """``rows`` without the replicas the root's locator assigns to another fragment
+    (``assigned_to``: per locator, the rows it assigns the loaded fragments, filled here)."""
     ndim = len(item.shape)
     keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
     loc = item.locator
-    mine = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    mine = assigned_to.get(id(loc))
+    if mine is None:  # arrays of one layout share their locator: its rows are picked once
+        loaded = cols["loaded"]
+        mine = assigned_to[id(loc)] = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
     # The common case: exactly the rows the root assigns these fragments, in the root's order
     # (fragment by fragment, each in its own order), or at least the same set of them.
     if len(mine) == len(keys) and (np.array_equal(keys, mine) or np.array_equal(
@@ -330,44 +285,19 @@ def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int, 
     return rows[np.fromiter((tuple(k) in assigned for k in keys.tolist()), bool, len(keys))]
 
 
-def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int, block_size: int,
-           here: str) -> ShardTable:
-    """The shard table of ``rows`` (a slice: views of ``cols``), checked (ManifestError naming ``here``)."""
+def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], width: int) -> ShardTable:
+    """The shard table of ``rows`` (a slice: views of ``cols``), whose rows :func:`check_rows` checked."""
     ndim, boxes = len(item.shape), cols["boxes"][rows]
     offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
-    if ((boxes[:, ndim:width] != 0).any() or (boxes[:, width + ndim : 2 * width] != 1).any()
-            or (boxes[:, 2 * width + ndim :] != -1).any()):
-        raise ManifestError(f"{here}: a shard's rank differs from the array's {ndim}")
-    limit = np.asarray(item.shape, np.int64)
-    if (offs < 0).any() or (shape < 0).any() or (offs > limit - shape).any():
-        raise ManifestError(f"{here}: a shard lies outside the array shape {list(item.shape)}")
-    untiled = (tile == -1).all(axis=1)
-    if not (untiled | ((tile >= 1) & (tile <= np.maximum(shape, 1))).all(axis=1)).all():
-        raise ManifestError(f"{here}: a shard's tile does not fit its shape")
     counts = cols["ecount"][rows]
     if isinstance(rows, slice):
         e: np.ndarray | slice = slice(int(cols["efirst"][rows.start]), int(cols["efirst"][rows.stop]))
     else:
         e = _ranges(cols["efirst"][rows], counts)
-    ext = cols["extents"][e]
-    obj, at, so, length, ncrc, block = ext.T
-    prior = np.cumsum(length) - length  # bytes of this item's extents before each one
-    covered = prior - prior[np.repeat(np.cumsum(counts) - counts, counts)]  # ... within its shard
-    nbytes = np.prod(shape, axis=1, dtype=np.int64) * item.dtype.itemsize
-    ends = np.concatenate([[0], np.cumsum(length)])
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    total = ends[bounds[1:]] - ends[bounds[:-1]]  # each shard's extents' bytes
-    bs = np.where(block > 0, block, block_size)
-    if ((length < 1).any() or (at < 0).any() or (at > MAX_DIM).any() or (block < 0).any() or (so != covered).any()
-            or (total != nbytes).any() or (ncrc != -(-length // bs)).any()):
-        raise ManifestError(f"{here}: a shard's extents do not hold exactly its bytes with one checksum per block")
-    if isinstance(e, slice):
-        c0 = int(cols["cfirst"][e.start]) if e.stop > e.start else 0
-        c: np.ndarray | slice = slice(c0, c0 + int(ncrc.sum()))
-    else:
-        c = _ranges(cols["cfirst"][e], ncrc)
+    obj, at, so, length, ncrc, _block = cols["extents"][e].T
+    # Every table shares the loaded checksums (see _by_item): crc0 indexes them.
     return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
-                      obj, at, so, length, np.cumsum(ncrc) - ncrc, ncrc, bs, cols["crcs"][c])
+                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"])
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

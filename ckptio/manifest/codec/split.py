@@ -35,6 +35,7 @@ from ..seal import unseal
 from ..values import decode_value
 from .arrays import array_item
 from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
+from .gather import Gather
 from .single import head_fields
 
 __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc"]
@@ -111,7 +112,8 @@ def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str
     """
     if manifest.complete:  # every shard already at hand (format 1, or all fragments read)
         return manifest
-    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(datas) <= 8)
+    loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(datas) <= 8,
+                            expect=len(datas))
     for f in sorted(datas):
         loader.add(f, datas[f])
     return loader.done()
@@ -122,12 +124,13 @@ class FragmentLoader:
     makes the manifest with their shards (:meth:`done`; see :func:`load_fragments`).
 
     A columnar fragment is decompressed as it is added and only the rows of the items ``names``
-    lists are kept, so its bytes can be dropped at once: a host that wants one array of a
-    checkpoint of 4096 fragments holds one fragment's bytes and that array's rows, not every
-    fragment."""
+    lists are copied into the loader's columns (:class:`~.gather.Gather`; ``expect``: how many
+    fragments will be added, if known), so its bytes can be dropped at once: a host that wants
+    one array of a checkpoint of 4096 fragments holds one fragment's bytes and that array's
+    rows, not every fragment."""
 
     def __init__(self, manifest: Manifest, step_dir: str, where: str, *, complete: bool,
-                 names: Collection[str] | None, few: bool) -> None:
+                 names: Collection[str] | None, few: bool, expect: int | None = None) -> None:
         assert manifest.fragments is not None and not manifest.complete
         self.manifest, self.step_dir, self.where = manifest, step_dir, where
         self.complete, self.names, self.few = complete, names, few
@@ -135,7 +138,8 @@ class FragmentLoader:
         self.objects: list[str] = []
         self.shards: dict[str, list[Any]] = {}
         self.owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
-        self.columnar: list[tuple[int, int, Columns]] = []  # (fragment, its first object, its columns)
+        self.gather = Gather([n for n, it in manifest.items.items() if isinstance(it, ArrayItem)], names, expect)
+        self.last: Columns | None = None  # the columnar fragment added last (the next shares its item index)
 
     def add(self, f: int, data: bytes) -> None:
         """Fragment number ``f``'s bytes, checked against the root's record of it."""
@@ -145,18 +149,18 @@ class FragmentLoader:
         base = len(self.objects)
         self.objects += _fragment_objects(doc, here, self.step_dir)
         if doc.get("version") == COLUMNS_FRAGMENT_VERSION:
-            like = self.columnar[-1][2] if self.columnar else None
-            self.columnar.append((f, base, decode_columns(doc, here, like, keep=self.names, arrays=self.arrays)))
+            self.last = decode_columns(doc, here, self.last, keep=self.names, arrays=self.arrays)
+            self.gather.add(f, base, self.last)
         else:
             _rows_v2(self.manifest, f, doc, base, here, self.shards, self.owners, few=self.few, names=self.names)
-        if self.columnar and self.shards:
+        if self.last is not None and self.shards:
             raise ManifestError(f"{self.where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
 
     def done(self) -> Manifest:
         """The manifest with the shards of every fragment added."""
         manifest, where, objects = self.manifest, self.where, self.objects
-        built = (from_columns(manifest, self.columnar, where, complete=self.complete, names=self.names)
-                 if self.columnar else {})
+        built = (from_columns(manifest, self.gather.done(), where, complete=self.complete)
+                 if self.last is not None else {})
         items: dict[str, ArrayItem | ValueItem] = {}
         for name, item in manifest.items.items():
             if not isinstance(item, ArrayItem):
