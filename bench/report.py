@@ -44,6 +44,8 @@ GOALS: tuple[tuple[str, str, str, float, str], ...] = (
     ("ckptio", "restore_gibps", RAW, 0.9, ">="),
     ("ckptio", "save_gibps", DIRECT, 0.9, ">="),
     ("ckptio", "restore_gibps", DIRECT, 0.9, ">="),
+    ("ckptio-jax", "save_gibps", DIRECT, 0.9, ">="),
+    ("ckptio-torch", "save_gibps", DIRECT, 0.9, ">="),
     ("ckptio-jax", "restore_gibps", DIRECT, 0.9, ">="),
     ("ckptio-torch", "restore_gibps", DIRECT, 0.9, ">="),
     # CPU per GiB: below the library anchors', within 1.5x of copy + crc32c + the kernel's O_DIRECT path

@@ -30,6 +30,7 @@ from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items
 from .incremental.shadow import Shadows
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
+from .fillers import fill_objects, fillers_for
 from .store.intents import Lease, new_id
 from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
@@ -321,11 +322,12 @@ class SaveJob:
             for p in self.packs:
                 area.fill(p.buffer)
             thread.start()
-            for plan, fut in zip(self.plans, ready):
-                for e in plan.extents:
-                    area.fill(self.arrays[(e.item, e.shard)])
-                if not fut.done():  # a failed write cancels the objects still waiting for their bytes
-                    fut.set_result(None)
+            # Each object's write is released once its own arrays are copied (a failed write cancels
+            # the objects still waiting for theirs); large states are copied by helpers too.
+            objects = [[(e.item, e.shard) for e in plan.extents] for plan in self.plans]
+            copies = (self.arrays[k] for k in {k for keys in objects for k in keys})
+            nbytes = sum(a.nbytes for a in copies if area.source_of(a) is not a)  # copy=False: none
+            fill_objects(area.fill, objects, self.arrays, ready, fillers_for(nbytes))
             area.fill_all()  # zero-byte pieces belong to no object
         except BaseException as e:
             for fut in ready:
