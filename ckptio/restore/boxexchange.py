@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from .._exchange import joined
 from ..checksum import crc32c
 from ..distributed import Coordinator
 from ..engine import Progress, run_sync
@@ -52,7 +51,10 @@ from ..errors import CheckpointNotFoundError, IntegrityError
 from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
-from .landing import Landing, Piece, dest_run
+from .landing import Landing, dest_run
+from . import packing
+from .packing import grouped as _grouped, pack, read_buffers
+from .runs import flat
 from .packed import table_reads
 from .plan import ReadPlan, Selection, _Builder, select
 from .agreement import agree as _agree, named as _named
@@ -66,8 +68,6 @@ _ROUNDS = 8
 #: At most this many bands of one array's shards (see :func:`_bands`); shards up to _ONE_BAND bytes
 #: are never cut (a whole array up to 1 MiB has one checksum block).
 _MAX_BANDS, _ONE_BAND = 4, 1 << 20
-#: Pieces under _SMALL bytes go in one buffer per run of up to _GROUP bytes (sends, not copies, cost).
-_SMALL, _GROUP = 64 << 10, 4 << 20
 
 
 @dataclasses.dataclass
@@ -282,13 +282,13 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, 
     out: dict[int, list[memoryview]] = {}
     for dst, lengths in _lengths(side, sends, "dst").items():
         # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
-        bufs = _coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])
+        bufs = messages.get(dst) or [memoryview(bytearray(n)) for n in _grouped(lengths)]
         out[dst] = [status, *bufs, _sealed(bufs)]
     expect = _lengths(side, gets, "src")
     sizes = {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()}
     if callable(getattr(x, "exchange_into", None)):
         # Each piece lands in its target where it is one run of it (no message held beside it).
-        landing = _landing(side, gets, expect)
+        landing = _landing(side, gets)
         x.exchange_into(out, sizes, landing.into)
         del out, messages
         try:
@@ -342,46 +342,19 @@ def _check_views(views: list[memoryview], src: int, rank: int) -> None:
                              f"(crc32c mismatch over {sum(v.nbytes for v in views[1:-1])} bytes)")
 
 
-def _landing(side: _Side, gets: dict[tuple[str, int], Pieces], expect: dict[int, list[int]]) -> Landing:
+def _landing(side: _Side, gets: dict[tuple[str, int], Pieces]) -> Landing:
     """Where this round's received pieces go (see :mod:`ckptio.restore.landing`), per source in
     message order, cut as the senders cut their messages."""
-    pieces: dict[int, list[tuple[Piece, np.dtype]]] = {}
+    landing, targets = Landing(_SEAL), []
     for (n, _k), p in gets.items():
-        dtype = side.local.items[n].dtype  # type: ignore[union-attr]
         tt, regions = side.targets[n], side.regions[n]
-        for src, ref, lo, hi, nb in zip(p.src.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist(),
-                                        p.nbytes(dtype.itemsize).tolist()):
-            box = regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]
-            pieces.setdefault(src, []).append(((box, tuple(lo), tuple(hi), nb), dtype))
-    return Landing(pieces, {src: _groups(lengths) for src, lengths in expect.items()}, _SEAL)
-
-
-def _groups(lengths: list[int]) -> list[tuple[int, int]]:
-    """Pieces ``[i, j)`` sent as one buffer: runs of pieces under ``_SMALL`` bytes, up to
-    ``_GROUP`` bytes a run, each larger piece alone (a million tiny pieces must not be a million
-    sends). Both ends cut the same lengths alike."""
-    out: list[tuple[int, int]] = []
-    i, n = 0, len(lengths)
-    while i < n:
-        j, total = i + 1, lengths[i]
-        if lengths[i] < _SMALL:
-            while j < n and lengths[j] < _SMALL and total + lengths[j] <= _GROUP:
-                total += lengths[j]
-                j += 1
-        out.append((i, j))
-        i = j
-    return out
-
-
-def _grouped(lengths: list[int]) -> list[int]:
-    """The buffers' lengths of a message of pieces ``lengths`` (see :func:`_groups`)."""
-    return [sum(lengths[i:j]) for i, j in _groups(lengths)]
-
-
-def _coalesced(views: list[memoryview]) -> list[memoryview]:
-    """The buffers of a message of pieces ``views``: small ones joined (see :func:`_groups`)."""
-    return [views[i] if j == i + 1 else memoryview(joined(views[i:j]))
-            for i, j in _groups([v.nbytes for v in views])]
+        refs, inv = np.unique(p.ref, return_inverse=True)
+        base = len(targets)
+        targets += [regions[(*tt.offsets[r].tolist(), *tt.shape[r].tolist())] for r in refs.tolist()]
+        landing.add(p.src, p.lo, p.hi, tt.offsets[p.ref], tt.shape[p.ref], base + inv.reshape(-1),
+                    side.local.items[n].dtype.itemsize)  # type: ignore[union-attr]
+    landing.build(targets, packing.SMALL, packing.GROUP)
+    return landing
 
 
 def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
@@ -397,30 +370,26 @@ def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> d
 def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces],
                    gets: dict[tuple[str, int], Pieces] | None = None, rank: int = -1) -> dict[int, list[memoryview]]:
     """Read (verified) the part of each shard this round's pieces need, then each destination's
-    message: its pieces' bytes, in canonical order (views where a piece is contiguous). Where this
-    host (``rank``, receiving ``gets``) wants that very box itself as one run of its target buffer
-    (a replicated array), it is read there, not beside it."""
-    wants, bufs = [], {}
+    message: its pieces' bytes in canonical order, as the buffers :func:`_grouped` cuts (a piece
+    alone in its buffer and contiguous where it was read: a view; the rest packed into one flat
+    send buffer for the round, as runs). Where this host (``rank``, receiving ``gets``) wants that
+    very box itself as one run of its target buffer (a replicated array), it is read there, not
+    beside it; the rest is read into one flat read buffer for the round."""
+    reads, cols = [], []
     for (n, k), p in sends.items():
         item = side.local.items[n]
-        for row in np.unique(p.ref).tolist():
-            sel = p.ref == row
-            lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
-            buf = _in_place(side, (gets or {}).get((n, k)), rank, n, lo, hi)
-            if buf is None:
-                buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
-            region = Region(tuple(lo.tolist()), buf)
-            bufs[(n, k, row)] = region
-            wants.append((n, item, region))
+        order = np.argsort(p.ref, kind="stable")
+        rows, begin = np.unique(p.ref[order], return_index=True)
+        lo, hi = np.minimum.reduceat(p.lo[order], begin, axis=0), np.maximum.reduceat(p.hi[order], begin, axis=0)
+        base = len(reads)
+        for lo_, hi_ in zip(lo, hi):  # one per stored shard (its band) sent from
+            reads.append((n, item, lo_, hi_, _in_place(side, (gets or {}).get((n, k)), rank, n, lo_, hi_)))
+        src = base + np.searchsorted(rows, p.ref)
+        cols.append((p.dst, p.lo, p.hi, lo[src - base], hi[src - base], src, item.dtype.itemsize))  # type: ignore[union-attr]
+    buffers = read_buffers([(item, lo_, hi_, own) for _n, item, lo_, hi_, own in reads])
+    wants = [(n, item, Region(tuple(lo_.tolist()), buf)) for (n, item, lo_, _h, _o), buf in zip(reads, buffers)]
     run_sync(store.engine.read(plan_regions(wants, side.local.objects, side.local.block_size)))
-    out: dict[int, list[memoryview]] = {}
-    for (n, k), p in sends.items():
-        for dst, row, lo, hi in zip(p.dst.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist()):
-            region = bufs[(n, k, row)]
-            box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))
-            piece = np.ascontiguousarray(region.dest[box]).reshape(-1).view(np.uint8)  # a view where contiguous
-            out.setdefault(dst, []).append(memoryview(piece))
-    return out
+    return pack(cols, [flat(b) for b in buffers])
 
 
 def _in_place(side: _Side, gets: Pieces | None, rank: int, name: str, lo: np.ndarray, hi: np.ndarray

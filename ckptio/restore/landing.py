@@ -2,13 +2,16 @@
 
 A receiver of :mod:`ckptio.restore.boxexchange` knows, before anything is
 sent, every piece each host sends it (array, box, in the canonical order) and
-how the sender cuts its message into buffers (each piece of ``_SMALL`` bytes
-or more alone, runs of smaller ones joined). So it can name, per buffer, where
-the bytes go: a piece that is one contiguous run of its target buffer is
-received right there (a replicated array, a band of rows); only runs of small
-pieces and pieces strided in their target (a column block) go through a
-staging buffer and are copied in after. A receiver then holds at most the
-strided part of one round beside its targets, never a whole message.
+how the sender cuts its message into buffers (:func:`ckptio.restore.runs.groups`:
+each piece of ``_SMALL`` bytes or more alone, runs of smaller ones joined). So
+it can name, per buffer, where the bytes go: a piece alone in its buffer that
+is one contiguous run of its target buffer is received right there (a
+replicated array, a band of rows); every other buffer (runs of small pieces,
+pieces strided in their target: a column block) lands in one flat staging
+buffer for the round and is copied in after, as runs
+(:func:`ckptio.restore.runs.copy_runs`: one gather per run length and target,
+not a Python step per piece). A receiver then holds at most the strided part
+of one round beside its targets, never a whole message.
 
 Used with a coordinator's ``exchange_into`` (see
 :class:`ckptio.distributed.ExchangeCoordinator`); the status byte and the seal
@@ -17,16 +20,14 @@ of each message land in small buffers of their own.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ..reshard import Region
+from .runs import copy_runs, flat, groups, runs
 
-__all__ = ["Landing", "Piece", "dest_run"]
+__all__ = ["Landing", "dest_run"]
 
-#: One received piece: its target regions (a box held twice has two), its box, its bytes.
-Piece = tuple[list[Region], tuple[int, ...], tuple[int, ...], int]
+_I64 = np.int64
 
 
 def dest_run(region: Region, lo: tuple[int, ...], hi: tuple[int, ...]) -> np.ndarray | None:
@@ -36,47 +37,77 @@ def dest_run(region: Region, lo: tuple[int, ...], hi: tuple[int, ...]) -> np.nda
     return view.reshape(-1).view(np.uint8) if view.flags.c_contiguous else None
 
 
-@dataclasses.dataclass
-class _Staged:
-    """A buffer received in staging, and the pieces it holds (copied to their targets after)."""
-
-    buf: bytearray
-    pieces: list[tuple[Piece, np.dtype]]
-
-
 class Landing:
     """The buffers one round's messages are received into (``into``: per source, the status byte,
     then one buffer per buffer the sender sends, then the seal), and what :meth:`finish` copies
-    to the targets once they are in and checked."""
+    to the targets once they are in and checked. Pieces are added per array (:meth:`add`, in
+    message order), then :meth:`build` cuts the buffers."""
 
-    def __init__(self, pieces: dict[int, list[tuple[Piece, np.dtype]]], groups: dict[int, list[tuple[int, int]]],
-                 seal: int) -> None:
-        """``pieces``: per source, its pieces in message order with their dtypes; ``groups``: per
-        source, the pieces ``[i, j)`` of each buffer it sends (as the sender cuts them)."""
+    def __init__(self, seal: int) -> None:
         self.into: dict[int, list[memoryview]] = {}
-        self._staged: list[_Staged] = []
-        self._twice: list[tuple[Piece, np.ndarray]] = []  # received in place in a box held twice
         self.nbytes = 0
-        for src, mine in pieces.items():
-            views = [memoryview(bytearray(1))]
-            for i, j in groups[src]:
-                views.append(self._buffer(mine[i:j]))
-            views.append(memoryview(bytearray(seal)))
-            self.into[src] = views
+        self._seal = seal
+        self._cols: list[tuple[np.ndarray, ...]] = []  # per add: src, nbytes, target id
+        self._runs: list[tuple[np.ndarray, ...]] = []  # per add: piece (global), start, length
+        self._count = 0
+        self._targets: list[list[Region]] = []
+        self._stage = np.zeros(0, np.uint8)
+        self._staged: np.ndarray = np.zeros(0, bool)
+        self._at = np.zeros(0, _I64)
 
-    def _buffer(self, run: list[tuple[Piece, np.dtype]]) -> memoryview:
-        size = sum(p[3] for p, _ in run)
-        self.nbytes += size
-        if len(run) == 1:
-            (regions, lo, hi, _n), _dtype = run[0]
-            direct = dest_run(regions[0], lo, hi)
-            if direct is not None:
-                if len(regions) > 1:
-                    self._twice.append((run[0][0], direct))
-                return memoryview(direct)
-        staged = _Staged(bytearray(size), run)
-        self._staged.append(staged)
-        return memoryview(staged.buf)
+    def add(self, src: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray,
+            target: np.ndarray, itemsize: int) -> None:
+        """Pieces ``[lo, hi)`` of one array from hosts ``src``, each into target box ``(off,
+        shape)`` (its row), whose regions are ``target`` (an index into :meth:`build`'s list)."""
+        piece, start, length = runs(lo, hi, off, shape, itemsize)
+        self._cols.append((np.asarray(src, _I64), np.prod(hi - lo, axis=1, dtype=_I64) * itemsize,
+                           np.asarray(target, _I64)))
+        self._runs.append((piece + self._count, start, length))
+        self._count += len(src)
+
+    def build(self, targets: list[list[Region]], small: int, group: int) -> None:
+        """Cut each source's message into the buffers it is received in (``targets``: the
+        regions of each target id; a box held twice has two)."""
+        self._targets = targets
+        cat = [np.concatenate(c) if c else np.zeros(0, _I64) for c in zip(*self._cols)] or [np.zeros(0, _I64)] * 3
+        src, nbytes, tid = cat
+        piece, start, length = [np.concatenate(c) if c else np.zeros(0, _I64) for c in zip(*self._runs)] \
+            or [np.zeros(0, _I64)] * 3
+        self._runs_all = (piece, start, length)
+        self.nbytes = int(nbytes.sum())
+        first = np.searchsorted(piece, np.arange(len(src)))  # each piece's first run
+        one = np.bincount(piece, minlength=len(src)) == 1
+        order = np.argsort(src, kind="stable")  # per source, its pieces in message order
+        sources, begin = np.unique(src[order], return_index=True)
+        staged = np.zeros(len(src), bool)
+        pending: list[tuple[int, int, int]] = []  # (source, position in its views, staged group's size)
+        pos = 0
+        at = np.zeros(len(src), _I64)
+        for s, a, b in zip(sources.tolist(), begin.tolist(), [*begin[1:].tolist(), len(order)]):
+            idx = order[a:b]
+            cuts = groups(nbytes[idx], small, group).tolist()
+            views = [memoryview(bytearray(1))]
+            for i, j in zip(cuts, [*cuts[1:], len(idx)]):
+                p = int(idx[i])
+                if j == i + 1 and one[p]:  # alone and one run of its target: received right there
+                    r = int(first[p])
+                    views.append(memoryview(flat(targets[tid[p]][0].dest)[start[r] : start[r] + length[r]]))
+                    continue
+                mine = idx[i:j]
+                staged[mine] = True
+                at[mine] = pos + np.cumsum(nbytes[mine]) - nbytes[mine]
+                size = int(nbytes[mine].sum())
+                pending.append((s, len(views), size))
+                views.append(memoryview(b""))  # replaced once the staging buffer is made
+                pos += size
+            views.append(memoryview(bytearray(self._seal)))
+            self.into[s] = views
+        self._stage = np.empty(pos, np.uint8)
+        base = 0
+        for s, k, size in pending:
+            self.into[s][k] = memoryview(self._stage[base : base + size])
+            base += size
+        self._staged, self._at, self._tid = staged, at, tid
 
     def statuses(self) -> dict[int, int]:
         """Per source, the status byte it sent (non-zero: it failed and sent zeros)."""
@@ -85,22 +116,22 @@ class Landing:
     def finish(self) -> None:
         """Copy the staged pieces into their targets, and the pieces received in place into the
         other regions of a box held twice."""
-        for staged in self._staged:
-            pos = 0
-            for (regions, lo, hi, n), dtype in staged.pieces:
-                shape = [b - a for a, b in zip(lo, hi)]
-                data = np.frombuffer(staged.buf, dtype, n // dtype.itemsize if dtype.itemsize else 0, pos)
+        piece, start, length = self._runs_all
+        within = np.cumsum(length) - length
+        if len(piece):
+            within -= within[np.searchsorted(piece, piece)]  # bytes of the piece before each run
+        tid = self._tid[piece]
+        for t in np.unique(tid).tolist():
+            regions = self._targets[t]
+            mine = tid == t
+            staged = mine & self._staged[piece]
+            if staged.any():
                 for region in regions:
-                    region.dest[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))] = \
-                        data.reshape(shape)
-                pos += n
-        for (regions, lo, hi, _n), direct in self._twice:
-            for region in regions[1:]:
-                run = dest_run(region, lo, hi)
-                if run is not None:
-                    run[:] = direct
-                else:
-                    box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))
-                    region.dest[box] = direct.view(region.dest.dtype).reshape([b - a for a, b in zip(lo, hi)])
-        self._staged.clear()
-        self._twice.clear()
+                    copy_runs(self._stage, self._at[piece[staged]] + within[staged], flat(region.dest),
+                              start[staged], length[staged])
+            direct = mine & ~self._staged[piece]
+            if direct.any():
+                for region in regions[1:]:  # a box held twice: from the region it landed in
+                    copy_runs(flat(regions[0].dest), start[direct], flat(region.dest), start[direct],
+                              length[direct])
+        self._stage = np.zeros(0, np.uint8)

@@ -1,0 +1,101 @@
+"""Boxes of C-order buffers as runs of bytes, and runs copied between flat buffers, vectorised.
+
+A restore exchange moves many pieces (boxes of arrays) per round: out of a
+sender's read buffers into its messages, out of a receiver's staging into its
+target buffers. A Python step per piece (or per row of a piece) would cost
+more than the bytes at a million pieces, so here a piece is its *runs*: the
+contiguous spans of bytes it covers in the buffer holding it (its inner
+dimensions that span the whole buffer merged into one run, the outer indices
+decoded with numpy), and runs are copied with one fancy-indexed gather per
+distinct run length (over sliding windows of the flat buffers), in chunks so
+that no temporary exceeds :data:`_CHUNK` bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["copy_runs", "flat", "groups", "runs"]
+
+_I64 = np.int64
+#: A gather's temporary (the runs of one length, copied at once) is at most this many bytes.
+_CHUNK = 1 << 20
+
+
+def runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, itemsize: int
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of pieces ``[lo, hi)`` (``(m, ndim)``, array coordinates), each in a C-order
+    buffer of box ``(off, shape)`` (its row: the buffer holding that piece), elements of
+    ``itemsize`` bytes: ``(piece, start, length)`` per run, by piece then in C order, ``start``
+    in bytes from the start of the piece's buffer. A piece of no bytes has no run."""
+    m, ndim = lo.shape
+    size = np.prod(hi - lo, axis=1, dtype=_I64) * itemsize
+    if not ndim:
+        keep = np.flatnonzero(size > 0)
+        return keep, np.zeros(len(keep), _I64), size[keep]
+    sh = hi - lo
+    stride = np.ones((m, ndim), _I64) * itemsize
+    if ndim > 1:  # stride[:, d]: bytes of one step along d, the product of the buffer's inner dims
+        stride[:, :-1] = np.cumprod(shape[:, :0:-1], axis=1)[:, ::-1] * itemsize
+    # Inner dims the piece spans whole, from the last: merged with the one before them into a run.
+    whole = np.cumprod((sh == shape)[:, :0:-1], axis=1).sum(axis=1) if ndim > 1 else np.zeros(m, _I64)
+    k = ndim - 1 - whole  # the dim a run goes along (earlier dims: outer indices)
+    rows = np.arange(m)
+    length = sh[rows, k] * stride[rows, k]
+    outer = np.where(np.arange(ndim) < k[:, None], sh, 1)
+    counts = np.where(size > 0, np.prod(outer, axis=1, dtype=_I64), 0)
+    piece = np.repeat(rows, counts)
+    j = np.arange(len(piece), dtype=_I64) - np.repeat(np.cumsum(counts) - counts, counts)
+    start = ((lo - off) * stride).sum(axis=1)[piece]
+    for d in range(ndim - 1, -1, -1):  # mixed-radix decode of each run's outer index
+        radix = outer[piece, d]
+        start += (j % radix) * stride[piece, d]
+        j //= radix
+    return piece, start, length[piece]
+
+
+def flat(a: np.ndarray | memoryview | bytearray) -> np.ndarray:
+    """A C-contiguous buffer as a flat uint8 array over the same memory."""
+    arr = np.asarray(a) if not isinstance(a, np.ndarray) else a
+    return arr.reshape(-1).view(np.uint8) if arr.dtype != np.uint8 or arr.ndim != 1 else arr
+
+
+def copy_runs(src: np.ndarray, at: np.ndarray, dst: np.ndarray, to: np.ndarray, length: np.ndarray) -> None:
+    """``dst[to[i] : to[i] + length[i]] = src[at[i] : at[i] + length[i]]`` for every run ``i``
+    (``src`` and ``dst``: flat uint8 arrays; runs never overlap in ``dst``): one gather per
+    distinct length (and per :data:`_CHUNK` bytes of it), a slice copy for runs of that size or more."""
+    if not len(length):
+        return
+    order = np.argsort(length, kind="stable")
+    lengths, firsts = np.unique(length[order], return_index=True)
+    bounds = np.append(firsts, len(order))
+    for n, a, b in zip(lengths.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
+        sel = order[a:b]
+        if not n:
+            continue
+        if n >= _CHUNK:
+            for s, t in zip(at[sel].tolist(), to[sel].tolist()):
+                dst[t : t + n] = src[s : s + n]
+            continue
+        win_src = np.lib.stride_tricks.as_strided(src, (len(src) - n + 1, n), (1, 1), writeable=False)
+        win_dst = np.lib.stride_tricks.as_strided(dst, (len(dst) - n + 1, n), (1, 1))
+        per = max(1, _CHUNK // n)
+        for c in range(0, len(sel), per):
+            part = sel[c : c + per]
+            win_dst[to[part]] = win_src[at[part]]
+
+
+def groups(lengths: np.ndarray, small: int, group: int) -> np.ndarray:
+    """Where the buffers of a message of pieces ``lengths`` start (piece indices, ascending, the
+    first 0): each piece of ``small`` bytes or more alone; consecutive smaller ones together, cut
+    where the bytes before them in the message cross a multiple of ``group`` (a million tiny pieces
+    must not be a million sends). A rule both ends of a message compute alike from the lengths."""
+    n = len(lengths)
+    if not n:
+        return np.zeros(0, _I64)
+    lengths = np.asarray(lengths, _I64)
+    is_small = lengths < small
+    before = np.cumsum(lengths) - lengths
+    cut = np.ones(n, bool)
+    cut[1:] = ~is_small[1:] | ~is_small[:-1] | (before[1:] // group != before[:-1] // group)
+    return np.flatnonzero(cut)
