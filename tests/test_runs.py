@@ -3,6 +3,8 @@ packed and unpacked through runs, gives exactly the bytes of the slice, in C ord
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,3 +110,23 @@ def test_groups_keep_large_pieces_alone_and_bound_small_runs(lengths: list[int],
         for k in range(i, j):
             if lengths[k] >= small:
                 assert j - i == 1
+
+
+def test_copying_runs_holds_no_copy_of_the_bytes_moved() -> None:
+    """A column block's rows (one step apart) and scattered runs move through at most a chunk of
+    temporary memory, whatever the buffers' sizes (numpy reports its allocations to tracemalloc)."""
+    src = np.arange(16 << 20, dtype=np.int64).astype(np.uint8)  # 16 MiB
+    rng = np.random.default_rng(0)
+    for at in (np.arange(512, dtype=np.int64) * 32768,  # rows of a column block
+               np.sort(rng.choice(8192, 512, replace=False)).astype(np.int64) * 2048):  # scattered
+        length = np.full(512, 2048, np.int64)
+        to = np.cumsum(length) - length
+        dst = np.zeros(int(length.sum()), np.uint8)
+        tracemalloc.start()
+        try:
+            copy_runs(src, at, dst, to, length)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= R._CHUNK + (64 << 10), peak
+        assert dst.tobytes() == b"".join(src[a : a + 2048].tobytes() for a in at.tolist())

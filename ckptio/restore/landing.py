@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._system import fresh_pages
 from ..reshard import Region
 from .runs import copy_runs, flat, groups, runs
 
@@ -102,7 +103,7 @@ class Landing:
                 pos += size
             views.append(memoryview(bytearray(self._seal)))
             self.into[s] = views
-        self._stage = np.empty(pos, np.uint8)
+        self._stage = fresh_pages(pos)
         base = 0
         for s, k, size in pending:
             self.into[s][k] = memoryview(self._stage[base : base + size])

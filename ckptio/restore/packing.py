@@ -8,7 +8,9 @@ rule both ends compute from the pieces' lengths -- and fills them: a piece
 alone in its buffer and contiguous where it was read is sent as a view, the
 rest are packed into one flat send buffer as runs
 (:func:`ckptio.restore.runs.copy_runs`: a gather per run length, not a Python
-step per piece). The receiving side is :mod:`ckptio.restore.landing`.
+step per piece). The flat buffers are fresh pages (:func:`ckptio._system.fresh_pages`),
+given back to the system when a round drops them, not kept by the allocator for the next
+round. The receiving side is :mod:`ckptio.restore.landing`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._system import fresh_pages
 from .runs import copy_runs, groups, runs
 
 __all__ = ["GROUP", "SMALL", "grouped", "pack", "read_buffers"]
@@ -37,7 +40,7 @@ def read_buffers(reads: list[tuple[Any, np.ndarray, np.ndarray, np.ndarray | Non
     sizes = [0 if own is not None else int(np.prod(hi - lo, dtype=np.int64)) * item.dtype.itemsize
              for item, lo, hi, own in reads]
     at = np.cumsum([(n + 63) // 64 * 64 for n in sizes]) - [(n + 63) // 64 * 64 for n in sizes] if sizes else []
-    whole = np.empty(int(at[-1]) + sizes[-1] if sizes else 0, np.uint8)
+    whole = fresh_pages(int(at[-1]) + sizes[-1] if sizes else 0)
     return [own if own is not None else whole[a : a + n].view(item.dtype).reshape(tuple((hi - lo).tolist()))
             for (item, lo, hi, own), a, n in zip(reads, np.asarray(at).tolist(), sizes)]
 
@@ -78,7 +81,7 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     seq = order[packed[order]]
     pos = np.zeros(len(dst), np.int64)
     pos[seq] = np.cumsum(nbytes[seq]) - nbytes[seq]
-    send = np.empty(int(nbytes[packed].sum()), np.uint8)
+    send = fresh_pages(int(nbytes[packed].sum()))
     within = np.cumsum(length) - length
     within -= within[first[piece]] if len(piece) else 0
     mine = packed[piece]

@@ -6,9 +6,10 @@ target buffers. A Python step per piece (or per row of a piece) would cost
 more than the bytes at a million pieces, so here a piece is its *runs*: the
 contiguous spans of bytes it covers in the buffer holding it (its inner
 dimensions that span the whole buffer merged into one run, the outer indices
-decoded with numpy), and runs are copied with one fancy-indexed gather per
-distinct run length (over sliding windows of the flat buffers), in chunks so
-that no temporary exceeds :data:`_CHUNK` bytes.
+decoded with numpy), and runs are copied as strided 2-D views (a strided piece's rows: one step
+apart at each end) or with one fancy-indexed gather per distinct run length
+(over sliding windows of the flat buffers), in chunks so that no temporary
+exceeds :data:`_CHUNK` bytes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import numpy as np
 __all__ = ["copy_runs", "flat", "groups", "runs"]
 
 _I64 = np.int64
-#: A gather's temporary (the runs of one length, copied at once) is at most this many bytes.
-_CHUNK = 1 << 20
+#: A gather's temporary (runs of one length, copied at once) is at most this many bytes.
+_CHUNK = 64 << 10
+#: Runs in a row of one length and one step at each end, this many or more, move as one 2-D copy.
+_LONG = 8
 
 
 def runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, itemsize: int
@@ -62,27 +65,56 @@ def flat(a: np.ndarray | memoryview | bytearray) -> np.ndarray:
 
 def copy_runs(src: np.ndarray, at: np.ndarray, dst: np.ndarray, to: np.ndarray, length: np.ndarray) -> None:
     """``dst[to[i] : to[i] + length[i]] = src[at[i] : at[i] + length[i]]`` for every run ``i``
-    (``src`` and ``dst``: flat uint8 arrays; runs never overlap in ``dst``): one gather per
-    distinct length (and per :data:`_CHUNK` bytes of it), a slice copy for runs of that size or more."""
-    if not len(length):
-        return
-    order = np.argsort(length, kind="stable")
+    (``src`` and ``dst``: flat uint8 arrays, distinct memory; runs never overlap in ``dst``).
+
+    No temporary holds the bytes moved: :data:`_LONG` or more runs in a row of one length and
+    one step at each end (a strided piece's rows) move as one strided 2-D copy; the rest with one
+    gather per distinct length, in chunks of at most :data:`_CHUNK` bytes; runs of ``_CHUNK``
+    bytes or more as slice copies."""
+    left = np.ones(len(length), bool)
+    for a, b in _strided(length, at, to):
+        k, n = b - a, int(length[a])
+        step_at, step_to = (int(at[a + 1] - at[a]), int(to[a + 1] - to[a])) if k > 1 else (n, n)
+        view = np.lib.stride_tricks.as_strided
+        view(dst[int(to[a]):], (k, n), (step_to, 1), writeable=True)[...] = \
+            view(src[int(at[a]):], (k, n), (step_at, 1), writeable=False)
+        left[a:b] = False
+    rest = np.flatnonzero(left)
+    order = rest[np.argsort(length[rest], kind="stable")]
     lengths, firsts = np.unique(length[order], return_index=True)
     bounds = np.append(firsts, len(order))
     for n, a, b in zip(lengths.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
         sel = order[a:b]
-        if not n:
-            continue
         if n >= _CHUNK:
             for s, t in zip(at[sel].tolist(), to[sel].tolist()):
                 dst[t : t + n] = src[s : s + n]
-            continue
-        win_src = np.lib.stride_tricks.as_strided(src, (len(src) - n + 1, n), (1, 1), writeable=False)
-        win_dst = np.lib.stride_tricks.as_strided(dst, (len(dst) - n + 1, n), (1, 1))
-        per = max(1, _CHUNK // n)
-        for c in range(0, len(sel), per):
-            part = sel[c : c + per]
-            win_dst[to[part]] = win_src[at[part]]
+        elif n:
+            per = max(1, _CHUNK // n)
+            for c in range(0, len(sel), per):
+                part = sel[c : c + per]
+                _windows(dst, n, True)[to[part]] = _windows(src, n, False)[at[part]]
+
+
+def _windows(buf: np.ndarray, n: int, writeable: bool) -> np.ndarray:
+    """Every ``n`` bytes of flat ``buf`` from each offset on, as rows of a 2-D view (no copy)."""
+    return np.lib.stride_tricks.as_strided(buf, (len(buf) - n + 1, n), (1, 1), writeable=writeable)
+
+
+def _strided(length: np.ndarray, at: np.ndarray, to: np.ndarray) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` in a row, at least :data:`_LONG` of them, of one non-zero length, each
+    ``at`` and each ``to`` one step (not negative; in ``to`` at least the length) after the one
+    before. Two such rows may share their edge run (copied twice: the same bytes)."""
+    if len(length) < _LONG:
+        return []
+    d_at, d_to = np.diff(at), np.diff(to)
+    same = length[1:] == length[:-1]
+    cut = np.ones(len(d_at), bool)  # gap g: between runs g and g + 1; a row of gaps of one kind
+    cut[1:] = (d_at[1:] != d_at[:-1]) | (d_to[1:] != d_to[:-1]) | ~same[1:] | ~same[:-1]
+    starts = np.flatnonzero(cut)
+    ends = np.append(starts[1:], len(d_at))  # gaps [s, e) join runs [s, e + 1)
+    n = length[starts]
+    keep = same[starts] & (n > 0) & (d_at[starts] >= 0) & (d_to[starts] >= n) & (ends - starts + 1 >= _LONG)
+    return list(zip(starts[keep].tolist(), (ends[keep] + 1).tolist()))
 
 
 def groups(lengths: np.ndarray, small: int, group: int) -> np.ndarray:
