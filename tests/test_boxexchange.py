@@ -381,14 +381,14 @@ def test_a_box_a_host_holds_twice_is_filled_twice(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _cut(small: int, group: int) -> Iterator[None]:
-    """Messages cut with these thresholds (both ends read them when a round starts)."""
-    was = packing.SMALL, packing.GROUP
-    packing.SMALL, packing.GROUP = small, group
+def _cut(small: int, group: int, many: int) -> Iterator[None]:
+    """Messages cut, and pieces copied, with these thresholds (read when a round starts)."""
+    was = packing.SMALL, packing.GROUP, packing.MANY
+    packing.SMALL, packing.GROUP, packing.MANY = small, group, many
     try:
         yield
     finally:
-        packing.SMALL, packing.GROUP = was
+        packing.SMALL, packing.GROUP, packing.MANY = was
 
 
 DTYPES = [np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.float32), np.dtype(np.float64), BF16]
@@ -410,6 +410,7 @@ def test_random_saved_and_target_grids_restore_bit_exact_reading_each_stored_byt
     root = tmp_path_factory.mktemp("grids")
     # Message buffers cut as in a large restore (pieces alone, runs of small ones, direct and staged).
     small, group = data.draw(st.sampled_from([(packing.SMALL, packing.GROUP), (1, 1), (8, 24), (40, 1 << 20)]))
+    many = data.draw(st.sampled_from([packing.MANY, 0, 2]))  # pieces copied whole, or as runs
 
     def ix(box: Any) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(*box))
@@ -425,7 +426,7 @@ def test_random_saved_and_target_grids_restore_bit_exact_reading_each_stored_byt
         target = {"a": ckptio.Sharded(shape, dtype, [(ix(c), None) for c in wanted[rank]])}
         return _exchange(root, reads, target, host), reads.data
 
-    with _cut(small, group):
+    with _cut(small, group, many):
         results = exchanging_hosts(hosts, body)
     for rank, r in enumerate(results):
         assert not isinstance(r, BaseException), r

@@ -52,7 +52,6 @@ from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
 from .landing import Landing, dest_run
-from . import packing
 from .packing import grouped as _grouped, pack, read_buffers
 from .runs import flat
 from .packed import table_reads
@@ -353,7 +352,7 @@ def _landing(side: _Side, gets: dict[tuple[str, int], Pieces]) -> Landing:
         targets += [regions[(*tt.offsets[r].tolist(), *tt.shape[r].tolist())] for r in refs.tolist()]
         landing.add(p.src, p.lo, p.hi, tt.offsets[p.ref], tt.shape[p.ref], base + inv.reshape(-1),
                     side.local.items[n].dtype.itemsize)  # type: ignore[union-attr]
-    landing.build(targets, packing.SMALL, packing.GROUP)
+    landing.build(targets)
     return landing
 
 

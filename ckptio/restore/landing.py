@@ -24,7 +24,9 @@ import numpy as np
 
 from .._system import fresh_pages
 from ..reshard import Region
-from .runs import copy_runs, flat, groups, runs
+from . import packing
+from .packing import message_buffers
+from .runs import box_view, copy_runs, counted_runs, flat
 
 __all__ = ["Landing", "dest_run"]
 
@@ -51,6 +53,7 @@ class Landing:
         self._cols: list[tuple[np.ndarray, ...]] = []  # per add: src, nbytes, target id
         self._runs: list[tuple[np.ndarray, ...]] = []  # per add: piece (global), start, length
         self._count = 0
+        self._boxes: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []  # per add: its pieces' boxes
         self._targets: list[list[Region]] = []
         self._stage = np.zeros(0, np.uint8)
         self._staged: np.ndarray = np.zeros(0, bool)
@@ -60,55 +63,47 @@ class Landing:
             target: np.ndarray, itemsize: int) -> None:
         """Pieces ``[lo, hi)`` of one array from hosts ``src``, each into target box ``(off,
         shape)`` (its row), whose regions are ``target`` (an index into :meth:`build`'s list)."""
-        piece, start, length = runs(lo, hi, off, shape, itemsize)
+        piece, start, length, counts = counted_runs(lo, hi, off, shape, itemsize, packing.MANY)
         self._cols.append((np.asarray(src, _I64), np.prod(hi - lo, axis=1, dtype=_I64) * itemsize,
-                           np.asarray(target, _I64)))
+                           np.asarray(target, _I64), counts))
         self._runs.append((piece + self._count, start, length))
+        self._boxes.append((self._count, lo - off, hi - off, shape, itemsize))
         self._count += len(src)
 
-    def build(self, targets: list[list[Region]], small: int, group: int) -> None:
+    def build(self, targets: list[list[Region]]) -> None:
         """Cut each source's message into the buffers it is received in (``targets``: the
         regions of each target id; a box held twice has two)."""
         self._targets = targets
-        cat = [np.concatenate(c) if c else np.zeros(0, _I64) for c in zip(*self._cols)] or [np.zeros(0, _I64)] * 3
-        src, nbytes, tid = cat
+        cat = [np.concatenate(c) if c else np.zeros(0, _I64) for c in zip(*self._cols)] or [np.zeros(0, _I64)] * 4
+        src, nbytes, tid, counts = cat
         piece, start, length = [np.concatenate(c) if c else np.zeros(0, _I64) for c in zip(*self._runs)] \
             or [np.zeros(0, _I64)] * 3
         self._runs_all = (piece, start, length)
         self.nbytes = int(nbytes.sum())
         first = np.searchsorted(piece, np.arange(len(src)))  # each piece's first run
-        one = np.bincount(piece, minlength=len(src)) == 1
         order = np.argsort(src, kind="stable")  # per source, its pieces in message order
-        sources, begin = np.unique(src[order], return_index=True)
+        cuts, ends, alone = message_buffers(src[order], nbytes[order], counts == 1, order)
         staged = np.zeros(len(src), bool)
-        pending: list[tuple[int, int, int]] = []  # (source, position in its views, staged group's size)
-        pos = 0
+        staged[order] = np.repeat(~alone, ends - cuts)
+        seq = order[staged[order]]  # staged pieces back to back in the staging buffer, in message order
         at = np.zeros(len(src), _I64)
-        for s, a, b in zip(sources.tolist(), begin.tolist(), [*begin[1:].tolist(), len(order)]):
-            idx = order[a:b]
-            cuts = groups(nbytes[idx], small, group).tolist()
-            views = [memoryview(bytearray(1))]
-            for i, j in zip(cuts, [*cuts[1:], len(idx)]):
-                p = int(idx[i])
-                if j == i + 1 and one[p]:  # alone and one run of its target: received right there
-                    r = int(first[p])
-                    views.append(memoryview(flat(targets[tid[p]][0].dest)[start[r] : start[r] + length[r]]))
-                    continue
-                mine = idx[i:j]
-                staged[mine] = True
-                at[mine] = pos + np.cumsum(nbytes[mine]) - nbytes[mine]
-                size = int(nbytes[mine].sum())
-                pending.append((s, len(views), size))
-                views.append(memoryview(b""))  # replaced once the staging buffer is made
+        at[seq] = np.cumsum(nbytes[seq]) - nbytes[seq]
+        self._stage = fresh_pages(int(nbytes[staged].sum()))
+        sizes = np.add.reduceat(nbytes[order], cuts).tolist() if len(cuts) else []
+        pos = 0
+        for s, p, one, size in zip(src[order[cuts]].tolist(), order[cuts].tolist(), alone.tolist(), sizes):
+            views = self.into.get(s)
+            if views is None:
+                views = self.into[s] = [memoryview(bytearray(1))]
+            if one:  # alone and one run of its target: received right there
+                r = int(first[p])
+                views.append(memoryview(flat(targets[tid[p]][0].dest)[start[r] : start[r] + length[r]]))
+            else:
+                views.append(memoryview(self._stage[pos : pos + size]))
                 pos += size
+        for views in self.into.values():
             views.append(memoryview(bytearray(self._seal)))
-            self.into[s] = views
-        self._stage = fresh_pages(pos)
-        base = 0
-        for s, k, size in pending:
-            self.into[s][k] = memoryview(self._stage[base : base + size])
-            base += size
-        self._staged, self._at, self._tid = staged, at, tid
+        self._staged, self._at, self._tid, self._many = staged, at, tid, staged & (counts > packing.MANY)
 
     def statuses(self) -> dict[int, int]:
         """Per source, the status byte it sent (non-zero: it failed and sent zeros)."""
@@ -135,4 +130,17 @@ class Landing:
                 for region in regions[1:]:  # a box held twice: from the region it landed in
                     copy_runs(flat(regions[0].dest), start[direct], flat(region.dest), start[direct],
                               length[direct])
+        self._copy_many()
         self._stage = np.zeros(0, np.uint8)
+
+    def _copy_many(self) -> None:
+        """The staged pieces of more than :data:`~ckptio.restore.packing.MANY` runs: one strided
+        numpy copy each, into each region of its box."""
+        for count, lo, hi, shape, isz in self._boxes:
+            idx = np.flatnonzero(self._many[count : count + len(lo)])
+            for i, a, b, box, at in zip(idx.tolist(), lo[idx].tolist(), hi[idx].tolist(), shape[idx].tolist(),
+                                        self._at[count + idx].tolist()):
+                part = self._stage[at : at + int(np.prod(np.subtract(b, a))) * isz]
+                for region in self._targets[self._tid[count + i]]:
+                    box_view(flat(region.dest), tuple(box), isz, tuple(a), tuple(b))[...] = \
+                        part.reshape(*np.subtract(b, a).tolist(), isz)

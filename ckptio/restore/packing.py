@@ -20,12 +20,15 @@ from typing import Any
 import numpy as np
 
 from .._system import fresh_pages
-from .runs import copy_runs, groups, runs
+from .runs import box_view, copy_runs, counted_runs, groups
 
 __all__ = ["GROUP", "SMALL", "grouped", "pack", "read_buffers"]
 
 #: Pieces under SMALL bytes go in one buffer per run of about GROUP bytes (sends, not copies, cost).
 SMALL, GROUP = 64 << 10, 4 << 20
+#: A piece of more runs than this (rows of a column block) is copied as one strided numpy copy;
+#: fewer (a million tiny pieces) as runs, vectorised over all of them.
+MANY = 16
 
 
 def grouped(lengths: list[int]) -> list[int]:
@@ -53,30 +56,21 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     dst = np.concatenate([c[0] for c in cols])
     nbytes = np.concatenate([np.prod(c[2] - c[1], axis=1, dtype=np.int64) * c[6] for c in cols])
     src = np.concatenate([c[5] for c in cols])
-    piece_l, start_l, length_l, count = [], [], [], 0
+    piece_l, start_l, length_l, counts_l, count = [], [], [], [], 0
     for d, lo, hi, slo, shi, _s, isz in cols:
-        pc, st, ln = runs(lo, hi, slo, shi - slo, isz)
-        piece_l.append(pc + count)
-        start_l.append(st)
-        length_l.append(ln)
+        pc, st, ln, cn = counted_runs(lo, hi, slo, shi - slo, isz, MANY)
+        piece_l += [pc + count]
+        start_l += [st]
+        length_l += [ln]
+        counts_l += [cn]
         count += len(d)
     piece, start, length = np.concatenate(piece_l), np.concatenate(start_l), np.concatenate(length_l)
+    counts = np.concatenate(counts_l)
     first = np.searchsorted(piece, np.arange(len(dst)))
-    one = np.bincount(piece, minlength=len(dst)) == 1
     order = np.argsort(dst, kind="stable")  # per destination, its pieces in message order
-    dests, begin = np.unique(dst[order], return_index=True)
+    cuts, ends, alone = message_buffers(dst[order], nbytes[order], counts == 1, order)
     packed = np.zeros(len(dst), bool)
-    plan: dict[int, list[tuple[int, int]]] = {}  # per dst, its buffers: (piece, -1) a view, (-1, size) packed
-    for d, a, b in zip(dests.tolist(), begin.tolist(), [*begin[1:].tolist(), len(order)]):
-        idx = order[a:b]
-        cuts = groups(nbytes[idx], SMALL, GROUP).tolist()
-        plan[d] = []
-        for i, j in zip(cuts, [*cuts[1:], len(idx)]):
-            if j == i + 1 and one[idx[i]]:
-                plan[d].append((int(idx[i]), -1))
-            else:
-                packed[idx[i:j]] = True
-                plan[d].append((-1, int(nbytes[idx[i:j]].sum())))
+    packed[order] = np.repeat(~alone, ends - cuts)
     # Packed pieces back to back in the send buffer, in the order the buffers go out.
     seq = order[packed[order]]
     pos = np.zeros(len(dst), np.int64)
@@ -88,15 +82,47 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     for s in np.unique(src[piece[mine]]).tolist():
         sel = mine & (src[piece] == s)
         copy_runs(sources[s], start[sel], send, pos[piece[sel]] + within[sel], length[sel])
+    _copy_many(cols, sources, send, pos, packed & (counts > MANY))
     out: dict[int, list[memoryview]] = {}
     at = 0
-    for d, bufs in plan.items():
-        out[d] = []
-        for p, size in bufs:
-            if p >= 0:
-                r = int(first[p])
-                out[d].append(memoryview(sources[src[p]][start[r] : start[r] + length[r]]))
-            else:
-                out[d].append(memoryview(send[at : at + size]))
-                at += size
+    sizes = np.add.reduceat(nbytes[order], cuts).tolist() if len(cuts) else []
+    for d, p, one, size in zip(dst[order[cuts]].tolist(), order[cuts].tolist(), alone.tolist(), sizes):
+        if one:
+            r = int(first[p])
+            buf = memoryview(sources[src[p]][start[r] : start[r] + length[r]])
+        else:
+            buf, at = memoryview(send[at : at + size]), at + size
+        out.setdefault(d, []).append(buf)
     return out
+
+
+def _copy_many(cols: list[tuple[Any, ...]], sources: list[np.ndarray], send: np.ndarray, pos: np.ndarray,
+               many: np.ndarray) -> None:
+    """Pieces ``many`` (of more than :data:`MANY` runs) into ``send`` at ``pos``: one strided
+    numpy copy each."""
+    count = 0
+    for d, lo, hi, slo, shi, s, isz in cols:
+        idx = np.flatnonzero(many[count : count + len(d)])
+        boxes: dict[int, np.ndarray] = {}  # each source buffer as an array of its box's shape
+        for i, a, b, src, at in zip(s[idx].tolist(), (lo[idx] - slo[idx]).tolist(), (hi[idx] - slo[idx]).tolist(),
+                                    (shi[idx] - slo[idx]).tolist(), pos[count + idx].tolist()):
+            whole = boxes.get(i)
+            if whole is None:
+                whole = boxes[i] = box_view(sources[i], tuple(src), isz, (0,) * len(src), tuple(src))
+            part = whole[tuple(slice(x, y) for x, y in zip(a, b))]
+            send[at : at + part.size].reshape(part.shape)[...] = part
+        count += len(d)
+
+
+def message_buffers(peer: np.ndarray, nbytes: np.ndarray, one_run: np.ndarray, order: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The buffers of every message, pieces listed per peer (``peer``, sorted; ``nbytes``; the
+    pieces in their original numbering ``order``, which ``one_run`` is indexed by): each buffer's
+    first and end piece (positions in the sorted list), and whether it is one piece alone that is
+    one run (sent or received in place) rather than packed."""
+    new = np.ones(len(peer), bool)
+    new[1:] = peer[1:] != peer[:-1]
+    cuts = groups(nbytes, SMALL, GROUP, new) if len(peer) else np.zeros(0, np.int64)
+    ends = np.append(cuts[1:], len(peer)).astype(np.int64)
+    alone = (ends - cuts == 1) & one_run[order[cuts]] if len(cuts) else np.zeros(0, bool)
+    return cuts, ends, alone

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["copy_runs", "flat", "groups", "runs"]
+__all__ = ["box_view", "copy_runs", "counted_runs", "flat", "groups", "runs"]
 
 _I64 = np.int64
 #: A gather's temporary (runs of one length, copied at once) is at most this many bytes.
@@ -31,11 +31,18 @@ def runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, ite
     buffer of box ``(off, shape)`` (its row: the buffer holding that piece), elements of
     ``itemsize`` bytes: ``(piece, start, length)`` per run, by piece then in C order, ``start``
     in bytes from the start of the piece's buffer. A piece of no bytes has no run."""
+    return counted_runs(lo, hi, off, shape, itemsize)[:3]
+
+
+def counted_runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, itemsize: int,
+                 most: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`runs`, and each piece's count of runs; with ``most``, the runs of pieces of at most
+    that many runs only (a piece of many rows is copied faster as one strided numpy copy)."""
     m, ndim = lo.shape
     size = np.prod(hi - lo, axis=1, dtype=_I64) * itemsize
     if not ndim:
         keep = np.flatnonzero(size > 0)
-        return keep, np.zeros(len(keep), _I64), size[keep]
+        return keep, np.zeros(len(keep), _I64), size[keep], (size > 0).astype(_I64)
     sh = hi - lo
     stride = np.ones((m, ndim), _I64) * itemsize
     if ndim > 1:  # stride[:, d]: bytes of one step along d, the product of the buffer's inner dims
@@ -46,7 +53,9 @@ def runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, ite
     rows = np.arange(m)
     length = sh[rows, k] * stride[rows, k]
     outer = np.where(np.arange(ndim) < k[:, None], sh, 1)
-    counts = np.where(size > 0, np.prod(outer, axis=1, dtype=_I64), 0)
+    counts = all_counts = np.where(size > 0, np.prod(outer, axis=1, dtype=_I64), 0)
+    if most is not None:
+        counts = np.where(counts <= most, counts, 0)
     piece = np.repeat(rows, counts)
     j = np.arange(len(piece), dtype=_I64) - np.repeat(np.cumsum(counts) - counts, counts)
     start = ((lo - off) * stride).sum(axis=1)[piece]
@@ -54,7 +63,15 @@ def runs(lo: np.ndarray, hi: np.ndarray, off: np.ndarray, shape: np.ndarray, ite
         radix = outer[piece, d]
         start += (j % radix) * stride[piece, d]
         j //= radix
-    return piece, start, length[piece]
+    return piece, start, length[piece], all_counts
+
+
+def box_view(buf: np.ndarray, shape: tuple[int, ...], itemsize: int, lo: tuple[int, ...], hi: tuple[int, ...]
+             ) -> np.ndarray:
+    """Box ``[lo, hi)`` (coordinates in the buffer) of flat uint8 ``buf`` holding a C-order array of
+    ``shape``, as a uint8 view with a last axis of the element's bytes (any dtype alike)."""
+    return buf[: int(np.prod(shape, dtype=_I64)) * itemsize].reshape(*shape, itemsize)[
+        tuple(slice(a, b) for a, b in zip(lo, hi))]
 
 
 def flat(a: np.ndarray | memoryview | bytearray) -> np.ndarray:
@@ -101,7 +118,7 @@ def _windows(buf: np.ndarray, n: int, writeable: bool) -> np.ndarray:
 
 
 def _strided(length: np.ndarray, at: np.ndarray, to: np.ndarray) -> list[tuple[int, int]]:
-    """Runs ``[a, b)`` in a row, at least :data:`_LONG` of them, of one non-zero length, each
+    """Runs ``[a, b)`` in a row, at least :data:`_LONG` of them and :data:`_CHUNK` bytes, of one non-zero length, each
     ``at`` and each ``to`` one step (not negative; in ``to`` at least the length) after the one
     before. Two such rows may share their edge run (copied twice: the same bytes)."""
     if len(length) < _LONG:
@@ -113,21 +130,30 @@ def _strided(length: np.ndarray, at: np.ndarray, to: np.ndarray) -> list[tuple[i
     starts = np.flatnonzero(cut)
     ends = np.append(starts[1:], len(d_at))  # gaps [s, e) join runs [s, e + 1)
     n = length[starts]
-    keep = same[starts] & (n > 0) & (d_at[starts] >= 0) & (d_to[starts] >= n) & (ends - starts + 1 >= _LONG)
+    count = ends - starts + 1
+    keep = same[starts] & (n > 0) & (d_at[starts] >= 0) & (d_to[starts] >= n) & (count >= _LONG) \
+        & (count * n >= _CHUNK)  # smaller rows: through the gathers (a Python step per row costs more)
     return list(zip(starts[keep].tolist(), (ends[keep] + 1).tolist()))
 
 
-def groups(lengths: np.ndarray, small: int, group: int) -> np.ndarray:
-    """Where the buffers of a message of pieces ``lengths`` start (piece indices, ascending, the
+def groups(lengths: np.ndarray, small: int, group: int, first: np.ndarray | None = None) -> np.ndarray:
+    """Where the buffers of messages of pieces ``lengths`` start (piece indices, ascending, the
     first 0): each piece of ``small`` bytes or more alone; consecutive smaller ones together, cut
-    where the bytes before them in the message cross a multiple of ``group`` (a million tiny pieces
-    must not be a million sends). A rule both ends of a message compute alike from the lengths."""
+    where the bytes before them in their message cross a multiple of ``group`` (a million tiny
+    pieces must not be a million sends). ``first``: the pieces that start a message (default:
+    the first only); a buffer never spans two messages. A rule both ends of a message compute
+    alike from the lengths."""
     n = len(lengths)
     if not n:
         return np.zeros(0, _I64)
     lengths = np.asarray(lengths, _I64)
+    if first is None:
+        first = np.zeros(n, bool)
+    first = first.copy()
+    first[0] = True
     is_small = lengths < small
     before = np.cumsum(lengths) - lengths
-    cut = np.ones(n, bool)
-    cut[1:] = ~is_small[1:] | ~is_small[:-1] | (before[1:] // group != before[:-1] // group)
+    before -= before[first][np.cumsum(first) - 1]  # bytes before each piece in its own message
+    cut = first | ~is_small
+    cut[1:] |= ~is_small[:-1] | (before[1:] // group != before[:-1] // group)
     return np.flatnonzero(cut)
