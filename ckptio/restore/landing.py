@@ -63,7 +63,7 @@ class Landing:
             target: np.ndarray, itemsize: int) -> None:
         """Pieces ``[lo, hi)`` of one array from hosts ``src``, each into target box ``(off,
         shape)`` (its row), whose regions are ``target`` (an index into :meth:`build`'s list)."""
-        piece, start, length, counts = counted_runs(lo, hi, off, shape, itemsize, packing.MANY)
+        piece, start, length, counts = counted_runs(lo, hi, off, shape, itemsize, max(packing.MANY, 1))
         self._cols.append((np.asarray(src, _I64), np.prod(hi - lo, axis=1, dtype=_I64) * itemsize,
                            np.asarray(target, _I64), counts))
         self._runs.append((piece + self._count, start, length))
@@ -103,7 +103,7 @@ class Landing:
                 pos += size
         for views in self.into.values():
             views.append(memoryview(bytearray(self._seal)))
-        self._staged, self._at, self._tid, self._many = staged, at, tid, staged & (counts > packing.MANY)
+        self._staged, self._at, self._tid, self._many = staged, at, tid, staged & (counts > max(packing.MANY, 1))
 
     def statuses(self) -> dict[int, int]:
         """Per source, the status byte it sent (non-zero: it failed and sent zeros)."""

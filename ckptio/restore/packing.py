@@ -58,7 +58,7 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     src = np.concatenate([c[5] for c in cols])
     piece_l, start_l, length_l, counts_l, count = [], [], [], [], 0
     for d, lo, hi, slo, shi, _s, isz in cols:
-        pc, st, ln, cn = counted_runs(lo, hi, slo, shi - slo, isz, MANY)
+        pc, st, ln, cn = counted_runs(lo, hi, slo, shi - slo, isz, max(MANY, 1))
         piece_l += [pc + count]
         start_l += [st]
         length_l += [ln]
@@ -82,7 +82,7 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     for s in np.unique(src[piece[mine]]).tolist():
         sel = mine & (src[piece] == s)
         copy_runs(sources[s], start[sel], send, pos[piece[sel]] + within[sel], length[sel])
-    _copy_many(cols, sources, send, pos, packed & (counts > MANY))
+    _copy_many(cols, sources, send, pos, packed & (counts > max(MANY, 1)))
     out: dict[int, list[memoryview]] = {}
     at = 0
     sizes = np.add.reduceat(nbytes[order], cuts).tolist() if len(cuts) else []
