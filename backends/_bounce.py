@@ -18,10 +18,10 @@ default backend), in private anonymous memory (cheaper to fault in than shmem).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 from ckptio._system import fresh_pages
+from ckptio._system.freelists import FreeLists
 
 __all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE"]
 
@@ -40,37 +40,34 @@ class BouncePool:
     def __init__(self, size: int = BOUNCE_BYTES, keep: int = KEEP) -> None:
         self.size = size
         self.keep = keep
-        self._free: list[memoryview] = []
-        self._lock = threading.Lock()
-        self.allocated = 0
-        self.lent = 0
+        self._free: FreeLists[int, memoryview] = FreeLists(max_bytes=keep * size)
+
+    @property
+    def allocated(self) -> int:
+        return self._free.misses
+
+    @property
+    def lent(self) -> int:
+        return self._free.hits + self._free.misses
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[memoryview]:
         """A buffer of :attr:`size` bytes for the duration of the block, then back to the pool."""
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-            self.lent += 1
-            if buf is None:
-                self.allocated += 1
+        buf = self._free.take(self.size)
         if buf is None:
             buf = memoryview(fresh_pages(self.size))
         try:
             yield buf
         finally:
-            with self._lock:
-                if len(self._free) < self.keep:
-                    self._free.append(buf)
+            self._free.give(self.size, buf, self.size)
 
     def free_bytes(self) -> int:
         """Bytes held in free buffers (what the pool keeps between writes)."""
-        with self._lock:
-            return self.size * len(self._free)
+        return self._free.held_bytes()
 
     def clear(self) -> None:
         """Drop the free buffers (those lent now are kept when they come back, up to ``keep``)."""
-        with self._lock:
-            self._free.clear()
+        self._free.clear()
 
 
 #: The pool every local backend's direct writes use.

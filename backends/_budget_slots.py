@@ -6,6 +6,11 @@ hands its block (an anonymous ``memfd``) to its sidecar writer (:mod:`ckptio.sid
 reserve slots from the same state under one lock -- a ``threading.Lock`` within a process and a
 POSIX record lock (``lockf``, held per process) on the memfd between them. So trainer and sidecar
 together keep the host's share, rather than one share each.
+
+A process drops every ``lockf`` it holds on a file when it closes *any* descriptor of that file.
+So each memfd has one process-wide thread lock (:func:`_file_lock`), held by whoever holds the
+``lockf`` and by whoever closes a descriptor of it (:meth:`SlotState.join`, :func:`discard`): a
+descriptor is never closed while a thread of this process is inside :meth:`SlotState.locked`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SlotState", "Slots", "STARTED", "TAKEN"]
+__all__ = ["SlotState", "Slots", "STARTED", "TAKEN", "discard"]
 
 #: A throttled host's rate never drops below this fraction of its share.
 _MIN_BOOST = 1 / 64
@@ -38,6 +43,25 @@ TAKEN = STARTED + 1
 _SIZE = 8 * (TAKEN + 2)
 
 
+#: Per memfd (device, inode): the lock of this process's threads around its ``lockf`` and its closes.
+_file_locks: dict[tuple[int, int], threading.Lock] = {}
+_file_locks_lock = threading.Lock()
+
+
+def _file_lock(fd: int) -> threading.Lock:
+    """The process-wide thread lock of the file behind ``fd``."""
+    st = os.fstat(fd)
+    with _file_locks_lock:
+        return _file_locks.setdefault((st.st_dev, st.st_ino), threading.Lock())
+
+
+def discard(fd: int) -> None:
+    """Close ``fd``, a descriptor of a shared state this process may hold the ``lockf`` of through
+    another descriptor: only once no thread of this process is inside :meth:`SlotState.locked`."""
+    with _file_lock(fd):
+        os.close(fd)
+
+
 class SlotState:
     """The doubles behind one host's slots: process-local until :meth:`share` puts them in a memfd
     another process can :meth:`join`. Read and write them only inside :meth:`locked`."""
@@ -51,6 +75,7 @@ class SlotState:
             self.view[t * _PER_TABLE + 3] = -math.inf  # halved_at
         self.view[STARTED] = started
         self.fd: int | None = None
+        self._flock: threading.Lock | None = None  # _file_lock(self.fd), looked up once per fd
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -58,13 +83,15 @@ class SlotState:
     def locked(self) -> Iterator[None]:
         """Exclusive use of the state, against this process's threads and the processes sharing it."""
         with self._lock:
-            fd = self.fd
-            if fd is not None:
-                fcntl.lockf(fd, fcntl.LOCK_EX)
-            try:
+            fd, flock = self.fd, self._flock
+            if fd is None or flock is None:
                 yield
-            finally:
-                if fd is not None:
+                return
+            with flock:
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
                     fcntl.lockf(fd, fcntl.LOCK_UN)
 
     def share(self) -> int:
@@ -73,11 +100,15 @@ class SlotState:
         with self._lock:
             if self.fd is None:
                 fd = os.memfd_create("ckptio-request-budget", os.MFD_CLOEXEC)
-                os.ftruncate(fd, _SIZE)
-                mm = mmap.mmap(fd, _SIZE)
+                try:
+                    os.ftruncate(fd, _SIZE)
+                    mm = mmap.mmap(fd, _SIZE)
+                except BaseException:
+                    os.close(fd)  # ours alone yet: no lock of it can be held
+                    raise
                 view = memoryview(mm).cast("d")
                 view[:] = self.view
-                self.view, self.fd = view, fd
+                self.view, self.fd, self._flock = view, fd, _file_lock(fd)
                 self._maps.append(mm)
             return self.fd
 
@@ -85,17 +116,20 @@ class SlotState:
         """Use the state behind ``fd`` (another process's :meth:`share`) from now on; takes ``fd``.
         Joining the state already joined only closes ``fd``."""
         with self._lock:
-            if self.fd is not None and os.fstat(self.fd).st_ino == os.fstat(fd).st_ino:
-                os.close(fd)
+            if self.fd is not None and _file_lock(self.fd) is _file_lock(fd):
+                discard(fd)
                 return
-            if os.fstat(fd).st_size < _SIZE:
-                os.close(fd)
-                raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
-            mm = mmap.mmap(fd, _SIZE)
+            try:
+                if os.fstat(fd).st_size < _SIZE:
+                    raise ValueError(f"a request budget's shared state must hold {_SIZE} bytes")
+                mm = mmap.mmap(fd, _SIZE)
+            except BaseException:
+                discard(fd)  # taken: closed on every path
+                raise
             self._maps.append(mm)
-            old, self.view, self.fd = self.fd, memoryview(mm).cast("d"), fd
+            old, self.view, self.fd, self._flock = self.fd, memoryview(mm).cast("d"), fd, _file_lock(fd)
             if old is not None:
-                os.close(old)
+                discard(old)
 
 
 class _Field:

@@ -199,6 +199,26 @@ async def fill_from_response(
 # -- errors -------------------------------------------------------------------
 
 
+async def read_json(resp: aiohttp.ClientResponse) -> Any:
+    return json.loads(await resp.read())
+
+
+async def drain(resp: aiohttp.ClientResponse) -> None:
+    await resp.read()  # read to the end so the connection goes back to the pool
+
+
+def whole_body(what: str) -> Callable[[aiohttp.ClientResponse], Awaitable[bytes]]:
+    """A handler that reads a whole object's body, refusing one cut short (RetryableError)."""
+
+    async def body(resp: aiohttp.ClientResponse) -> bytes:
+        data = await resp.read()
+        if resp.content_length is not None and len(data) != resp.content_length:
+            raise RetryableError(f"{what}: {len(data)} of {resp.content_length} bytes arrived")
+        return data
+
+    return body
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
     if not value:

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._bounce import BOUNCE_BYTES
+
 __all__ = ["LocalConfig"]
+
+#: The largest alignment a direct write can keep: a bounce buffer's size (a larger one would cut
+#: every bounce copy to nothing, and the write would never end).
+_MAX_ALIGNMENT = BOUNCE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +32,8 @@ class LocalConfig:
     threads: int = 8
     #: Target object size for the layout.
     object_size: int = 64 << 20
+    #: O_DIRECT's alignment of offsets, lengths and memory: a power of two, at most one bounce
+    #: buffer (:data:`ckptio.backends._bounce.BOUNCE_BYTES`), which unaligned bytes pass through.
     alignment: int = 4096
     #: O_DIRECT for reads too (aligned destinations only). Off by default: measured here, a cold
     #: 1 GiB restore in a fresh process took 0.61-0.64 s buffered (the kernel's readahead) and
@@ -55,3 +63,8 @@ class LocalConfig:
     #: step (see :mod:`ckptio._system.threads`). Off by default: on a CPU-saturated 2-core host
     #: nice 10 cut the step's run-queue wait but also the save's throughput (~1.1 -> ~0.75 GiB/s).
     write_nice: int = 0
+
+    def __post_init__(self) -> None:
+        a = self.alignment
+        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or a & (a - 1) or a > _MAX_ALIGNMENT:
+            raise ValueError(f"LocalConfig.alignment must be a power of two from 1 to {_MAX_ALIGNMENT}, got {a!r}")

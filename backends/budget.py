@@ -56,10 +56,14 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
 from ._budget_slots import STARTED, TAKEN, Slots, SlotState
+from ._budget_slots import discard as discard_shared_state
 from .base import Backend, ByteRange, ObjectInfo, ThrottledError
 from .wrappers import WrapperBackend
 
-__all__ = ["BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "each_request"]
+__all__ = [
+    "BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "discard_shared_state",
+    "each_request",
+]
 
 T = TypeVar("T")
 
@@ -277,6 +281,10 @@ class BudgetedBackend(WrapperBackend):
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._call(READ, lambda: self.inner.read_into(key, rng, buffers))
+
+    async def read(self, key: str) -> bytes:
+        # The inner backend's own whole read (GCS: one request, not a stat and a read).
+        return await self._call(READ, lambda: self.inner.read(key))
 
     async def create_if_absent(self, key: str, data: bytes) -> None:
         await self._call(WRITE, lambda: self.inner.create_if_absent(key, data))

@@ -37,6 +37,7 @@ Protocol
   MiB/s, as 4 parallel parts + compose + deleting the parts 100-106 MiB/s.
 * Ranged reads send ``ByteRange.http_header()`` and stream the body into the
   destination buffers; ``Content-Range``'s total detects a range past the end.
+  A whole small object (``read``: manifests, fences, fragments) is one GET.
 * ``create_if_absent`` is a multipart upload with ``ifGenerationMatch=0``
   (the emulator honours preconditions only on multipart uploads).
 * Errors: 404 FileNotFoundError, 412 FileExistsError, 401/403
@@ -79,13 +80,16 @@ from ._gcs_http import (
     TokenSource,
     confirmation,
     crc32c_b64,
+    drain,
     fill_from_response,
     parse_rfc3339,
     persisted_offset,
     raise_for_status,
+    read_json,
     session_pool,
     slice_views,
     translating,
+    whole_body,
 )
 from .base import (
     Backend,
@@ -226,13 +230,6 @@ class GCSBackend(Backend):
                     await raise_for_status(resp, what)
                 return await handle(resp)
         raise AssertionError("unreachable")  # translating() re-raises; keeps type checkers content
-
-    async def _json(self, resp: aiohttp.ClientResponse) -> Any:
-        return json.loads(await resp.read())
-
-    @staticmethod
-    async def _drain(resp: aiohttp.ClientResponse) -> None:
-        await resp.read()  # read to the end so the connection goes back to the pool
 
     # -- writing ---------------------------------------------------------------
 
@@ -414,6 +411,11 @@ class GCSBackend(Backend):
             ramp=self._read_ramp,
         )
 
+    async def read(self, key: str) -> bytes:
+        what = f"{self._url}: reading {key!r}"  # one GET: not a stat, then a ranged read (two slots)
+        return await self._call("GET", self._object_url(self._name(key), alt="media"), what, whole_body(what),
+                                headers={"Accept-Encoding": "identity"}, ramp=self._read_ramp)
+
     # -- metadata -------------------------------------------------------------------
 
     async def stat(self, key: str) -> ObjectInfo:
@@ -422,7 +424,7 @@ class GCSBackend(Backend):
             "GET",
             self._object_url(name, fields="name,size,updated"),
             f"{self._url}: stat of {key!r}",
-            self._json,
+            read_json,
             ramp=self._read_ramp,
         )
         return ObjectInfo(key, int(doc["size"]), parse_rfc3339(doc["updated"]))
@@ -433,7 +435,7 @@ class GCSBackend(Backend):
             "DELETE",
             self._object_url(name),
             f"{self._url}: deleting {key!r}",
-            self._drain,
+            drain,
             ok=(200, 204),
             ramp=self._write_ramp,
         )
@@ -452,7 +454,7 @@ class GCSBackend(Backend):
         what = f"{self._url}: listing {prefix!r}"
         while True:
             url = self._api_url(f"/storage/v1/b/{self._b}/o", query)
-            doc = await self._call("GET", url, what, self._json, ramp=self._read_ramp)
+            doc = await self._call("GET", url, what, read_json, ramp=self._read_ramp)
             items.extend(doc.get("items", ()))
             prefixes.extend(doc.get("prefixes", ()))
             token = doc.get("nextPageToken")

@@ -26,7 +26,7 @@ from . import _gc
 from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
-from .engine import Progress, WrittenObject, run_sync
+from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .store.intents import Lease, new_id
 from .store.resave import wait_bound
@@ -78,20 +78,44 @@ async def _write_fragment(
     store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
     record: dict[str, Any], plans: list[ObjectPlan],
 ) -> dict[str, Any]:
-    """Write this host's fragment, check that its objects are all there, and return its summary."""
-    ref = None
-    if any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
+    """Write this host's fragment, check that its objects are all there, and return its summary.
+
+    The two run at once: both only need this host's objects written, and on an object store
+    under a request budget a check chained after the write costs the save half a round of
+    the host's share (the check is a read, the fragment a write: separate slots)."""
+
+    async def fragment() -> FragmentRef | None:
+        if not any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
+            return None
         data = fragment_doc(record, step, save_id, host)
         key = fragment_key(step_dir, save_id)
         await store.io.write(key, [memoryview(data)])
         await store.io.sync()
-        ref = FragmentRef(key, len(data), crc32c(data), host)
-    # The coordinator sees only fragments: each host vouches for its own objects before the commit.
-    have = await store.object_sizes(p.key for p in plans)
-    for p in plans:
-        if have.get(p.key, -1) < p.size:
-            raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
+        return FragmentRef(key, len(data), crc32c(data), host)
+
+    async def vouch() -> None:
+        # The coordinator sees only fragments: each host vouches for its own objects before the commit.
+        have = await store.object_sizes(p.key for p in plans)
+        for p in plans:
+            if have.get(p.key, -1) < p.size:
+                raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
+
+    ref, _ = await gather_or_cancel([fragment(), vouch()])
     return summary_of(record, ref, coordinator=host == 0)
+
+
+async def _step_is_clear(store: CheckpointStore, step_dir: str, *, coordinator: bool) -> bool:
+    """True if this host's checks of ``step_dir`` before a save find nothing to do there.
+
+    The coordinator's: no tombstone and no manifest (else ``prepare_save`` has work: an interrupted
+    deletion to finish, a committed step to refuse, an unconfirmed commit to settle or wait for).
+    The others': no commit that stands -- an unconfirmed one is host 0's to settle or wait for, and
+    refusing it here would fail a save host 0 lets go ahead (its verdict fails every host anyway
+    if host 0 refuses).
+    """
+    if coordinator:
+        return await store.step_is_clear(step_dir)
+    return not await store.commit_stands(step_dir)
 
 
 def start_save(
@@ -171,6 +195,9 @@ class SaveJob:
         #: Set on the coordinator when the step is busy (ckptio.store.resave): the latest
         #: ``time.time()`` its commit waits until for the other save to confirm or be settled.
         self.busy_until: float | None = None
+        #: Whether this host's checks of the step find nothing to do (:func:`_step_is_clear`):
+        #: :meth:`_plan` starts them, :meth:`_announce` acts on them.
+        self._clear: concurrent.futures.Future[bool]
 
     # -- stage: the calling thread ---------------------------------------------
 
@@ -207,15 +234,9 @@ class SaveJob:
         self.structure, self.staged, self.packs = _plan_staging(
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
-        if rank == 0:
-            # Finishes an interrupted deletion, settles a dead save's unconfirmed commit; one whose save
-            # may be alive makes this save busy: it writes, and waits before its commit (ckptio.store.resave).
-            if run_sync(store.prepare_save(self.step_dir, defer=True)):
-                self.busy_until = time.time() + wait_bound(store.lease_s)
-        elif run_sync(store.commit_stands(self.step_dir)):
-            # An unconfirmed commit is host 0's to settle or wait for: refusing it here would fail a
-            # save host 0 lets go ahead (and its verdict fails every host anyway if host 0 refuses).
-            raise FileExistsError(f"checkpoint {self.where} is already committed")
+        # Checked while the save announces itself (:meth:`_announce`), not before: under a request
+        # budget a read and a write take separate slots, so the checks cost no round of their own.
+        self._clear = submit(_step_is_clear(store, self.step_dir, coordinator=rank == 0))
 
     def _layout(self) -> None:
         """Plan the objects, name them, and write the manifest's head."""
@@ -237,9 +258,38 @@ class SaveJob:
         }
 
     def _announce(self) -> None:
-        """Announced before the first object: deleters spare a live save's objects, whatever their age."""
-        self.lease = Lease(self.store, self.step_dir, self.save_id, self.coord.rank)
-        self.lease.start()
+        """Announced before the first object: deleters spare a live save's objects, whatever their age.
+
+        The intent is written while the step's checks (:func:`_step_is_clear`) run. Where they find
+        something, this save's intent -- all it wrote yet -- is retired: a non-coordinator refuses
+        the committed step; host 0 prepares the step as it would before any intent of this save
+        (finishing an interrupted deletion, settling a dead save's commit), then announces again.
+        """
+        self.lease = self._start_lease()
+        try:
+            clear = self._clear.result()
+            if not clear and self.coord.rank != 0:
+                raise FileExistsError(f"checkpoint {self.where} is already committed")
+        except BaseException:
+            self.lease.close(retire=True)
+            raise
+        if clear:
+            return
+        self.lease.close(retire=True)
+        # A commit whose save may be alive makes this save busy: it writes, and waits before its
+        # commit (ckptio.store.resave).
+        if run_sync(self.store.prepare_save(self.step_dir, defer=True)):
+            self.busy_until = time.time() + wait_bound(self.store.lease_s)
+        self.lease = self._start_lease()
+
+    def _start_lease(self) -> Lease:
+        lease = Lease(self.store, self.step_dir, self.save_id, self.coord.rank)
+        try:
+            lease.start()
+        except BaseException:
+            self._clear.exception()  # the checks end before the refusal is reported
+            raise
+        return lease
 
     def _fill(self) -> None:
         """Fill every object's buffers in order, releasing each object's write once they are."""

@@ -87,32 +87,36 @@ class _Writer:
             got = self.chan.recv()
             if got is None:
                 os._exit(0)  # the trainer is gone (or done with us): nothing here is worth finishing
-            msg, fds = got
-            kind = msg[0]
-            if kind == "slab":
-                self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
-                os.close(fds[0])
-            elif kind == "open":
-                _k, rid, spec, n = msg
-                if fds:  # the trainer's request budget: this host's one share, drawn from by both
-                    self._join_budget(spec, os.dup(fds[0]))
-                objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
-                task = submit(self._run(rid, spec, objects))
-                self.requests[rid] = (objects, task)
-                task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
-            elif kind == "object":
-                _k, rid, i, key, desc = msg
-                req = self.requests.get(rid)
-                if req is not None and not req[0][i].done():
-                    req[0][i].set_result((key, desc))
-            elif kind == "abort":
-                req = self.requests.get(msg[1])
-                if req is not None:
-                    for f in req[0]:
-                        if not f.done():
-                            f.set_exception(SaveFailedError(f"aborted by the trainer: {msg[2]}"))
-            for fd in fds if kind != "slab" else ():
-                os.close(fd)
+            self.handle(*got)
+
+    def handle(self, msg: Any, fds: list[int]) -> None:
+        """One message from the trainer, and the descriptors that came with it (all taken)."""
+        kind = msg[0]
+        if kind == "slab":
+            self.slabs[msg[1]] = mmap.mmap(fds[0], msg[2])
+        elif kind == "open":
+            _k, rid, spec, n = msg
+            if fds:  # the trainer's request budget: this host's one share, drawn from by both
+                # Handed over, never closed here: closing any descriptor of the memfd drops this
+                # process's lockf on it, which an IO thread may hold at that moment.
+                self._join_budget(spec, fds.pop(0))
+            objects: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(n)]
+            task = submit(self._run(rid, spec, objects))
+            self.requests[rid] = (objects, task)
+            task.add_done_callback(lambda _t, rid=rid: self.requests.pop(rid, None))
+        elif kind == "object":
+            _k, rid, i, key, desc = msg
+            req = self.requests.get(rid)
+            if req is not None and not req[0][i].done():
+                req[0][i].set_result((key, desc))
+        elif kind == "abort":
+            req = self.requests.get(msg[1])
+            if req is not None:
+                for f in req[0]:
+                    if not f.done():
+                        f.set_exception(SaveFailedError(f"aborted by the trainer: {msg[2]}"))
+        for fd in fds:  # a slab's mapping keeps a descriptor of its own
+            os.close(fd)
 
     def _engine(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]]) -> Engine:
         """The engine of one (URL, options, config, environment): made once, reused by later saves."""
@@ -130,15 +134,16 @@ class _Writer:
     def _join_budget(self, spec: tuple[str, dict[str, Any], Any, tuple[tuple[str, str], ...]], fd: int) -> None:
         """Have the engine of ``spec`` draw from the trainer's budget state behind ``fd`` (taken)."""
         from ckptio.backends.budget import budget_of
+        from ckptio.backends.budget import discard_shared_state as discard
 
         try:
             budget = budget_of(self._engine(spec).backend)
         except Exception as e:  # noqa: BLE001 - the save's own request meets it again, and reports it
             log.warning("could not open %s to join its request budget: %s", spec[0], e)
-            os.close(fd)
+            discard(fd)  # another engine of this process may hold the state's lockf through its own
             return
         if budget is None:
-            os.close(fd)
+            discard(fd)
         else:
             budget.join(fd)
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ckptio._system import POPULATE_MIN, fresh_pages, populate
+from ckptio._system.freelists import FreeLists
 
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
@@ -83,10 +84,8 @@ class StagingPool:
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-        self._max = max_bytes  # None: keep everything given back
-        self._held = 0
+        # By size; None: keep everything given back.
+        self._free: FreeLists[int, np.ndarray] = FreeLists(max_bytes)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes``: one given back earlier, else a new one."""
@@ -94,29 +93,24 @@ class StagingPool:
 
     def obtain(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """As :meth:`take`, and whether the buffer is new (its pages not yet touched)."""
-        with self._lock:
-            bufs = self._free.get(nbytes)
-            if bufs:
-                self._held -= nbytes
-                return bufs.pop(), False
-        return self._allocate(nbytes), True
+        buf = self._free.take(nbytes)
+        return (buf, False) if buf is not None else (self._allocate(nbytes), True)
 
     def _allocate(self, nbytes: int) -> np.ndarray:
         """A new buffer (a shared-memory pool, ckptio.sidecar, allocates elsewhere)."""
         return aligned_empty(nbytes)
 
+    def has(self, nbytes: int) -> bool:
+        """Whether a :meth:`take` of ``nbytes`` would reuse a buffer now."""
+        return self._free.has(nbytes)
+
     def give_back(self, buffers: Sequence[np.ndarray]) -> None:
-        with self._lock:
-            for b in buffers:
-                if self._max is not None and self._held + b.nbytes > self._max:
-                    continue  # beyond the bound: let it go
-                self._free.setdefault(b.nbytes, []).append(b)
-                self._held += b.nbytes
+        """Keep ``buffers`` for later takes (within the bound; the rest go)."""
+        for b in buffers:
+            self._free.give(b.nbytes, b, b.nbytes)
 
     def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._held = 0
+        self._free.clear()
 
 
 @dataclasses.dataclass

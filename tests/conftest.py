@@ -44,7 +44,7 @@ def gcs_emulator_env(fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 # ============================================================================
-# xdist: the README's test command runs the suite on every core (-n auto --dist loadgroup)
+# xdist, for those who pass -n auto --dist loadgroup (the README's command and CI run serially)
 # ============================================================================
 
 

@@ -257,9 +257,7 @@ def every_buffer_returns(pool: HostBuffers, deadline_s: float = 300.0) -> bool:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         gc.collect()
-        with pool._lock:  # the pool has no public count of its free buffers
-            free = sum(len(b) for b in pool._free.values())
-        if free >= pool.allocated:
+        if pool.free_count() >= pool.allocated:
             return True
         time.sleep(0.05)
     return False

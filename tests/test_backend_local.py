@@ -23,7 +23,7 @@ from ckptio.testing import BackendConformance
 from ckptio.backends import RetryableError, open_backend
 from ckptio.backends._posix import aligned_buffer
 from ckptio.backends.base import Backend, ByteRange
-from ckptio.backends.local import TMP_MARK, LocalBackend
+from ckptio.backends.local import TMP_MARK, LocalBackend, LocalConfig
 
 # -- O_DIRECT: find a file system that takes it ------------------------------
 
@@ -414,3 +414,12 @@ def test_direct_and_buffered_files_are_identical(tmp_path: Path, direct_cleanup:
 
     run(main())
     assert (base / "d" / "x").read_bytes() == (tmp_path / "p" / "x").read_bytes() == data
+
+
+@pytest.mark.parametrize("alignment", [0, 3, 4097, 16 << 20, 4096.0, True])
+def test_an_alignment_direct_writes_cannot_keep_is_refused_naming_it(alignment: Any) -> None:
+    """A power of two up to one bounce buffer: above it every bounce copy would be cut to nothing and a
+    direct write of unaligned memory would never end."""
+    with pytest.raises(ValueError, match="LocalConfig.alignment"):
+        LocalConfig(alignment=alignment)
+    assert LocalConfig(alignment=512).alignment == 512 and LocalConfig().alignment == 4096

@@ -80,18 +80,21 @@ def _assert_every_figure(result: dict[str, Any]) -> None:
         assert sample["restore_sys_s"] >= 0 and sample["restore_user_s"] >= 0  # the process's CPU in the restore
 
 
+@pytest.mark.slow  # shares one full bench run (every anchor), minutes
 @pytest.mark.parametrize("name", EXPECTED_ANCHORS)
 def test_every_installed_anchor_has_every_figure(bench_run: Any, name: str) -> None:
     _, doc, _ = bench_run
     _assert_every_figure(_case(doc, name))
 
 
+@pytest.mark.slow  # shares one full bench run (every anchor), minutes
 @pytest.mark.parametrize("name", CKPTIO_CASES)
 def test_every_ckptio_case_has_every_figure(bench_run: Any, name: str) -> None:
     _, doc, _ = bench_run
     _assert_every_figure(_case(doc, name))
 
 
+@pytest.mark.slow  # shares one full bench run (every anchor), minutes
 def test_run_records_environment_and_outputs(bench_run: Any) -> None:
     proc, doc, out = bench_run
     assert doc["schema"] == "ckptio.bench/1"
@@ -114,6 +117,7 @@ def test_run_records_environment_and_outputs(bench_run: Any) -> None:
     assert not any((out / "work").iterdir()), "the bench left checkpoints behind"
 
 
+@pytest.mark.slow  # shares one full bench run (every anchor), minutes
 @pytest.mark.skipif(not _have("jax", "orbax.checkpoint", "tensorstore"), reason="needs orbax + tensorstore")
 def test_orbax_compression_is_verified_from_disk(bench_run: Any) -> None:
     _, doc, _ = bench_run
@@ -179,6 +183,7 @@ def test_train_mode_times_host_steps_during_background_saves(tmp_path: Path, cas
     assert ("train_slowdown" in report.summarize(result)) == background
 
 
+@pytest.mark.slow  # DCP's checkpoint process beside the bench worker
 @pytest.mark.skipif(not _have("torch"), reason="needs torch")
 @pytest.mark.parametrize("case", ["dcp-async-process", "ckptio-dcp-async-process"])
 def test_dcp_process_executor_cases_save_restore_and_end_their_process(tmp_path: Path, case: str) -> None:

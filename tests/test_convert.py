@@ -80,6 +80,7 @@ def stock_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # stock DCP writes its checkpoint in a subprocess
 def test_stock_dcp_to_ckptio_to_stock_dcp_load_bit_exact(stock_dcp: Path, tmp_path: Path) -> None:
     ck, back = str(tmp_path / "ckptio"), str(tmp_path / "back")
     rc, res = cli("convert", str(stock_dcp), ck, "--from", "dcp", "--to", "ckptio", "--step", "3", "--json")
@@ -108,6 +109,7 @@ def test_stock_dcp_to_ckptio_to_stock_dcp_load_bit_exact(stock_dcp: Path, tmp_pa
     assert rc == 1 and not res["ok"] and res["type"] == "FileExistsError", res
 
 
+@pytest.mark.slow  # stock DCP writes its checkpoint in a subprocess
 @pytest.mark.gcs
 def test_stock_dcp_to_ckptio_on_fake_gcs(stock_dcp: Path, gcs_emulator_env: str) -> None:
     from conftest import GCS_TEST_BUCKET
@@ -163,6 +165,7 @@ def orbax_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_orbax_worker(tmp_path_factory.mktemp("orbax"), "stock_roundtrip")
 
 
+@pytest.mark.slow  # stock Orbax in a subprocess
 def test_stock_orbax_to_ckptio_to_stock_orbax_restore_bit_exact(orbax_results: dict[str, Any]) -> None:
     """4x2 mesh; scalars, numpy leaves and strings too; the ckptio.orbax adapter's checkpoints as well."""
     check(orbax_results, "stock_roundtrip")

@@ -146,3 +146,71 @@ def test_a_source_metadata_that_is_not_ours_is_not_carried(tmp_path):
     assert ".metadata" not in os.listdir(os.path.join(dst, "5")) and _companions(dst, "5") == []
     dcp.load(out := _zeros_like(sd), storage_reader=Reader(dst, step=5))  # ckptio reads the copy all the same
     _same(sd, out)
+
+
+def test_a_copy_paused_after_its_commit_never_overwrites_a_newer_checkpoints_metadata(tmp_path, monkeypatch):
+    """A cp paused between its commit and its ``.metadata`` wakes after its step was deleted and saved
+    again (a Writer's new checkpoint, with a ``.metadata`` of its own): the stale bytes must not replace
+    the new checkpoint's, which stock torch goes on reading."""
+    import asyncio
+
+    import ckptio.copy as copy_mod
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    dcp.save(_state(), storage_writer=Writer(src, step=6))
+    newer = {"w": torch.arange(12.0).reshape(3, 4), "step": 60}
+    real = copy_mod.write_carried
+
+    def meanwhile() -> None:
+        with ckptio.CheckpointManager(dst) as m:
+            m.delete(6)
+        dcp.save(newer, storage_writer=Writer(dst, step=6))
+
+    async def paused(store, step_dir, companions):
+        await asyncio.to_thread(meanwhile)  # the copy sleeps; the step goes and comes back
+        await real(store, step_dir, companions)
+
+    monkeypatch.setattr(copy_mod, "write_carried", paused)
+    a, b = CheckpointStore(src), CheckpointStore(dst)
+    try:
+        run_sync(copy_checkpoint(a, b, "6"))
+    finally:
+        run_sync(a.close())
+        run_sync(b.close())
+    meta = os.path.join(dst, "6", ".metadata")
+    assert _companions(dst, "6") == [{"name": ".metadata", "size": os.path.getsize(meta), "sha256": _sha(meta)}]
+    dcp.load(out := _zeros_like(newer), storage_reader=FileSystemReader(os.path.join(dst, "6")))
+    _same(newer, out)
+
+
+def test_a_writer_paused_after_its_commit_never_overwrites_a_newer_checkpoints_metadata(tmp_path, monkeypatch):
+    """The Writer's own window, as the copy's above: it commits step 7, pauses before its ``.metadata``;
+    the step is deleted and saved again by another Writer; the first one's late file must not replace
+    the newer checkpoint's."""
+    import asyncio
+
+    import ckptio.dcp._overwrite as overwrite
+
+    root = str(tmp_path / "r")
+    newer = {"w": torch.arange(12.0).reshape(3, 4), "step": 70}
+    real = overwrite.write_companion
+    paused: list[bool] = []
+
+    def meanwhile() -> None:
+        with ckptio.CheckpointManager(root) as m:
+            m.delete(7)
+        dcp.save(newer, storage_writer=Writer(root, step=7))
+
+    async def pause_once(store, step_dir, data, **kw):
+        if not paused:
+            paused.append(True)
+            await asyncio.to_thread(meanwhile)  # the first writer sleeps; its step goes and comes back
+        return await real(store, step_dir, data, **kw)
+
+    monkeypatch.setattr(overwrite, "write_companion", pause_once)
+    dcp.save(_state(), storage_writer=Writer(root, step=7))
+    meta = os.path.join(root, "7", ".metadata")
+    assert paused and _companions(root, "7") == [
+        {"name": ".metadata", "size": os.path.getsize(meta), "sha256": _sha(meta)}]
+    dcp.load(out := _zeros_like(newer), storage_reader=FileSystemReader(os.path.join(root, "7")))
+    _same(newer, out)

@@ -251,16 +251,22 @@ def test_torch_readable_true_is_refused_where_torch_cannot_read(tmp_path):
 def test_a_failed_metadata_write_leaves_a_committed_checkpoint_torch_does_not_misread(tmp_path, monkeypatch):
     from ckptio.backends.local import LocalBackend
 
-    real = LocalBackend.write
+    real, real_create = LocalBackend.write, LocalBackend.create_if_absent
 
     async def no_metadata(self, key, buffers, *a, **kw):
         if key.endswith(".metadata"):
             raise OSError(28, "No space left on device")
         return await real(self, key, buffers, *a, **kw)
 
+    async def no_new_metadata(self, key, data, *a, **kw):  # a step's .metadata is created, not overwritten
+        if key.endswith(".metadata"):
+            raise OSError(28, "No space left on device")
+        return await real_create(self, key, data, *a, **kw)
+
     path = str(tmp_path / "ck")
     dcp.save({"w": torch.zeros(8)}, storage_writer=Writer(path))
     monkeypatch.setattr(LocalBackend, "write", no_metadata)
+    monkeypatch.setattr(LocalBackend, "create_if_absent", no_new_metadata)
     root = str(tmp_path / "run")
     dcp.save({"w": torch.ones(8)}, storage_writer=Writer(root, step=1))  # committed; logged, not raised
     dcp.save({"w": torch.ones(8)}, storage_writer=Writer(path))  # replaces: the old .metadata must go

@@ -121,6 +121,7 @@ def test_a_host_stuck_on_one_object_fails_the_save_and_the_restore_on_every_host
     assert "host 1" in restored[0]
 
 
+@pytest.mark.slow  # two real processes wait out a deadline
 @pytest.mark.parametrize("mode", ["save", "restore"])
 def test_two_real_processes_fail_by_name_when_one_object_never_answers(tmp_path: Path, mode: str) -> None:
     """torch.distributed (gloo), 2 processes: rank 1's data objects never answer. Both ranks exit

@@ -152,6 +152,7 @@ def test_format1_fixture_written_by_the_previous_release_still_reads(tmp_path: P
     assert cli(["verify", str(root)]) == 0
 
 
+@pytest.mark.slow  # the bench's simulated 4096-host job
 def test_bench_scale_simulation_runs_the_real_commit_and_restore_planning(tmp_path: Path) -> None:
     from ckptio.bench.scale import run_scale
 

@@ -349,6 +349,7 @@ def test_two_saves_of_one_step_race_exactly_one_commits(gcs_emulator_env: str, t
 # -- the name spread -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 8 host processes, 1000 objects
 def test_name_spread_1000_objects_from_8_hosts(fake_gcs: FakeGCS, tmp_path: Path) -> None:
     """A checkpoint of 1000 objects from 8 hosts: >= 16 first components, none over twice its
     fair share; the next step's objects land under the same components."""

@@ -35,6 +35,8 @@ from interop_run import check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 import ckptio  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
 
+pytestmark = pytest.mark.slow  # writes every adapter's checkpoint through Orbax and DCP first
+
 
 class Saved:
     """Where each source's checkpoint landed: (url, step) per place, plus the GCS endpoint."""

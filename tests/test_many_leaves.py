@@ -63,6 +63,7 @@ def _same(a: object, b: object, where: str = "") -> None:
 _manifest_doc = manifest_doc
 
 
+@pytest.mark.slow  # 100k leaves
 def test_a_hundred_thousand_mixed_leaves_round_trip_bit_exact(tmp_path: Path) -> None:
     state = _mixed_state(100_000)
     ckptio.save(tmp_path, state, step=1).result()

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Orbax scenarios run as fresh JAX programs, and a two-process jax.distributed job
+
 # find_spec, not importorskip: importing jax here would fix this process's device count.
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") is None:
     pytest.skip("needs jax and orbax-checkpoint", allow_module_level=True)

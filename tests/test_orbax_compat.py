@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from test_orbax import _check, _run_scenarios  # noqa: F401  (skips the module without jax/orbax)
 
+pytestmark = pytest.mark.slow  # Orbax compatibility scenarios run as fresh JAX programs
+
 SCENARIOS = [
     "reshape_save_restore",
     "reshape_type_handler",

@@ -17,6 +17,7 @@ HOSTS = 64
 LIMIT = 100.0  # requests/s per class: 64 hosts unbudgeted send several times that at the start
 
 
+@pytest.mark.slow  # 64 hosts behind a rate limit
 def test_64_hosts_save_and_restore_at_once_behind_a_rate_limit(
     fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -84,3 +85,41 @@ def test_every_page_of_a_listing_and_every_chunk_of_an_upload_takes_a_slot(
     assert pages == 4 and page_slots == pages, (pages, page_slots)
     assert chunks == 5 and chunk_slots == chunks, (chunks, chunk_slots)
     assert proxy.refused == {}
+
+
+def test_a_whole_read_of_a_small_object_is_one_request_through_the_stores_wrappers(
+    fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A manifest, fence or fragment read (``Backend.read``) is one GET and one slot on GCS, through
+    the wrappers a store puts above it (retries, budget, deadlines), not a stat and then a read:
+    each is a round of a host's share in a restore's chain. A missing object is still
+    FileNotFoundError, and an empty one reads empty."""
+    from ckptio.backends.budget import BudgetedBackend, RequestBudget, RequestRate
+    from ckptio.backends.deadline import Deadlines, DeadlineBackend
+    from ckptio.backends.gcs import GCSBackend
+    from ckptio.backends.retrying import RetryingBackend
+
+    with RateLimitProxy(fake_gcs.url, 1e6) as proxy:  # a counter, not a limit
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        gcs = GCSBackend(f"gs://ckptio-test/{unique_prefix(tmp_path)}")
+        budget = RequestBudget(RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0))
+        b = RetryingBackend(BudgetedBackend(DeadlineBackend(gcs, Deadlines()), budget))
+        payload = bytes(range(256)) * 40
+
+        async def run() -> tuple[bytes, bytes, int, int]:
+            try:
+                await b.write("s/small", [memoryview(payload)])
+                await b.write("s/empty", [])
+                proxy.reset()
+                before = budget.taken("read")
+                got = await b.read("s/small")
+                reads, slots = proxy.admitted["read"], budget.taken("read") - before
+                with pytest.raises(FileNotFoundError):
+                    await b.read("s/missing")
+                return got, await b.read("s/empty"), reads, slots
+            finally:
+                await gcs.close()
+
+        got, empty, reads, slots = asyncio.run(run())
+    assert got == payload and empty == b""
+    assert reads == 1 and slots == 1, (reads, slots)

@@ -14,10 +14,10 @@ import numpy as np
 
 import ckptio
 from ckptio.backends import open_backend
-from ckptio.backends.base import ByteRange
+from ckptio.backends.base import ByteRange, ThrottledError
 from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.distributed import SingleProcess
-from ckptio.engine import run_sync
+from ckptio.engine import EngineConfig, run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
 from ckptio.restore import restore_step
 from ckptio.restore.agreement import can_read_once
@@ -202,6 +202,37 @@ def test_a_failed_read_for_others_fails_every_host_naming_the_host(tmp_path: Pat
     results = _restore(tmp_path, 1, wrap=lambda rank, b: _FailReads(b) if rank == reader else b)
     assert all(isinstance(r, FileNotFoundError) for r in results), results
     assert all(f"host {reader}" in str(r) and "gone" in str(r) for r in results), results
+
+
+class _Throttled(WrapperBackend):
+    """Reads of data objects are refused: the storage says "slow down" for longer than the patience."""
+
+    async def read_into(self, key: str, rng: ByteRange, buffers: Any) -> None:
+        if "/ckptio." not in key:
+            raise ThrottledError(f"{key}: slow down")
+        await self.inner.read_into(key, rng, buffers)
+
+
+def test_a_throttled_read_for_others_is_an_outage_on_every_host(tmp_path: Path) -> None:
+    """A host throttled past its patience fails the read-once restore on every host as what it is,
+    a storage outage (ThrottledError, retryable), not damage and not an unknown RuntimeError on the
+    others: every host must make the same decision (a job retrying outages retries on all of them)."""
+    _save(tmp_path)
+    _key, reader = _reader_of(tmp_path, 1)
+    quick = EngineConfig(retries=1, backoff_initial=0.001, backoff_max=0.002, throttle_patience_s=0.05)
+
+    def body(rank: int, host: _Host) -> Any:
+        backend = CountingBackend(open_backend(str(tmp_path)))
+        store = CheckpointStore(StoreOptions(str(tmp_path), backend=_Throttled(backend) if rank == reader else backend,
+                                             engine_config=quick))
+        try:
+            return restore_step(store, 1, _target(rank), coordinator=host, read_once=True)
+        finally:
+            run_sync(store.close())
+
+    results = on_hosts(HOSTS, body)
+    assert all(isinstance(r, ThrottledError) for r in results), results
+    assert all(f"host {reader}" in str(r) and "slow down" in str(r) for r in results), results
 
 
 def test_a_byte_flipped_once_is_read_again_by_every_host(tmp_path: Path) -> None:

@@ -283,3 +283,72 @@ def test_each_request_of_a_call_takes_a_slot_of_its_own() -> None:
     assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4]), "each page waits for its own slot"
     asyncio.run(_Paging(MemoryBackend(), pages=3).list_children(""))
     assert budget.taken("read") == 5
+
+
+
+def test_no_descriptor_of_a_shared_state_is_closed_while_this_process_holds_its_lock() -> None:
+    """Closing any descriptor of a file drops every lockf the process holds on it. Two budgets of one
+    process joined to the host's state (the sidecar's engines of one storage): while one holds the
+    state's lock, the other moving to another state must not close its descriptor under it."""
+    import os
+    import threading
+
+    from ckptio.backends._budget_slots import SlotState
+    from lockprobe import locked_elsewhere
+
+    host = SlotState(0.0)
+    fd = host.share()
+    a, b = SlotState(0.0), SlotState(0.0)
+    a.join(os.dup(fd))
+    b.join(os.dup(fd))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with a.locked():
+            held.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(60)
+    other = SlotState(0.0)
+    mover = threading.Thread(target=b.join, args=(os.dup(other.share()),), daemon=True)
+    try:
+        mover.start()
+        mover.join(0.5)  # b's old descriptor of the host's state is closed only once a lets go
+        assert locked_elsewhere(fd), "a closed descriptor dropped the lock another thread holds"
+    finally:
+        release.set()
+    mover.join(60)
+    holder.join(60)
+    assert not mover.is_alive() and b.fd is not None and os.fstat(b.fd).st_ino == os.fstat(other.fd).st_ino
+
+
+def test_a_state_that_cannot_be_joined_is_refused_and_its_descriptor_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """join() takes the descriptor on every path: a state too small, or one that cannot be mapped,
+    is refused with a clear error and leaves no descriptor open behind it."""
+    import mmap
+    import os
+
+    from ckptio.backends._budget_slots import SlotState
+
+    def open_as(fd: int, name: str) -> bool:  # by /proc: a number reused by another open is not ours
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} ")
+        except OSError:
+            return False
+
+    small = os.memfd_create("ckptio-test-too-small")
+    with pytest.raises(ValueError, match="shared state must hold"):
+        SlotState(0.0).join(small)
+    assert not open_as(small, "ckptio-test-too-small")
+    fd = os.dup(SlotState(0.0).share())
+    assert open_as(fd, "ckptio-request-budget")
+
+    def no_map(*a: Any, **kw: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_map)
+    with pytest.raises(OSError, match="allocate"):
+        SlotState(0.0).join(fd)
+    assert not open_as(fd, "ckptio-request-budget")

@@ -118,6 +118,7 @@ def test_resave_after_a_kill_between_manifest_and_fence(stalled: Any, caplog: py
     """The killed save's commit is settled (at once if its lease is over, else by the re-save's
     background part once it is), and the re-save commits the new state."""
     root, saver = stalled
+    killed = time.monotonic()
     saver.p.send_signal(signal.SIGKILL)
     saver.stop()
     if when == "after_lease":
@@ -125,17 +126,23 @@ def test_resave_after_a_kill_between_manifest_and_fence(stalled: Any, caplog: py
     mngr = ckptio.CheckpointManager(root)
     try:
         assert mngr.latest_step() == GOOD  # the dead commit never counts
+        # On a loaded machine "at once" may come after the lease: then the re-save may settle at once.
+        surely_live = time.monotonic() - killed < LEASE_S * 0.4  # a second to spare for the check
         with caplog.at_level(logging.INFO, logger="ckptio.store"):
             handle = mngr.save(STEP, state_for(STEP), force=True)  # raised FileExistsError before #34
             assert handle is not None
             mngr.wait_until_finished()
         assert handle.result() is not None
         deferred = any("waits for it to confirm" in r.getMessage() for r in caplog.records)
-        assert deferred == (when == "at_once"), [r.getMessage() for r in caplog.records]
+        if when == "after_lease" or surely_live:
+            assert deferred == (when == "at_once"), [r.getMessage() for r in caplog.records]
         assert any("died before confirming its commit" in r.getMessage() for r in caplog.records)
     finally:
         mngr.close()
-    _audit(root, STEP)
+    # "At once", the dead save's objects may be younger than the lease when its commit is settled
+    # (written after its manifest's timestamp; slow under load): gc's grace spares them, and they
+    # are the next sweep's. After the lease they are always taken by the settling itself.
+    _audit(root, STEP, sweep=when == "at_once")
 
 
 @pytest.mark.parametrize("on_save_error", ["raise", "warn"])
@@ -215,7 +222,11 @@ def test_a_writer_paused_past_its_lease_loses_and_harms_nothing(stalled: Any) ->
     saver.go.touch()
     got = saver.expect("failed")
     assert "SaveRevokedError" in got["error"], got
-    _audit(root, STEP)
+    # Whether the re-save's settling took the stopped writer's objects depends on how stale its
+    # intent looked at that moment (a loaded machine: it may still look live, and a live save's
+    # objects are spared); either way what it left is gc's once its lease is over.
+    time.sleep(LEASE_S * 1.25 + 0.5)
+    _audit(root, STEP, sweep=True)
 
 
 def test_gc_settling_the_same_dead_commit_spares_the_resave_that_followed(stalled: Any) -> None:

@@ -75,3 +75,38 @@ def test_a_save_refused_on_one_host_before_its_collectives_keeps_the_job_in_step
         t.join(60)
     assert outcome.get((0, 3)) == "ok" and outcome.get((1, 3)) == "ok", outcome
     assert outcome.get((0, 2)) not in (None, "ok"), outcome
+
+
+def test_a_resave_of_a_committed_step_is_refused_on_every_host_and_leaves_no_intent(tmp_path: Path) -> None:
+    """Each host checks the step while it announces its save (not before): a host that finds the
+    step committed retires the intent it just wrote, so a refused re-save leaves the step exactly
+    as it was -- no intent, and the committed checkpoint still restores."""
+    from ckptio.names import parse_intent
+
+    from hosts import on_hosts
+
+    w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+
+    def state(rank: int) -> dict:
+        ix = (slice(rank * 32, (rank + 1) * 32), slice(None))
+        return {"w": ckptio.Sharded(w.shape, w.dtype, [(ix, w[ix])])}
+
+    def save(rank: int, coord: object) -> str:
+        try:
+            ckptio.save(str(tmp_path), state(rank), step=5, coordinator=coord).result()
+            return "ok"
+        except FileExistsError:
+            return "refused"
+
+    assert on_hosts(2, save) == ["ok", "ok"]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert on_hosts(2, save) == ["refused", "refused"]
+    store = CheckpointStore(str(tmp_path))
+    try:
+        listed = run_sync(store.backend.list(""))
+    finally:
+        run_sync(store.close())
+    assert [i.key for i in listed if parse_intent(i.key)] == []
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    out = ckptio.restore(str(tmp_path), step=5, target={"w": w})
+    assert np.array_equal(out["w"], w)

@@ -345,3 +345,57 @@ def test_the_sidecar_and_the_trainer_draw_from_one_request_budget(tmp_path: Path
     objects = sum(len(_objects(tmp_path / "c" / str(s))) for s in (1, 2))
     by_sidecar = budget.taken("write") - budget.taken_here["write"]
     assert objects > 0 and by_sidecar >= objects, (objects, by_sidecar, budget.taken_here)
+
+
+
+def test_the_sidecar_keeps_the_hosts_budget_lock_while_a_thread_holds_it(tmp_path: Path, monkeypatch) -> None:
+    """The child's request budget state is shared with the trainer under a lockf, which a process
+    drops when it closes *any* descriptor of the memfd. A save's "open" brings the trainer's fd
+    again; a thread of the child holding the state's lock right then (a write reserving its slot)
+    must keep it: the trainer must not be let in to the same doubles at the same moment."""
+    import threading
+
+    from ckptio.backends._budget_slots import SlotState
+    from ckptio.backends.budget import RequestBudget, RequestRate
+    from ckptio.sidecar_child import _Writer
+    from lockprobe import locked_elsewhere
+
+    rate = RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0)
+    trainer = RequestBudget(rate)
+    fd = trainer.share_fd()
+    held, release = threading.Event(), threading.Event()
+    real_join = SlotState.join
+
+    def join_then_hold(self: SlotState, joined: int) -> None:
+        """The join, then (as an IO thread of the child might at once) a thread takes the state's lock."""
+        real_join(self, joined)
+
+        def hold() -> None:
+            with self.locked():
+                held.set()
+                release.wait(120)
+
+        threading.Thread(target=hold, daemon=True).start()
+        assert held.wait(60)
+
+    monkeypatch.setattr(SlotState, "join", join_then_hold)
+
+    class Chan:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        def send(self, msg: Any, fd: int | None = None) -> None:
+            self.sent.append(msg)
+
+    chan = Chan()
+    writer = _Writer(chan)  # type: ignore[arg-type]
+    spec = (str(tmp_path / "c"), {}, EngineConfig(writer="thread", request_rate=rate), tuple(sorted(os.environ.items())))
+    try:
+        writer.handle(("open", 1, spec, 0), [os.dup(fd)])
+        assert locked_elsewhere(fd), "the child dropped its lock on the host's budget state"
+    finally:
+        release.set()
+    deadline = time.monotonic() + 60
+    while not chan.sent and time.monotonic() < deadline:  # the empty save's answer
+        time.sleep(0.01)
+    assert chan.sent and chan.sent[0][0] == "done", chan.sent

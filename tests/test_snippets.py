@@ -128,12 +128,14 @@ def _of(kind: str) -> list[pytest.param]:
     return [pytest.param(b, id=b.id) for b in BLOCKS if b.kind == kind]
 
 
+@pytest.mark.slow  # each block is a fresh program importing torch/jax; the inventory and checks stay in the quick tier
 @pytest.mark.parametrize("block", _of("python"))
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     (tmp_path / "snippet.py").write_text(block.code)
     _run([sys.executable, "snippet.py"], tmp_path)
 
 
+@pytest.mark.slow  # each block is a fresh program importing torch/jax; the inventory and checks stay in the quick tier
 @pytest.mark.parametrize("block", _of("bash"))
 def test_bash_block_runs(block: Block, tmp_path: Path) -> None:
     argv = ["bash", "-euo", "pipefail", "-c", block.code]
@@ -231,13 +233,16 @@ def test_relative_links_resolve() -> None:
 
 
 def test_ci_runs_the_readmes_test_command() -> None:
-    """``.ci/run`` runs exactly the README's test line (CI runs what a newcomer runs), and that line
-    runs the whole suite: no ``-m`` that leaves a tier out; xdist (``-n``) is in the test extra for
-    those who spread it over their cores."""
+    """``.ci/run`` runs exactly the README's test line (CI runs what a newcomer runs): the quick tier
+    (``-m "not slow"``), then the slow tier (``-m slow``), so the two together leave no test out;
+    xdist (``-n``) is in the test extra for those who spread a tier over their cores."""
     line = next(ln for ln in (REPO / "README.md").read_text().splitlines() if "python -m pytest" in ln)
-    ci = (REPO / ".ci" / "run").read_text()
-    assert line.strip() in ci.splitlines(), f".ci/run does not run the README's test line: {line}"
-    words = shlex.split(line.split("&&")[-1])
-    assert words[:3] == ["python", "-m", "pytest"] and "-m" not in words[3:], words
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert line.strip() in ci, f".ci/run does not run the README's test line: {line}"
+    quick = shlex.split(line.split("&&")[-1])
+    assert quick == ["python", "-m", "pytest", "-q", "-m", "not slow"], quick
+    after = ci[ci.index(line.strip()) + 1 :]
+    slow = [shlex.split(ln) for ln in after if ln.strip().startswith("python -m pytest")]
+    assert slow == [["python", "-m", "pytest", "-q", "-m", "slow"]], slow
     test_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert any(re.match(r"pytest-xdist\b", d) for d in test_extra), test_extra

@@ -123,10 +123,12 @@ def test_the_record_goes_with_its_step_and_lookalikes_stay(saved):
 
 def test_gc_keeps_the_standing_commits_record_and_takes_stale_ones(saved):
     (standing,) = records(saved, 2)
-    stale = "ckptio.held.ffffffffffff.h00003"
-    (saved / "2" / stale).write_text("{}")
+    doc = json.loads((saved / "2" / standing).read_text())
+    stale = "ckptio.held.ffffffffffff.h00000"  # another checkpoint's record, its fence not in the step
+    (saved / "2" / stale).write_text(json.dumps({**doc, "checkpoint_id": "ffffffffffff", "fence": "eeeeeeeeeeee"}))
     os.makedirs(saved / "9")
-    (saved / "9" / "ckptio.held.0123456789ab.h00000").write_text("{}")  # a commit's leftover, no manifest
+    leftover = {**doc, "step": 9, "checkpoint_id": "0123456789ab", "objects": [], "sizes": []}
+    (saved / "9" / "ckptio.held.0123456789ab.h00000").write_text(json.dumps(leftover))  # no fence: never stood
     gc = CheckpointStore(str(saved), host_local=True)
     report = run_sync(gc.sweep(3600.0))
     assert not [k for k in report.deleted if parse_held(k)]  # young: spared
@@ -134,6 +136,15 @@ def test_gc_keeps_the_standing_commits_record_and_takes_stale_ones(saved):
     assert sorted(k for k in report.deleted if parse_held(k)) == ["2/" + stale, "9/ckptio.held.0123456789ab.h00000"]
     assert records(saved, 2) == [standing] and records(saved, 1)
     assert run_sync(gc.sweep_step(2, 0.0)).deleted == []
+
+
+def test_gc_leaves_a_step_with_a_damaged_record_alone(saved):
+    """A record that cannot be read may be the only proof of a host's committed part (#33): gc keeps its
+    step whole and reports it damaged; deletion (retention) still takes the step by name."""
+    (saved / "2" / "ckptio.held.ffffffffffff.h00003").write_text("{}")
+    before = sorted(os.listdir(saved / "2"))
+    report = run_sync(CheckpointStore(str(saved), host_local=True).sweep(0.0))
+    assert sorted(os.listdir(saved / "2")) == before and "2" in report.damaged
 
 
 def test_a_replica_marker_says_what_the_scan_needs(tmp_path, monkeypatch):
@@ -218,3 +229,32 @@ def test_a_paused_record_writer_cannot_make_a_resaved_step_look_like_the_old_one
     os.makedirs(root / "3")
     (root / "3" / old.replace(m0.checkpoint_id, "ffffffffffff")).write_bytes(late)  # a record, no commit
     assert [h.step for h in holdings(CheckpointStore(str(root), host_local=True), None, 1)] == [2]
+
+
+def test_a_replica_of_a_part_is_its_record_and_objects_without_the_manifest(saved, tmp_path, monkeypatch):
+    """The peer round's receiving side (#33): the source's record (version 2) and objects, checked against
+    the record's extents, committed in the replica store under a fence of the replica's own; the scan
+    reads it without a manifest; the previous replica goes once the new one is marked."""
+    from ckptio.tiers.peerround import _check, _commit_part_replica, own_part
+
+    fast = CheckpointStore(str(saved), host_local=True)
+    replica = CheckpointStore(str(tmp_path / "peer"), host_local=True)
+    for step in (1, 2):
+        rec, _m = own_part(fast, step, 0)
+        assert rec.sizes is not None and len(rec.extra["extents"]) == len(rec.objects)
+        for j, key in enumerate(rec.objects):
+            data = bytearray((saved / key).read_bytes())
+            _check(rec, j, data)
+            run_sync(replica.io.write(key, [memoryview(data)]))
+        run_sync(_commit_part_replica(replica, step, rec, None, 0))
+    assert not (tmp_path / "peer" / "2" / "ckptio.manifest.json").exists()
+    assert run_sync(replica.committed_steps()) == [2]  # step 1's replica retired
+    (standing,) = run_sync(replica.parts.standing("2"))
+    assert standing.fence != rec.fence and standing.objects == rec.objects
+    no_manifest_reads(monkeypatch)
+    assert holdings(CheckpointStore(str(tmp_path / "own"), host_local=True), replica, 0) == [
+        Holding(0, 2, rec.checkpoint_id, 0, rec.num_hosts, False)]
+    bad = bytearray((saved / rec.objects[0]).read_bytes())
+    bad[0] ^= 1
+    with pytest.raises(Exception, match="checksum|crc|mismatch"):
+        _check(rec, 0, bad)

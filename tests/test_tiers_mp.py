@@ -113,8 +113,17 @@ def records_say_what_the_manifests_say(fast: Any, world: int, steps: set[int]) -
             assert doc["fence"] == m.fence and run_sync(read_held(own, s, r)) is not None, (r, s)
         marks = list((fast / f"r{r}" / "peer").glob("*/ckptio.replica-of.h*"))
         assert marks, r
+        replica = CheckpointStore(str(fast / f"r{r}" / "peer"), host_local=True)
         for mark in marks:
-            m = run_sync(CheckpointStore(str(fast / f"r{r}" / "peer"), host_local=True).read_manifest(mark.parent.name))
+            # The replica of the source's part: its record (host 0's partner: the job's manifest too).
+            source = int(mark.name.rsplit(".h", 1)[1])
+            (part,) = [p for p in run_sync(replica.parts.standing(mark.parent.name)) if p.host == source] or [None]
+            m = run_sync(own.read_manifest(mark.parent.name))
+            assert (source == 0) == (mark.parent / "ckptio.manifest.json").exists(), (r, source)
+            if part is not None:  # host 0's replica committed by the manifest: no record of its own there
+                assert part.checkpoint_id == m.checkpoint_id and part.sizes is not None, (r, source)
+            else:
+                assert source == 0
             assert json.loads(mark.read_text()) == {"checkpoint_id": m.checkpoint_id, "num_hosts": world}
 
 

@@ -182,7 +182,7 @@ def test_scratch_is_taken_when_a_read_starts_and_reused_after_its_copy_out(tmp_p
     real_take = ScratchPool.take
 
     def counting_take(self: ScratchPool, nbytes: int) -> np.ndarray:
-        takes["reused" if self._free.get(nbytes) else "fresh"] += 1
+        takes["reused" if self.has(nbytes) else "fresh"] += 1
         return real_take(self, nbytes)
 
     monkeypatch.setattr(ScratchPool, "take", counting_take)

@@ -174,7 +174,9 @@ def phases(n: int) -> dict[str, tuple[str, str, object]]:
         "commit-own": ("fast", "create", lambda k: k == f"{n}/ckptio.manifest.json"),  # before replication
         "send": ("fast", "read", under(n)),  # sending its own objects to its partner
         "receive": ("replica", "write", under(n)),  # receiving its source's objects
-        "commit-replica": ("replica", "create", lambda k: k == f"{n}/ckptio.manifest.json"),
+        # host 0's replica commits the job's manifest, any other host's its record's fence (ckptio.store.parts)
+        "commit-replica": ("replica", "create", lambda k: k == f"{n}/ckptio.manifest.json"
+                           or k.startswith(f"{n}/ckptio.fence.")),
         "mark": ("replica", "create", lambda k: k.startswith(f"{n}/ckptio.replica-of.")),
         "prune-replica": ("replica", "delete", under(n - 1)),  # the previous replica goes
         # its own previous step goes (not the retirement of that step's intent, at its own save)

@@ -47,7 +47,7 @@ from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, parse_object
 from ..store import CheckpointStore, check_binding
-from ..store.companions import delete_companions, is_companion
+from ..store.companions import create_companion, delete_companions, is_companion
 
 __all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace", "write_companion"]
 
@@ -90,13 +90,18 @@ async def _ours(store: CheckpointStore, step_dir: str) -> bool:
     return old is not None and await is_companion(store, step_dir, old, STOCK_METADATA)
 
 
-async def write_companion(store: CheckpointStore, step_dir: str, data: bytes) -> bool:
+async def write_companion(store: CheckpointStore, step_dir: str, data: bytes, *, over: bool = False) -> bool:
     """Write DCP's ``.metadata`` for stock torch (after the manifest committed); atomic, as every object write.
 
+    ``over``: replace the file there (:func:`replace`: the old checkpoint's, whose manifest was just
+    written over); else create it only where no such file is (:func:`ckptio.store.companions.create_companion`:
+    a writer paused after its commit must not overwrite the file of a checkpoint saved there since).
     False (logged) if it failed: the checkpoint is committed all the same (ckptio restores it), only stock
     torch cannot read it; failing the save would tell the caller it did not happen.
     """
     try:
+        if not over:
+            return await create_companion(store, step_dir, STOCK_METADATA, data)
         await store.io.write(join_key(step_dir, STOCK_METADATA), [memoryview(data)])
     except Exception as e:  # noqa: BLE001 -- committed already
         log.warning("%s: committed, but writing %s for stock torch failed (ckptio reads it; torch cannot): %r",
@@ -158,7 +163,8 @@ async def replace(store: CheckpointStore, step_dir: str, manifest: Manifest, com
     key = join_key(step_dir, MANIFEST_NAME)
     data = memoryview(manifest.to_json())
     await store.io.write(key, [data])
-    if companion is not None and not await write_companion(store, step_dir, companion) and old is not None:
+    written = companion is not None and await write_companion(store, step_dir, companion, over=True)
+    if companion is not None and not written and old is not None:
         await delete_companions(store, step_dir, old, where)  # torch must not read the old one once its objects go
     if old is None:
         return []

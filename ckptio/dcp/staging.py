@@ -17,7 +17,6 @@ is sent; as the pool keeps it, later saves send it without another copy.
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ckptio._system import copy_bytes
+from ckptio._system.freelists import FreeLists
 from ckptio.staging import aligned_empty
 
 __all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
@@ -39,20 +39,23 @@ class HostBuffers:
 
     def __init__(self, shared: bool = False) -> None:
         self.shared = shared
-        self._free: dict[tuple[int, bool], list[Any]] = {}
-        self._lock = threading.Lock()
-        #: Buffers allocated and reused so far (for tests and benchmarks).
-        self.allocated = 0
-        self.reused = 0
+        self._free: FreeLists[tuple[int, bool], Any] = FreeLists()
+
+    @property
+    def allocated(self) -> int:
+        """Buffers allocated so far (for tests and benchmarks)."""
+        return self._free.misses
+
+    @property
+    def reused(self) -> int:
+        """Takes that reused a free buffer so far (for tests and benchmarks)."""
+        return self._free.hits
 
     def take(self, nbytes: int, pinned: bool = False) -> Any:
         """A buffer of ``nbytes`` (a 1-D uint8 CPU tensor), reused when one is free."""
-        with self._lock:
-            free = self._free.get((nbytes, pinned))
-            if free:
-                self.reused += 1
-                return free.pop()
-            self.allocated += 1
+        buf = self._free.take((nbytes, pinned))
+        if buf is not None:
+            return buf
         if pinned:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if self.shared:
@@ -70,17 +73,18 @@ class HostBuffers:
         weakref.finalize(owner, self._give_back, buf, pinned)
 
     def _give_back(self, buf: Any, pinned: bool) -> None:
-        with self._lock:
-            self._free.setdefault((buf.numel(), pinned), []).append(buf)
+        self._free.give((buf.numel(), pinned), buf, buf.numel())
 
     def free_bytes(self) -> int:
-        with self._lock:
-            return sum(n * len(b) for (n, _p), b in self._free.items())
+        return self._free.held_bytes()
+
+    def free_count(self) -> int:
+        """The free buffers held (every one ever allocated, once each is given back)."""
+        return self._free.count()
 
     def clear(self) -> None:
         """Drop every free buffer (those still in use return later, and are kept then)."""
-        with self._lock:
-            self._free.clear()
+        self._free.clear()
 
 
 #: The pool every Writer uses unless given another: shared, so that a new

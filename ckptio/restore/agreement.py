@@ -11,13 +11,19 @@ its verdict (bounded: the first failures' messages, not every host's).
 
 from __future__ import annotations
 
+from ckptio.backends.base import RetryableError, ThrottledError
+
 from ..distributed import Coordinator, broadcast_from_root, gather_to_root, join_errors
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 
-__all__ = ["agree", "can_read_once", "named"]
+__all__ = ["agree", "can_read_once", "kind_of", "named", "of_kind"]
 
-#: Error kinds carried across hosts as themselves (so every host makes the same step decision).
+#: Error kinds carried across hosts as themselves, by the read-once status rounds here and host 0's
+#: choice of the step (ckptio.restore.step): every host makes the same step decision, and a storage
+#: outage (a throttle past its patience, a retryable failure) is one on every host.
 _KINDS: dict[str, type[BaseException]] = {
+    "ThrottledError": ThrottledError,
+    "RetryableError": RetryableError,
     "CheckpointNotFoundError": CheckpointNotFoundError,
     "IntegrityError": IntegrityError,
     "ManifestError": ManifestError,
@@ -43,15 +49,21 @@ def named(e: BaseException, rank: int) -> BaseException:
     return out
 
 
-def _kind(e: BaseException) -> str:
-    """The most specific kind of ``e`` that other hosts re-raise as itself."""
-    return next((c.__name__ for c in type(e).__mro__ if c.__name__ in _KINDS), "RuntimeError")
+def kind_of(e: BaseException) -> str:
+    """The most specific kind of ``e`` that other hosts re-raise as itself ("" for none of them)."""
+    return next((c.__name__ for c in type(e).__mro__ if c.__name__ in _KINDS), "")
+
+
+def of_kind(kind: str, message: str, default: type[BaseException]) -> BaseException:
+    """The error another host raises for a failure of ``kind`` (:func:`kind_of`): that kind, else ``default``."""
+    return _KINDS.get(kind, default)(message)
 
 
 def agree(coord: Coordinator, failure: BaseException | None, n: int) -> int:
     """Status round (collective): every host learns whether any host failed (then raises: its own
     failure, else the first one's kind naming the host at fault) and the largest ``n``."""
-    mine = [n, None if failure is None else [_kind(failure), f"host {coord.rank}: {type(failure).__name__}: {failure}"]]
+    mine = [n, None if failure is None else [kind_of(failure) or "RuntimeError",
+                                             f"host {coord.rank}: {type(failure).__name__}: {failure}"]]
     reports = gather_to_root(coord, mine)
     verdict = None
     if reports is not None:
@@ -60,4 +72,4 @@ def agree(coord: Coordinator, failure: BaseException | None, n: int) -> int:
     most, kind, message = broadcast_from_root(coord, verdict)
     if not kind:
         return int(most)
-    raise failure or _KINDS.get(kind, RuntimeError)(f"read-once restore failed on another host: {message}")
+    raise failure or of_kind(kind, f"read-once restore failed on another host: {message}", RuntimeError)

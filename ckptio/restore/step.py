@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ckptio.backends.base import RetryableError, ThrottledError
 from ckptio.backends.budget import alone
 
 from .. import _gc
@@ -22,7 +21,7 @@ from ..manifest import ArrayItem, Manifest
 from ..store import CheckpointStore
 from .execute import restore_checkpoint
 from .boxexchange import restore_exchange
-from .agreement import can_read_once
+from .agreement import can_read_once, kind_of, of_kind
 from ..waits import waiting_for
 
 __all__ = ["restore_step"]
@@ -139,26 +138,13 @@ def _pick(store: CheckpointStore, step: int | None, tried: list[int], coord: Coo
             with alone(store.engine.backend):  # every other host waits for this choice
                 choice = {"step_dir": run_sync(store.resolve_manifest(step, skip=tried, shards=False))[0]}
         except BaseException as e:  # every host must raise it, not wait for a choice
-            kind = next((k for k, cls in _KINDS.items() if isinstance(e, cls)), "other")
-            choice = {"error": f"{type(e).__name__}: {e}", "kind": kind}
+            choice = {"error": f"{type(e).__name__}: {e}", "kind": kind_of(e)}
     with waiting_for(f"choice of the step to restore from {store.url}", store.engine.config.collective_deadline_s()):
         choice = broadcast_from_root(coord, choice)
     if "error" in choice:
-        cls = _KINDS.get(choice.get("kind", ""), CkptioError)
-        raise cls(f"{store.url}: host 0 could not pick the step to restore: {choice['error']}")
+        raise of_kind(choice.get("kind", ""), f"{store.url}: host 0 could not pick the step to restore: {choice['error']}",
+                      CkptioError)
     return choice["step_dir"], run_sync(store.read_manifest(choice["step_dir"], shards=False))
-
-
-#: The kinds of failure host 0's choice of a step travels as (the first that matches), by name.
-_KINDS: dict[str, type[BaseException]] = {
-    "not-found": CheckpointNotFoundError,
-    "throttled": ThrottledError,
-    "retryable": RetryableError,
-    "manifest": ManifestError,
-    "integrity": IntegrityError,
-    "permission": PermissionError,
-    "missing": FileNotFoundError,
-}
 
 
 def _lost(store: CheckpointStore, step: int | None, step_dir: str, manifest: Manifest, e: BaseException

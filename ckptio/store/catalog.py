@@ -26,6 +26,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import MAX_STEP, step_dir_of
+from .parts import Parts
 
 
 __all__ = ["Catalog", "StepStatus"]
@@ -69,18 +70,28 @@ def _is_damage(found: Manifest | Exception) -> bool:
 class Catalog:
     """Step discovery, status and resolution of one store."""
 
-    def __init__(self, ctx: StoreContext, manifests: Manifests, objects: Objects, intents: Intents) -> None:
+    def __init__(self, ctx: StoreContext, manifests: Manifests, objects: Objects, intents: Intents,
+                 parts: Parts) -> None:
         self.ctx = ctx
+        self.parts = parts
         self.manifests = manifests
         self.objects = objects
         self.intents = intents
 
     async def is_committed(self, step_dir: str) -> bool:
-        """A manifest is present and no deletion is under way (the manifest is not validated)."""
+        """A manifest is present and no deletion is under way (the manifest is not validated).
+
+        In a host-local store, a standing commit record (:mod:`ckptio.store.parts`: a host's part
+        committed without the manifest) counts as a manifest does.
+        """
         manifest, tombstone = await asyncio.gather(
             self.ctx.exists(join_key(step_dir, MANIFEST_NAME)), self.ctx.exists(join_key(step_dir, TOMBSTONE_NAME))
         )
-        return manifest and not tombstone
+        if tombstone:
+            return False
+        if manifest or not self.ctx.host_local or not step_dir:
+            return manifest
+        return bool(await self.parts.standing(step_dir))
 
     async def step_dirs(self) -> list[int]:
         """Every step that has a directory (committed or not), ascending."""
@@ -88,7 +99,8 @@ class Catalog:
         return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and int(n) <= MAX_STEP)
 
     async def committed_steps(self) -> list[int]:
-        """Steps with a manifest and no tombstone, ascending: two stats a step, nothing read.
+        """Steps with a manifest (host-local: or a standing commit record) and no tombstone, ascending:
+        two stats a step, nothing read (a step without a manifest in a host-local store: its records).
 
         Neither validated nor fence-checked: a fenced manifest whose commit is still in flight (or
         died, or was revoked) is listed too. See :meth:`standing_steps` (fences) and

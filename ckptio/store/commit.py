@@ -13,6 +13,7 @@ import logging
 
 from ckptio.backends.base import join_key
 
+from ..engine import gather_or_cancel
 from ..errors import (
     CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError, UnconfirmedCommitError,
 )
@@ -142,6 +143,13 @@ class Commits:
         if info.size == size:  # ours (create_if_absent is exclusive): keyed like any read of it
             self.manifests.remember(step_dir, info.size, info.mtime, manifest)
 
+    async def step_is_clear(self, step_dir: str) -> bool:
+        """True if neither a tombstone nor a manifest is at ``step_dir``: :meth:`prepare_save` would
+        do nothing there. The two stats go at once."""
+        keys = (join_key(step_dir, TOMBSTONE_NAME), join_key(step_dir, MANIFEST_NAME))
+        found = await gather_or_cancel(self.ctx.exists(k) for k in keys)
+        return not any(found)
+
     async def prepare_save(self, step_dir: str) -> None:
         """Before a save of ``step_dir``: finish an interrupted deletion there; refuse a committed step.
 
@@ -152,8 +160,8 @@ class Commits:
         where = ctx.where(step_dir)
         if await ctx.exists(join_key(step_dir, TOMBSTONE_NAME)):
             log.warning("%s: an earlier deletion of this step was interrupted; finishing it before saving", where)
-            await self.deletion.delete(step_dir)
-        elif await ctx.exists(join_key(step_dir, MANIFEST_NAME)):
+            await self.deletion.delete(step_dir, finishing=True)
+        if await ctx.exists(join_key(step_dir, MANIFEST_NAME)):  # a stale tombstone's step keeps its own
             try:
                 await self.manifests.read_root(step_dir)
             except UnconfirmedCommitError as e:

@@ -33,7 +33,8 @@ from ckptio.backends.base import join_key
 
 from ..manifest import Manifest
 
-__all__ = ["carried", "companions_of", "delete_companions", "is_companion", "without_others", "write_carried"]
+__all__ = ["carried", "companions_of", "create_companion", "delete_companions", "is_companion", "without_others",
+           "write_carried"]
 
 log = logging.getLogger("ckptio.store")
 
@@ -149,6 +150,27 @@ def without_others(manifest: Manifest, names: Any) -> Manifest:
 
 async def write_carried(dst: _Store, dst_dir: str, companions: dict[str, bytes]) -> None:
     """Write the carried companions in ``dst_dir`` (after the copy's commit: torch never reads a
-    ``.metadata`` whose objects are not committed)."""
+    ``.metadata`` whose objects are not committed), each by :func:`create_companion`."""
     for name, data in companions.items():
-        await dst.io.write(join_key(dst_dir, name), [memoryview(data)])
+        await create_companion(dst, dst_dir, name, data)
+
+
+async def create_companion(dst: _Store, dst_dir: str, name: str, data: bytes) -> bool:
+    """Create companion ``name`` in ``dst_dir`` after its save's commit, only where no file of that
+    name is; True if it holds ``data`` now.
+
+    A writer paused after its commit (a copy, a ``ckptio.dcp.Writer``) may wake after its step was
+    deleted and saved again: the newer checkpoint's own ``.metadata`` must stay (a file with other
+    bytes there is left, logged). What stays open: the step deleted and not saved again as a DCP
+    step -- the late file is then a stray its step's deletion leaves (nothing records it), and a
+    later ``ckptio.dcp.Writer`` there refuses it as a stock checkpoint.
+    """
+    key = join_key(dst_dir, name)
+    try:
+        await dst.io.create_if_absent(key, data)
+    except FileExistsError:
+        if bytes(await dst.io.read(key)) != data:
+            log.warning("%s: %s not written: a file of that name is there already (a newer checkpoint's?), "
+                        "left as it is", dst.where(dst_dir), name)
+            return False
+    return True

@@ -31,6 +31,7 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import DEFAULT_LEASE_S, StoreOptions
+from .parts import Parts
 from .resave import Resaves
 
 __all__ = ["CheckpointStore"]
@@ -60,8 +61,9 @@ class CheckpointStore:
         manifests = self.manifests = Manifests(ctx, self.fences)
         objects = self.objects = Objects(ctx)
         intents = self.intents = Intents(ctx)
-        deletion = self.deletion = Deletion(ctx, manifests, intents, self.fences)
-        self.catalog = Catalog(ctx, manifests, objects, intents)
+        self.parts = Parts(ctx, self.fences)
+        deletion = self.deletion = Deletion(ctx, manifests, intents, self.fences, self.parts)
+        self.catalog = Catalog(ctx, manifests, objects, intents, self.parts)
         self.commits = Commits(ctx, manifests, objects, self.fences, deletion)
         self.gc = Collector(ctx, manifests, intents, self.fences, deletion)
         self.resaves = Resaves(ctx, manifests, intents, self.commits, self.gc)
@@ -232,6 +234,11 @@ class CheckpointStore:
         StepBusyError, or with ``defer`` returns True: commit only after :meth:`wait_step_free`
         (:mod:`ckptio.store.resave`)."""
         return await self.resaves.prepare(step_dir, defer=defer)
+
+    async def step_is_clear(self, step_dir: str) -> bool:
+        """True if ``step_dir`` holds neither a tombstone nor a manifest: :meth:`prepare_save` has
+        nothing to do there (both looked up at once)."""
+        return await self.commits.step_is_clear(step_dir)
 
     async def wait_step_free(self, step_dir: str, deadline: float) -> None:
         """Wait until no unconfirmed commit is in the way of committing ``step_dir`` (settling a dead

@@ -67,7 +67,6 @@ class _Round:
     protected: set[str] = dataclasses.field(default_factory=set)  # step dirs whose objects nobody may sweep now
     unconfirmed: dict[str, Manifest] = dataclasses.field(default_factory=dict)  # fence not "commit"
     live: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # live save ids by step
-    ids: dict[str, str] = dataclasses.field(default_factory=dict)  # checkpoint id of each step's standing manifest
 
 
 def sweeps_temporaries_by_prefix(backend: Backend) -> bool:
@@ -186,7 +185,7 @@ class Collector:
                    and n.step_dir not in rnd.protected and n.save_id not in rnd.live[n.step_dir]
                    and rnd.now - i.mtime >= rnd.grace]
         report.intents = [i.key for i in intents]
-        stale = self._stale_records(rnd)
+        stale, stale_fences = await self._stale_records(rnd)
         report.objects += stale
         if not rnd.dry_run:
             await self.ctx.delete_keys(report.objects)
@@ -196,7 +195,7 @@ class Collector:
         # meanwhile and a new save committed its own manifest at the same key.
         manifests = [join_key(d, MANIFEST_NAME) for d in dead if await self._still_named(d, rnd.unconfirmed[d])]
         fences = [fence_key(d, f) for d in dead if (f := rnd.unconfirmed[d].fence)]
-        stray = await self._stray_fences(rnd, set(dead))
+        stray = sorted(set(await self._stray_fences(rnd, set(dead))) | set(stale_fences))
         report.objects += manifests + fences + stray
         if not rnd.dry_run:
             await self.ctx.delete_keys(stray)
@@ -211,15 +210,16 @@ class Collector:
         for step_dir in sorted(rnd.by_step, key=lambda s: (len(s), s)):
             if join_key(step_dir, TOMBSTONE_NAME) in rnd.markers:
                 if not rnd.dry_run:
-                    await self.deletion.delete(step_dir)
+                    await self.deletion.delete(step_dir, finishing=True)
                 rnd.report.finished_deletions.append(int(step_dir) if step_dir else None)
                 rnd.protected.add(step_dir)
+                continue
+            if not await self._keep_parts(rnd, step_dir):
                 continue
             if join_key(step_dir, MANIFEST_NAME) not in rnd.markers:
                 continue
             try:
                 kept = await self.manifests.read_manifest(step_dir)
-                rnd.ids[step_dir] = kept.checkpoint_id
                 rnd.keep.update(kept.keys())
                 if kept.fence:
                     rnd.keep.add(fence_key(step_dir, kept.fence))
@@ -231,6 +231,23 @@ class Collector:
                 log.warning("gc %s: step %r is damaged, its objects are kept: %s", self.ctx.url, step_dir, e)
                 rnd.report.damaged.append(step_dir)
                 rnd.protected.add(step_dir)
+
+    async def _keep_parts(self, rnd: _Round, step_dir: str) -> bool:
+        """Keep what each standing commit record of ``step_dir`` names, its fence and itself; False (the
+        step protected) when a record cannot be read: it may be the only proof of a committed part."""
+        listed = [i for i in rnd.by_step[step_dir] if (h := parse_held(i.key)) is not None and h.step_dir == step_dir]
+        if not listed or not step_dir:
+            return True
+        records, bad = await self.deletion.parts.read(step_dir, listed)
+        if bad:
+            log.warning("gc %s: step %r has unreadable commit records, its objects are kept", self.ctx.url, step_dir)
+            rnd.report.damaged.append(step_dir)
+            rnd.protected.add(step_dir)
+            return False
+        for r in records:
+            if await self.deletion.parts.stands(step_dir, r):
+                rnd.keep.update([*r.objects, r.key, fence_key(step_dir, r.fence)])
+        return True
 
     async def _doom_objects(self, rnd: _Round) -> None:
         """Report (and revoke the writers of) the objects old enough, of no live save, that nothing
@@ -255,18 +272,29 @@ class Collector:
             rnd.report.objects += [i.key for i in gone]
             rnd.report.bytes += sum(i.size for i in gone)
 
-    def _stale_records(self, rnd: _Round) -> list[str]:
-        """Hosts' commit records (ckptio.tiers.held) older than the grace whose step's standing manifest is
-        not the checkpoint they name (or is gone): each is written only after its commit stood, and deleted
-        with its step, so one that names no standing commit is a crash's leftover, never the only proof of
-        anything. A record of the standing commit is kept (it only spares its host a read of the manifest)."""
+    async def _stale_records(self, rnd: _Round) -> tuple[list[str], list[str]]:
+        """Hosts' commit records (:mod:`ckptio.store.parts`) older than the grace whose fence does not
+        stand: a record is written before its fence is claimed, so one whose fence says "revoked" (or
+        whose claim never came, now claimed "revoked" here) can never count, and names nothing anyone
+        keeps. A standing record (in ``rnd.keep``) is the commit of its host's part. Returns the records
+        and the fences they name (to go after them)."""
         out: list[str] = []
+        fences: list[str] = []
         for step_dir, infos in rnd.by_step.items():
             if step_dir in rnd.protected:
                 continue
-            out += [i.key for i in infos if (h := parse_held(i.key)) is not None and h.step_dir == step_dir
-                    and h.checkpoint_id != rnd.ids.get(step_dir) and rnd.now - i.mtime >= rnd.grace]
-        return out
+            old = [i for i in infos if (h := parse_held(i.key)) is not None and h.step_dir == step_dir
+                   and i.key not in rnd.keep and rnd.now - i.mtime >= rnd.grace]
+            if not old:
+                continue
+            records, _bad = await self.deletion.parts.read(step_dir, old)
+            for r in records:
+                if self.ctx.writers_of(r.objects) & rnd.live.get(step_dir, set()):
+                    continue  # its save is alive (a commit in flight): never revoked by gc
+                if rnd.dry_run or not await self.deletion.parts.settle(step_dir, r):
+                    out.append(r.key)
+                    fences.append(fence_key(step_dir, r.fence))
+        return out, fences
 
     async def _still_named(self, step_dir: str, m: Manifest) -> bool:
         """True if ``step_dir``'s manifest is still ``m`` (the same commit: its id and fence)."""

@@ -20,25 +20,28 @@ Why a record can be trusted without the manifest it vouches for:
 
 A record that is absent, damaged, or not alone for this host in its step is no proof of
 anything: the scan then reads the manifest, as before (and a torn write costs only that).
+
+Version 2 (:class:`ckptio.store.parts.PartRecord`) also carries each own object's size and extents:
+everything a host needs of its own part without the manifest, and what lets the store count a
+standing record as a commit of the host's part on its own (:mod:`ckptio.store.parts`, #33).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any
 
-from ..copy import object_writers
+from ..copy import object_extents, object_writers
 from ..manifest import Manifest
-from ..names import fence_key, held_key, parse_held
-from ..store import CheckpointStore
+from ..names import parse_held
+from ..store import CheckpointStore, manifest_object_sizes
+from ..store.parts import PART_FORMAT, PartRecord
 
-__all__ = ["HELD_FORMAT", "OwnPart", "read_held", "write_held"]
+__all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "read_held", "write_held"]
 
 log = logging.getLogger("ckptio.tiers")
 
-HELD_FORMAT = "ckptio.held"
+HELD_FORMAT = PART_FORMAT
 
 
 class OwnPart:
@@ -55,51 +58,52 @@ def own_object_keys(manifest: Manifest, rank: int) -> list[str]:
     return [manifest.objects[i] for i, w in enumerate(object_writers(manifest)) if w == rank]
 
 
+def own_part_record(manifest: Manifest, rank: int, fence: str) -> PartRecord:
+    """``rank``'s part of ``manifest`` as a record (version 2): its objects in the manifest's order, each
+    with the bytes its extents need and its extents ``[offset, length, crcs, item, block]``."""
+    extents = object_extents(manifest)
+    sizes = manifest_object_sizes(manifest)
+    mine = [i for i, w in enumerate(object_writers(manifest)) if w == rank]
+    keys = [manifest.objects[i] for i in mine]
+    return PartRecord(manifest.step if manifest.step is not None else -1, manifest.checkpoint_id, rank, fence,
+                      manifest.num_hosts, keys, [sizes[k] for k in keys],
+                      {"extents": [[list(e) for e in extents[i]] for i in mine]})
+
+
 async def write_held(store: CheckpointStore, step: int, manifest: Manifest, rank: int) -> None:
     """Record that ``manifest``'s checkpoint stands committed in this host's ``store`` at ``step``.
 
-    Call it only after the commit stood here. Replaced whole (a re-run after a crash writes the
-    same bytes).
+    Call it only after the commit stood here (the record names that commit's fence). Replaced whole
+    (a re-run after a crash writes the same bytes).
     """
-    step_dir = str(step)
-    doc = {"format": HELD_FORMAT, "version": 1, "step": step, "checkpoint_id": manifest.checkpoint_id,
-           "host": rank, "fence": manifest.fence, "num_hosts": manifest.num_hosts, "objects": own_object_keys(manifest, rank)}
-    await store.io.write(held_key(step_dir, manifest.checkpoint_id, rank), [memoryview(json.dumps(doc).encode())])
+    record = own_part_record(manifest, rank, manifest.fence or "")
+    await store.io.write(record.key, [memoryview(record.to_json())])
 
 
 async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | None:
     """This host's part of ``step`` as its record says, once its own objects are all there.
 
     None when the record cannot be trusted (absent, unreadable, not exactly one for this host, its
-    fields disagree with its name, or its commit's fence is not in the step): the caller then reads
-    the manifest. FileNotFoundError when
-    the record is sound but one of its objects is gone (the step is not held).
+    fields disagree with its name, or its commit's fence does not say "commit"): the caller then
+    reads the manifest. FileNotFoundError when the record is sound but one of its objects is gone:
+    the step is not held.
     """
     step_dir = str(step)
     try:
         infos = await store.io.list(f"{step_dir}/")
     except FileNotFoundError:
         return None
-    listed = {i.key for i in infos}
-    names = [(i.key, n) for i in infos if (n := parse_held(i.key)) is not None and n.step_dir == step_dir
-             and n.host == rank]
-    if len(names) != 1:
+    mine = [i for i in infos if (n := parse_held(i.key)) is not None and n.step_dir == step_dir and n.host == rank]
+    if len(mine) != 1:
         return None
-    key, name = names[0]
-    try:
-        doc: dict[str, Any] = json.loads(await store.io.read(key))
-        ok = (doc.get("format") == HELD_FORMAT and doc.get("step") == step and doc.get("host") == rank
-              and doc.get("checkpoint_id") == name.checkpoint_id and isinstance(doc.get("num_hosts"), int)
-              and isinstance(doc.get("objects"), list) and all(isinstance(k, str) for k in doc["objects"])
-              and isinstance(doc.get("fence"), str) and fence_key(step_dir, doc["fence"]) in listed)
-    except FileNotFoundError:
+    records, bad = await store.parts.read(step_dir, mine)
+    if bad or not records:
         return None
-    except (ValueError, UnicodeDecodeError) as e:
-        log.warning("%s: unreadable commit record %s, reading the manifest instead: %r", store.url, key, e)
+    (record,) = records
+    if not await store.parts.stands(step_dir, record):
+        log.warning("%s: commit record %s names a fence that does not stand in its step, reading the manifest "
+                    "instead", store.url, record.key)
         return None
-    if not ok:
-        log.warning("%s: commit record %s does not match its name or its step's fence, reading the manifest instead",
-                    store.url, key)
-        return None
-    await asyncio.gather(*(store.io.stat(k) for k in doc["objects"]))
-    return OwnPart(name.checkpoint_id, doc["num_hosts"], doc["objects"])
+    # Each object there, as the manifest's scan checks (a restore checks every byte it reads).
+    await asyncio.gather(*(store.io.stat(k) for k in record.objects))
+    return OwnPart(record.checkpoint_id, record.num_hosts, record.objects)

@@ -45,7 +45,8 @@ from ..states import SaveState
 from ..store import CheckpointStore
 from .fastcommit import commit_everywhere
 from .group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
-from .peer import holdings, replicate_to_partner, retire_replica
+from .peer import holdings, retire_replica
+from .peerround import replicate_to_partner
 from .policy import TIERS, Holding, TierPolicy
 from .durable import durable_recovery, durable_round
 from .replicator import Lag, Pins, ReplicationError, ReplicationWorker

@@ -2,8 +2,10 @@
 
 A host's fast tier holds the objects it wrote plus, for every committed
 step, the job's whole manifest (the coordinator's bytes, committed by every
-host). Its *replica store* holds what partners sent it: the same manifest,
-the partner's objects under the same keys, and a marker per partner
+host) and its commit record (:mod:`ckptio.tiers.held`). Its *replica store*
+holds what partners sent in a round (:mod:`ckptio.tiers.peerround`): the
+partner's record (host 0's partner: the job's manifest), the partner's
+objects under the same keys, and a marker per partner
 (``ckptio.replica-of.hNNNNN``, holding the checkpoint id and number of hosts
 that a restart's scan needs) created only after that partner's objects
 are in -- so a replica is never used half-received. The previous replica is
@@ -24,8 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from ckptio._system import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, ReadOnlyBackend
 
-from ..checksum import verify_blocks
-from ..copy import StoredExtent, object_extents, object_writers
+from ..copy import object_extents, object_writers
 from ..distributed import join_errors
 from ..engine import run_sync
 from ..errors import CheckpointNotFoundError
@@ -43,7 +44,8 @@ __all__ = [
     "holdings",
     "object_sizes",
     "read_chunks",
-    "replicate_to_partner",
+    "mark_replica",
+    "retire_older_replicas",
     "retire_replica",
 ]
 
@@ -133,83 +135,9 @@ def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUN
         yield memoryview(buf)
 
 
-def _check(manifest: Manifest, i: int, buf: bytearray, extents: list[list[StoredExtent]]) -> None:
-    view = memoryview(buf)
-    for off, n, crcs, item, block in extents[i]:  # each extent in its own blocks
-        verify_blocks(view[off : off + n], crcs, block, key=manifest.objects[i], item=item, start=off)
-
-
-def replicate_to_partner(
-    group: PeerGroup, own: CheckpointStore, replica: CheckpointStore, step: int, partner_offset: int,
-    on_marked: Callable[[list[int]], None] | None = None,
-) -> None:
-    """One round, on every host at once: send my objects of ``step`` to my partner, keep my source's.
-
-    Every host must call it for the same step (the replication worker agrees
-    on it first). Raises on the hosts whose part failed; the others go on.
-    ``on_marked(sources)`` learns, on every host alike (even one whose own
-    part failed), the hosts whose replica of ``step`` is marked complete on
-    their partner -- the fast tier's retention keeps those hosts' own copies
-    of it (see :class:`ckptio.tiers.TieredCheckpointManager`).
-    """
-    rank, size = group.rank, group.size
-    step_dir = str(step)
-    m: Manifest | None = None
-    try:
-        m = run_sync(own.read_manifest(step_dir))
-    except Exception as e:  # absent or unreadable: this host takes part, and the round fails everywhere
-        log.error("peer replication of step %d: %r", step, e)
-    # Host 0 alone checks that every host holds the same checkpoint; the others receive its verdict.
-    ids = group.gather(m.checkpoint_id if m is not None else None)
-    disagreement = group.broadcast(checkpoint_disagreement(ids) if ids is not None else None)
-    if disagreement is not None or m is None:
-        raise RuntimeError(f"peer replication of step {step}: {disagreement}")
-    sizes = object_sizes(m)
-    writers = object_writers(m)
-    extents = object_extents(m)
-    messages = [Message((i,), w, (w + partner_offset) % size, sizes[i], i)
-                for i, w in enumerate(writers) if w is not None and w < size]
-
-    def provide(msg: Message) -> Iterator[memoryview]:
-        return read_chunks(own, m.objects[msg.tag], msg.nbytes)
-
-    def deliver(msg: Message, buf: bytearray) -> None:
-        _check(m, msg.tag, buf, extents)  # never keep a corrupt replica
-        key = m.objects[msg.tag]
-        view = memoryview(buf)
-        run_sync(replica.io.write(key, [view]))
-
-    error: BaseException | None = None
-    try:
-        group.transfer(messages, provide, deliver)
-    except BaseException as e:
-        error = e
-    # Each host needs only its source's outcome: host 0 gathers them and broadcasts the hosts that
-    # failed (none, normally), so no host receives every host's status.
-    oks = group.gather(error is None)
-    failed = group.broadcast([r for r, ok in enumerate(oks) if not ok] if oks is not None else None)
-    source = (rank - partner_offset) % size
-    failure: BaseException | None = None
-    if source in failed or error is not None:
-        failure = RuntimeError(f"peer replication of step {step}: host {source}'s snapshot did not arrive whole")
-        failure.__cause__ = error
-    else:
-        try:
-            run_sync(_commit_replica(replica, step, m, source))
-        except BaseException as e:  # still take part in the status round below
-            failure = e
-    # The replicated-step marker decides: a host's step counts as replicated only once its partner's
-    # marker is in. Host 0 gathers who marked and broadcasts the hosts whose replica is not (O(failures)).
-    marked = group.gather(failure is None)
-    unmarked = group.broadcast([r for r, ok in enumerate(marked) if not ok] if marked is not None else None)
-    if on_marked is not None:
-        on_marked(sorted({(r - partner_offset) % size for r in range(size)} -
-                         {(r - partner_offset) % size for r in unmarked}))
-    if failure is not None:
-        raise failure
-
-
 async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
+    """Commit ``m`` in the replica store (the replica of ``source``'s part; host 0's, whose partner keeps
+    the job's manifest), mark it, retire the older replicas."""
     step_dir = str(step)
     await replica.io.sync()
     try:
@@ -217,18 +145,26 @@ async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, sour
     except FileExistsError:  # another partner's replica of the same checkpoint came first
         if (await replica.read_manifest(step_dir)).checkpoint_id != m.checkpoint_id:
             raise
-    mark = replica_mark_key(step_dir, source)
+    await mark_replica(replica, step, m.checkpoint_id, m.num_hosts, source)
+    await retire_older_replicas(replica, step)
+    log.info("replica of host %d, step %d: committed", source, step)
+
+
+async def mark_replica(replica: CheckpointStore, step: int, checkpoint_id: str, num_hosts: int, source: int) -> None:
+    """Create ``source``'s marker of ``step``, once its replica is committed: from then on it counts."""
     try:
         # What a restart's scan needs, so that it does not parse the manifest (see _replica_holdings).
-        said = json.dumps({"checkpoint_id": m.checkpoint_id, "num_hosts": m.num_hosts}).encode()
-        await replica.io.create_if_absent(mark, said)
+        said = json.dumps({"checkpoint_id": checkpoint_id, "num_hosts": num_hosts}).encode()
+        await replica.io.create_if_absent(replica_mark_key(str(step), source), said)
     except FileExistsError:
         pass
-    # Only the latest snapshot is kept: older replicas go once the new one is complete.
+
+
+async def retire_older_replicas(replica: CheckpointStore, step: int) -> None:
+    """Only the latest snapshot is kept: older replicas go once the new one is complete."""
     for old in await replica.step_dirs():
         if old < step:
             await retire_replica(replica, old)
-    log.info("replica of host %d, step %d: committed", source, step)
 
 
 async def retire_replica(replica: CheckpointStore, step: int) -> None:
