@@ -52,7 +52,7 @@ from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
 from .landing import Landing, dest_run
-from .packing import grouped as _grouped, pack, read_buffers
+from .packing import buffer_lengths, pack, read_buffers
 from .runs import flat
 from .packed import table_reads
 from .plan import ReadPlan, Selection, _Builder, select
@@ -279,12 +279,12 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, 
         messages = {}
     status = memoryview(bytearray([failure is not None]))
     out: dict[int, list[memoryview]] = {}
-    for dst, lengths in _lengths(side, sends, "dst").items():
+    for dst, lengths in _buffers(side, sends, "dst").items():
         # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
-        bufs = messages.get(dst) or [memoryview(bytearray(n)) for n in _grouped(lengths)]
+        bufs = messages.get(dst) or [memoryview(bytearray(n)) for n in lengths]
         out[dst] = [status, *bufs, _sealed(bufs)]
-    expect = _lengths(side, gets, "src")
-    sizes = {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()}
+    expect = _buffers(side, gets, "src")
+    sizes = {src: [1, *lengths, _SEAL] for src, lengths in expect.items()}
     if callable(getattr(x, "exchange_into", None)):
         # Each piece lands in its target where it is one run of it (no message held beside it).
         landing = _landing(side, gets)
@@ -356,21 +356,21 @@ def _landing(side: _Side, gets: dict[tuple[str, int], Pieces]) -> Landing:
     return landing
 
 
-def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
-    """Per peer (``"dst"`` or ``"src"`` of ``pieces``), the lengths of its pieces, in message order."""
-    out: dict[int, list[int]] = {}
-    for (n, _k), p in pieces.items():
-        nb = p.nbytes(side.local.items[n].dtype.itemsize).tolist()  # type: ignore[union-attr]
-        for h, k in zip(getattr(p, peer).tolist(), nb):
-            out.setdefault(h, []).append(k)
-    return out
+def _buffers(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
+    """Per peer (``"dst"`` or ``"src"`` of ``pieces``), the lengths of the buffers its message is
+    cut into (:func:`~ckptio.restore.packing.buffer_lengths`)."""
+    if not pieces:
+        return {}
+    return buffer_lengths(np.concatenate([getattr(p, peer) for p in pieces.values()]),
+                          np.concatenate([p.nbytes(side.local.items[n].dtype.itemsize)  # type: ignore[union-attr]
+                                          for (n, _k), p in pieces.items()]))
 
 
 def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces],
                    gets: dict[tuple[str, int], Pieces] | None = None, rank: int = -1) -> dict[int, list[memoryview]]:
     """Read (verified) the part of each shard this round's pieces need, then each destination's
-    message: its pieces' bytes in canonical order, as the buffers :func:`_grouped` cuts (a piece
-    alone in its buffer and contiguous where it was read: a view; the rest packed into one flat
+    message: its pieces' bytes in canonical order, as the buffers
+    :func:`~ckptio.restore.packing.buffer_lengths` cuts (a piece alone in its buffer and contiguous where it was read: a view; the rest packed into one flat
     send buffer for the round, as runs). Where this host (``rank``, receiving ``gets``) wants that
     very box itself as one run of its target buffer (a replicated array), it is read there, not
     beside it; the rest is read into one flat read buffer for the round."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._system import fresh_pages
+from .._system import fresh_pages, populate
 from ..reshard import Region
 from . import packing
 from .packing import message_buffers
@@ -89,6 +89,7 @@ class Landing:
         at = np.zeros(len(src), _I64)
         at[seq] = np.cumsum(nbytes[seq]) - nbytes[seq]
         self._stage = fresh_pages(int(nbytes[staged].sum()))
+        populate([memoryview(self._stage)])  # the receive writes it all: faulted in at once, not per page
         sizes = np.add.reduceat(nbytes[order], cuts).tolist() if len(cuts) else []
         pos = 0
         for s, p, one, size in zip(src[order[cuts]].tolist(), order[cuts].tolist(), alone.tolist(), sizes):

@@ -3,7 +3,7 @@
 The sending side of :mod:`ckptio.restore.boxexchange`. Per round a host reads
 the bands of the stored shards its pieces come from into one flat buffer (or,
 for a box it restores itself as one run of its target, into that target),
-then cuts each destination's message into buffers by :func:`grouped` -- the
+then cuts each destination's message into buffers by :func:`buffer_lengths` -- the
 rule both ends compute from the pieces' lengths -- and fills them: a piece
 alone in its buffer and contiguous where it was read is sent as a view, the
 rest are packed into one flat send buffer as runs
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .._system import fresh_pages
+from .._system import fresh_pages, populate
 from .runs import box_view, copy_runs, counted_runs, groups
 
-__all__ = ["GROUP", "SMALL", "grouped", "pack", "read_buffers"]
+__all__ = ["GROUP", "SMALL", "buffer_lengths", "pack", "read_buffers"]
 
 #: Pieces under SMALL bytes go in one buffer per run of about GROUP bytes (sends, not copies, cost).
 SMALL, GROUP = 64 << 10, 4 << 20
@@ -31,10 +31,23 @@ SMALL, GROUP = 64 << 10, 4 << 20
 MANY = 16
 
 
-def grouped(lengths: list[int]) -> list[int]:
-    """The buffers' lengths of a message of pieces ``lengths`` (see :func:`ckptio.restore.runs.groups`)."""
-    cuts = groups(np.asarray(lengths, np.int64), SMALL, GROUP)
-    return np.add.reduceat(np.asarray(lengths, np.int64), cuts).tolist() if len(cuts) else []
+def buffer_lengths(peer: np.ndarray, nbytes: np.ndarray) -> dict[int, list[int]]:
+    """Per peer, the lengths of the buffers its message is cut into (see
+    :func:`ckptio.restore.runs.groups`): pieces of ``nbytes`` listed in message order, each to
+    or from host ``peer``. All messages at once: a numpy call per peer costs more than the
+    copies at thousands of hosts."""
+    order = np.argsort(peer, kind="stable")
+    hosts, sizes = peer[order], np.asarray(nbytes, np.int64)[order]
+    if not len(hosts):
+        return {}
+    new = np.ones(len(hosts), bool)
+    new[1:] = hosts[1:] != hosts[:-1]
+    cuts = groups(sizes, SMALL, GROUP, new)
+    lengths = np.add.reduceat(sizes, cuts).tolist()
+    owner = hosts[cuts]
+    firsts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    bounds = [*firsts.tolist(), len(cuts)]
+    return {h: lengths[a:b] for h, a, b in zip(owner[firsts].tolist(), bounds[:-1], bounds[1:])}
 
 
 def read_buffers(reads: list[tuple[Any, np.ndarray, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
@@ -50,7 +63,7 @@ def read_buffers(reads: list[tuple[Any, np.ndarray, np.ndarray, np.ndarray | Non
 
 def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, list[memoryview]]:
     """The messages of pieces ``cols`` (per array: dst, lo, hi, its source's box lo and hi, source
-    index into ``sources`` (flat uint8), itemsize), pieces in order, cut by :func:`grouped`."""
+    index into ``sources`` (flat uint8), itemsize), pieces in order, cut by :func:`buffer_lengths`."""
     if not cols:
         return {}
     dst = np.concatenate([c[0] for c in cols])
@@ -76,6 +89,7 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     pos = np.zeros(len(dst), np.int64)
     pos[seq] = np.cumsum(nbytes[seq]) - nbytes[seq]
     send = fresh_pages(int(nbytes[packed].sum()))
+    populate([memoryview(send)])  # every byte of it is written: faulted in at once, not per page
     within = np.cumsum(length) - length
     within -= within[first[piece]] if len(piece) else 0
     mine = packed[piece]
