@@ -8,10 +8,14 @@ plain, then ``read_once=True``, then by logical-box exchange
 backend wrapper. Cases: ``replicated`` (every process restores the
 replicated arrays whole) and ``columns`` (each restores a column block of
 the row-sharded matrix). Reported per case and mode: total storage bytes
-read by the job over the checkpoint's bytes, and the largest peak-RSS growth
-of a process over the bytes it restored.
+read by the job over the checkpoint's bytes; the largest peak-RSS growth of a
+process over the bytes it restored, *warm* (what the restore itself holds:
+each process has made its first collectives before, see :func:`warm_up`) and
+*cold* (also counting what that first collective loads: gloo's connections
+and library pages, a fixed few MiB that no restore can avoid); and the
+slowest process's wall and CPU seconds of its restore.
 
-    python -m ckptio.bench.readonce [HOSTS]
+    python -m ckptio.bench.readonce [HOSTS [cold]]
 
 Each process runs this module as a script (``worker``); tests reuse it
 (tests/test_readonce_mp.py).
@@ -25,14 +29,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "print_rows", "run_readonce", "spawn", "summary",
-           "worker_main"]
+__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "measured", "print_rows", "run_readonce", "spawn",
+           "summary", "warm_up", "worker_main"]
 
 ROWS, COLS = 2048, 4096  # float32: 32 MiB
 REPLICATED = 2 << 20  # float32 elements: 8 MiB
@@ -76,17 +81,65 @@ def _reset_peak() -> int:
     return _kib("VmRSS")
 
 
-def restore_counted(root: str, step: int | None, target: Any, read_once: bool | str) -> tuple[Any, dict[str, int]]:
-    """``ckptio.restore`` through a counting backend: the tree, storage bytes read, peak RSS growth.
-    ``read_once="exchange"``: by logical-box exchange (:mod:`ckptio.restore.boxexchange`)."""
+#: Set by :func:`warm_up`: what it added to peak RSS (KiB), for the first :func:`measured` call's cold figure.
+_COLD: dict[str, int] = {}
+
+
+def warm_up(default_group: bool = False) -> None:
+    """This process's first collectives, before anything is measured: the coordinator ckptio
+    restores over (for torch its own gloo group: connections to every peer) and, with
+    ``default_group``, torch's default process group (what DCP plans over) each used once, so that
+    the first restore's peak RSS is the restore's, not the loading of gloo's pages. Collective.
+    What they add to peak RSS is kept for the first :func:`measured` call's cold figure (ckptio is
+    imported before the baseline: a scenario imports it before it measures)."""
+    import importlib
+
+    importlib.import_module("ckptio")
+    from ckptio.distributed import default_coordinator
+
+    base = _reset_peak()
+    coord: Any = default_coordinator()
+    if coord.size > 1:
+        coord.broadcast(coord.gather(coord.all_gather(coord.rank)))
+        if callable(getattr(coord, "exchange_into", None)):
+            peers = range(coord.size)
+            coord.exchange_into({r: [memoryview(bytearray(8))] for r in peers}, {r: [8] for r in peers},
+                                {r: [memoryview(bytearray(8))] for r in peers})
+    torch = sys.modules.get("torch")
+    if default_group and torch is not None and torch.distributed.is_initialized():
+        dist, size = torch.distributed, torch.distributed.get_world_size()
+        dist.all_gather_object([None] * size, dist.get_rank())
+        dist.broadcast_object_list([0])
+        dist.scatter_object_list([None], list(range(size)) if dist.get_rank() == 0 else None)
+        dist.barrier()
+    _COLD["growth"] = max(0, _kib("VmHWM") - base)
+
+
+def measured(run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """``run()``, and what it cost this process: peak RSS growth (bytes, from its start: warm);
+    cold, that plus what :func:`warm_up` added if this is the first call since (what a fresh
+    process's first restore pays on top; compare with runs that do not warm up,
+    ``python -m ckptio.bench.readonce 8 cold``); wall and CPU seconds."""
+    base = _reset_peak()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    growth = max(0, _kib("VmHWM") - base)
+    return out, {"rss_growth": growth * 1024, "rss_cold": (growth + _COLD.pop("growth", 0)) * 1024,
+                 "wall_s": round(wall, 4), "cpu_s": round(cpu, 4)}
+
+
+def restore_counted(root: str, step: int | None, target: Any, read_once: bool | str) -> tuple[Any, dict[str, Any]]:
+    """``ckptio.restore`` through a counting backend: the tree, storage bytes read, and
+    :func:`measured`'s figures. ``read_once="exchange"``: by logical-box exchange
+    (:mod:`ckptio.restore.boxexchange`)."""
     import ckptio
     from ckptio.backends import open_backend
     from ckptio.backends.wrappers import CountingBackend
 
     counting = CountingBackend(open_backend(root))
-    base = _reset_peak()
-    out = ckptio.restore(root, step, target, backend=counting, read_once=read_once)
-    return out, {"read": counting.bytes_read, "rss_growth": max(0, _kib("VmHWM") - base) * 1024}
+    out, stats = measured(lambda: ckptio.restore(root, step, target, backend=counting, read_once=read_once))
+    return out, {"read": counting.bytes_read, **stats}
 
 
 def replicated(root: str, read_once: bool | str) -> dict[str, Any]:
@@ -115,10 +168,12 @@ def columns(root: str, read_once: bool | str) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[str, Any], dict[str, Any]]] = {"replicated": replicated, "columns": columns}
 
 
-def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, Any], dict[str, Any]]]) -> int:
-    """One process: ``OUT_DIR SCENARIO ROOT [plain|exchange] [jax]``, writes ``OUT_DIR/<rank>.json``.
-
-    ``jax``: the job is jax.distributed (CPU), not torch.distributed."""
+def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, Any], dict[str, Any]]],
+                default_group: bool = False) -> int:
+    """One process: ``OUT_DIR SCENARIO ROOT [plain|exchange] [jax] [cold]``, writes
+    ``OUT_DIR/<rank>.json``. ``jax``: the job is jax.distributed (CPU), not torch.distributed.
+    The process makes its first collectives (:func:`warm_up`, ``default_group`` too where the
+    scenarios use it) before the scenario, unless ``cold``."""
     out_dir, scenario, root = argv[:3]
     if "jax" in argv[3:]:
         import jax
@@ -136,6 +191,8 @@ def worker_main(argv: list[str], scenarios: dict[str, Callable[[str, Any], dict[
 
         dist.init_process_group("gloo")
         rank, barrier, shutdown = dist.get_rank(), dist.barrier, dist.destroy_process_group
+    if "cold" not in argv[3:]:
+        warm_up(default_group)
     result = scenarios[scenario](root, "exchange" if "exchange" in argv[3:] else "plain" not in argv[3:])
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -184,8 +241,9 @@ def stored_bytes(root: str, step: str = "1") -> int:
     return sum(p.stat().st_size for p in Path(root, step).iterdir())
 
 
-def run_readonce(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]]:
-    """Per case and mode: job storage bytes read, that over the checkpoint's bytes, worst RSS growth."""
+def run_readonce(hosts: int = 8, root: str | None = None, cold: bool = False) -> list[dict[str, Any]]:
+    """Per case and mode: job storage bytes read, that over the checkpoint's bytes, worst RSS growth
+    (``cold``: no process warms up first; the warm column is then the cold figure too)."""
     rows = []
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         for case in SCENARIOS:
@@ -193,33 +251,39 @@ def run_readonce(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]
             make_checkpoints(ckpt, hosts, case)
             stored = stored_bytes(ckpt)
             for mode in ("plain", "read_once", "exchange"):
-                reports = launch(__file__, hosts, [case, ckpt] + ([mode] if mode != "read_once" else []),
-                                 Path(tmp, f"{case}-{mode}"))
+                reports = launch(__file__, hosts, [case, ckpt] + ([mode] if mode != "read_once" else [])
+                                 + (["cold"] if cold else []), Path(tmp, f"{case}-{mode}"))
                 rows.append(summary(case, mode, stored, reports))
     return rows
 
 
 def summary(case: str, mode: str, stored: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of a read-once bench: the job's storage bytes read (and over ``stored``), the worst
-    rank's peak RSS growth (MiB, and over the bytes it restored)."""
+    rank's peak RSS growth (MiB, and over the bytes it restored; warm and cold, see
+    :func:`measured`), the slowest rank's wall and CPU seconds."""
     total = sum(r["read"] for r in reports)
+    cold = [r.get("rss_cold", r["rss_growth"]) for r in reports]
     return {"case": case, "mode": mode, "hosts": len(reports), "stored": stored, "job_read": total,
             "read_over_stored": round(total / stored, 3),
             "max_rss_growth_mib": round(max(r["rss_growth"] for r in reports) / 2**20, 1),
-            "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2)}
+            "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2),
+            "max_cold_rss_over_restored": round(max(c / r["restored"] for c, r in zip(cold, reports)), 2),
+            "max_wall_s": max(r.get("wall_s", 0.0) for r in reports),
+            "max_cpu_s": max(r.get("cpu_s", 0.0) for r in reports)}
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     """The rows of :func:`summary`, as a table."""
     print(f"{'case':<15} {'mode':<10} {'hosts':>5} {'stored MiB':>10} {'job read MiB':>12} {'read/stored':>11} "
-          f"{'peak RSS growth MiB':>19} {'peak RSS/restored':>17}")
+          f"{'peak RSS growth MiB':>19} {'peak RSS/restored':>17} {'cold':>5} {'wall s':>6} {'CPU s':>6}")
     for r in rows:
         print(f"{r['case']:<15} {r['mode']:<10} {r['hosts']:>5} {r['stored'] / 2**20:>10.1f} "
               f"{r['job_read'] / 2**20:>12.1f} {r['read_over_stored']:>11} {r['max_rss_growth_mib']:>19} "
-              f"{r['max_rss_over_restored']:>17}")
+              f"{r['max_rss_over_restored']:>17} {r['max_cold_rss_over_restored']:>5} {r['max_wall_s']:>6.2f} "
+              f"{r['max_cpu_s']:>6.2f}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # a process of a job
+    if len(sys.argv) > 3:  # a process of a job (OUT_DIR SCENARIO ROOT ...)
         sys.exit(worker_main(sys.argv[1:], SCENARIOS))
-    print_rows(run_readonce(int(sys.argv[1]) if len(sys.argv) > 1 else 8))
+    print_rows(run_readonce(int(sys.argv[1]) if len(sys.argv) > 1 else 8, cold="cold" in sys.argv[2:]))

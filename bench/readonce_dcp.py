@@ -7,10 +7,11 @@ whole), loaded with ``torch.distributed.checkpoint.load`` through
 a counting backend: ``dcp_replicated`` (every rank loads the vectors whole)
 and ``dcp_columns`` (each rank loads the matrix as a ``Shard(1)`` DTensor: the
 rows saved, restored as column blocks). Per case and mode (``plain``,
-``read_once``): the job's storage bytes over the checkpoint's, and the worst
-peak-RSS growth of a rank over the bytes it loaded.
+``read_once``): the job's storage bytes over the checkpoint's, the worst
+peak-RSS growth of a rank over the bytes it loaded (warm and cold, as
+:mod:`ckptio.bench.readonce` says), and the slowest rank's seconds.
 
-    python -m ckptio.bench.readonce_dcp [HOSTS]
+    python -m ckptio.bench.readonce_dcp [HOSTS [cold]]
 
 Only the Reader's public API is used by the workers, so the same scenarios measure an older
 tree too (its bench lacks :func:`~ckptio.bench.readonce.summary`: copy this file and that one).
@@ -25,14 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckptio.bench.readonce import (COLS, ROWS, _kib, _reset_peak, expected, launch, make_checkpoints, print_rows,
+from ckptio.bench.readonce import (COLS, ROWS, expected, launch, make_checkpoints, measured, print_rows,
                                    stored_bytes, summary, worker_main)
 
 __all__ = ["dcp_columns", "dcp_replicated", "run_readonce_dcp"]
 
 
-def _load(root: str, state: dict[str, Any], read_once: bool, step: int = 1) -> dict[str, int]:
-    """``dcp.load`` of ``state`` through a counting Reader: storage bytes read, peak RSS growth."""
+def _load(root: str, state: dict[str, Any], read_once: bool, step: int = 1) -> dict[str, Any]:
+    """``dcp.load`` of ``state`` through a counting Reader: storage bytes read, and
+    :func:`~ckptio.bench.readonce.measured`'s figures (peak RSS growth warm and cold, seconds)."""
     import torch.distributed.checkpoint as dcp
 
     from ckptio.backends import open_backend
@@ -42,9 +44,8 @@ def _load(root: str, state: dict[str, Any], read_once: bool, step: int = 1) -> d
     reader = Reader(root, step=step, read_once=read_once)
     counting = CountingBackend(open_backend(root))
     reader._options = dataclasses.replace(reader._options, backend=counting)  # count what it reads
-    base = _reset_peak()
-    dcp.load(state, storage_reader=reader)
-    return {"read": counting.bytes_read, "rss_growth": max(0, _kib("VmHWM") - base) * 1024}
+    _, stats = measured(lambda: dcp.load(state, storage_reader=reader))
+    return {"read": counting.bytes_read, **stats}
 
 
 def dcp_replicated(root: str, read_once: bool) -> dict[str, Any]:
@@ -80,8 +81,9 @@ def dcp_columns(root: str, read_once: bool, step: int = 1) -> dict[str, Any]:
 SCENARIOS = {"dcp_replicated": ("replicated", dcp_replicated), "dcp_columns": ("columns", dcp_columns)}
 
 
-def run_readonce_dcp(hosts: int = 8, root: str | None = None) -> list[dict[str, Any]]:
-    """Per case and mode: job storage bytes read, that over the checkpoint's bytes, worst RSS growth."""
+def run_readonce_dcp(hosts: int = 8, root: str | None = None, cold: bool = False) -> list[dict[str, Any]]:
+    """Per case and mode: job storage bytes read, that over the checkpoint's bytes, worst RSS growth
+    (``cold``: no rank warms up first)."""
     rows = []
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         for case, (saved, _fn) in SCENARIOS.items():
@@ -89,13 +91,14 @@ def run_readonce_dcp(hosts: int = 8, root: str | None = None) -> list[dict[str, 
             make_checkpoints(ckpt, hosts, saved)
             stored = stored_bytes(ckpt)
             for mode in ("plain", "read_once"):
-                reports = launch(os.path.abspath(__file__), hosts, [case, ckpt] + (["plain"] if mode == "plain" else []),
+                reports = launch(os.path.abspath(__file__), hosts, [case, ckpt] + (["plain"] if mode == "plain" else [])
+                                 + (["cold"] if cold else []),
                                  Path(tmp, f"{case}-{mode}"))
                 rows.append(summary(case, mode, stored, reports))
     return rows
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # a process of a job
-        sys.exit(worker_main(sys.argv[1:], {k: fn for k, (_s, fn) in SCENARIOS.items()}))
-    print_rows(run_readonce_dcp(int(sys.argv[1]) if len(sys.argv) > 1 else 8))
+    if len(sys.argv) > 3:  # a process of a job (OUT_DIR SCENARIO ROOT ...)
+        sys.exit(worker_main(sys.argv[1:], {k: fn for k, (_s, fn) in SCENARIOS.items()}, default_group=True))
+    print_rows(run_readonce_dcp(int(sys.argv[1]) if len(sys.argv) > 1 else 8, cold="cold" in sys.argv[2:]))
