@@ -32,11 +32,16 @@ _MIN_BOOST = 1 / 64
 #: job that saves or restores at once is held back at once, so growth is mostly overshoot (doubling
 #: measured 170-240 throttles per 64-host restore at the limit; 1.125: none).
 _GROW = 1.125
+#: ... and only once it has been held back this many of its slots in a row. A save's or a restore's
+#: chain of dependent requests (each asked as the one before it returns: held back every time) is
+#: every host's at once and about 4-8 slots long; growing during it is pure overshoot. A host held
+#: back longer than any such chain has more to send than its share: peers idle, or a backlog.
+_PATIENCE_SLOTS = 16
 
-#: The state, in doubles: four per slot table (next, boost, changed, halved_at) -- reads, writes,
+#: The state, in doubles: five per slot table (next, boost, changed, halved_at, held_since) -- reads, writes,
 #: and the two solo tables of :meth:`RequestBudget.alone` --, then the ramp's start, then the
 #: slots taken per class (reads, writes).
-_PER_TABLE = 4
+_PER_TABLE = 5
 _TABLES = 4
 STARTED = _TABLES * _PER_TABLE
 TAKEN = STARTED + 1
@@ -73,6 +78,7 @@ class SlotState:
             self.view[t * _PER_TABLE + 1] = 1.0  # boost
             self.view[t * _PER_TABLE + 2] = -math.inf  # changed
             self.view[t * _PER_TABLE + 3] = -math.inf  # halved_at
+            self.view[t * _PER_TABLE + 4] = math.inf  # held_since (not held back yet)
         self.view[STARTED] = started
         self.fd: int | None = None
         self._flock: threading.Lock | None = None  # _file_lock(self.fd), looked up once per fd
@@ -160,6 +166,7 @@ class Slots:
     boost = _Field(1)  # the multiple of its share this host sends at
     changed = _Field(2)  # when ``boost`` last grew or was cut
     halved_at = _Field(3)  # when the last burst of throttles came
+    held_since = _Field(4)  # since when every reservation found the previous slot still ahead
 
     def take(self, now: float, share: float, recover_s: float, offset: float = 0.0) -> float:
         """Reserve the next slot at or after ``now``; returns when it starts.
@@ -168,9 +175,11 @@ class Slots:
         writes), so that a host alternating reads and writes waits half a round between them, not
         a whole one (the storage limits the two classes apart).
 
-        A host whose previous slot is still ahead has more to send than its rate allows: its boost
-        grows by an eighth at most every half slot, up to the job's whole rate (the phases in which
-        one host alone works while the others wait use ``RequestBudget.alone`` instead). An
+        A host whose previous slot is still ahead at every reservation for ``_PATIENCE_SLOTS`` of
+        its slots has more to send than its rate allows: its boost then grows by an eighth at most
+        every half slot, up to the job's whole rate (the phases in which one host alone works while
+        the others wait use ``RequestBudget.alone`` instead). A shorter run of such reservations
+        is a chain of dependent requests, every host's at once in a save or a restore: no growth. An
         idle host's boost halves each second down to its share, so that idle hosts do not all come
         back in a burst.
         """
@@ -179,11 +188,21 @@ class Slots:
             self.boost = max(1.0, self.boost * 0.5 ** idle) if self.boost > 1 else min(1.0, self.boost * 2 ** (idle / recover_s))
             self.changed = now
         step = 1.0 / (share * self.boost)
-        phase = (self.rank / self.hosts + offset) * step  # host r's slots sit r job-wide slots into each round
-        start = max(self.next, phase + math.ceil((now - phase) / step) * step)
-        if self.next > now and now - self.changed >= step / 2 and self.boost < self.hosts:  # held back: grow
-            self.boost = min(float(self.hosts), self.boost * _GROW)
-            self.changed = now
+        # Host r's slots sit r job-wide slots into each round, counted from the start of the round
+        # (at the share without ramp or boost, the same number on every host) that ``now`` is in.
+        # Counted from time 0 instead, a step that differs between hosts by a part in 10^9 (a ramp
+        # begun a second apart) moved their grids by seconds, and the hosts' slots collided.
+        base = self.hosts / self.job_rate
+        anchor = math.floor(now / base) * base + (self.rank / self.hosts + offset) * step
+        start = max(self.next, anchor + math.ceil((now - anchor) / step) * step)
+        if self.next <= now:  # not held back: a run of held-back reservations ends
+            self.held_since = math.inf
+        else:
+            self.held_since = min(self.held_since, now)
+            if (now - self.held_since >= _PATIENCE_SLOTS * step and now - self.changed >= step / 2
+                    and self.boost < self.hosts):  # held back longer than a chain: grow
+                self.boost = min(float(self.hosts), self.boost * _GROW)
+                self.changed = now
         self.next = start + 1.0 / (share * self.boost)
         return start
 
@@ -203,5 +222,6 @@ class Slots:
             return False
         self.boost = 1.0 if self.boost > 1.0 else max(_MIN_BOOST, self.boost / 2)
         self.changed = now
+        self.held_since = math.inf  # growth waits for a whole run of held-back slots again
         self.next = max(self.next, now + 1.0 / (share * self.boost))
         return True

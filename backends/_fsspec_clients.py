@@ -15,7 +15,7 @@ from typing import Any
 
 from .base import RetryableError, ThrottledError
 
-__all__ = ["close_filesystem", "translate_error"]
+__all__ = ["close_filesystem", "http_status", "translate_error"]
 
 
 # -- error translation ------------------------------------------------------------------
@@ -39,7 +39,7 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 
 
-def _http_status(e: BaseException) -> int | None:
+def http_status(e: BaseException) -> int | None:
     """The HTTP status an error carries, if any (gcsfs HttpError.code, aiohttp .status, botocore)."""
     for err in (e, e.__cause__):
         if err is None:
@@ -83,7 +83,7 @@ def translate_error(e: BaseException, what: str) -> BaseException:
         return FileNotFoundError(f"{what}: no such object ({detail})")
     if isinstance(e, FileExistsError):
         return FileExistsError(f"{what}: object exists ({detail})")
-    status = _http_status(e)
+    status = http_status(e)
     if status is not None:
         if status == 404:
             return FileNotFoundError(f"{what}: no such object (HTTP 404: {e})")

@@ -21,6 +21,9 @@ Contract every backend keeps (the conformance suite shipped as
 * :meth:`Backend.create_if_absent` is the commit primitive: it writes a small
   object only if no object has that key, atomically, and raises
   :class:`FileExistsError` otherwise.
+* :meth:`Backend.delete_if` (where :attr:`Capabilities.conditional_delete` is declared) is its
+  mirror: it deletes an object only if it is still the version a :meth:`Backend.stat` or
+  :meth:`Backend.list` named (:attr:`ObjectInfo.version`), atomically, and returns False otherwise.
 * Errors leave a backend as builtins (``FileNotFoundError``,
   ``FileExistsError``, ``PermissionError``, ``ValueError``) or as
   :class:`RetryableError`; only the latter is retried. Backends
@@ -117,6 +120,11 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float  # seconds since the epoch; orphan sweeps compare it to a grace period
+    #: An opaque token naming this version of the object, for :meth:`Backend.delete_if`; "" where
+    #: the backend declares no :attr:`Capabilities.conditional_delete`. Two versions of one key
+    #: (a re-creation, an overwrite) never share a token, unless the storage names versions by
+    #: content (S3's ETag) and both hold the very same bytes.
+    version: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +156,11 @@ class Capabilities:
     #: only under it (one step's temporaries, beside other steps' live saves). The store passes
     #: a prefix only to backends that declare this; the others sweep their whole root.
     sweeps_by_prefix: bool = False
+    #: :meth:`Backend.delete_if` is a real conditional delete: an object is deleted only if it is
+    #: still the version its stat or listing named, and no other client's create, write or delete
+    #: lands between that check and the deletion. Without it, ``delete_if`` raises
+    #: NotImplementedError and a deleter re-reads just before an unconditional delete.
+    conditional_delete: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -253,9 +266,18 @@ class Backend(abc.ABC):
     async def delete(self, key: str) -> None:
         """Delete ``key``; FileNotFoundError if it is absent."""
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        """Delete ``key`` only if it is still the version ``version`` (an :attr:`ObjectInfo.version`
+        from :meth:`stat` or :meth:`list`): True if deleted, False if another version stands there
+        (nothing changed); FileNotFoundError if no object has that key. Atomic where the backend
+        declares :attr:`Capabilities.conditional_delete`; the others raise NotImplementedError.
+        """
+        raise NotImplementedError(f"{self.url}: {type(self).__name__} has no conditional delete "
+                                  "(capabilities.conditional_delete is False)")
+
     @abc.abstractmethod
     async def stat(self, key: str) -> ObjectInfo:
-        """Size and mtime of ``key``; FileNotFoundError if absent."""
+        """Size, mtime and version of ``key``; FileNotFoundError if absent."""
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -334,4 +356,7 @@ class ReadOnlyBackend(Backend):
         raise PermissionError(f"{self.url}: {self.read_only_reason}")
 
     async def delete(self, key: str) -> None:
+        raise PermissionError(f"{self.url}: {self.read_only_reason}")
+
+    async def delete_if(self, key: str, version: str) -> bool:
         raise PermissionError(f"{self.url}: {self.read_only_reason}")

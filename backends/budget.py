@@ -14,7 +14,7 @@ its own share from its rank and the job's size alone -- no message is sent:
   sits half a slot after the read grid, so a host alternating the two waits
   half a round between them, not a whole one;
 * the rate starts at the configured (conservative) value and doubles every
-  ``ramp_period_s`` up to ``ramp_limit`` times it;
+  ``ramp_period_s`` (in eighths of a doubling) up to ``ramp_limit`` times it;
 * a host held back by its share grows its rate gently (an eighth at most every
   half slot); a :class:`~ckptio.backends.base.ThrottledError` sends a host
   above its share back to it, and halves one at or below it that was
@@ -71,6 +71,8 @@ T = TypeVar("T")
 READ, WRITE = "read", "write"
 #: A wait that ends this many of the job's slots after its own takes a fresh slot (see ``wait``).
 _LATE_SLOTS = 4
+#: The ramp goes up in steps of this fraction of a doubling.
+_RAMP_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,10 @@ class RequestBudget:
         r = self.rate
         now = self._clock() if now is None else now
         started = self._state.view[STARTED]
-        ramp = min(r.ramp_limit, 2.0 ** max(0.0, (now - started) / r.ramp_period_s))
+        # In eighths of a doubling, not smoothly: hosts whose budgets began seconds apart then have the
+        # same share (and interleave) but in the seconds after each step, not a share a part in 10^3 apart.
+        doublings = math.floor(max(0.0, (now - started) / r.ramp_period_s) * _RAMP_STEPS) / _RAMP_STEPS
+        ramp = min(r.ramp_limit, 2.0 ** doublings)
         return self._slots[kind].job_rate * ramp / self.hosts
 
     def host_rate(self, kind: str) -> float:
@@ -291,6 +296,9 @@ class BudgetedBackend(WrapperBackend):
 
     async def delete(self, key: str) -> None:
         await self._call(WRITE, lambda: self.inner.delete(key))
+
+    async def delete_if(self, key: str, version: str) -> bool:
+        return await self._call(WRITE, lambda: self.inner.delete_if(key, version))
 
     async def stat(self, key: str) -> ObjectInfo:
         return await self._call(READ, lambda: self.inner.stat(key))

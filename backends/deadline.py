@@ -133,6 +133,9 @@ class DeadlineBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._run("deleting", key, 0, lambda: self.inner.delete(key))
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        return await self._run("deleting (if unchanged)", key, 0, lambda: self.inner.delete_if(key, version))
+
     async def stat(self, key: str) -> ObjectInfo:
         return await self._run("stat of", key, 0, lambda: self.inner.stat(key))
 

@@ -41,6 +41,12 @@ How it drives fsspec
   the check and the write can both "win": the later one silently replaces
   the earlier marker. An S3-compatible store that ignores ``If-None-Match``
   needs ``conditional_create=False`` in the config for the same fallback.
+* The conditional delete (``delete_if``): S3 only, where DeleteObject takes ``If-Match: <ETag>``
+  (general purpose buckets, since 2024; s3fs's ``rm_file`` does not pass it, so the backend calls
+  s3fs's ``_call_s3`` itself). The version is the ETag, a digest of the bytes: two stores of the
+  same bytes are not told apart, which a deleter that judged those bytes does not need. An
+  S3-compatible store that ignores ``If-Match`` on DELETE needs ``conditional_delete=False``.
+  Other protocols declare no conditional delete.
 * Reading past the end raises ValueError: fsspec clips a range at the end of
   the object without saying so, so the length that came back is checked.
 * Deleting checks that the object exists first: S3's DELETE succeeds on a
@@ -63,7 +69,7 @@ from typing import Any
 
 from ckptio._system.bytes import scatter_bytes
 
-from ._fsspec_clients import close_filesystem, translate_error
+from ._fsspec_clients import close_filesystem, http_status, translate_error
 from ._perloop import PerLoop
 from .base import (
     Backend,
@@ -71,6 +77,7 @@ from .base import (
     Capabilities,
     LayoutDefaults,
     ObjectInfo,
+    RetryableError,
     check_fill,
     check_key,
     check_prefix,
@@ -95,6 +102,8 @@ class FsspecConfig:
     concurrency: int = 16
     #: None: from what is known of the protocol (see the module docstring); False forces check-then-write.
     conditional_create: bool | None = None
+    #: None: from the protocol (S3: DeleteObject with If-Match); False declares no conditional delete.
+    conditional_delete: bool | None = None
     #: Object names start with a hashed component; None: True except for local files.
     hashed_names: bool | None = None
 
@@ -118,17 +127,20 @@ class _Traits:
     object_store: bool = True
     #: The storage lives in this process: a process-wide lock makes check-then-write atomic.
     process_local: bool = False
+    #: DeleteObject takes ``If-Match: <ETag>`` through s3fs's ``_call_s3`` (the conditional delete).
+    etag_delete: bool = False
     #: Constructor options the backend needs unless the caller's ``storage_options`` say otherwise.
     defaults: tuple[tuple[str, Any], ...] = ()
 
 
 _OBJECT_STORE_CREATE = _Traits(atomic_create=True)
+_S3 = _Traits(atomic_create=True, etag_delete=True)
 _LOCAL = _Traits(object_store=False, defaults=(("auto_mkdir", True),))
 _TRAITS: dict[str, _Traits] = {
     "gs": _OBJECT_STORE_CREATE,  # gcsfs: ifGenerationMatch=0
     "gcs": _OBJECT_STORE_CREATE,
-    "s3": _OBJECT_STORE_CREATE,  # s3fs: If-None-Match: * (put and complete-multipart)
-    "s3a": _OBJECT_STORE_CREATE,
+    "s3": _S3,  # s3fs: If-None-Match: * (put and complete-multipart); If-Match on DeleteObject
+    "s3a": _S3,
     "memory": _Traits(atomic_create=True, process_local=True),
     # Local files: written in place (no temp + rename), no fsync through fsspec; parents made on write.
     "file": _LOCAL,
@@ -197,6 +209,7 @@ class FsspecBackend(Backend):
         if cfg.conditional_create is not None:
             atomic = atomic and cfg.conditional_create  # a config may only give the guarantee up
         self._atomic_create = atomic
+        self._etag_delete = traits.etag_delete and self._async and cfg.conditional_delete is not False
         self._filesystems = PerLoop(self._new_filesystem, close_filesystem) if self._async else None
         self._sync_fs: Any = None
         self._sync_fs_lock = threading.Lock()
@@ -208,6 +221,7 @@ class FsspecBackend(Backend):
             concurrency=cfg.concurrency,
             list_consistent=True,  # S3 (since 2020), GCS, Azure: strong read-after-write and list
             process_local=traits.process_local,
+            conditional_delete=self._etag_delete,
         )
         self.layout_defaults = LayoutDefaults(
             object_size=cfg.object_size,
@@ -335,7 +349,31 @@ class FsspecBackend(Backend):
 
     async def stat(self, key: str) -> ObjectInfo:
         info = await self._info(self._path(key), f"{self._url}: stat of {key!r}")
-        return ObjectInfo(key, int(info["size"]), _mtime(info))
+        return ObjectInfo(key, int(info["size"]), _mtime(info), self._version(info))
+
+    def _version(self, info: Mapping[str, Any]) -> str:
+        return str(info.get("ETag") or "") if self._etag_delete else ""
+
+    async def delete_if(self, key: str, version: str) -> bool:
+        if not self._etag_delete:
+            return await super().delete_if(key, version)
+        path = self._path(key)
+        what = f"{self._url}: deleting {key!r} if unchanged"
+        fs = await self._filesystem()
+        bucket, name, _ = fs.split_path(path)
+        async with self._translating(what):
+            try:
+                await fs._call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=version)
+            except Exception as e:
+                status = http_status(e)
+                if status == 412:
+                    return False  # another version (other bytes) stands there
+                if status == 409:  # a concurrent PUT or DELETE of the key won: ask again
+                    raise RetryableError(f"{what}: HTTP 409 (a concurrent change): {e}") from e
+                raise
+            finally:
+                fs.invalidate_cache(path)
+        return True
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
@@ -382,7 +420,7 @@ class FsspecBackend(Backend):
             key = path[len(root) :] if path.startswith(root) else ""
             # Directory placeholders ("dir/") and entries outside the prefix are no keys here.
             if key and key.startswith(prefix) and info.get("type", "file") == "file":
-                out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
+                out.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info), self._version(info)))
         out.sort(key=lambda i: i.key)
         return out
 

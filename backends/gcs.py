@@ -40,6 +40,9 @@ Protocol
   A whole small object (``read``: manifests, fences, fragments) is one GET.
 * ``create_if_absent`` is a multipart upload with ``ifGenerationMatch=0``
   (the emulator honours preconditions only on multipart uploads).
+* ``delete_if`` is a DELETE with ``ifGenerationMatch`` (the generation a stat or listing named);
+  412 there means another generation stands: False. The emulator ignores preconditions on DELETE
+  (tests put :class:`tests.fake_gcs.PreconditionProxy` in front of it).
 * Errors: 404 FileNotFoundError, 412 FileExistsError, 401/403
   PermissionError, 408/429/5xx, resets, timeouts and truncated bodies
   RetryableError (with ``Retry-After``); see :func:`._gcs_http.raise_for_status`.
@@ -73,33 +76,12 @@ from ckptio._system.bytes import byte_views
 
 from ._gcs_config import GCSConfig, RampConfig, resolve_endpoint
 from ._gcs_http import (
-    BuffersPayload,
-    Damaged,
-    SessionGone,
-    RateRamp,
-    TokenSource,
-    confirmation,
-    crc32c_b64,
-    drain,
-    fill_from_response,
-    parse_rfc3339,
-    persisted_offset,
-    raise_for_status,
-    read_json,
-    session_pool,
-    slice_views,
-    translating,
-    whole_body,
+    BuffersPayload, Damaged, SessionGone, RateRamp, TokenSource, confirmation, crc32c_b64, drain,
+    fill_from_response, parse_rfc3339, persisted_offset, raise_for_status, read_json, session_pool,
+    slice_views, translating, whole_body,
 )
 from .base import (
-    Backend,
-    ByteRange,
-    Capabilities,
-    LayoutDefaults,
-    ObjectInfo,
-    RetryableError,
-    check_fill,
-    check_key,
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_fill, check_key,
     check_prefix,
 )
 from .budget import each_request
@@ -147,6 +129,7 @@ class GCSBackend(Backend):
             preferred_io_size=16 << 20,
             concurrency=cfg.concurrency,
             list_consistent=True,
+            conditional_delete=True,  # DELETE with ifGenerationMatch
         )
         self.layout_defaults = LayoutDefaults(
             object_size=cfg.object_size,
@@ -422,12 +405,13 @@ class GCSBackend(Backend):
         name = self._name(key)
         doc = await self._call(
             "GET",
-            self._object_url(name, fields="name,size,updated"),
+            self._object_url(name, fields="name,size,updated,generation"),
             f"{self._url}: stat of {key!r}",
             read_json,
             ramp=self._read_ramp,
         )
-        return ObjectInfo(key, int(doc["size"]), parse_rfc3339(doc["updated"]))
+        generation = str(doc.get("generation", ""))  # "" (no delete_if) if a server leaves it out
+        return ObjectInfo(key, int(doc["size"]), parse_rfc3339(doc["updated"]), generation)
 
     async def delete(self, key: str) -> None:
         name = self._name(key)
@@ -440,6 +424,18 @@ class GCSBackend(Backend):
             ramp=self._write_ramp,
         )
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        if not version.isdigit():
+            raise ValueError(f"{self._url}: {version!r} is no GCS generation (delete_if of {key!r})")
+
+        async def deleted(resp: aiohttp.ClientResponse) -> bool:
+            await drain(resp)
+            return resp.status != 412  # another generation stands: nothing was deleted
+
+        url = self._object_url(self._name(key), ifGenerationMatch=version)
+        what = f"{self._url}: deleting {key!r} if unchanged"
+        return await self._call("DELETE", url, what, deleted, ok=(200, 204, 412), ramp=self._write_ramp)
+
     async def _list_pages(self, prefix: str, delimiter: bool) -> tuple[list[dict[str, Any]], list[str]]:
         """Every item and sub-prefix under ``prefix`` (a full object-name prefix), page by page."""
         items: list[dict[str, Any]] = []
@@ -447,7 +443,7 @@ class GCSBackend(Backend):
         query: dict[str, Any] = {
             "prefix": prefix,
             "maxResults": self.config.list_page_size,
-            "fields": "items(name,size,updated),prefixes,nextPageToken",
+            "fields": "items(name,size,updated,generation),prefixes,nextPageToken",
         }
         if delimiter:
             query["delimiter"] = "/"
@@ -466,7 +462,8 @@ class GCSBackend(Backend):
         items, _ = await self._list_pages(self._name_prefix + check_prefix(prefix), delimiter=False)
         cut = len(self._name_prefix)
         out = [
-            ObjectInfo(item["name"][cut:], int(item["size"]), parse_rfc3339(item["updated"]))
+            ObjectInfo(item["name"][cut:], int(item["size"]), parse_rfc3339(item["updated"]),
+                       str(item.get("generation", "")))
             for item in items
             if item["name"][cut:]  # an object named exactly "prefix/" is no key
         ]

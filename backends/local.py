@@ -33,6 +33,7 @@ from ._posix import (
     TMP_MARK, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
 )
 from ._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
+from ._posix_conditional import TAKEN_MARK, file_version, take_if
 from .base import (
     Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
 )
@@ -71,6 +72,7 @@ class LocalBackend(Backend):
             preferred_io_size=8 << 20,
             alignment=self.config.alignment if self.config.direct else 1,
             concurrency=self.config.threads,
+            conditional_delete=True,  # take (rename aside), compare, unlink or put back: _posix_conditional
         )
 
     def _layout_defaults(self) -> LayoutDefaults:
@@ -172,6 +174,10 @@ class LocalBackend(Backend):
                     pwritev_all(fd, buffers, 0)
             else:
                 pwritev_all(fd, buffers, 0)
+            # The clock's own nanoseconds, not the file system's timestamp tick: a version token
+            # (_posix_conditional.file_version) must tell this file from one that reused its inode.
+            now = time.time_ns()
+            os.utime(fd, ns=(now, now))
             if self.config.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -341,6 +347,19 @@ class LocalBackend(Backend):
                 os.unlink(path)
             except IsADirectoryError:
                 raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object") from None
+        self._after_unlink(path)
+
+    def _delete_if(self, key: str, version: str) -> bool:
+        path = self.path(key)
+        with translate_os_errors(f"{self._url}: deleting {key!r} if unchanged"):
+            cfg = self.config
+            if not take_if(path, version, hard_links=cfg.link_commit, dir_fsync=cfg.fsync and cfg.dir_fsync):
+                return False
+        self._after_unlink(path)
+        return True
+
+    def _after_unlink(self, path: str) -> None:
+        """What deleting the object at ``path`` leaves to tidy: its commit lock, emptied directories."""
         if not self.config.link_commit:
             unlink_quietly(lock_path(path))
         self._mark_dirty(os.path.dirname(path))
@@ -363,9 +382,11 @@ class LocalBackend(Backend):
                     continue
                 path = os.path.join(dirpath, name)
                 try:
-                    age = now - os.lstat(path).st_mtime
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     continue
+                # An object taken aside for a conditional delete keeps its own mtime: its age is the take's.
+                age = now - (st.st_ctime if name.startswith(TAKEN_MARK) else st.st_mtime)
                 if name.startswith(LOCK_PREFIX) and ".stale-" not in name:
                     # A commit lock guards its object for good; without one it is a dead
                     # committer's only once a takeover would also treat it as stale.
@@ -388,13 +409,17 @@ class LocalBackend(Backend):
         self._refuse_if_read_only(check_key(key))
         await self._run(self._delete, key)
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        self._refuse_if_read_only(check_key(key))
+        return await self._run(self._delete_if, key, version)
+
     def _stat(self, key: str) -> ObjectInfo:
         path = self.path(key)
         with translate_os_errors(f"{self._url}: stat of {key!r}"):
             st = os.stat(path)
-        if not os.path.isfile(path):
+        if not stat_mod.S_ISREG(st.st_mode):
             raise FileNotFoundError(f"{self._url}: {key!r} is a directory, not an object")
-        return ObjectInfo(key, st.st_size, st.st_mtime)
+        return ObjectInfo(key, st.st_size, st.st_mtime, file_version(st))
 
     async def stat(self, key: str) -> ObjectInfo:
         return await self._run(self._stat, key)
@@ -419,7 +444,7 @@ class LocalBackend(Backend):
                 except FileNotFoundError:
                     continue  # deleted while listing
                 if stat_mod.S_ISREG(st.st_mode):  # links are not objects
-                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime, file_version(st)))
         out.sort(key=lambda i: i.key)
         return out
 

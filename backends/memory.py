@@ -8,6 +8,7 @@ Objects live in a process-wide store keyed by the URL's name, so two
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,12 @@ from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, chec
 
 __all__ = ["MemoryBackend"]
 
-_STORES: dict[str, dict[str, tuple[bytes | bytearray, float]]] = {}
+#: Per URL: key -> (bytes, mtime, version number); a version number is never reused in the process.
+_STORES: dict[str, dict[str, tuple[bytes | bytearray, float, int]]] = {}
+_VERSIONS = itertools.count(1)
+#: Per URL: one lock for every instance on it, so a compare-and-act (create_if_absent, delete_if)
+#: is atomic across instances and threads, as on one bucket.
+_LOCKS: dict[str, threading.Lock] = {}
 #: Copies from this size on run in a thread (below, the hop costs more than the copy).
 _THREAD_MIN = 1 << 20
 T = TypeVar("T")
@@ -41,9 +47,10 @@ class MemoryBackend(Backend):
         self._url = url.rstrip("/")
         with _STORES_LOCK:
             self._objects = _STORES.setdefault(self._url, {})
-        self._lock = threading.Lock()
+            self._lock = _LOCKS.setdefault(self._url, threading.Lock())
         self.capabilities = Capabilities(
             durable_on_close=True, preferred_io_size=1 << 20, concurrency=8, process_local=True,
+            conditional_delete=True,  # compared and deleted under the store's lock
         )
 
     @classmethod
@@ -56,7 +63,7 @@ class MemoryBackend(Backend):
     def url(self) -> str:
         return self._url
 
-    def _get(self, key: str) -> tuple[bytes | bytearray, float]:
+    def _get(self, key: str) -> tuple[bytes | bytearray, float, int]:
         try:
             return self._objects[check_key(key)]
         except KeyError:
@@ -69,10 +76,10 @@ class MemoryBackend(Backend):
         # The bytearray is never handed out (reads copy from it), so it stays as written.
         data = await _maybe_in_thread(sum(b.nbytes for b in buffers), gather_bytes, buffers)
         with self._lock:
-            self._objects[key] = (data, time.time())
+            self._objects[key] = (data, time.time(), next(_VERSIONS))
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        data, _ = self._get(key)
+        data, _, _ = self._get(key)
         if rng.end > len(data):
             raise ValueError(f"{self._url}/{key}: range [{rng.start}, {rng.end}) past end {len(data)}")
         check_fill(rng, buffers)
@@ -83,7 +90,7 @@ class MemoryBackend(Backend):
         with self._lock:
             if key in self._objects:
                 raise FileExistsError(f"{self._url}/{key}: object exists")
-            self._objects[key] = (bytes(data), time.time())
+            self._objects[key] = (bytes(data), time.time(), next(_VERSIONS))
 
     async def delete(self, key: str) -> None:
         check_key(key)
@@ -91,13 +98,24 @@ class MemoryBackend(Backend):
             if self._objects.pop(key, None) is None:
                 raise FileNotFoundError(f"{self._url}/{key}: no such object")
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        check_key(key)
+        with self._lock:
+            entry = self._objects.get(key)
+            if entry is None:
+                raise FileNotFoundError(f"{self._url}/{key}: no such object")
+            if str(entry[2]) != version:
+                return False
+            del self._objects[key]
+            return True
+
     async def stat(self, key: str) -> ObjectInfo:
         # One lookup: a second one could race with a delete and leak a KeyError.
-        data, mtime = self._get(key)
-        return ObjectInfo(key, len(data), mtime)
+        data, mtime, version = self._get(key)
+        return ObjectInfo(key, len(data), mtime, str(version))
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix)
         with self._lock:
             items = [(k, v) for k, v in self._objects.items() if k.startswith(prefix)]
-        return [ObjectInfo(k, len(d), t) for k, (d, t) in sorted(items)]
+        return [ObjectInfo(k, len(d), t, str(v)) for k, (d, t, v) in sorted(items)]

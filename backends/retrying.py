@@ -106,6 +106,10 @@ class RetryingBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._retry(f"delete {key!r}", lambda: self.inner.delete(key))
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        # A retry after a lost reply meets no object (FileNotFoundError): the caller's "gone".
+        return await self._retry(f"delete {key!r} if unchanged", lambda: self.inner.delete_if(key, version))
+
     async def stat(self, key: str) -> ObjectInfo:
         return await self._retry(f"stat {key!r}", lambda: self.inner.stat(key))
 

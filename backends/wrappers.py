@@ -10,6 +10,9 @@
 * :class:`ReadOnlyBackend` -- declares ``read_only`` and refuses every
   mutation with :class:`PermissionError` (restore/verify paths that must
   never write).
+* :class:`WrapperBackend` (in :mod:`._wrapper_base`, re-exported here) -- the base: delegates.
+  A subclass that overrides ``delete`` but not ``delete_if`` declares no ``conditional_delete``
+  (deleters then use its ``delete``), so no conditional delete bypasses what it does to deletes.
 * :class:`ckptio.backends.retrying.RetryingBackend` (its own module) --
   retries :class:`RetryableError`: the one place the store's calls are retried.
 
@@ -28,11 +31,12 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ckptio._system.bytes import byte_views
 
-from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_key
+from ._wrapper_base import METHODS, WrapperBackend
+from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
 
 __all__ = [
     "CountingBackend",
@@ -46,86 +50,6 @@ __all__ = [
 log = logging.getLogger("ckptio.backends.wrappers")
 
 T = TypeVar("T")
-
-#: The backend methods a wrapper intercepts (``read`` goes through ``stat`` + ``read_into``).
-METHODS: tuple[str, ...] = (
-    "write",
-    "read_into",
-    "create_if_absent",
-    "delete",
-    "stat",
-    "list",
-    "list_children",
-    "sync",
-)
-
-
-class WrapperBackend(Backend):
-    """Delegates every call to ``inner``; subclasses override the calls they change.
-
-    ``read`` is deliberately not delegated: the inherited implementation calls
-    this wrapper's ``stat`` and ``read_into``, so faults, latency and counting
-    apply to whole-object reads as well.
-    """
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-
-    @property  # type: ignore[override]
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property  # type: ignore[override]
-    def layout_defaults(self) -> LayoutDefaults:
-        return self.inner.layout_defaults
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
-
-    async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
-        await self.inner.write(key, buffers)
-
-    async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        await self.inner.read_into(key, rng, buffers)
-
-    async def create_if_absent(self, key: str, data: bytes) -> None:
-        await self.inner.create_if_absent(key, data)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def stat(self, key: str) -> ObjectInfo:
-        return await self.inner.stat(key)
-
-    async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return await self.inner.list(prefix)
-
-    async def list_children(self, prefix: str = "") -> list[str]:
-        return await self.inner.list_children(prefix)
-
-    async def sync(self) -> None:
-        await self.inner.sync()
-
-    async def sweep_temporaries(
-        self, older_than_s: float, *, dry_run: bool = False, prefix: str | None = None
-    ) -> list[str]:
-        # A prefix comes only where the inner backend declares Capabilities.sweeps_by_prefix
-        # (this wrapper declares what it wraps), so only then does it travel on.
-        if prefix is None:
-            return await self.inner.sweep_temporaries(older_than_s, dry_run=dry_run)
-        sweep: Any = self.inner.sweep_temporaries  # typed without ``prefix`` in the Backend ABC
-        return await sweep(older_than_s, dry_run=dry_run, prefix=prefix)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def close_loop(self) -> None:
-        await self.inner.close_loop()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.inner!r})"
-
 
 class FaultInjectingBackend(WrapperBackend):
     """Injects faults into a fraction ``rate`` of calls, reproducibly from ``seed``.
@@ -256,6 +180,9 @@ class FaultInjectingBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._guard("delete", key, lambda: self.inner.delete(key))
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        return await self._guard("delete_if", key, lambda: self.inner.delete_if(key, version))
+
     async def stat(self, key: str) -> ObjectInfo:
         return await self._guard("stat", key, lambda: self.inner.stat(key))
 
@@ -336,6 +263,10 @@ class LatencyBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._delay()
         await self.inner.delete(key)
+
+    async def delete_if(self, key: str, version: str) -> bool:
+        await self._delay()
+        return await self.inner.delete_if(key, version)
 
     async def stat(self, key: str) -> ObjectInfo:
         await self._delay()
@@ -442,6 +373,9 @@ class CountingBackend(WrapperBackend):
     async def delete(self, key: str) -> None:
         await self._count("delete", 0, lambda: self.inner.delete(key))
 
+    async def delete_if(self, key: str, version: str) -> bool:
+        return await self._count("delete_if", 0, lambda: self.inner.delete_if(key, version))
+
     async def stat(self, key: str) -> ObjectInfo:
         return await self._count("stat", 0, lambda: self.inner.stat(key))
 
@@ -486,4 +420,7 @@ class ReadOnlyBackend(WrapperBackend):
         return []  # removes nothing through a read-only view
 
     async def delete(self, key: str) -> None:
+        raise self._refuse("delete", key)
+
+    async def delete_if(self, key: str, version: str) -> bool:
         raise self._refuse("delete", key)

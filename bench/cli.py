@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from . import pinning, report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
+from .cli_ratelimit import add_rate_limit_options, main_rate_limit_args
 from .harness import QUICK_CASES, QUICK_SIZE, quick_note, run_interleaved, run_job, select_cases
 from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
 from .system import environment
@@ -114,17 +115,14 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                    help="shards per host for --tiers-scale (default 16)")
     g.add_argument("--tiers-scale-no-save", dest="tiers_scale_save", action="store_false",
                    help="--tiers-scale: simulate the restart plan only (the save part builds every host's record)")
+    g.add_argument("--incremental", type=float, default=None, metavar="FRACTION",
+                   help="incremental saves (FRACTION of the arrays changed per step) against full saves")
+    g.add_argument("--incremental-steps", type=int, default=10, help="steps for --incremental (default 10)")
     g.add_argument("--reshard", action="store_true",
                    help="restore one row/column block of a --size array saved as 16 row or column blocks: bytes "
                         "read per byte needed, time and peak RSS, tiled and plain layouts (bench/reshard.py)")
     g.add_argument("--tiers-mib", type=int, default=256, help="MiB per host for --tiers (default 256)")
-    g.add_argument("--rate-limit", type=float, default=None, metavar="R",
-                   help="with --fake-gcs: --hosts simulated hosts save and restore one checkpoint at once behind "
-                        "a proxy that admits R requests/s per class (429 beyond); failures, wrong 'no checkpoint' "
-                        "and time against what R allows (bench/throttled.py)")
-    g.add_argument("--hosts", type=int, default=64, help="simulated hosts for --rate-limit (default 64)")
-    g.add_argument("--budget", default="0.8", metavar="FRACTION|none",
-                   help="the job's request budget for --rate-limit, as a fraction of R (default 0.8); none: no budget")
+    add_rate_limit_options(p)
     g = p.add_argument_group("advice")
     g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
     g.add_argument("--mtbf", default="4h", help="mean time between failures for --advise (default 4h)")
@@ -434,12 +432,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _tiers_scale(args)
     if args.reshard:
         return _reshard(args)
-    if args.rate_limit is not None:
-        from .throttled import main_rate_limit
+    if args.incremental is not None:
+        from .incremental import main_incremental
 
-        if not args.fake_gcs:
-            return _error("--rate-limit runs against the local fake GCS: add --fake-gcs")
-        return main_rate_limit(args.rate_limit, args.hosts, args.budget)
+        return main_incremental(args.incremental, parse_size(args.size or "1GiB"), args.arrays,
+                                args.incremental_steps, args.dir, args.keep)
+    if args.rate_limit is not None:
+        return main_rate_limit_args(args, _error)
     if args.list:
         backend = args.backend or ("gs://" if args.fake_gcs else "")
         return _list_cases(backend.split("://", 1)[0] if "://" in backend else "file")

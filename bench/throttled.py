@@ -1,7 +1,7 @@
 """Many hosts saving and restoring at once behind a rate limit (``ckptio bench --fake-gcs --rate-limit R``).
 
-``hosts`` simulated hosts (threads of this process, one job over a thread
-coordinator) each save their rows of one array as one checkpoint, all at once,
+``hosts`` simulated hosts (threads of this process over a thread coordinator,
+or with ``--host-processes`` one forked process each, :mod:`ckptio.bench.hostprocs`) each save their rows of one array as one checkpoint, all at once,
 then restore them, all at once, through the storage behind a
 :class:`~ckptio.bench.ratelimit.RateLimitProxy` that admits ``limit`` requests
 a second per class (429 beyond). It reports what failed -- a save, a restore,
@@ -13,7 +13,9 @@ admitted (their count / ``limit``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from ckptio.backends.budget import RequestRate
 from .ratelimit import RateLimitProxy
 from .threadhosts import on_hosts
 
-__all__ = ["Phase", "ThrottledRun", "run_throttled"]
+__all__ = ["BODIES", "Phase", "ThrottledRun", "main_rate_limit", "run_throttled", "thread_hosts"]
 
 
 @dataclasses.dataclass
@@ -50,16 +52,28 @@ class ThrottledRun:
     limit: float
     budget: float | None
     phases: list[Phase]
+    mode: str = "threads"  # how the hosts ran: "threads" of one process, or "processes"
+    #: With host processes: their private memory (USS) summed, the most seen after a phase.
+    hosts_uss_bytes: int | None = None
 
     def report(self) -> str:
-        lines = [f"{self.hosts} hosts, proxy limit {self.limit:g} req/s per class, job budget "
+        lines = [f"{self.hosts} hosts ({self.mode}), proxy limit {self.limit:g} req/s per class, job budget "
                  f"{'none' if self.budget is None else f'{self.budget:g} req/s per class'}"]
+        if self.hosts_uss_bytes is not None:
+            lines[0] += f", host processes' private memory {self.hosts_uss_bytes / (1 << 20):.0f} MiB in all"
         for p in self.phases:
             lines.append(f"  {p.name:8s} {p.wall_s:7.2f} s  admitted {p.admitted:5d}  refused (429) {p.refused:5d}  "
                          f"limit allows {p.allowed_s:6.2f} s  ratio {p.ratio:5.2f}  failed {len(p.failures)}  "
                          f"wrong 'no checkpoint' {p.no_checkpoint}")
             lines.extend(f"    {f}" for f in p.failures[:3])
         return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as JSON (``--json``): its settings, and per phase every count and the ratio."""
+        doc = dataclasses.asdict(self)
+        for p, d in zip(self.phases, doc["phases"]):
+            d["ratio"] = p.ratio
+        return doc
 
 
 def _config(budget: float | None, patience_s: float) -> Any:
@@ -69,48 +83,76 @@ def _config(budget: float | None, patience_s: float) -> Any:
     return EngineConfig(request_rate=rate, throttle_patience_s=patience_s)
 
 
-def run_throttled(url: str, proxy: RateLimitProxy, hosts: int, *, budget: float | None, rows: int = 4,
-                  cols: int = 256, step: int = 1, patience_s: float = 600.0) -> ThrottledRun:
-    """Save then restore one ``hosts``-host checkpoint at ``url`` (reached through ``proxy``)."""
+def _rows(rank: int, rows: int) -> tuple[slice, slice]:
+    return slice(rank * rows, (rank + 1) * rows), slice(None)
+
+
+def _full(hosts: int, rows: int, cols: int) -> np.ndarray:
+    return np.arange(hosts * rows * cols, dtype=np.float32).reshape(hosts * rows, cols)
+
+
+def save_rows(rank: int, coord: Any, *, url: str, rows: int, cols: int, step: int, budget: float | None,
+              patience_s: float) -> str | None:
+    """One host's part of the job's save: its ``rows`` rows of the array; None, or what failed."""
+    import ckptio
+
+    full, mine = _full(coord.size, rows, cols), _rows(rank, rows)
+    st = {"w": ckptio.Sharded(full.shape, np.float32, [(mine, full[mine])]), "step": step}
+    try:
+        ckptio.save(url, st, step=step, coordinator=coord, engine_config=_config(budget, patience_s)).result()
+    except Exception as e:  # noqa: BLE001 - counted, every host's
+        return f"host {rank}: save: {type(e).__name__}: {e}"
+    return None
+
+
+def restore_rows(rank: int, coord: Any, *, url: str, rows: int, cols: int, step: int, budget: float | None,
+                 patience_s: float) -> str | None:
+    """One host's part of the job's restore of the newest step; None, or what failed ("no checkpoint: ...")."""
     import ckptio
     from ckptio.errors import CheckpointNotFoundError
 
-    shape = (hosts * rows, cols)
-    full = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
-    config = _config(budget, patience_s)
-
-    def mine(rank: int) -> tuple[slice, slice]:
-        return slice(rank * rows, (rank + 1) * rows), slice(None)
-
-    def save(rank: int, coord: Any) -> str | None:
-        st = {"w": ckptio.Sharded(shape, np.float32, [(mine(rank), full[mine(rank)])]), "step": step}
-        try:
-            ckptio.save(url, st, step=step, coordinator=coord, engine_config=config).result()
-        except Exception as e:  # noqa: BLE001 - counted, every host's
-            return f"host {rank}: save: {type(e).__name__}: {e}"
-        return None
-
-    def restore(rank: int, coord: Any) -> str | None:
-        target = {"w": ckptio.Sharded(shape, np.float32, [(mine(rank), None)]), "step": None}
-        try:
-            with ckptio.CheckpointManager(url, coordinator=coord, engine_config=config) as m:
-                out = m.restore(target=target)
-        except CheckpointNotFoundError as e:
-            return f"no checkpoint: host {rank}: {e}"
-        except Exception as e:  # noqa: BLE001 - counted, every host's
-            return f"host {rank}: restore: {type(e).__name__}: {e}"
-        if out["step"] != step or not np.array_equal(out["w"].pieces[0][1], full[mine(rank)]):
-            return f"host {rank}: restore: wrong bytes"
-        return None
-
-    phases = [_phase("save", proxy, hosts, save), _phase("restore", proxy, hosts, restore)]
-    return ThrottledRun(hosts, proxy.limit, budget, phases)
+    full, mine = _full(coord.size, rows, cols), _rows(rank, rows)
+    target = {"w": ckptio.Sharded(full.shape, np.float32, [(mine, None)]), "step": None}
+    try:
+        with ckptio.CheckpointManager(url, coordinator=coord, engine_config=_config(budget, patience_s)) as m:
+            out = m.restore(target=target)
+    except CheckpointNotFoundError as e:
+        return f"no checkpoint: host {rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - counted, every host's
+        return f"host {rank}: restore: {type(e).__name__}: {e}"
+    if out["step"] != step or not np.array_equal(out["w"].pieces[0][1], full[mine]):
+        return f"host {rank}: restore: wrong bytes"
+    return None
 
 
-def _phase(name: str, proxy: RateLimitProxy, hosts: int, body: Any) -> Phase:
+#: What a host process can run (fixed when the hosts are forked: :class:`~ckptio.bench.hostprocs.HostProcesses`).
+BODIES = {"save": save_rows, "restore": restore_rows}
+
+#: Runs a phase on every host: ``(name, kwargs) -> each host's outcome`` (threads or processes).
+HostRunner = Callable[[str, dict[str, Any]], list[Any]]
+
+
+def thread_hosts(hosts: int) -> HostRunner:
+    """The hosts as threads of this process (:mod:`ckptio.bench.threadhosts`)."""
+    return lambda name, kwargs: on_hosts(hosts, functools.partial(BODIES[name], **kwargs), timeout=900.0)
+
+
+def run_throttled(url: str, proxy: RateLimitProxy, hosts: int, *, budget: float | None, rows: int = 4,
+                  cols: int = 256, step: int = 1, patience_s: float = 600.0,
+                  runner: HostRunner | None = None, mode: str = "threads") -> ThrottledRun:
+    """Save then restore one ``hosts``-host checkpoint at ``url`` (reached through ``proxy``).
+
+    ``runner``: how the hosts run (default: threads of this process); ``mode`` names it in the report."""
+    run = runner or thread_hosts(hosts)
+    kwargs = {"url": url, "rows": rows, "cols": cols, "step": step, "budget": budget, "patience_s": patience_s}
+    phases = [_phase(name, proxy, run, kwargs) for name in ("save", "restore")]
+    return ThrottledRun(hosts, proxy.limit, budget, phases, mode)
+
+
+def _phase(name: str, proxy: RateLimitProxy, run: HostRunner, kwargs: dict[str, Any]) -> Phase:
     proxy.reset()
     began = time.perf_counter()
-    outcomes = on_hosts(hosts, body, timeout=900.0)
+    outcomes = run(name, kwargs)
     phase = Phase(name, wall_s=time.perf_counter() - began, admitted=sum(proxy.admitted.values()),
                   refused=sum(proxy.refused.values()), allowed_s=proxy.allowed_span_s())
     for o in outcomes:
@@ -120,27 +162,66 @@ def _phase(name: str, proxy: RateLimitProxy, hosts: int, body: Any) -> Phase:
     return phase
 
 
-def main_rate_limit(limit: float, hosts: int, budget: str) -> int:
-    """``ckptio bench --fake-gcs --rate-limit R``: a fresh fake GCS, the proxy, one run; 1 if anything failed."""
+#: What a host imports on its first save or restore (with aiohttp): the parent imports it before forking.
+_HOST_MODULES = ("ckptio.backends.gcs", "ckptio.manager")
+
+
+def main_rate_limit(limit: float, hosts: int, budget: str, *, processes: bool = False,
+                    json_path: str | None = None) -> int:
+    """``ckptio bench --fake-gcs --rate-limit R``: a fresh fake GCS, the proxy, one run; 1 if anything failed.
+
+    ``processes``: each host its own process (forked first, before the server's and the proxy's threads)."""
+    import contextlib
+    import json
+
+    fraction = None if budget.strip().lower() == "none" else float(budget)
+    with contextlib.ExitStack() as stack:
+        procs = None
+        if processes:
+            import importlib
+
+            from .hostprocs import HostProcesses
+
+            for name in _HOST_MODULES:  # imported once, shared copy-on-write by the forked hosts
+                importlib.import_module(name)
+
+            procs = stack.enter_context(HostProcesses(hosts, BODIES))
+        run = _serve_and_run(limit, hosts, None if fraction is None else fraction * limit, procs)
+    print(run.report())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(run.to_json(), f, indent=1)
+    return 1 if any(p.failures for p in run.phases) else 0
+
+
+def _serve_and_run(limit: float, hosts: int, budget: float | None, procs: Any) -> ThrottledRun:
+    """The fake GCS and the proxy in front of it, and one run through them (on ``procs``, else threads)."""
     import os
     import uuid
 
     from .fakegcs import FakeGCS
 
-    fraction = None if budget.strip().lower() == "none" else float(budget)
     server = FakeGCS().start()
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
+    uss: list[int] = []
     try:
         server.create_bucket("ckptio-bench")
         with RateLimitProxy(server.url, limit) as proxy:
             os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
-            run = run_throttled(f"gs://ckptio-bench/rate-{uuid.uuid4().hex[:8]}", proxy, hosts,
-                                budget=None if fraction is None else fraction * limit)
+            env = {"STORAGE_EMULATOR_HOST": proxy.url}
+
+            def on_processes(name: str, kwargs: dict[str, Any]) -> list[Any]:
+                out = procs.run(name, kwargs, env)
+                uss.append(procs.private_bytes())
+                return out  # type: ignore[no-any-return]
+
+            run = run_throttled(f"gs://ckptio-bench/rate-{uuid.uuid4().hex[:8]}", proxy, hosts, budget=budget,
+                                runner=None if procs is None else on_processes, mode="processes" if procs is not None else "threads")
     finally:
         if saved is None:
             os.environ.pop("STORAGE_EMULATOR_HOST", None)
         else:
             os.environ["STORAGE_EMULATOR_HOST"] = saved
         server.stop()
-    print(run.report())
-    return 1 if any(p.failures for p in run.phases) else 0
+    run.hosts_uss_bytes = max(uss) if uss else None
+    return run

@@ -114,6 +114,30 @@ class SimGroup:
         self.received += len(got)
         return got
 
+    #: The host whose messages from the coordinator the coordinator's run records for replay.
+    WATCHED = 1
+
+    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
+                 ) -> dict[int, bytearray]:
+        """Host-to-host messages: only those from the coordinator are played (what the fast tier's commit
+        sends); the coordinator records its message to :attr:`WATCHED` for that host's replay."""
+        if self.rank == 0:
+            for dst, bufs in sends.items():
+                data = b"".join(bytes(b) for b in bufs)
+                if dst != 0:
+                    self.sent += len(data)
+                if dst == self.WATCHED and data:
+                    self.broadcasts.append(data)
+            return {0: bytearray(b"".join(bytes(b) for b in sends[0]))} if sends.get(0) else {}
+        if sizes is None or set(sizes) - {0} or sends:
+            raise NotImplementedError("the simulation plays only messages from the coordinator, of known sizes")
+        if not sizes.get(0) or not sum(sizes[0]):
+            return {}
+        got = self._replay.pop(0)
+        assert len(got) == sum(sizes[0]), (len(got), sizes)
+        self.received += len(got)
+        return {0: bytearray(got)}
+
     def transfer(self, messages: Any, provide: Any, deliver: Any) -> None:
         raise NotImplementedError("the simulation moves no bytes between hosts")
 
@@ -163,6 +187,7 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     job.head = {"format": "ckptio", "version": 1, "step": NEWEST, "checkpoint_id": "0" * 12, "fence": "1" * 12,
                 "created": time.time(), "block_size": 4 << 20, "num_hosts": hosts,
                 "tree": {"dict": {m: {"leaf": m} for m in records[0]["items"]}}, "metadata": {}}
+    _objects_of(mngr.fast.url, records[rank])  # the part's commit checks its objects are there (no data)
     t0 = time.perf_counter()
     verdict = collective_verdict(sim, records[rank], job.commit if rank == 0 else None)
     assert verdict.ok, verdict.error
@@ -172,12 +197,9 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
         raise mngr._hook_error
     t_all = time.perf_counter() - t0
     # A restart's first step on this host: what it holds (the real scan, of this one committed step).
-    from ckptio.engine import run_sync
     from ckptio.store import CheckpointStore
     from ckptio.tiers.peer import holdings
 
-    for key in records[rank]["objects"]:  # the scan checks that this host's objects are there (no data)
-        run_sync(mngr.fast.io.write(key, [memoryview(b"")]))
     # Fresh stores, as a restarted process has them: nothing cached from the commit above.
     fast, replica = (CheckpointStore(s.url, host_local=True) for s in (mngr.fast, mngr.replica))
     t1 = time.perf_counter()
@@ -191,6 +213,20 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
                          if n.startswith("ckptio.manifest") and dp.startswith(os.path.join(root, f"fast{rank}")))
     out.put({"commit_s": t_commit, "save_s": t_all, "holdings_s": t_held, "received": sim.received, "sent": sim.sent,
              "rss_mb": _rss_mb(), "manifest_bytes": manifest_bytes})
+
+
+def _objects_of(root: str, record: dict[str, Any]) -> None:
+    """Host ``record``'s objects in its fast tier at ``root``, sparse files of the bytes its extents need."""
+    need = [0] * len(record["objects"])
+    for item in record["items"].values():
+        for shard in item.get("shards") or ():
+            for obj, offset, _shard_offset, length, *_crcs in shard["extents"]:  # manifest.extent_json's rows
+                need[obj] = max(need[obj], offset + length)
+    for key, n in zip(record["objects"], need):
+        path = os.path.join(root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(n)
 
 
 # -- restart: the plan after a host loss ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from ckptio.backends.base import ByteRange, join_key
 
@@ -31,12 +31,12 @@ from .engine import ByteBudget, Progress, ReadRequest, gather_or_cancel
 from .store.intents import async_lease, new_id
 from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
-from .names import parse_object
+from .names import parse_object, step_of_key
 from .store import CheckpointStore
 from .store.companions import carried, companions_of, without_others, write_carried
 
-__all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_objects", "object_extents", "object_writers", "rekey",
-           "verified_reads"]
+__all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_keys", "copy_objects", "object_extents", "object_writers",
+           "rekey", "rekey_one", "stored_extents", "verified_reads"]
 
 log = logging.getLogger("ckptio.copy")
 
@@ -69,6 +69,12 @@ def object_extents(manifest: Manifest) -> list[list[StoredExtent]]:
                 for e in shard.extents:
                     out[e.object].append((e.offset, e.length, e.crcs, name, e.block))
     return out
+
+
+def stored_extents(rows: Iterable[Sequence[object]]) -> list[StoredExtent]:
+    """Extents as a commit record carries them (JSON rows ``[offset, length, crcs, item, block]``,
+    :func:`ckptio.tiers.held.part_records`) as :data:`StoredExtent`."""
+    return [(int(r[0]), int(r[1]), [int(c) for c in r[2]], str(r[3]), int(r[4])) for r in rows]  # type: ignore[call-overload,union-attr]
 
 
 def verified_reads(key: str, buf: memoryview, extents: list[StoredExtent]) -> list[ReadRequest]:
@@ -114,29 +120,42 @@ def _logical_key(key: str, step_dir: str) -> str:
 
 def rekey(manifest: Manifest, step_dir: str, dst: CheckpointStore, dst_step_dir: str | None = None) -> Manifest:
     """``manifest`` with its object keys renamed for ``dst``'s naming (same order, same checkpoint id;
-    the step of ``dst_step_dir`` when copied to another step).
+    the step of ``dst_step_dir`` when copied to another step), every one in the copy's own step:
+    an incremental step's references to older steps are copied in, the copy has no ``bases``.
 
     Deterministic, so every host of a distributed copy computes the same keys
     on its own. On a hashed destination the i-th object gets the i-th slot
     after the step's seed: the spread is even by construction.
     """
     dst_dir = step_dir if dst_step_dir is None else dst_step_dir
-    hashed = isinstance(dst.naming, HashedNaming)
-    keys = []
-    for i, key in enumerate(manifest.objects):
-        logical = _logical_key(key, step_dir)
-        if step_dir != dst_dir and step_dir and logical.startswith(step_dir + "/"):
-            logical = join_key(dst_dir, logical[len(step_dir) + 1 :])
-        if hashed:
-            assert isinstance(dst.naming, HashedNaming)
-            logical = join_key(dst.naming.component(dst_dir, i, 1, 0), logical)
-        keys.append(logical)
+    bases = frozenset(manifest.bases or {})
+    keys = [rekey_one(key, i, step_dir, dst, dst_dir, bases) for i, key in enumerate(manifest.objects)]
     if len(set(keys)) != len(keys):
         raise ValueError(f"rekeying {dst.where(dst_dir)} maps two objects to one key")
     # A copy to another step directory is that step's checkpoint (same id: still the same bytes).
     step = int(dst_dir) if dst_dir != step_dir and dst_dir.isdigit() else manifest.step
     # Written whole (format 1), under a fence of its own (the destination's commit picks one).
-    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None, fence=None)
+    return dataclasses.replace(manifest, objects=keys, step=step, fragments=None, fence=None, bases=None)
+
+
+def rekey_one(
+    key: str, index: int, step_dir: str, dst: CheckpointStore, dst_step_dir: str | None = None,
+    bases: Collection[str] = (),
+) -> str:
+    """The key :func:`rekey` gives object ``key``, the ``index``-th of its manifest, in ``dst``: a host
+    that knows only its own objects and their indices (its commit record) names them as the whole
+    manifest's copy does. A key of one of ``bases`` (an incremental step's reference to an older
+    step's object) comes into the copy's own step: the copy is self-contained, and no pin of the
+    destination would hold it in another step."""
+    dst_dir = step_dir if dst_step_dir is None else dst_step_dir
+    own = step_of_key(key)
+    src_dir = own if own in bases and own != step_dir else step_dir
+    logical = _logical_key(key, src_dir)
+    if src_dir != dst_dir and src_dir and logical.startswith(src_dir + "/"):
+        logical = join_key(dst_dir, logical[len(src_dir) + 1 :])
+    if isinstance(dst.naming, HashedNaming):
+        logical = join_key(dst.naming.component(dst_dir, index, 1, 0), logical)
+    return logical
 
 
 def _renamed_writers(manifest: Manifest, revoked: set[str]) -> Manifest:
@@ -174,15 +193,27 @@ async def copy_objects(
     """
     extents = object_extents(manifest)
     wanted = range(len(manifest.objects)) if indices is None else sorted(set(indices))
+    return await copy_keys(src, dst, [(manifest.objects[i], dst_manifest.objects[i], extents[i]) for i in wanted],
+                           progress=progress)
+
+
+async def copy_keys(
+    src: CheckpointStore,
+    dst: CheckpointStore,
+    objects: Sequence[tuple[str, str, list[StoredExtent]]],
+    *,
+    progress: Progress | None = None,
+) -> CopyStats:
+    """Copy each ``(key, dst_key, extents)`` of ``objects`` from ``src`` to ``dst``, as :func:`copy_objects`
+    does (what a host copies by its commit record, without the manifest)."""
     # Bytes held between read and write are bounded by both engines' budgets and slots.
     slots = asyncio.Semaphore(max(1, min(src.engine.concurrency, dst.engine.concurrency)))
     budget = ByteBudget(min(src.engine.config.byte_budget, dst.engine.config.byte_budget))
     stats = CopyStats()
 
-    async def one(i: int) -> None:
-        key, dst_key = manifest.objects[i], dst_manifest.objects[i]
-        if extents[i]:
-            size = max(e[0] + e[1] for e in extents[i])
+    async def one(key: str, dst_key: str, extents: list[StoredExtent]) -> None:
+        if extents:
+            size = max(e[0] + e[1] for e in extents)
         else:
             size = (await src.io.stat(key)).size
         async with slots:
@@ -197,7 +228,7 @@ async def copy_objects(
             try:
                 buf = bytearray(size)
                 view = memoryview(buf)
-                for req in verified_reads(key, view, extents[i]) if size else ():
+                for req in verified_reads(key, view, extents) if size else ():
                     await src.engine.read_one(req)
                 await dst.io.write(dst_key, [view])
             finally:
@@ -207,7 +238,7 @@ async def copy_objects(
         if progress:
             progress("written", size)
 
-    await gather_or_cancel(one(i) for i in wanted)
+    await gather_or_cancel(one(*o) for o in objects)
     await dst.io.sync()
     return stats
 

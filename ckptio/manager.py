@@ -103,6 +103,9 @@ class CheckpointManager:
             StepBusyError (the wait ran out) counts as a failed save under "warn".
         preemption_signals: the signals :meth:`reached_preemption` counts as a preemption notice
             (handled from its first call on; default SIGTERM).
+        incremental: an array whose bytes equal those the previous save of this manager
+            committed is not written again: the new step references its objects (docs/incremental.md;
+            single-host saves; the first save, and the one after a failure, write in full).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class CheckpointManager:
         backend_options: dict[str, Any] | None = None,
         backend: Backend | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        incremental: bool = False,
     ) -> None:
         self.retention = Retention(max_to_keep, keep_period)
         if best_mode not in ("min", "max"):
@@ -148,6 +152,8 @@ class CheckpointManager:
         self.save_interval_steps = max(1, save_interval_steps)
         self.interval = SaveInterval(self.save_interval_steps)
         self._pool = StagingPool()
+        self.incremental = incremental
+        self._base: tuple[str, Manifest] | None = None  # the last commit, which an incremental save reuses
         sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()
@@ -232,7 +238,7 @@ class CheckpointManager:
         try:
             handle = start_save(
                 self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
-                progress=progress, on_done=self._after_save,
+                progress=progress, on_done=self._after_save, incremental=self.incremental, base=self._base,
             )
         except Exception as e:  # start_save has told the other hosts already
             self._outage_or_raise(step, e)
@@ -341,8 +347,9 @@ class CheckpointManager:
         """
         handle, self._pending = self._pending, None
         if handle is not None:
+            self._base = None  # a failed save leaves no base: the next one writes in full
             try:
-                handle.result()
+                manifest = handle.result()
             except Exception as e:
                 self._failed(handle.step, e)
                 if self.on_save_error == "raise":
@@ -350,6 +357,8 @@ class CheckpointManager:
             else:
                 self.save_failures.since_last_good.clear()
                 self.save_failures.last_good_step = handle.step
+                if self.incremental and manifest is not None and handle.step is not None:
+                    self._base = (step_dir_of(handle.step), manifest)
         if self._retention_error is not None:
             err, self._retention_error = self._retention_error, None
             self.save_failures.retention += 1

@@ -26,6 +26,7 @@ from . import _gc
 from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
+from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .store.intents import Lease, new_id
@@ -173,8 +174,14 @@ class SaveJob:
         progress: Progress | None = None,
         on_done: Callable[[SaveHandle], None] | None = None,
         options: SaveOptions | None = None,
+        incremental: bool = False,
+        base: tuple[str, Manifest] | None = None,
     ) -> None:
         self._t0 = time.perf_counter()
+        #: An incremental save's base (step directory, its committed manifest; None: digests only)
+        #: and, once staged, what it takes from it (ckptio.incremental).
+        self.incremental, self.base = incremental, base
+        self.reuse: Reuse | None = None
         self.store, self.step, self.metadata = store, step, metadata or {}
         self.coord: Coordinator = coordinator or SingleProcess()
         self.copy, self.progress, self.on_done = copy, progress, on_done
@@ -234,6 +241,8 @@ class SaveJob:
         self.structure, self.staged, self.packs = _plan_staging(
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
+        if self.incremental and self.single_host and not store.host_local and self.step is not None:
+            self.reuse = plan_reuse(self.staged, self.area.source_of, self.base)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
         # budget a read and a write take separate slots, so the checks cost no round of their own.
         self._clear = submit(_step_is_clear(store, self.step_dir, coordinator=rank == 0))
@@ -242,6 +251,11 @@ class SaveJob:
         """Plan the objects, name them, and write the manifest's head."""
         store, coord = self.store, self.coord
         pieces, self.arrays = pieces_of(self.staged, self.packs, store.engine.config.block_size)
+        if self.reuse is not None:  # unchanged items: neither copied nor written
+            pieces = [p for p in pieces if p.item not in self.reuse.items or p.shard < 0]
+            for name in self.reuse.items:
+                for _o, _s, data in self.staged[name].shards:
+                    self.area.forget(data)
         self.save_id = save_id = new_id()
         self.plans = pack(
             pieces,
@@ -332,6 +346,8 @@ class SaveJob:
 
     def write(self) -> list[WrittenObject]:
         """Build the structure's deferred bulk, then have the writer write and sync every object."""
+        if self.reuse is not None and self.reuse.items:  # pinned before anything references them
+            run_sync(pin_bases(self.store, self.step_dir, self.save_id, self.reuse))
         with _gc.paused():
             for build in self.deferred:
                 build()
@@ -362,6 +378,8 @@ class SaveJob:
             else:
                 # The document validated is the one written: no second encoding pass.
                 doc = _merged_doc(records, self.head, where)
+                if self.reuse is not None:
+                    doc = reference_items(doc, self.reuse)
                 manifest = _validated(doc, where)
                 data = seal(doc)
         # Every other host waits on this commit in the verdict: their request shares are ours.

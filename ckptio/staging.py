@@ -223,6 +223,15 @@ class StagingArea:
         else:
             np.copyto(dest, src, casting="no")
 
+    def source_of(self, out: np.ndarray) -> np.ndarray:
+        """The array :meth:`fill` will copy into ``out`` (``out`` itself when no copy is pending)."""
+        job = self._pending.get(id(out))
+        return job[1] if job is not None and not isinstance(job[1], list) else out  # type: ignore[return-value]
+
+    def forget(self, out: np.ndarray) -> None:
+        """Never fill ``out``: its bytes are not written (an incremental save's unchanged item)."""
+        self._pending.pop(id(out), None)
+
     def fill_all(self) -> None:
         for out, _src in list(self._pending.values()):
             self.fill(out)

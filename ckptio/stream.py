@@ -208,23 +208,26 @@ class StreamWriter:
         ``tree`` is the structure (:mod:`ckptio.tree`'s JSON form); by default a
         flat dict of every item by name.
         """
-        if self.state is not SaveState.WRITTEN:
-            self.finish()
-        if tree is None:
-            tree = {"dict": {n: {"leaf": n} for n in self._items}}
-        record = {"ok": True, "objects": list(self.objects), "items": self.items_json()}
-        manifest = merge_records([record], self.head(tree, metadata), self.where)
+        try:
+            if self.state is not SaveState.WRITTEN:
+                self.finish()
+            if tree is None:
+                tree = {"dict": {n: {"leaf": n} for n in self._items}}
+            record = {"ok": True, "objects": list(self.objects), "items": self.items_json()}
+            manifest = merge_records([record], self.head(tree, metadata), self.where)
+        except BaseException:
+            self.abort()
+            raise
         return self.commit_manifest(manifest)
 
     def commit_manifest(self, manifest: Manifest) -> Manifest:
         """Commit a manifest built by the caller from :meth:`extents_of` (e.g. DCP's form)."""
-        if self.state is not SaveState.WRITTEN:
-            self.finish()
         try:
+            if self.state is not SaveState.WRITTEN:
+                self.finish()
             run_sync(self.store.commit(self.step_dir, manifest))
         except BaseException:
-            self.state = SaveState.FAILED
-            self._lease.close(retire=False)
+            self.abort()
             raise
         self._lease.close(retire=True)
         self.state = SaveState.COMMITTED
@@ -237,7 +240,8 @@ class StreamWriter:
         return manifest
 
     def abort(self) -> None:
-        """Stop: wait for writes in flight (their objects become orphans for the sweep)."""
+        """Stop: wait for writes in flight (their objects become orphans for the sweep), and end the
+        save's intent as failed, so deleters and a retry of this step need not wait out its lease."""
         self._pending, self._keep, self._pending_bytes = [], [], 0
         while self._inflight:
             fut = self._inflight.popleft()[0]
@@ -247,3 +251,4 @@ class StreamWriter:
                 pass
         self._inflight_total = 0
         self.state = SaveState.FAILED
+        self._lease.close(retire=False)

@@ -8,12 +8,14 @@ import numpy as np
 
 from ckptio.backends import Backend
 
+from .copy import stored_extents, verified_reads
 from .engine import Progress, ReadRequest
 from .manifest import ArrayItem, Manifest
 from .reshard import Region, plan_region
 from .store import CheckpointStore
+from .store.parts import PartRecord
 
-__all__ = ["verify_batches", "verify_checkpoint"]
+__all__ = ["verify_batches", "verify_checkpoint", "verify_part"]
 
 
 def verify_batches(m: Manifest, batch_bytes: int = 256 << 20) -> Iterator[list[ReadRequest]]:
@@ -51,3 +53,22 @@ async def verify_checkpoint(
         await store.engine.read(batch, progress)
         done += sum(r.rng.length for r in batch)
     return len(m.objects), done
+
+
+async def verify_part(store: CheckpointStore, record: PartRecord, progress: Progress | None = None) -> tuple[int, int]:
+    """Read every object of a host's part committed by its record (no manifest: :mod:`ckptio.store.parts`)
+    and check each extent against the block checksums the record carries; IntegrityError names the first
+    bad object and item, FileNotFoundError a missing one. Returns ``(objects, bytes)`` checked; memory: one
+    object at a time."""
+    extents = record.extra.get("extents")
+    if record.sizes is None or not isinstance(extents, list) or len(extents) != len(record.objects):
+        raise ValueError(f"commit record {record.key!r} carries no sizes or extents to check its objects by")
+    done = 0
+    for key, size, ex in zip(record.objects, record.sizes, extents):
+        if not size:
+            await store.io.stat(key)
+            continue
+        buf = memoryview(bytearray(size))
+        await store.engine.read(verified_reads(key, buf, stored_extents(ex)), progress)
+        done += size
+    return len(record.objects), done

@@ -38,7 +38,7 @@ import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from .engine import run_sync
+from .engine import gather_or_cancel, run_sync
 from .manifest import ArrayItem, Manifest, ValueItem
 from .manifest.hoststate import HostStateItem
 from .reshard import Region, plan_region, shard_grid
@@ -187,9 +187,7 @@ class CheckpointZarrStore(Store):
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
-        import asyncio
-
-        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+        return await gather_or_cancel(self.get(k, prototype, r) for k, r in key_ranges)
 
     async def exists(self, key: str) -> bool:
         return key in self._meta or self._chunk(key) is not None

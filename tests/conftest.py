@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fake_gcs import FakeGCS, binary_path
+from fake_gcs import FakeGCS, PreconditionProxy, binary_path
 
 #: The bucket every fake-gcs-server of the test suite starts with.
 GCS_TEST_BUCKET = "ckptio-test"
@@ -38,6 +38,17 @@ def gcs_emulator_env(fake_gcs: FakeGCS, monkeypatch: pytest.MonkeyPatch) -> str:
     """Point plain ``gs://`` URLs at the module's fake server (``STORAGE_EMULATOR_HOST``); returns its URL."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs.url)
     return fake_gcs.url
+
+
+@pytest.fixture(scope="module")
+def gcs_preconditions(fake_gcs: FakeGCS) -> Iterator[str]:
+    """The module's fake server behind a proxy that honours ``ifGenerationMatch`` on DELETE (the
+    emulator ignores it; :class:`fake_gcs.PreconditionProxy`); returns the proxy's URL."""
+    proxy = PreconditionProxy(fake_gcs.url).start()
+    try:
+        yield proxy.url
+    finally:
+        proxy.stop()
 
 
 # ============================ end of the GCS block ============================

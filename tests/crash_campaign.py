@@ -43,7 +43,7 @@ import sys, numpy as np, ckptio
 from ckptio import sidecar
 sys.path.insert(0, {here!r})
 from crash_campaign import state_for
-mngr = ckptio.CheckpointManager({root!r}, max_to_keep=2, keep_period=7)
+mngr = ckptio.CheckpointManager({root!r}, max_to_keep=2, keep_period=7, incremental={incremental})
 step = (mngr.latest_step() or 0) + 1
 print("ready", sidecar.current_pid() or 0, flush=True)  # the writer process, with CKPTIO_WRITER=sidecar
 while True:
@@ -99,6 +99,7 @@ def state_for(step: int) -> dict:
     """The deterministic state saved at ``step`` (several objects, a few MiB, mixed dtypes)."""
     rng = np.random.default_rng(step)
     return {
+        "frozen": np.random.default_rng(0).standard_normal(1 << 19).astype(np.float32),  # never changes
         "params": {f"w{i}": rng.standard_normal((256, 257)).astype(np.float32) for i in range(6)},
         "big": rng.integers(0, 255, size=(5 << 20), dtype=np.uint8),
         "step": step,
@@ -217,6 +218,7 @@ def account(root: str) -> dict[str, int]:
     """Bytes on disk under ``root`` against the bytes its kept checkpoints account for."""
     import ckptio
     from ckptio.manifest import MANIFEST_NAME
+    from ckptio.incremental.pins import pin_key
     from ckptio.names import REVOKED_DIR, fence_key
 
     mngr = ckptio.CheckpointManager(root)
@@ -225,6 +227,8 @@ def account(root: str) -> dict[str, int]:
         m = run_sync_manifest(mngr, step)
         owned.update(os.path.join(root, k) for k in m.keys())  # objects, and a format-2 step's fragments
         owned.add(os.path.join(root, str(step), MANIFEST_NAME))
+        # An incremental step's pins on the steps whose objects it references go with it.
+        owned.update(os.path.join(root, pin_key(b, str(step), m.checkpoint_id)) for b in m.bases or {})
         if m.fence:  # the commit's fence goes with its step (ckptio.fence)
             owned.add(os.path.join(root, fence_key(str(step), m.fence)))
     mngr.close()
@@ -263,8 +267,9 @@ def _stopped(pid: int, seconds: float = 5.0) -> bool:
 
 
 def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, writer: str = "thread", *,
-                 pauses: bool = True, keep_going: bool = False, log: Any = None) -> dict:
-    """``writer="sidecar"``: the saver writes through its writer process, which is one more
+                 pauses: bool = True, keep_going: bool = False, log: Any = None, incremental: bool = False) -> dict:
+    """``incremental``: the saver's manager saves incrementally (its state has an array that never
+    changes). ``writer="sidecar"``: the saver writes through its writer process, which is one more
     thing to kill (and pause) -- and which must never outlive its saver.
 
     ``pauses``: each trial first pauses a random subset of its processes past the lease, up to
@@ -275,7 +280,7 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, 
     rnd = random.Random(seed)
     here = os.path.dirname(os.path.abspath(__file__))
     dst = root.rstrip("/") + "-copy"
-    codes = {"saver": CHILD.format(here=here, root=root), "gc": GC_CHILD.format(root=root),
+    codes = {"saver": CHILD.format(here=here, root=root, incremental=incremental), "gc": GC_CHILD.format(root=root),
              "cp": CP_CHILD.format(root=root, dst=dst), "restorer": RESTORER_CHILD.format(here=here, root=root)}
     newest_seen: list[int | None] = []
     periodic: set[int] = set()
@@ -382,12 +387,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--writer", choices=["thread", "sidecar"], default="thread")
     ap.add_argument("--no-pauses", action="store_true", help="kills only, as before issue #30")
+    ap.add_argument("--incremental", action="store_true", help="the saver's manager saves incrementally (#37)")
     ap.add_argument("--keep-going", action="store_true", help="count broken invariants instead of stopping")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ckptio-crash-")
     t0 = time.time()
     result = run_campaign(args.trials, root, args.seed, writer=args.writer, pauses=not args.no_pauses,
-                          keep_going=args.keep_going, log=lambda line: print(line, flush=True))
+                          keep_going=args.keep_going, incremental=args.incremental, log=lambda line: print(line, flush=True))
     print(result, f"{time.time() - t0:.0f}s", root, flush=True)
     return 1 if result["violations"] else 0
 

@@ -11,6 +11,9 @@ deadlocks after a few hundred requests); the server is stopped by its pid.
 that forwards to an upstream (the emulator) and injects throttling (429),
 server errors (503), connection resets and slow responses at a given rate,
 reproducibly from a seed.
+
+:class:`PreconditionProxy` makes the emulator honour ``ifGenerationMatch`` on DELETE, as real GCS
+does (fake-gcs-server ignores it), so the conditional delete can be tested.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ def unique_prefix(tmp_path: Path) -> str:
         token.write_text(uuid.uuid4().hex[:8])
     return f"{str(tmp_path).strip('/')}-{token.read_text()}"
 
-__all__ = ["AppServer", "FakeGCS", "FaultProxy", "ProxyServer", "binary_path", "free_port"]
+__all__ = [
+    "AppServer", "FakeGCS", "FaultProxy", "PreconditionProxy", "ProxyServer", "binary_path", "free_port",
+]
 
 FAULT_KINDS = ("429", "503", "reset", "slow")
 #: Kinds a proxy can inject but does not by default: "corrupt" flips a byte of a request body.
@@ -126,3 +131,50 @@ class FaultProxy(ProxyServer):
             request.transport.abort()
             raise asyncio.CancelledError  # ends the handler; aiohttp drops the aborted connection
         return web.Response(status=status, headers=out_headers, body=payload)
+
+
+class PreconditionProxy(ProxyServer):
+    """A proxy to the emulator that enforces ``ifGenerationMatch`` on DELETE, atomically.
+
+    fake-gcs-server ignores preconditions on DELETE (real GCS answers 412). Here every request that
+    changes objects (uploads, chunks, deletes) is forwarded under one lock, and a conditional DELETE
+    first reads the object's generation under that same lock: 412 if another generation stands, the
+    DELETE otherwise. Atomic for every client that goes through this proxy, as GCS is for all.
+    ``refused`` counts the 412s it answered.
+    """
+
+    thread_name = "precondition-proxy"
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.refused = 0
+        self._lock: asyncio.Lock | None = None  # made on the proxy's own loop
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        body = await request.read()
+        if request.method == "GET":
+            status, headers, payload = await self.forward(request, body)
+            return web.Response(status=status, headers=headers, body=payload)
+        async with self._lock:
+            expected = request.query.get("ifGenerationMatch") if request.method == "DELETE" else None
+            if expected is not None:
+                standing = await self._generation(request.raw_path.split("?", 1)[0])
+                if standing is not None and standing != expected:
+                    self.refused += 1
+                    return web.Response(status=412, text="conditionNotMet (precondition proxy)")
+            status, headers, payload = await self.forward(request, body)
+        return web.Response(status=status, headers=headers, body=payload)
+
+    async def _generation(self, object_path: str) -> str | None:
+        """The generation of the object at ``object_path`` (a JSON API object path), None if absent."""
+        from yarl import URL
+
+        async with self._client.get(URL(self.upstream + object_path, encoded=True)) as up:
+            if up.status == 404:
+                return None
+            up.raise_for_status()
+            return str((await up.json(content_type=None))["generation"])

@@ -237,3 +237,24 @@ def test_2gib_conversions_peak_rss_under_1gib(tmp_path: Path) -> None:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for row in report["conversions"]:
         assert row["peak_rss_mib"] < 1024, row
+
+
+def test_a_failed_stream_writer_ends_its_intent_so_the_step_can_be_saved_again(tmp_path: Path) -> None:
+    """A commit refused (holes) or an abort marks the intent dead at once: no beat goes on after it, and a
+    retry of the same step in the same process is not refused as "a save in flight"."""
+    store = CheckpointStore(str(tmp_path))
+    for fail in ("commit", "abort"):
+        w = StreamWriter(store, 3)
+        w.add_array("a", np.float32, (4, 2))
+        w.write_shard("a", (0, 0), np.zeros((2, 2), np.float32))
+        if fail == "commit":
+            with pytest.raises((ManifestError, SaveFailedError)):
+                w.commit()
+        else:
+            w.abort()
+        assert w._lease._thread is not None and not w._lease._thread.is_alive()
+    w = StreamWriter(store, 3)
+    w.add_array("a", np.float32, (4, 2))
+    w.write_shard("a", (0, 0), np.ones((4, 2), np.float32))
+    w.commit()
+    assert D.same_bits(ckptio.restore(str(tmp_path), step=3)["a"], np.ones((4, 2), np.float32))

@@ -22,6 +22,7 @@ LAYERS = [
     "seal",
     "hoststate",
     "itemjson",
+    "refs",
     "codec.packs",
     "codec.arrays",
     "codec.columns",

@@ -31,6 +31,30 @@ def test_64_hosts_save_and_restore_at_once_behind_a_rate_limit(
     assert save.admitted >= 3 * HOSTS and restore.admitted >= 3 * HOSTS, "every host went through the proxy"
 
 
+@pytest.mark.slow  # a fake GCS, the proxy and 4 host processes, through the bench's command line
+def test_host_processes_save_and_restore_behind_a_rate_limit_and_report_every_field(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rate.json"
+    cmd = [sys.executable, "-m", "ckptio.bench", "--fake-gcs", "--rate-limit", "50", "--hosts", "4",
+           "--host-processes", "--budget", "1.0", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert (doc["mode"], doc["hosts"], doc["limit"], doc["budget"]) == ("processes", 4, 50.0, 50.0)
+    assert doc["hosts_uss_bytes"] > 0
+    assert [p["name"] for p in doc["phases"]] == ["save", "restore"]
+    for p in doc["phases"]:
+        assert p["failures"] == [] and p["no_checkpoint"] == 0, p
+        assert p["admitted"] >= 3 * 4, "every host went through the proxy"
+        # the least time is the busier class's (reads or writes) count over the limit
+        assert p["refused"] >= 0 and p["wall_s"] > 0 and p["admitted"] / 2 <= p["allowed_s"] * 50.0 <= p["admitted"]
+        assert p["ratio"] == p["wall_s"] / p["allowed_s"]
+    assert "4 hosts (processes)" in proc.stdout and "wrong 'no checkpoint' 0" in proc.stdout
+
+
 def test_the_proxy_limits_each_prefix_and_class_and_refuses_with_429(fake_gcs: FakeGCS) -> None:
     import urllib.error
     import urllib.request

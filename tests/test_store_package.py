@@ -182,7 +182,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_the_store_package_imports_downwards_only() -> None:
     modules = {p.stem: _imports(p) for p in STORE.glob("*.py") if p.stem != "__init__"}
-    order = ["options", "companions", "context", "manifests", "objects", "intents", "parts", "catalog", "deletion", "commit", "gc",
+    order = ["options", "companions", "context", "manifests", "objects", "intents", "parts", "catalog", "unchanged", "deletion", "commit", "gc",
              "resave", "facade"]
     assert sorted(modules) == sorted(order)
     for name, deps in modules.items():

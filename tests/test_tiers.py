@@ -197,6 +197,52 @@ def test_copy_of_a_corrupt_object_writes_nothing_and_commits_nothing(src, tmp_pa
     assert not (tmp_path / "dst" / m.objects[-1]).exists()
 
 
+def test_a_part_copied_by_its_record_lands_where_the_manifests_copy_puts_it(src, tmp_path):
+    """#33: a non-coordinator copies its part to the durable tier by its record alone. On a hashed destination
+    a key depends on the object's index in the manifest, which the record carries: the keys and bytes are
+    those of the manifest's copy, and the copy restores."""
+    from ckptio.copy import copy_keys, rekey_one, stored_extents
+    from ckptio.tiers.held import part_records
+
+    m = run_sync(src.read_manifest("7"))
+    url = f"mem://bypart-{tmp_path.name}"
+    dst = CheckpointStore(url, naming=HashedNaming())
+    out = rekey(m, "7", dst)
+    (part,) = part_records(m, "0" * 12).values()
+    assert len(part.objects) == len(m.objects) >= 2 and part.extra["indices"] == list(range(len(m.objects)))
+    keys = [rekey_one(k, i, "7", dst) for k, i in zip(part.objects, part.extra["indices"])]
+    assert keys == out.objects and len({k.split("/")[0] for k in keys}) > 1  # spread as the manifest's copy
+    stats = run_sync(copy_keys(src, dst, list(zip(part.objects, keys, map(stored_extents, part.extra["extents"])))))
+    assert stats.written == len(keys)
+    run_sync(dst.commit("7", out))
+    assert same(ckptio.restore(url, step=7, backend=dst.backend), state(7))
+    MemoryBackend.forget(url)
+
+
+def test_a_restore_without_host_0s_part_takes_the_durable_manifest_under_the_fast_keys(src, tmp_path):
+    """Host 0 and its partner lost: no fast tier holds host 0's part, where the job's manifest is (the other
+    hosts hold only their own parts, #33). The host that broadcasts the manifest takes the durable tier's,
+    its objects named as the fast tiers name them; without a durable copy of that checkpoint it fails plainly."""
+    from ckptio.tiers.group import LocalGroup
+    from ckptio.tiers.policy import RestorePlan
+    from ckptio.tiers.restore import HostTiers, _manifest_to_send
+
+    m = run_sync(src.read_manifest("7"))
+    url = f"mem://fallback-{tmp_path.name}"
+    dst = CheckpointStore(url, naming=HashedNaming())
+    run_sync(copy_checkpoint(src, dst, "7"))
+    plan = RestorePlan(7, m.checkpoint_id, 1, 0, True, 2, exceptions={0: ()})  # host 0's part: no holder
+    assert plan.holders(0) == ()
+    got = _manifest_to_send(HostTiers(LocalGroup(), src, src, dst), plan, lambda w: src)
+    assert got.objects == m.objects and got.checkpoint_id == m.checkpoint_id
+    with pytest.raises(CheckpointNotFoundError, match="host 0's part .* in no fast tier"):
+        _manifest_to_send(HostTiers(LocalGroup(), src, src, None), plan, lambda w: src)
+    other = RestorePlan(7, "0123456789ab", 1, 0, True, 2, exceptions={0: ()})
+    with pytest.raises(CheckpointNotFoundError, match="durable tier holds checkpoint"):
+        _manifest_to_send(HostTiers(LocalGroup(), src, src, dst), other, lambda w: src)
+    MemoryBackend.forget(url)
+
+
 # -- the manager in one process ----------------------------------------------------------
 
 

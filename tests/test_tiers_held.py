@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from ckptio.names import HeldName, held_key, parse_held
 from ckptio.store import CheckpointStore
 from ckptio.tiers import Holding, TieredCheckpointManager
 from ckptio.tiers.fastcommit import commit_everywhere
-from ckptio.tiers.held import read_held
+from ckptio.tiers.held import part_records, read_held
 from ckptio.tiers.peer import _commit_replica, holdings
 
 
@@ -177,55 +179,95 @@ def test_a_deletion_takes_the_record_before_the_manifest(saved):
 
 
 class _Follower:
-    """Host 1's side of the fast tier's commit (the only collective it joins): host 0 broadcasts ``data``."""
+    """Host 1's side of the fast tier's commit (the only collectives it joins): host 0 sends it the length of
+    its record, then the record; :attr:`received` counts the bytes it receives."""
 
     rank, size = 1, 2
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, record: bytes) -> None:
+        self.queue = [struct.pack("<q", len(record)), record]
+        self.received = 0
 
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        assert src == 0 and data is None
-        return self.data
+    def exchange(self, sends: dict, sizes: dict | None = None) -> dict:
+        assert sends == {} and sizes is not None  # it sends nothing, and knows what it receives
+        if not sizes:  # host 0 sends nothing (every host still joins the exchange)
+            return {}
+        data = self.queue.pop(0)
+        assert sizes == {0: [len(data)]}
+        self.received += len(data)
+        return {0: bytearray(data)}
 
 
-def test_a_non_coordinators_record_names_its_own_commits_fence(saved, tmp_path, monkeypatch):
-    """A non-coordinator's commit has a fence of its own (not host 0's): its record names that one, so
-    the restart's scan trusts it there too and reads no manifest."""
+def _as_host_1(saved, root, m0, checkpoint_id: str | None = None) -> bytes:
+    """Host 0's record of host 1's part, sent as host 0 sends it: host 0's own part of ``m0`` (a one-host save)
+    played as host 1's of a two-host job, its objects copied into host 1's fast tier ``root``."""
+    rec = part_records(m0, "0" * 12, [0])[0]
+    rec = dataclasses.replace(rec, host=1, num_hosts=2, checkpoint_id=checkpoint_id or rec.checkpoint_id)
+    for k in rec.objects:
+        os.makedirs(root / os.path.dirname(k), exist_ok=True)
+        shutil.copyfile(saved / k, root / k)
+    return rec.to_json()
+
+
+def test_a_non_coordinator_commits_its_part_by_its_record_alone(saved, tmp_path, monkeypatch):
+    """A non-coordinator receives only its own part's record (#33 item 1: O(its part), not the manifest) and
+    commits it under a fence of its own, with no manifest in its fast tier; the restart's scan trusts that
+    record, the step counts as committed, and deleting it takes everything."""
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
     follower = CheckpointStore(str(root), host_local=True)
-    assert commit_everywhere(_Follower(m0.to_json()), follower, 2) is None
-    m1 = run_sync(follower.read_manifest("2"))
-    assert m1.checkpoint_id == m0.checkpoint_id and m1.fence != m0.fence
+    group = _Follower(_as_host_1(saved, root, m0))
+    assert commit_everywhere(group, follower, 2) is None
+    assert group.received < len(m0.to_json()) + 8 and not (root / "2" / "ckptio.manifest.json").exists()
+    assert run_sync(follower.committed_steps()) == [2]
     (name,) = records(root, 2)
-    assert json.loads((root / "2" / name).read_bytes())["fence"] == m1.fence
+    fence = json.loads((root / "2" / name).read_bytes())["fence"]
+    assert fence != m0.fence and (root / "2" / f"ckptio.fence.{fence}").exists()
     with monkeypatch.context() as mp:
         no_manifest_reads(mp)
         part = run_sync(read_held(CheckpointStore(str(root), host_local=True), 2, 1))
         assert part is not None and part.checkpoint_id == m0.checkpoint_id
         assert holdings(CheckpointStore(str(root), host_local=True), None, 1) == [
-            Holding(1, 2, m0.checkpoint_id, 1, m0.num_hosts, True)]
+            Holding(1, 2, m0.checkpoint_id, 1, 2, True)]
+    run_sync(follower.delete("2"))
+    assert not (root / "2").exists() or os.listdir(root / "2") == []
+
+
+@pytest.mark.parametrize("damage", ["nothing sent", "another host's", "another step's", "not JSON"])
+def test_a_non_coordinator_refuses_a_record_not_its_own(saved, tmp_path, damage):
+    """What host 0 sends must be this host's part of this step: else nothing is committed, and the error
+    says why (the host then does not hold the step)."""
+    m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
+    root = tmp_path / "fast1"
+    doc = json.loads(_as_host_1(saved, root, m0))
+    data = {"nothing sent": b"", "another host's": json.dumps({**doc, "host": 2}).encode(),
+            "another step's": json.dumps({**doc, "step": 3}).encode(), "not JSON": b"{part"}[damage]
+    group = _Follower(data)
+    if not data:
+        group.queue = [struct.pack("<q", 0)]
+    err = commit_everywhere(group, CheckpointStore(str(root), host_local=True), 2)
+    assert err is not None and ("host 0" in str(err)), err
+    assert records(root, 2) == [] and run_sync(CheckpointStore(str(root), host_local=True).committed_steps()) == []
 
 
 def test_a_paused_record_writer_cannot_make_a_resaved_step_look_like_the_old_one(saved, tmp_path):
     """Step 2 is deleted and re-saved on a non-coordinator while a writer of the old commit's record is
-    paused; its record lands late, beside the new one: neither is trusted, the manifest says the new
-    checkpoint. A record in a step with no commit is no holding at all."""
+    paused; its record lands late, beside the new one: it does not stand (its fence went with the old
+    checkpoint), so the scan takes the new checkpoint's. A record in a step with no commit is no holding."""
     m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
     root = tmp_path / "fast1"
     follower = CheckpointStore(str(root), host_local=True)
-    assert commit_everywhere(_Follower(m0.to_json()), follower, 2) is None
+    assert commit_everywhere(_Follower(_as_host_1(saved, root, m0)), follower, 2) is None
     (old,) = records(root, 2)
     late = (root / "2" / old).read_bytes()
     run_sync(follower.delete("2"))
     assert not (root / "2").exists() or records(root, 2) == []
-    resaved = dataclasses.replace(m0, checkpoint_id="0123456789ab")
-    assert commit_everywhere(_Follower(resaved.to_json()), follower, 2) is None
+    new = _as_host_1(saved, root, m0, "0123456789ab")
+    assert commit_everywhere(_Follower(new), follower, 2) is None
     (root / "2" / old).write_bytes(late)  # the paused writer wakes
     scan = CheckpointStore(str(root), host_local=True)
-    assert run_sync(read_held(scan, 2, 1)) is None
-    assert holdings(scan, None, 1) == [Holding(1, 2, "0123456789ab", 1, m0.num_hosts, True)]
+    assert run_sync(read_held(scan, 2, 1)).checkpoint_id == "0123456789ab"
+    assert holdings(scan, None, 1) == [Holding(1, 2, "0123456789ab", 1, 2, True)]
     os.makedirs(root / "3")
     (root / "3" / old.replace(m0.checkpoint_id, "ffffffffffff")).write_bytes(late)  # a record, no commit
     assert [h.step for h in holdings(CheckpointStore(str(root), host_local=True), None, 1)] == [2]
@@ -258,3 +300,30 @@ def test_a_replica_of_a_part_is_its_record_and_objects_without_the_manifest(save
     bad[0] ^= 1
     with pytest.raises(Exception, match="checksum|crc|mismatch"):
         _check(rec, 0, bad)
+
+
+def test_ls_and_verify_show_and_check_a_part_committed_by_its_record(saved, tmp_path, capsys):
+    """``ckptio ls`` shows a record-only step as the host's part it is (not as an uncommitted leftover), and
+    ``ckptio verify`` re-reads its objects against the record's extents: a flipped byte is reported by name."""
+    from ckptio.cli import main
+
+    m0 = run_sync(CheckpointStore(str(saved), host_local=True).read_manifest("2", shards=False))
+    root = tmp_path / "fast1"
+    assert commit_everywhere(_Follower(_as_host_1(saved, root, m0)), CheckpointStore(str(root), host_local=True),
+                             2) is None
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"host 1's part of checkpoint {m0.checkpoint_id} (of 2 hosts)" in out and "UNCOMMITTED" not in out
+    assert main(["ls", "--json", str(root)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["state"] == "part" and row["parts"][0]["host"] == 1 and row["parts"][0]["objects"] == len(m0.objects)
+    assert main(["verify", str(root / "2")]) == 0
+    assert "host 1's part" in capsys.readouterr().out
+    key = m0.objects[0]
+    data = bytearray((root / key).read_bytes())
+    data[10] ^= 0xFF
+    (root / key).write_bytes(bytes(data))
+    assert main(["verify", str(root / "2")]) == 4
+    err = capsys.readouterr().err
+    assert key.rpartition("/")[2] in err and "host 1's part" in err, err

@@ -28,7 +28,7 @@ from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.store import CheckpointStore
-from ckptio.tiers.held import read_held
+from ckptio.tiers.held import own_object_keys, read_held
 from ckptio.verify import verify_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -100,17 +100,24 @@ def kill_mid_copy(tmp_path: Any, args: Sequence[str], env: dict[str, str] | None
 
 def records_say_what_the_manifests_say(fast: Any, world: int, steps: set[int]) -> None:
     """Each host's commit record of each step it holds, and each replica marker, name the checkpoint and
-    the host count its manifest does (what a restart's scan reads instead of the manifest, #33)."""
+    the host count host 0's manifest does (what a restart's scan reads instead of the manifest). Only host
+    0's fast tier holds the manifest; every other host's part stands by its record alone, under a fence of
+    its own, and lists exactly the objects the manifest says that host wrote (#33 item 1)."""
+    lead = CheckpointStore(str(fast / "r0"), host_local=True)
     for r in range(world):
         own = CheckpointStore(str(fast / f"r{r}"), host_local=True)
         for s in steps:
-            m = run_sync(own.read_manifest(str(s)))
+            m = run_sync(lead.read_manifest(str(s)))
+            assert (fast / f"r{r}" / str(s) / MANIFEST_NAME).exists() == (r == 0), (r, s)
             records = [n for n in os.listdir(fast / f"r{r}" / str(s)) if n.startswith("ckptio.held.")]
             assert records == [f"ckptio.held.{m.checkpoint_id}.h{r:05d}"], (r, s, records)
             doc = json.loads((fast / f"r{r}" / str(s) / records[0]).read_text())
             assert (doc["checkpoint_id"], doc["num_hosts"], doc["host"]) == (m.checkpoint_id, world, r)
+            assert doc["objects"] == [m.objects[i] for i in doc["indices"]], (r, s)
+            assert doc["objects"] == own_object_keys(m, r), (r, s)
             # It names this host's own commit's fence (a non-coordinator's is not host 0's): trusted.
-            assert doc["fence"] == m.fence and run_sync(read_held(own, s, r)) is not None, (r, s)
+            assert (doc["fence"] == m.fence) == (r == 0) and run_sync(read_held(own, s, r)) is not None, (r, s)
+            assert s in run_sync(own.committed_steps()), (r, s)
         marks = list((fast / f"r{r}" / "peer").glob("*/ckptio.replica-of.h*"))
         assert marks, r
         replica = CheckpointStore(str(fast / f"r{r}" / "peer"), host_local=True)
@@ -118,7 +125,7 @@ def records_say_what_the_manifests_say(fast: Any, world: int, steps: set[int]) -
             # The replica of the source's part: its record (host 0's partner: the job's manifest too).
             source = int(mark.name.rsplit(".h", 1)[1])
             (part,) = [p for p in run_sync(replica.parts.standing(mark.parent.name)) if p.host == source] or [None]
-            m = run_sync(own.read_manifest(mark.parent.name))
+            m = run_sync(lead.read_manifest(mark.parent.name))
             assert (source == 0) == (mark.parent / "ckptio.manifest.json").exists(), (r, source)
             if part is not None:  # host 0's replica committed by the manifest: no record of its own there
                 assert part.checkpoint_id == m.checkpoint_id and part.sizes is not None, (r, source)
@@ -164,20 +171,38 @@ def test_lost_host_restores_from_its_partner_then_from_the_durable_tier(tmp_path
     assert got[0]["durable_reads"] == 0 and got[1]["durable_reads"] == 0  # hosts that kept step 4 read it locally
 
 
+def test_host_0_and_its_partner_lost_restore_with_the_durable_tiers_manifest(tmp_path):
+    """Host 0 and host 1 (which kept host 0's replica) are lost: no fast tier holds host 0's part, where the
+    job's manifest is, and the other hosts' fast tiers hold only their own parts (#33 item 1). The newest
+    step in the durable tier is restored: its manifest comes from there, under the fast tiers' keys, so
+    the surviving hosts still read their own shards locally."""
+    root = str(tmp_path)
+    common = ["--every", "2", "--keep", "2"]
+    saved = run(4, "save", root, "--steps", "1,2,3,4,5", *common)
+    assert saved[0]["tiers"]["durable"] == [2, 4] and saved[2]["tiers"]["fast"] == [4, 5], saved
+    for r in (0, 1):
+        shutil.rmtree(tmp_path / "fast" / f"r{r}")
+    got = run(4, "restore", root, "--expect-step", "4", *common)
+    assert got[0]["sources"]["0"] == "durable" and got[1]["sources"]["1"] == "durable", got
+    assert got[2]["sources"]["2"] == "local" and got[3]["sources"]["3"] == "local", got
+    assert got[2]["bytes_from"].get("local", 0) > 0 and got[3]["bytes_from"].get("local", 0) > 0, got
+
+
 def test_restore_never_reads_a_non_coordinators_manifest(tmp_path):
     """A restore takes the job's manifest from host 0's part only: host 0's own copy, else its partner's
-    replica of it. The copies every other host's fast tier keeps are not read (damaged here beyond
-    reading; their commit records, fences and objects intact), even with host 0 lost (#33)."""
+    replica of it. Every other host's fast tier holds no manifest at all (its part stands by its record,
+    #33 item 1); a lookalike manifest file put there (damaged beyond reading) is never read, even with
+    host 0 lost."""
     root = str(tmp_path)
     common = ["--every", "0", "--keep", "2"]
     saved = run(4, "save", root, "--steps", "4,5", *common)
     assert all(r["tiers"]["fast"] == [4, 5] and r["tiers"]["peer"] == [5] for r in saved.values()), saved
     for r in (1, 2, 3):
+        assert not (tmp_path / "fast" / f"r{r}" / "5" / MANIFEST_NAME).exists()
         (tmp_path / "fast" / f"r{r}" / "5" / MANIFEST_NAME).write_bytes(b"{damaged")
     got = run(4, "restore", root, "--expect-step", "5", *common)
     assert all(r["sources"][str(k)] == "local" for k, r in got.items()), got
-    # Host 0's node is replaced: the manifest comes from host 1's replica of host 0 (partner = rank + 1),
-    # not from host 1's own (damaged) copy, which the lowest-ranked holder used to send.
+    # Host 0's node is replaced: the manifest comes from host 1's replica of host 0 (partner = rank + 1).
     shutil.rmtree(tmp_path / "fast" / "r0")
     got = run(4, "restore", root, "--expect-step", "5", *common)
     assert got[0]["sources"]["0"] == "peer" and got[2]["sources"]["0"] == "peer", got

@@ -24,3 +24,15 @@ def test_restart_plan_traffic_per_host_does_not_grow_with_the_job(tmp_path):
 def test_the_command_refuses_a_job_of_one(capsys):
     assert main(["--tiers-scale", "1"]) == 2
     assert "at least 2 hosts" in capsys.readouterr().err
+
+
+def test_what_a_non_coordinator_receives_per_save_does_not_grow_with_the_job(tmp_path):
+    """#33 item 1: a non-coordinator receives its own part's record per save, never the manifest: the same
+    bytes at 8 and 64 hosts (host and object numbers a few digits longer), a fraction of the manifest."""
+    small = run_tiers_scale(8, shards=4, parent=str(tmp_path), restarts=[])
+    big = run_tiers_scale(64, shards=4, parent=str(tmp_path), restarts=[])
+    got = [r["save_received_per_host"] for r in (small, big)]
+    assert 0 < got[0] <= got[1] < got[0] + 64, got
+    assert got[1] * 32 < big["manifest_bytes"], (got, big["manifest_bytes"])
+    # In total: the coordinator's gather plus one part per other host, O(hosts).
+    assert big["save_total"] == big["gathered_at_coordinator"] + 63 * got[1]

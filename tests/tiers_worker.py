@@ -171,7 +171,9 @@ def phases(n: int) -> dict[str, tuple[str, str, object]]:
         return lambda k: k.startswith(f"{step}/")
 
     return {
-        "commit-own": ("fast", "create", lambda k: k == f"{n}/ckptio.manifest.json"),  # before replication
+        # before replication: host 0 commits the manifest, any other host its part's record's fence
+        "commit-own": ("fast", "create", lambda k: k == f"{n}/ckptio.manifest.json"
+                       or k.startswith(f"{n}/ckptio.fence.")),
         "send": ("fast", "read", under(n)),  # sending its own objects to its partner
         "receive": ("replica", "write", under(n)),  # receiving its source's objects
         # host 0's replica commits the job's manifest, any other host's its record's fence (ckptio.store.parts)

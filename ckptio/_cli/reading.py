@@ -14,11 +14,13 @@ from ..manifest import MANIFEST_NAME, ArrayItem, Manifest
 from ..manifest.hoststate import HostStateItem
 from ..orbax_steps import OrbaxStep
 from ..urls import local_path
-from ..verify import verify_checkpoint
+from ..store import CheckpointStore
+from ..store.parts import PartRecord
+from ..verify import verify_checkpoint, verify_part
 from .errors import CliError, kind_of, one_line
 from .where import at_step, nothing_there, open_store, resolve
 
-__all__ = ["inspect", "ls", "nbytes", "verify"]
+__all__ = ["inspect", "ls", "nbytes", "part_text", "verify"]
 
 
 def ls(args: argparse.Namespace) -> int:
@@ -49,6 +51,9 @@ def ls(args: argparse.Namespace) -> int:
                     row.update(objects=None, fragments=len(m.fragments or []))
             if st.orbax is not None:
                 row.update(_orbax_row(st.orbax))
+            if st.parts:
+                row["parts"] = [{"host": r.host, "checkpoint_id": r.checkpoint_id, "hosts": r.num_hosts,
+                                 "objects": len(r.objects), "bytes": sum(r.sizes or [])} for r in st.parts]
             if st.problem:
                 row["problem"] = st.problem
             rows.append(row)
@@ -59,6 +64,7 @@ def ls(args: argparse.Namespace) -> int:
         return 0
     labels = {"committed": "committed", "damaged": "DAMAGED", "deleting": "being deleted",
               "in-flight": "in flight (a save is writing it)", "incomplete": "UNCOMMITTED (will be swept)",
+              "referenced": "deleted, objects referenced", "part": "host part(s) (records)",
               "unfinalized": "NOT FINALIZED (Orbax's)", "unreadable": "UNREADABLE (permission denied)"}
     print(f"{'step':>10}  {'state':<28} {'size':>10}  {'saved':<19}  what")
     for r in rows:
@@ -71,11 +77,19 @@ def ls(args: argparse.Namespace) -> int:
                 parts = (f"{r['objects']} objects" if r["objects"] is not None
                          else f"{r['fragments']} host fragments")
                 extra = f"{r['items']} items, {parts}, {r['hosts']} host(s)"
+        elif "parts" in r:
+            size = f"{sum(p['bytes'] for p in r['parts']) / 2**20:.1f} MiB"
+            when, extra = "-", "; ".join(part_text(p) for p in r["parts"])
         else:
             size, when, extra = "-", "-", r.get("problem", "")
         step = "(root)" if r["step"] is None else r["step"]
         print(f"{step:>10}  {labels[r['state']]:<28} {size:>10}  {when:<19}  {extra}")
     return 0
+
+
+def part_text(p: dict[str, Any]) -> str:
+    """A host's part committed by its record, as ``ls`` and ``verify`` say it."""
+    return f"host {p['host']}'s part of checkpoint {p['checkpoint_id']} (of {p['hosts']} hosts)"
 
 
 def _orbax_row(step: OrbaxStep) -> dict[str, Any]:
@@ -160,6 +174,9 @@ def verify(args: argparse.Namespace) -> int:
 
     at_step(args)
     with open_store(args.url) as store:
+        parts = _parts_only(store, args.step)
+        if parts:
+            return _verify_parts(args, store, parts)
         step_dir, m = resolve(store, args.url, args.step)
         where = store.where(step_dir)
         with tqdm(total=nbytes(m), unit="B", unit_scale=True, disable=args.json, desc="verify") as bar:
@@ -173,4 +190,34 @@ def verify(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": True, "url": where, "bytes": done, "objects": len(m.objects)}))
     else:
         print(f"OK: {where}: {len(m.objects)} objects, {done / 2**20:.1f} MiB, every checksum matches")
+    return 0
+
+
+def _parts_only(store: CheckpointStore, step: int | None) -> list[PartRecord]:
+    """The standing hosts' parts of ``step`` when it has no manifest, only commit records (a tiered job's
+    non-coordinator or replica store, :mod:`ckptio.store.parts`); else none."""
+    if step is None:
+        return []
+    st = run_sync(store.status(str(step)))
+    return list(st.parts) if st.state == "part" else []
+
+
+def _verify_parts(args: argparse.Namespace, store: CheckpointStore, parts: list[PartRecord]) -> int:
+    """Re-read every object of each part and check it against the extents its record carries."""
+    out = []
+    for r in parts:
+        where = store.where(str(r.step))
+        what = part_text({"host": r.host, "checkpoint_id": r.checkpoint_id, "hosts": r.num_hosts})
+        try:
+            objects, done = run_sync(verify_part(store, r))
+        except IntegrityError as e:
+            raise CliError("damaged", one_line(e, f"{where}: {what}"), url=where, object=e.key, item=e.item) from e
+        except Exception as e:
+            raise CliError(kind_of(e), one_line(e, f"{where}: {what}"), url=where) from e
+        out.append({"ok": True, "url": where, "host": r.host, "checkpoint_id": r.checkpoint_id,
+                    "hosts": r.num_hosts, "objects": objects, "bytes": done})
+        if not args.json:
+            print(f"OK: {where}: {what}: {objects} objects, {done / 2**20:.1f} MiB, every checksum matches")
+    if args.json:
+        print(json.dumps(out[0] if len(out) == 1 else out))
     return 0

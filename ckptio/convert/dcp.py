@@ -155,9 +155,9 @@ def dcp_to_ckptio(
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
     writer = StreamWriter(dst, step, batch_bytes=batch_bytes, inflight_bytes=2 * batch_bytes, progress=progress)
-    items, dtypes = _read_items(md, writer)
-    planner = _Collect(writer, dtypes)
     try:
+        items, dtypes = _read_items(md, writer)
+        planner = _Collect(writer, dtypes)
         batch: list[Any] = []
         size = 0
         for ri, _info, nbytes in items:

@@ -38,7 +38,6 @@ stock reader would go on reading the old one).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from ckptio.backends.base import join_key
@@ -47,6 +46,7 @@ from ..errors import IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import fence_key, parse_object
 from ..store import CheckpointStore, check_binding
+from ..engine import gather_or_cancel
 from ..store.companions import create_companion, delete_companions, is_companion
 
 __all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace", "write_companion"]
@@ -71,11 +71,11 @@ async def existing(store: CheckpointStore, step_dir: str) -> str:
     Finishes an interrupted deletion first (as ``CheckpointStore.prepare_save``).
     A stock DCP checkpoint may be neither deleted nor shadowed: see :func:`refuse_stock`.
     """
-    manifest, tomb, stock = await asyncio.gather(
+    manifest, tomb, stock = await gather_or_cancel([
         _exists(store, join_key(step_dir, MANIFEST_NAME)),
         _exists(store, join_key(step_dir, TOMBSTONE_NAME)),
         _exists(store, join_key(step_dir, STOCK_METADATA)),
-    )
+    ])
     if stock and not (manifest and await _ours(store, step_dir)):
         return "stock"
     if tomb:

@@ -40,7 +40,7 @@ from torch.futures import Future
 from ckptio.backends.base import ByteRange, join_key
 
 from ..distributed import default_coordinator
-from ..engine import EngineConfig, ReadRequest, run_sync
+from ..engine import EngineConfig, gather_or_cancel, ReadRequest, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..manifest import MANIFEST_NAME, Manifest
 from ..names import parse_object
@@ -423,7 +423,6 @@ class Reader(Located, StorageReader):
 
 async def _find(store: CheckpointStore, step_dir: str) -> tuple[Manifest | None, bool]:
     """The committed ckptio manifest of ``step_dir`` (None if there is none), and whether a stock ``.metadata`` is there."""
-    import asyncio
 
     async def manifest() -> Manifest | None:
         try:
@@ -439,7 +438,7 @@ async def _find(store: CheckpointStore, step_dir: str) -> tuple[Manifest | None,
         except (FileNotFoundError, NotADirectoryError):
             return False
 
-    m, s = await asyncio.gather(manifest(), stock())
+    m, s = await gather_or_cancel([manifest(), stock()])
     return m, s
 
 

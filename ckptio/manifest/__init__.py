@@ -12,6 +12,7 @@ One package, its modules layered bottom to top (each imports only those above it
 * :mod:`.values`, :mod:`.seal` -- value items' JSON; the checksummed envelope of a stored manifest;
 * :mod:`.hoststate` -- per-host state items (format 8): each host's own small state, as JSON;
 * :mod:`.itemjson` -- the one writer of item JSON (objects, compact rows, pack tables);
+* :mod:`.refs` -- format 9: references to older steps' objects (``bases``) and shard digests;
 * :mod:`.codec` -- one reader per format family (``single``: 1/3/4/5, ``split``: 2 and 3 with
   fragments, plus ``arrays`` and ``packs``), behind ``decode`` (dispatches on the version)
   and ``encode``;

@@ -26,6 +26,10 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          {host: state}}``, each host's own small state (a data loader's position)
          inline, in a document of any format above; a reader that predates them
          refuses the checkpoint rather than restore one host's state on every host
+9        references (:mod:`.refs`, incremental saves): ``bases`` names older steps whose
+         objects ``objects`` may list, and ``digests`` the sha256 of shards; a reader that
+         predates them would refuse the foreign keys as a copied manifest, so it refuses
+         the version instead, plainly
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -44,6 +48,7 @@ __all__ = [
     "HOST_STATES_VERSION",
     "MANIFEST_NAME",
     "PACKS_VERSION",
+    "REFS_VERSION",
     "ROWS_VERSION",
     "TILED_VERSION",
     "TOMBSTONE_NAME",
@@ -53,7 +58,7 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 8
+VERSION = 9
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
@@ -61,19 +66,22 @@ PACKS_VERSION = 5
 BLOCKS_VERSION = 6
 COLUMNS_VERSION = 7
 HOST_STATES_VERSION = 8
+REFS_VERSION = 9
 #: The least version that can express each feature a document may use.
 FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
-            "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION, "host_states": HOST_STATES_VERSION}
+            "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION, "host_states": HOST_STATES_VERSION,
+            "refs": REFS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
 
 
 def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
-                blocks: bool = False, columns: bool = False, host_states: bool = False) -> int:
+                blocks: bool = False, columns: bool = False, host_states: bool = False,
+                refs: bool = False) -> int:
     """The lowest format version that expresses a document using the given features (``blocks``:
     some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns;
-    ``host_states``: some item is per-host)."""
+    ``host_states``: some item is per-host; ``refs``: bases or digests, :mod:`.refs`)."""
     used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks,
-            "columns": columns, "host_states": host_states}
+            "columns": columns, "host_states": host_states, "refs": refs}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

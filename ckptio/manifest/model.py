@@ -247,6 +247,11 @@ class Manifest:
     #: The commit's fence id (ckptio.fence): the manifest counts only once that fence says
     #: "commit". None in manifests written before fencing (trusted on their own).
     fence: str | None = None
+    #: Format 9 (:mod:`ckptio.manifest.refs`): the older steps whose objects this manifest references,
+    #: each with the checkpoint id committed there when it did (None: references nothing).
+    bases: dict[str, str] | None = None
+    #: Format 9: the sha256 (hex) of shards' bytes, by item and box: what an incremental save compares.
+    digests: dict[str, dict[Box, str]] | None = None
 
     def keys(self) -> list[str]:
         """Every key this checkpoint owns besides its manifest: objects (loaded) and fragments."""

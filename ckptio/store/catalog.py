@@ -19,6 +19,7 @@ from contextlib import aclosing
 from ckptio.backends.base import join_key
 
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..incremental.pins import PIN_DIR, parse_pin
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..orbax_steps import OrbaxStep, StepSource, orbax_step
 from .context import StoreContext
@@ -26,7 +27,8 @@ from .intents import Intents
 from .manifests import Manifests
 from .objects import Objects
 from .options import MAX_STEP, step_dir_of
-from .parts import Parts
+from ..engine import gather_or_cancel
+from .parts import PartRecord, Parts
 
 
 __all__ = ["Catalog", "StepStatus"]
@@ -44,8 +46,12 @@ class StepStatus:
     ``state``: ``committed`` (intact), ``damaged`` (a manifest that does not
     validate or is not bound to this step, or an object or fragment it names
     is missing or short), ``unreadable`` (permission denied), ``deleting`` (tombstoned),
-    ``in-flight`` (a live save's intent, no manifest) or ``incomplete``
-    (neither: a crashed save's leftovers, for the sweep).
+    ``in-flight`` (a live save's intent, no manifest), ``referenced`` (no manifest, but pins of
+    incremental saves of later steps: a deleted step whose objects they reference), ``part`` (no
+    manifest, but standing commit records: hosts' parts committed without the manifest, as a tiered
+    job's non-coordinators and replica stores keep them, :mod:`ckptio.store.parts`; ``parts`` says
+    which) or ``incomplete``
+    (none of these: a crashed save's leftovers, for the sweep).
 
     A step directory that Orbax saved (through ``ckptio.orbax``, or stock) has no manifest
     of its own: Orbax commits it, and the sweep never touches it. Its ``state`` is Orbax's
@@ -58,6 +64,7 @@ class StepStatus:
     problem: str = ""
     manifest: Manifest | None = None
     orbax: OrbaxStep | None = None
+    parts: tuple[PartRecord, ...] = ()
 
 
 def _is_damage(found: Manifest | Exception) -> bool:
@@ -84,8 +91,8 @@ class Catalog:
         In a host-local store, a standing commit record (:mod:`ckptio.store.parts`: a host's part
         committed without the manifest) counts as a manifest does.
         """
-        manifest, tombstone = await asyncio.gather(
-            self.ctx.exists(join_key(step_dir, MANIFEST_NAME)), self.ctx.exists(join_key(step_dir, TOMBSTONE_NAME))
+        manifest, tombstone = await gather_or_cancel(
+            [self.ctx.exists(join_key(step_dir, MANIFEST_NAME)), self.ctx.exists(join_key(step_dir, TOMBSTONE_NAME))]
         )
         if tombstone:
             return False
@@ -107,7 +114,7 @@ class Catalog:
         :meth:`intact_roots` (fences and validation).
         """
         steps = await self.step_dirs()
-        flags = await asyncio.gather(*(self.is_committed(str(s)) for s in steps))
+        flags = await gather_or_cancel(self.is_committed(str(s)) for s in steps)
         return [s for s, ok in zip(steps, flags) if ok]
 
     async def standing_steps(self) -> list[int]:
@@ -146,11 +153,19 @@ class Catalog:
             except (FileNotFoundError, IntegrityError) as e:
                 return StepStatus(step, "damaged", problem=str(e), manifest=manifest)
             return StepStatus(step, "committed", manifest=manifest)
+        parts = await self.parts.standing(step_dir) if step_dir else []
+        if parts:
+            return StepStatus(step, "part", parts=tuple(sorted(parts, key=lambda r: r.host)))
         if await self.intents.live_saves(step_dir):
             return StepStatus(step, "in-flight")
         orbax = await orbax_step(store, step_dir) if step_dir else None
         if orbax is not None:
             return StepStatus(step, orbax.state, problem=orbax.problem, orbax=orbax)
+        pins = [p for i in await self.ctx.io.list(f"{PIN_DIR}/{step_dir}.") if (p := parse_pin(i.key))
+                and p.base == step_dir] if step_dir else []
+        if pins:  # a deleted base of incremental saves: its objects stay while later steps reference them
+            later = ", ".join(sorted({p.step_dir for p in pins}, key=int))
+            return StepStatus(step, "referenced", problem=f"objects held for step(s) {later}")
         return StepStatus(step, "incomplete")
 
     async def intact_roots(

@@ -86,7 +86,9 @@ class Commits:
         if not manifest.fence:
             return
         ctx = self.ctx
-        revoked = await self.fences.revoked(step_dir) & ctx.writers_of(manifest.keys())
+        # Its own id too: an incremental save that reused every shard wrote no key of its own, and a
+        # deleter of a step it references revokes it by that id (ckptio.incremental.pins).
+        revoked = await self.fences.revoked(step_dir) & (ctx.writers_of(manifest.keys()) | {manifest.checkpoint_id})
         stood = await self.fences.claim(step_dir, manifest.fence, REVOKED if revoked else COMMIT)
         if stood == COMMIT:
             if await self._still_ours(key, manifest.fence, data):

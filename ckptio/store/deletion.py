@@ -20,6 +20,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 
 from ..errors import IntegrityError, ManifestError
 from ..fence import COMMIT, REVOKED, Fences
+from ..incremental.pins import Pins, pin_key
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
 from ..names import parse_held  # hosts' commit records (ckptio.tiers.held): see _doomed
 from ..names import fence_key, parse_fence, parse_intent, step_of_key
@@ -28,10 +29,15 @@ from .context import StoreContext
 from .intents import Intents
 from .manifests import Manifests
 from .parts import PartRecord, Parts
+from .unchanged import delete_unchanged, read_versioned, version_of
 
 __all__ = ["Deletion"]
 
 log = logging.getLogger("ckptio.store")
+
+#: Rounds of "version, re-read, delete that version" before a deletion leaves a manifest that keeps
+#: changing under it to whoever is changing it.
+_MANIFEST_ATTEMPTS = 4
 
 
 class Deletion:
@@ -44,6 +50,8 @@ class Deletion:
         self.manifests = manifests
         self.intents = intents
         self.fences = fences
+        #: Saves referencing this store's steps (incremental saves, docs/incremental.md).
+        self.pins = Pins(ctx.io, fences, manifests.read_unchecked, intents.live_saves, self.settle_fence)
 
     async def delete(self, step_dir: str, *, finishing: bool = False) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, records, manifest, fences, tombstone
@@ -62,7 +70,6 @@ class Deletion:
         """
         ctx = self.ctx
         where = ctx.where(step_dir)
-        key = join_key(step_dir, MANIFEST_NAME)
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         manifest, unreadable = await self._read_root(step_dir)
         committed = manifest is not None and await self.settle_fence(step_dir, manifest)
@@ -85,6 +92,7 @@ class Deletion:
         listing = await ctx.step_listing(step_dir, everywhere=everywhere)
         live = await self.intents.live_saves(step_dir, [i for i in listing if parse_intent(i.key)])
         keys = self._doomed(step_dir, manifest, listing, live)
+        dead_pins = await self._unpinned(step_dir, keys)  # after the tombstone (docs/incremental.md, D2)
         spared, late_fences = await self._newer_parts(step_dir, listing, targets)
         # Objects a standing commit names belong to a finished save; any other writer is revoked
         # first, so that if it is only paused it can never commit them (ckptio.fence).
@@ -109,9 +117,9 @@ class Deletion:
         await ctx.delete_keys(sorted(records))
         # Read again just before: a save that finished our deletion while we were paused may have
         # committed here since (without a conditional delete this narrows the window, not closes it).
-        if not await self._still_ours(step_dir, root, unreadable):
+        if not await self._delete_manifest(step_dir, root, unreadable):
             return await self._withdraw(step_dir, marker, created)
-        await ctx.delete_keys([key])
+        await self._unpin_bases(step_dir, root)
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
         # gone and fails: ckptio.fence, step 5).
         fences = {i.key for i in listing if (n := parse_fence(i.key)) is not None and n.step_dir == step_dir}
@@ -120,8 +128,24 @@ class Deletion:
             fences.add(fence_key(step_dir, fence_id))
         await ctx.delete_keys(sorted(fences - spared))
         await ctx.delete_keys([tomb])
+        await self.pins.unpin(dead_pins)  # revoked, never committed: they can never matter again
         self.manifests.forget(step_dir)
         log.info("deleted checkpoint %s (%d objects)", where, len(keys))
+
+    async def _unpin_bases(self, step_dir: str, root: Manifest | None) -> None:
+        """Once the step's manifest is deleted, the pins its save made on older steps (after it: while
+        the manifest may count, its references must hold; docs/incremental.md, R4)."""
+        if root is not None and root.bases:
+            await self.pins.unpin(pin_key(b, step_dir, root.checkpoint_id) for b in root.bases)
+
+    async def _unpinned(self, step_dir: str, keys: set[str]) -> list[str]:
+        """Take out of ``keys`` what later steps' saves reference through their pins on ``step_dir``
+        (all of its objects while one of them is alive); returns the pins found dead."""
+        if not step_dir:
+            return []
+        pinned = await self.pins.judge(step_dir)
+        keys -= {k for k in keys if self.ctx.parse_object(k)} if pinned.keep_all else pinned.keep
+        return pinned.dead
 
     async def _read_root(self, step_dir: str) -> tuple[Manifest | None, bool]:
         """The step's manifest as stored (None if absent or unreadable), and whether it is unreadable."""
@@ -139,15 +163,16 @@ class Deletion:
         ``standing`` (whose commit stands), or is gone: then there is nothing to finish. A stale one is
         removed (its deleter, if only paused, withdraws on waking: it re-reads before deleting)."""
         try:
-            marker = await self.ctx.io.read(tomb)
+            marker, version = await read_versioned(self.ctx.io, tomb)
         except FileNotFoundError:
             return True
         if not marker or marker == standing.checkpoint_id.encode():
             return False
+        if not await delete_unchanged(self.ctx.io, tomb, version):
+            return True  # replaced since it was read: a live deleter's, not the stale one judged here
         log.warning("%s: a tombstone names checkpoint %r, but %r is committed there; the tombstone is "
                     "a paused deleter's, written after a delete and re-save of the step: removed, "
                     "the checkpoint kept", where, marker.decode(errors="replace"), standing.checkpoint_id)
-        await self.ctx.delete_keys([tomb])
         return True
 
     async def _still_ours(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
@@ -166,6 +191,28 @@ class Deletion:
             return True
         return not await self.settle_fence(step_dir, now)
 
+    async def _delete_manifest(self, step_dir: str, root: Manifest | None, unreadable: bool) -> bool:
+        """Delete the step's manifest if it is still one :meth:`_still_ours` accepts; False (nothing
+        deleted) if a newer commit holds the step.
+
+        With a conditional delete the manifest's version is taken before that re-read and only that
+        version is deleted: a commit landing after the re-read (a paused deleter) is never taken.
+        Without one, such a commit is taken if it lands inside the one request between the two."""
+        key = join_key(step_dir, MANIFEST_NAME)
+        io = self.ctx.io
+        for _ in range(_MANIFEST_ATTEMPTS):
+            version = await version_of(io, key)
+            if not await self._still_ours(step_dir, root, unreadable):
+                return False
+            if version is None:  # none before the re-read: none to delete, unless one came since
+                if await version_of(io, key) is None:
+                    return True
+            elif await delete_unchanged(io, key, version):
+                return True
+        log.warning("deleting %s: its manifest kept changing under the deletion; the one there stays",
+                    self.ctx.where(step_dir))
+        return False
+
     async def _withdraw(self, step_dir: str, marker: bytes, created: bool) -> None:
         """Leave a step a newer commit holds: remove the tombstone this deletion wrote (only that)."""
         log.warning("deleting %s: a newer checkpoint was committed there meanwhile; it is kept",
@@ -173,8 +220,9 @@ class Deletion:
         tomb = join_key(step_dir, TOMBSTONE_NAME)
         if created:
             try:
-                if await self.ctx.io.read(tomb) == marker:
-                    await self.ctx.delete_keys([tomb])
+                held, version = await read_versioned(self.ctx.io, tomb)
+                if held == marker:  # with a conditional delete, only if it is still the one read
+                    await delete_unchanged(self.ctx.io, tomb, version)
             except FileNotFoundError:
                 pass
         self.manifests.forget(step_dir)
@@ -230,8 +278,8 @@ class Deletion:
         listed there that are provably ckptio's and of no live save, and its hosts' commit records."""
         owned = manifest.keys() if manifest is not None else []
         keys = {k for k in owned if step_of_key(k) == step_dir}
-        foreign = len(owned) - len(keys)
-        if foreign:
+        foreign = len([k for k in owned if step_of_key(k) not in (manifest.bases or {})]) - len(keys)  # type: ignore[union-attr]
+        if foreign > 0:  # a base's objects (incremental) are its own step's to delete
             log.warning("deleting %s: its manifest names %d objects outside the step; left alone",
                         self.ctx.where(step_dir), foreign)
         for info in listing:

@@ -22,6 +22,7 @@ from ckptio.backends.base import ObjectInfo, join_key
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
 from ..fence import Fences
 from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ..incremental.pins import parse_pin
 from ..names import ObjectName, fence_key, parse_fence, parse_held, parse_intent
 from .context import StoreContext
 from .deletion import Deletion
@@ -125,6 +126,10 @@ class Collector:
             if parent == "" or (parent.isdigit() and str(int(parent)) == parent):
                 by_step.setdefault(parent, [])
         await self._sweep_steps(_Round(by_step, markers, now, grace_seconds, dry_run, report))
+        pins = [p for i in listing if (p := parse_pin(i.key)) is not None]
+        if pins and not dry_run:  # dead pins on steps that still stand (a killed incremental save's)
+            for base in sorted({p.base for p in pins}, key=int):
+                await self.deletion.pins.unpin((await self.deletion.pins.judge(base)).dead)
         return report
 
     async def sweep_step(self, step: int, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
@@ -267,10 +272,26 @@ class Collector:
         for step_dir, infos in doomed.items():
             again = await self.intents.live_saves(step_dir)
             gone = [i for i in infos if self.ctx.parse_object(i.key).save_id not in again]  # type: ignore[union-attr]
+            gone = await self._unpinned(step_dir, gone, rnd.dry_run)
             if gone and not rnd.dry_run:
                 gone = await self.deletion.revoke_before_deleting(step_dir, gone)
             rnd.report.objects += [i.key for i in gone]
             rnd.report.bytes += sum(i.size for i in gone)
+
+    async def _unpinned(self, step_dir: str, infos: list[ObjectInfo], dry_run: bool) -> list[ObjectInfo]:
+        """``infos`` less what later steps' saves reference through their pins on ``step_dir``
+        (docs/incremental.md: a live one keeps them all). A dry run judges nothing (judging revokes
+        dead saves): a step with any pin keeps all."""
+        if not infos or not step_dir:
+            return infos
+        pins = self.deletion.pins
+        if dry_run:
+            return [] if await pins.of(step_dir) else infos
+        judged = await pins.judge(step_dir)
+        if judged.keep_all:
+            return []
+        await pins.unpin(judged.dead)
+        return [i for i in infos if i.key not in judged.keep]
 
     async def _stale_records(self, rnd: _Round) -> tuple[list[str], list[str]]:
         """Hosts' commit records (:mod:`ckptio.store.parts`) older than the grace whose fence does not

@@ -121,6 +121,7 @@ class Lease:
         self.lease_s = store.lease_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def start(self) -> Lease:
         """Announce the save (raises if the storage refuses: nothing has been written yet)."""
@@ -144,8 +145,11 @@ class Lease:
         """Stop beating; with ``retire`` remove the intent (after a commit, the manifest protects the objects).
 
         A failed save keeps its intent, which goes stale: it tells deleters
-        of that step that a dead attempt left objects behind.
+        of that step that a dead attempt left objects behind. Closing again does nothing.
         """
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

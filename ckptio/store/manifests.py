@@ -20,7 +20,7 @@ from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, Unc
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Fetch, Manifest, Wanted, unseal,
                         with_fragments, with_shards_meeting)
-from ..names import step_of_key
+from ..manifest.refs import check_foreign_keys
 from .context import StoreContext
 
 __all__ = ["Manifests", "check_binding"]
@@ -40,10 +40,7 @@ def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
         if manifest.step != int(step_dir):
             raise ManifestError(f"{where}: the manifest is for step {manifest.step}, not {step_dir} "
                                 "(copied or moved from elsewhere?)")
-    for key in manifest.keys():
-        if step_of_key(key) != step_dir:
-            raise ManifestError(f"{where}: object {key!r} lies outside this checkpoint's step "
-                                "(copied or moved from elsewhere?)")
+    check_foreign_keys(manifest, step_dir, where)  # only a format-9 manifest's bases lie elsewhere
 
 
 class Manifests:

@@ -30,7 +30,6 @@ their step the manifest is the commit, and their fence is the manifest's.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -43,6 +42,7 @@ from ..errors import IntegrityError, SaveRevokedError
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import TOMBSTONE_NAME
 from ..names import fence_key, held_key, parse_held, step_of_key
+from ..engine import gather_or_cancel
 from .context import StoreContext
 
 __all__ = ["PART_FORMAT", "PartRecord", "Parts", "part_from_json"]
@@ -132,7 +132,7 @@ class Parts:
             except FileNotFoundError:
                 return [], []
         keys = sorted(i.key for i in listing if (n := parse_held(i.key)) is not None and n.step_dir == step_dir)
-        found = await asyncio.gather(*(self._read_one(k) for k in keys))
+        found = await gather_or_cancel(self._read_one(k) for k in keys)
         good = [r for r in found if isinstance(r, PartRecord)]
         bad = [k for k, r in zip(keys, found) if isinstance(r, str)]
         return good, bad
@@ -157,7 +157,7 @@ class Parts:
     async def standing(self, step_dir: str, listing: Iterable[ObjectInfo] | None = None) -> list[PartRecord]:
         """The records of ``step_dir`` that stand (validate, and their fence says "commit")."""
         records, _bad = await self.read(step_dir, listing)
-        flags = await asyncio.gather(*(self.stands(step_dir, r) for r in records))
+        flags = await gather_or_cancel(self.stands(step_dir, r) for r in records)
         return [r for r, ok in zip(records, flags) if ok]
 
     async def settle(self, step_dir: str, record: PartRecord) -> bool:
@@ -178,7 +178,7 @@ class Parts:
         if len(sizes) != len(record.objects) or any(step_of_key(k) != step_dir for k in record.objects):
             raise ValueError(f"commit record of {where}: its objects and sizes do not match, or an object "
                              "lies outside the step")
-        infos = await asyncio.gather(*(ctx.io.stat(k) for k in record.objects))
+        infos = await gather_or_cancel(ctx.io.stat(k) for k in record.objects)
         for info, size in zip(infos, sizes):
             if size is not None and info.size < size:
                 raise IntegrityError(f"{info.key}: {info.size} bytes, its record needs {size}", key=info.key)

@@ -1,8 +1,11 @@
 """The durable tier's rounds: copy every host's own objects there, then host 0 commits the manifest, last.
 
 :func:`durable_round` copies every host's own objects of a fast-tier step to
-the durable tier with :func:`ckptio.copy.copy_objects` and then host 0
-commits the manifest there, last, and runs the durable tier's retention. A
+the durable tier (:func:`ckptio.copy.copy_keys`) and then host 0 commits the
+manifest there, last, and runs the durable tier's retention. Host 0 copies by
+the manifest; every other host by its commit record (its fast tier holds no
+manifest, #33), which carries each object's index in the manifest, so that
+its keys are those :func:`ckptio.copy.rekey` gives the manifest's copy. A
 run killed mid-copy leaves objects without a manifest (invisible to
 readers); :func:`durable_recovery`, the first thing a new run's durable
 worker does, finds fast-tier steps newer than the durable tier's newest and
@@ -15,13 +18,14 @@ import logging
 
 from ckptio.backends.base import join_key
 
-from ..copy import copy_objects, object_writers, rekey
+from ..copy import StoredExtent, copy_keys, object_extents, object_writers, rekey, rekey_one, stored_extents
 from ..distributed import join_errors
 from ..engine import run_sync
 from ..store.intents import Lease, new_id
 from ..manifest import Manifest
 from ..names import INTENT_PREFIX, parse_object
 from ..store import CheckpointStore, sweeps_temporaries_by_prefix
+from ..store.parts import PartRecord
 from .group import PeerGroup
 from .peer import checkpoint_disagreement, holdings
 from .policy import TierPolicy
@@ -61,8 +65,9 @@ def durable_round(
     step_dir = str(step)
     rank = group.rank
     # Nothing before a collective may raise on one host only: the others would wait forever.
-    m = _manifest_or_none(own, step_dir)
-    recs = group.gather(m.checkpoint_id if m is not None else None)
+    m, part = _source_or_none(own, step_dir, rank)
+    cid = m.checkpoint_id if m is not None else part.checkpoint_id if part is not None else None
+    recs = group.gather(cid)
     # Host 0 alone decides whether to copy ("copy"), there is nothing to do ("done"), or the round fails.
     plan: dict[str, object] = {"do": "copy", "error": None}
     if recs is not None:
@@ -73,18 +78,18 @@ def durable_round(
         return
     if plan["do"] != "copy":
         raise ReplicationError(f"durable copy of step {step}: {plan['error']}")
-    assert m is not None  # host 0 saw the same committed checkpoint on every host
-    out = rekey(m, step_dir, durable)  # deterministic: the same keys (or the same error) on every host
     error: str | None = None
-    # This host's copy is a save into the durable tier: it announces an intent before its first object
-    # (covering the source's save ids, which the copied objects keep), so that no deleter takes them
-    # for a crash's leftovers; kept until the commit's verdict, retired only on success.
-    writers = {n.save_id for k in out.objects if (n := parse_object(k)) is not None}
+    out: Manifest | None = None
     lease: Lease | None = None
     try:
+        # Deterministic: the same keys (or the same error) on every host, from the manifest or a record.
+        objects, out = _objects_to_copy(own, durable, step_dir, m, part, rank)
+        # This host's copy is a save into the durable tier: it announces an intent before its first object
+        # (covering the source's save ids, which the copied objects keep), so that no deleter takes them
+        # for a crash's leftovers; kept until the commit's verdict, retired only on success.
+        writers = {n.save_id for _k, dk, _e in objects if (n := parse_object(dk)) is not None}
         lease = Lease(durable, step_dir, new_id(), host=rank, covers=writers).start()
-        indices = _own_indices(own, m.objects, object_writers(m), rank)
-        stats = run_sync(copy_objects(own, durable, m, out, indices))
+        stats = run_sync(copy_keys(own, durable, objects))
         log.info("durable copy of step %d: host %d written (%d objects, %d kept from an earlier try)",
                  step, rank, stats.written, stats.kept)
     except BaseException as e:
@@ -97,6 +102,7 @@ def durable_round(
         verdict = {"ok": not failed, "error": join_errors(failed)}
         if not failed:
             try:
+                assert out is not None  # host 0 copies by the manifest
                 run_sync(durable.commit(step_dir, out))
                 committed = True
                 log.info("durable copy of step %d: committed", step)
@@ -180,15 +186,37 @@ def _durable_plan(durable: CheckpointStore, step_dir: str, ids: list[str | None]
     return {"do": "copy", "error": None}
 
 
-def _manifest_or_none(store: CheckpointStore, step_dir: str) -> Manifest | None:
-    """The committed manifest of ``step_dir``, or None if it is absent or unreadable (logged)."""
+def _source_or_none(own: CheckpointStore, step_dir: str, rank: int) -> tuple[Manifest | None, PartRecord | None]:
+    """What this host copies ``step_dir`` by: its standing commit record (a non-coordinator's fast tier holds
+    no manifest, #33), else the committed manifest (host 0; a step saved before records carried indices).
+    ``(None, None)`` if neither can be read (logged)."""
     try:
-        return run_sync(store.read_manifest(step_dir))
+        if rank != 0:
+            mine = [r for r in run_sync(own.parts.standing(step_dir)) if r.host == rank]
+            if len(mine) == 1 and mine[0].sizes is not None and {"extents", "indices"} <= set(mine[0].extra):
+                return None, mine[0]
+        return run_sync(own.read_manifest(step_dir)), None
     except FileNotFoundError:
-        return None
+        return None, None
     except Exception as e:
-        log.error("%s: unreadable manifest: %r", store.where(step_dir), e)
-        return None
+        log.error("%s: unreadable manifest or commit record: %r", own.where(step_dir), e)
+        return None, None
+
+
+def _objects_to_copy(own: CheckpointStore, durable: CheckpointStore, step_dir: str, m: Manifest | None,
+                     part: PartRecord | None, rank: int
+                     ) -> tuple[list[tuple[str, str, list[StoredExtent]]], Manifest | None]:
+    """``(key, durable key, extents)`` of each object this host copies -- by the manifest, those it wrote and
+    any unreferenced ones it has; by its record, its own (named by their indices in the manifest) -- and the
+    durable tier's manifest where this host copies by the manifest (host 0 commits it)."""
+    if m is not None:
+        out = rekey(m, step_dir, durable)
+        extents = object_extents(m)
+        return [(m.objects[i], out.objects[i], extents[i])
+                for i in _own_indices(own, m.objects, object_writers(m), rank)], out
+    assert part is not None
+    return [(k, rekey_one(k, int(i), step_dir, durable), stored_extents(ex))
+            for k, i, ex in zip(part.objects, part.extra["indices"], part.extra["extents"], strict=True)], None
 
 
 def _durable_retention(durable: CheckpointStore, policy: TierPolicy) -> list[int]:

@@ -28,16 +28,17 @@ standing record as a commit of the host's part on its own (:mod:`ckptio.store.pa
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Iterable
 
 from ..copy import object_extents, object_writers
 from ..manifest import Manifest
 from ..names import parse_held
 from ..store import CheckpointStore, manifest_object_sizes
+from ..engine import gather_or_cancel
 from ..store.parts import PART_FORMAT, PartRecord
 
-__all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "read_held", "write_held"]
+__all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "part_records", "read_held", "write_held"]
 
 log = logging.getLogger("ckptio.tiers")
 
@@ -59,15 +60,29 @@ def own_object_keys(manifest: Manifest, rank: int) -> list[str]:
 
 
 def own_part_record(manifest: Manifest, rank: int, fence: str) -> PartRecord:
-    """``rank``'s part of ``manifest`` as a record (version 2): its objects in the manifest's order, each
-    with the bytes its extents need and its extents ``[offset, length, crcs, item, block]``."""
+    """``rank``'s part of ``manifest`` as a record (version 2): see :func:`part_records`."""
+    return part_records(manifest, fence, [rank])[rank]
+
+
+def part_records(manifest: Manifest, fence: str, ranks: Iterable[int] | None = None) -> dict[int, PartRecord]:
+    """Each host's part of ``manifest`` as a record (version 2), in one pass over the manifest: its objects in
+    the manifest's order, each with the bytes its extents need, its extents ``[offset, length, crcs, item,
+    block]`` and its index in the manifest (a copy to a hashed store names an object by it:
+    :func:`ckptio.copy.rekey`). ``ranks``: only those hosts' (default: every host's, ``num_hosts``)."""
     extents = object_extents(manifest)
     sizes = manifest_object_sizes(manifest)
-    mine = [i for i, w in enumerate(object_writers(manifest)) if w == rank]
-    keys = [manifest.objects[i] for i in mine]
-    return PartRecord(manifest.step if manifest.step is not None else -1, manifest.checkpoint_id, rank, fence,
-                      manifest.num_hosts, keys, [sizes[k] for k in keys],
-                      {"extents": [[list(e) for e in extents[i]] for i in mine]})
+    wanted = range(manifest.num_hosts) if ranks is None else ranks
+    mine: dict[int, list[int]] = {r: [] for r in wanted}
+    for i, w in enumerate(object_writers(manifest)):
+        if w is not None and w in mine:
+            mine[w].append(i)
+    step = manifest.step if manifest.step is not None else -1
+    out = {}
+    for r, idx in mine.items():
+        keys = [manifest.objects[i] for i in idx]
+        out[r] = PartRecord(step, manifest.checkpoint_id, r, fence, manifest.num_hosts, keys, [sizes[k] for k in keys],
+                            {"extents": [[list(e) for e in extents[i]] for i in idx], "indices": idx})
+    return out
 
 
 async def write_held(store: CheckpointStore, step: int, manifest: Manifest, rank: int) -> None:
@@ -83,10 +98,10 @@ async def write_held(store: CheckpointStore, step: int, manifest: Manifest, rank
 async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | None:
     """This host's part of ``step`` as its record says, once its own objects are all there.
 
-    None when the record cannot be trusted (absent, unreadable, not exactly one for this host, its
-    fields disagree with its name, or its commit's fence does not say "commit"): the caller then
-    reads the manifest. FileNotFoundError when the record is sound but one of its objects is gone:
-    the step is not held.
+    None when no record can be trusted (absent, unreadable, its fields disagree with its name, or not
+    exactly one of this host's records has a fence that says "commit"): the caller then reads the
+    manifest (a non-coordinator has none: the step is then not held). FileNotFoundError when the
+    record is sound but one of its objects is gone: the step is not held.
     """
     step_dir = str(step)
     try:
@@ -94,16 +109,18 @@ async def read_held(store: CheckpointStore, step: int, rank: int) -> OwnPart | N
     except FileNotFoundError:
         return None
     mine = [i for i in infos if (n := parse_held(i.key)) is not None and n.step_dir == step_dir and n.host == rank]
-    if len(mine) != 1:
-        return None
     records, bad = await store.parts.read(step_dir, mine)
     if bad or not records:
         return None
-    (record,) = records
-    if not await store.parts.stands(step_dir, record):
-        log.warning("%s: commit record %s names a fence that does not stand in its step, reading the manifest "
-                    "instead", store.url, record.key)
+    # A record whose fence does not stand (one written late by a writer paused past a deletion and a
+    # re-save of the step) speaks for nothing; the one that stands is this host's commit.
+    flags = await gather_or_cancel(store.parts.stands(step_dir, r) for r in records)
+    standing = [r for r, ok in zip(records, flags) if ok]
+    if len(standing) != 1:
+        log.warning("%s: %d of this host's commit records in step %s stand, reading the manifest instead",
+                    store.url, len(standing), step_dir)
         return None
+    (record,) = standing
     # Each object there, as the manifest's scan checks (a restore checks every byte it reads).
-    await asyncio.gather(*(store.io.stat(k) for k in record.objects))
+    await gather_or_cancel(store.io.stat(k) for k in record.objects)
     return OwnPart(record.checkpoint_id, record.num_hosts, record.objects)

@@ -3,14 +3,17 @@
 Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
 ``mem://run1``)::
 
-    <fast_url>/<step>/...           this host's objects + the job's manifest (committed by every host)
-                                    + this host's commit record (ckptio.tiers.held: what a restart scans)
-    <peer_url>/<step>/...           a partner's latest snapshot: its objects, the manifest, a marker
+    <fast_url>/<step>/...           this host's objects + its commit record (ckptio.tiers.held: what a
+                                    restart scans; a non-coordinator's part is committed by it alone)
+                                    + on host 0 only, the job's manifest
+    <peer_url>/<step>/...           a partner's latest snapshot: its objects, its record (host 0's: the
+                                    manifest), a marker
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
 
 A save is the core save (stage -> write -> gather -> commit by host 0) into
 each host's fast tier; then the step is made to stand in every host's fast
-tier (:mod:`ckptio.tiers.fastcommit`), the step is queued for the peer and
+tier (:mod:`ckptio.tiers.fastcommit`: host 0 sends each host only its own
+part's record), the step is queued for the peer and
 durable replicators, and the fast tier's retention runs. ``result()`` on the
 handle returns when all of that is done -- the replication itself runs in
 the background.

@@ -1,8 +1,9 @@
 """Peer replicas: each host's latest snapshot kept by a partner host, and reads from peers at restore.
 
-A host's fast tier holds the objects it wrote plus, for every committed
-step, the job's whole manifest (the coordinator's bytes, committed by every
-host) and its commit record (:mod:`ckptio.tiers.held`). Its *replica store*
+A host's fast tier holds, for every committed step, the objects it wrote and
+its commit record (:mod:`ckptio.tiers.held`), by which a non-coordinator's
+part is committed (:mod:`ckptio.tiers.fastcommit`); host 0's also holds the
+job's manifest. Its *replica store*
 holds what partners sent in a round (:mod:`ckptio.tiers.peerround`): the
 partner's record (host 0's partner: the job's manifest), the partner's
 objects under the same keys, and a marker per partner
@@ -18,7 +19,6 @@ receiver checks each extent's block checksums before keeping it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,7 +28,7 @@ from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, R
 
 from ..copy import object_extents, object_writers
 from ..distributed import join_errors
-from ..engine import run_sync
+from ..engine import gather_or_cancel, run_sync
 from ..errors import CheckpointNotFoundError
 from ..manifest import Manifest
 from ..names import parse_replica_mark, replica_mark_key
@@ -76,7 +76,7 @@ async def _own_holdings(own: CheckpointStore, rank: int) -> list[Holding]:
             if part is None:
                 m = await own.read_manifest(str(step))
                 part = OwnPart(m.checkpoint_id, m.num_hosts, own_object_keys(m, rank))
-                await asyncio.gather(*(own.io.stat(k) for k in part.objects))
+                await gather_or_cancel(own.io.stat(k) for k in part.objects)
         except FileNotFoundError:  # deleted meanwhile, or objects lost: not held
             continue
         out.append(Holding(rank, step, part.checkpoint_id, rank, part.num_hosts, True))

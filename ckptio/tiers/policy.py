@@ -204,10 +204,11 @@ def _ranked_holders(hs: Sequence[Holding]) -> tuple[int, ...]:
 def _manifest_holder(ranked: Mapping[int, tuple[int, ...]], hs: Sequence[Holding]) -> int:
     """The host that broadcasts the manifest at a restore: the first holder of host 0's part.
 
-    Host 0's part is where the job's manifest lives for sure (host 0 commits it; its partner's
-    replica keeps it), so a restore never depends on the copy in another host's fast tier (the
-    step towards storing only their own part there, issue #33). Without any holder of host 0's
-    part (host 0 and its partner lost), the lowest-ranked holder of the step.
+    Host 0's part is where the job's manifest lives (host 0 commits it; its partner's replica
+    keeps it): every other host's fast tier holds only its own part (issue #33). Without any
+    holder of host 0's part (host 0 and its partner lost; the plan then has the step in the durable
+    tier), the lowest-ranked holder of the step, which broadcasts the durable tier's manifest
+    (:func:`ckptio.tiers.restore._manifest_to_send`).
     """
     holders = ranked.get(0, ())
     return holders[0] if holders else min(h.rank for h in hs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -66,6 +67,9 @@ class HostTiers:
 
 
 StoreFor = Callable[[int], CheckpointStore]
+
+#: The last component of an object's key as every naming of :mod:`ckptio.layout` spells it.
+_OBJECT_NAME = re.compile(r"(?P<sid>[^./]+)\.h(?P<host>\d{5,})-(?P<n>\d{5,})")
 
 
 def restore_from_tiers(
@@ -166,22 +170,52 @@ def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tu
 
 def _manifest(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
     """The step's manifest on every host: broadcast by the host the plan names (from its copy of host 0's
-    part where it holds one), else the durable tier's."""
+    part; where no fast tier holds that part, from the durable tier), else the durable tier's.
+
+    The broadcast carries the manifest or the sender's one-line reason why there is none, which every host
+    then raises: a restore fails plainly and alike, never on a half-read manifest.
+    """
     step_dir = str(plan.step)
     if plan.manifest_from is None:
         assert t.durable is not None
         return run_sync(t.durable.read_manifest(step_dir))
     data = None
     if t.rank == plan.manifest_from:
-        # From the store holding host 0's part where this host holds one (the plan's choice): the
-        # copy that host 0 committed, or its partner's replica of it.
-        there = holding_store(0) if t.rank in plan.holders(0) else holding_store(t.rank)
         try:
-            data = run_sync(there.read_manifest(step_dir, shards=False)).to_json()
-        except Exception as e:  # broadcasting None makes every host fail alike
+            data = b"M" + _manifest_to_send(t, plan, holding_store).to_json()
+        except Exception as e:  # noqa: BLE001 -- every host raises it below
             log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
+            data = f"Estep {plan.step}: host {t.rank} cannot read the job's manifest: {type(e).__name__}: {e}".encode()
     data = t.group.broadcast_bytes(data, plan.manifest_from)
-    return Manifest.from_json(data, f"{t.fast.url}/{step_dir} (host {plan.manifest_from})")
+    if data[:1] != b"M":
+        raise CheckpointNotFoundError(data[1:].decode(errors="replace"))
+    return Manifest.from_json(data[1:], f"{t.fast.url}/{step_dir} (host {plan.manifest_from})")
+
+
+def _manifest_to_send(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
+    """The manifest this host broadcasts: its copy of host 0's part (host 0's own, or its partner's replica),
+    which holds the job's manifest; where no fast tier holds that part (host 0 and its partner lost), the
+    durable tier's, under the fast tiers' keys (other hosts' fast tiers hold only their own part, #33)."""
+    step_dir = str(plan.step)
+    if t.rank in plan.holders(0):
+        return run_sync(holding_store(0).read_manifest(step_dir, shards=False))
+    if t.durable is None or not plan.in_durable:
+        raise CheckpointNotFoundError(f"step {plan.step}: host 0's part (the job's manifest) is in no fast tier, and "
+                                      "the durable tier does not hold the step")
+    there = run_sync(t.durable.read_manifest(step_dir, shards=False))
+    if there.checkpoint_id != plan.checkpoint_id:
+        raise CheckpointNotFoundError(f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
+                                      f"the fast tiers {plan.checkpoint_id}, and host 0's part is in no fast tier")
+    return dataclasses.replace(there, objects=[_fast_key(k, step_dir, t.fast, there.num_hosts) for k in there.objects])
+
+
+def _fast_key(key: str, step_dir: str, fast: CheckpointStore, num_hosts: int) -> str:
+    """The key a durable copy's object ``key`` had in the fast tiers: the fast tier's naming of its save id,
+    host and number (a durable copy keeps them in its key's last component; every byte read is checked)."""
+    m = _OBJECT_NAME.fullmatch(key.rpartition("/")[2])
+    if m is None:
+        raise IntegrityError(f"{step_dir}: durable object {key!r} is not named as a save names its objects", key=key)
+    return fast.naming.object_key(step_dir, m["sid"], int(m["host"]), num_hosts, int(m["n"]))
 
 
 def _everywhere(group: PeerGroup, step: int, failure: BaseException | None) -> None:

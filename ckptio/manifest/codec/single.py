@@ -39,6 +39,7 @@ from ..model import ArrayItem, Items, Manifest, ValueItem, split_items
 from ..values import decode_value
 from ..hoststate import HostStateItem, host_state_item
 from .arrays import array_item, row_item
+from ..refs import decode_refs, encode_refs, uses_refs
 from .packs import table_from_doc
 
 __all__ = ["encode", "from_doc", "head_fields"]
@@ -78,7 +79,8 @@ def from_doc(doc: dict[str, Any], version: int, where: str) -> Manifest:
             raise ManifestError(f"{here}: unknown kind {raw.get('kind')!r}")
     if "packs" in doc:
         items = _with_packs(items, doc["packs"], version, where, len(objects), block_size)
-    return Manifest(block_size=block_size, items=items, objects=objects, **head_fields(doc, items, where))
+    return Manifest(block_size=block_size, items=items, objects=objects, **head_fields(doc, items, where),
+                    **decode_refs(doc, version, where))
 
 
 def _with_packs(items: dict[str, ArrayItem | ValueItem], raw: Any, version: int, where: str, n_objects: int,
@@ -127,9 +129,12 @@ def encode(manifest: Manifest) -> dict[str, Any]:
     bs = manifest.block_size
     blocks = any(e.block != bs for it in arrays for s in it.shards for e in s.extents)
     host_states = any(isinstance(it, HostStateItem) for it in manifest.items.values())
-    return document(
-        version=version_for(tiles=tiles, blocks=blocks, host_states=host_states), step=manifest.step, checkpoint_id=manifest.checkpoint_id,
+    version = version_for(tiles=tiles, blocks=blocks, host_states=host_states, refs=uses_refs(manifest))
+    doc = document(
+        version=version, step=manifest.step, checkpoint_id=manifest.checkpoint_id,
         created=manifest.created, block_size=bs, num_hosts=manifest.num_hosts, tree=manifest.tree,
         objects=manifest.objects, items={name: item_to_json(item, name, bs) for name, item in manifest.items.items()},
         metadata=manifest.metadata, fence=manifest.fence,
     )
+    doc.update(encode_refs(manifest))
+    return doc

@@ -1,0 +1,191 @@
+"""Pins: a save announces the steps whose objects it references before it references them.
+
+Key: ``ckptio.pins/<base>.<step>.<save id>``, created once, empty: "save ``save id`` of step
+``step`` references objects of step ``base``". It is the reverse index a deleter of ``base``
+reads (one listing of one prefix) instead of every manifest of the root. The protocol and
+the argument that no interleaving loses a referenced object are in docs/incremental.md
+(section 3); in short:
+
+* a referencing save creates its pin (R1), *then* checks that the base still stands: no
+  tombstone, its committed manifest the one it read (R2, :meth:`Pins.pin`);
+* a deleter of the base writes its tombstone (D1), *then* lists the base's pins and keeps what
+  they may reference (D2, :meth:`Pins.judge`): everything, for a save still alive; the keys its
+  manifest names, for a save whose commit stands; nothing, for a save that is dead -- which it
+  revokes first (:mod:`ckptio.fence`), so that if only paused it can never commit the reference.
+
+Either the deleter's listing sees the pin, or the pin came after it, hence after the
+tombstone, and the save's check sees the tombstone (or no manifest) and references nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable
+
+from ckptio.backends import Backend
+from ckptio.backends.base import join_key
+
+from ..errors import IntegrityError, ManifestError
+from ..fence import Fences
+from ..manifest import TOMBSTONE_NAME, Manifest
+from ..manifest.refs import referenced
+
+__all__ = ["PIN_DIR", "Judgement", "PinName", "Pins", "parse_pin", "pin_key"]
+
+log = logging.getLogger("ckptio.incremental")
+
+#: Pins live in one folder at the root (like revocations): a base's pins are one prefix.
+PIN_DIR = "ckptio.pins"
+_STEP = r"0|[1-9][0-9]{0,18}"
+_PIN = re.compile(rf"{PIN_DIR}/(?P<base>{_STEP})\.(?P<step>{_STEP})\.(?P<sid>[0-9a-f]{{12}})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PinName:
+    """A parsed pin: save ``save_id`` of ``step_dir`` references objects of ``base``."""
+
+    key: str
+    base: str
+    step_dir: str
+    save_id: str
+
+
+def pin_key(base: str, step_dir: str, save_id: str) -> str:
+    """The pin of save ``save_id`` of ``step_dir`` on step ``base`` (both step directories, not the root)."""
+    if not base or not step_dir:
+        raise ValueError("incremental saves reference steps, not the root: a step is needed")
+    return f"{PIN_DIR}/{base}.{step_dir}.{save_id}"
+
+
+def parse_pin(key: str) -> PinName | None:
+    """The pin ``key`` names; None for any other key (never ours to delete)."""
+    m = _PIN.fullmatch(key)
+    return PinName(key, m["base"], m["step"], m["sid"]) if m else None
+
+
+@dataclasses.dataclass
+class Judgement:
+    """What a deleter of a base must keep for its pins (:meth:`Pins.judge`)."""
+
+    #: A pinning save may still reference any object of the base (alive, or unreadable): keep all.
+    keep_all: bool = False
+    #: Keys of the base that a standing commit references.
+    keep: set[str] = dataclasses.field(default_factory=set)
+    #: Pins of saves that were revoked and never committed: they can never matter again.
+    dead: list[str] = dataclasses.field(default_factory=list)
+
+
+class Pins:
+    """The pins of one store.
+
+    ``io``: its retrying backend; ``read_unchecked``: a step's manifest as stored (FileNotFoundError if
+    none); ``live_saves``: the save ids whose intent beats in a step; ``settle``: whether a manifest's
+    commit stands, an unclaimed fence claimed "revoked" first (the deleters' rule)."""
+
+    def __init__(self, io: Backend, fences: Fences, read_unchecked: Callable[[str], Awaitable[Manifest]],
+                 live_saves: Callable[[str], Awaitable[set[str]]],
+                 settle: Callable[[str, Manifest], Awaitable[bool]]) -> None:
+        self.io = io
+        self.fences = fences
+        self.read_unchecked = read_unchecked
+        self.live_saves = live_saves
+        self.settle = settle
+
+    async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str, via: str | None = None) -> bool:
+        """R1 and R2: pin ``base`` (the step whose objects will be referenced) for save ``save_id`` of
+        ``step_dir``, then check that no deletion of ``base`` is under way and that the manifest the
+        references are read from -- step ``via`` (default ``base``), commit ``checkpoint_id`` --
+        still stands there. False: reference nothing (the pin is removed; write the bytes instead).
+
+        ``via`` differs from ``base`` when the references are flattened: ``via`` reused them from
+        ``base``, which may be deleted already (its objects held by the pins of ``via`` and others).
+        """
+        key = pin_key(base, step_dir, save_id)
+        try:
+            await self.io.create_if_absent(key, b"")
+        except FileExistsError:
+            pass  # a retried create that won the first time
+        via = base if via is None else via
+        if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
+            return True
+        await self.unpin([key])
+        return False
+
+    async def _being_deleted(self, step_dir: str) -> bool:
+        try:
+            await self.io.stat(join_key(step_dir, TOMBSTONE_NAME))
+            return True
+        except FileNotFoundError:
+            return False
+
+    async def _stands(self, step_dir: str, checkpoint_id: str) -> bool:
+        """Whether the commit of ``checkpoint_id`` stands at ``step_dir``, no deletion under way."""
+        if await self._being_deleted(step_dir):
+            return False
+        try:
+            m = await self.read_unchecked(step_dir)
+        except (FileNotFoundError, ManifestError, IntegrityError):
+            return False
+        if m.checkpoint_id != checkpoint_id:
+            return False
+        return not m.fence or await self.fences.outcome(step_dir, m.fence) == b"commit"
+
+    async def unpin(self, keys: Iterable[str]) -> None:
+        """Remove pins (only keys that parse as pins)."""
+        for key in sorted(set(keys)):
+            if parse_pin(key) is None:
+                raise ValueError(f"{key!r} is not a pin")
+            try:
+                await self.io.delete(key)
+            except FileNotFoundError:
+                pass
+
+    async def of(self, base: str) -> list[PinName]:
+        """The pins on step ``base``."""
+        listed = await self.io.list(f"{PIN_DIR}/{base}.")
+        return [p for i in listed if (p := parse_pin(i.key)) is not None and p.base == base]
+
+    async def judge(self, base: str) -> Judgement:
+        """D2: what a deleter of ``base`` must keep for the pins on it (call after its tombstone).
+
+        Per pin of save ``x`` at step ``T``: ``x`` alive there: keep everything; a manifest of ``x``
+        at ``T`` whose commit stands: keep the keys of ``base`` it names; otherwise ``x`` is revoked
+        at ``T`` and ``T`` read again (a commit that landed meanwhile is settled by its fence), and
+        the pin is dead if no commit of ``x`` stands. A manifest at ``T`` that cannot be read keeps
+        everything: it may be the only proof of a reference."""
+        out = Judgement()
+        for p in await self.of(base):
+            if p.save_id in await self.live_saves(p.step_dir):
+                log.info("step %s: save %s of step %s is alive and references it: its objects stay",
+                         base, p.save_id, p.step_dir)
+                out.keep_all = True
+                continue
+            stands = await self._standing(p)
+            if stands is None:
+                await self.fences.revoke(p.step_dir, [p.save_id])
+                stands = await self._standing(p)  # the fence's deleter step 2: a commit since
+            if stands is None:
+                out.dead.append(p.key)
+            elif stands is False:
+                out.keep_all = True  # unreadable: kept, like every object of a damaged step
+            else:
+                out.keep |= stands
+        return out
+
+    async def _standing(self, p: PinName) -> set[str] | bool | None:
+        """The keys of ``p.base`` that a standing commit of ``p``'s save references; None if no commit
+        of that save stands at ``p.step_dir``; False if its manifest cannot be read."""
+        try:
+            m = await self.read_unchecked(p.step_dir)
+        except FileNotFoundError:
+            return None
+        except (ManifestError, IntegrityError) as e:
+            log.warning("step %s: the manifest of step %s, which pins it, is unreadable (%s): its objects stay",
+                        p.base, p.step_dir, e)
+            return False
+        if m.checkpoint_id != p.save_id or not await self.settle(p.step_dir, m):
+            return None
+        return referenced(m, p.base)
+
