@@ -22,14 +22,17 @@ the coordinator calls :func:`restore_exchange`):
    an IntegrityError). Where the coordinator has ``exchange_into``, a piece
    that is one run of its target buffer is received right there, others
    through a staging buffer (:mod:`ckptio.restore.landing`); a box the sender
-   wants itself as one run of its target (a replicated array) is read there;
+   wants itself as one run of its target (a replicated array) is read there.
+   An array whose shards lie in fewer fragments than there are hosts (a
+   replicated one) has each band of its shards read and sent by another host
+   (:mod:`ckptio.restore.spread`), not all of it by one;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
    failed and what it failed on (:func:`ckptio.restore.agreement.agree`).
 
 So each stored byte some target needs is read from storage once in the job,
-no host reads another host's fragment, and a host holds its restored arrays
-plus one round's reads and messages.
+no host reads another host's fragment (but for the bands of a spread array),
+and a host holds its restored arrays plus one round's reads and messages.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, 
 from .landing import Landing, dest_run
 from .packing import buffer_lengths, pack, read_buffers
 from .runs import flat
+from .spread import may_send, original_senders, received, sent, spread_bands, spread_fragments
 from .packed import table_reads
 from .plan import ReadPlan, Selection, _Builder, select
 from .agreement import agree as _agree, named as _named
@@ -78,6 +82,8 @@ class _Side:
     gets: dict[str, Pieces]
     local: Manifest  # the root with the shards of this host's responsible fragments
     targets: dict[str, TargetTable]
+    #: Arrays whose bands several hosts send (:mod:`ckptio.restore.spread`), and their bands.
+    spread: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, target: Any, coord: Coordinator, *,
@@ -127,7 +133,9 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             # Arrays no two hosts share: each host reads its own (the same choice on every host).
             own = apart(root.items, tables)
             _read_own(store, root, step_dir, {n: r for n, r in regions.items() if n in own}, tables_read, progress)
-            side = _plan(store, root, step_dir, regions, {n: t for n, t in tables.items() if n not in own}, coord)
+            shared = {n: t for n, t in tables.items() if n not in own}
+            bands = {n: b for rnd in (_rounds(root, shared) if shared else []) for n, _k, b in rnd}
+            side = _plan(store, root, step_dir, regions, shared, coord, spread_bands(root, shared, bands, coord.size))
         except Exception as e:
             failure = _named(e, coord.rank)
     config, what = store.engine.config, f"exchange restore of {where}"
@@ -188,23 +196,28 @@ def _check_tables(root: Manifest, regions: dict[str, dict[tuple[int, ...], list[
 
 def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
           regions: dict[str, dict[tuple[int, ...], list[Region]]],
-          tables: dict[str, TargetTable], coord: Coordinator) -> _Side:
-    """This host's pieces of the arrays of ``tables``: its responsible fragments' shards against
-    every target, its own targets against the root's locators."""
+          tables: dict[str, TargetTable], coord: Coordinator, spread: dict[str, int]) -> _Side:
+    """This host's pieces of the arrays of ``tables``: its responsible fragments' shards (and those
+    whose bands it sends of the ``spread`` arrays) against every target, its own targets against
+    the root's locators. A send's ``src`` is the host that would send it unspread (see
+    :func:`_round`)."""
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
+    rank, hosts = coord.rank, coord.size
     if not arrays:  # nothing exchanged: no fragment read to send from
         return _Side(regions, {}, {}, root, {})
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
-        local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
-        sends = {n: p.take(p.ref % coord.size == coord.rank)
-                 for n, p in outgoing(root.items, arrays, coord.rank).items()}
+        local, gets = root, _incoming_complete(root, arrays, rank, hosts)
+        sends = {n: dataclasses.replace(p, src=p.ref % hosts) for n, p in outgoing(root.items, arrays, rank).items()}
     else:
-        mine = responsible(len(root.fragments or []), coord.size, coord.rank)
-        local = run_sync(store.load_fragment_numbers(step_dir, root, mine, names=set(arrays)))
-        sends, gets = outgoing(local.items, arrays, coord.rank), incoming(root.items, arrays, coord.rank, coord.size)
+        mine = set(responsible(len(root.fragments or []), hosts, rank)) | spread_fragments(root, spread, rank, hosts)
+        local = run_sync(store.load_fragment_numbers(step_dir, root, sorted(mine), names=set(arrays)))
+        sends = {n: dataclasses.replace(p, src=original_senders(local.items[n], root.items[n], rank, hosts)[p.ref])
+                 for n, p in outgoing(local.items, arrays, rank).items()}  # type: ignore[arg-type]
+        gets = incoming(root.items, arrays, rank, hosts)
+    sends = {n: p.take(may_send(p.src, spread.get(n, 1), rank, hosts)) for n, p in sends.items()}
     if not store.host_local:
         run_sync(store.check_objects(local, store.where(step_dir)))
-    return _Side(regions, sends, gets, local, arrays)
+    return _Side(regions, sends, gets, local, arrays, spread)
 
 
 def _incoming_complete(root: Manifest, targets: dict[str, TargetTable], rank: int, hosts: int) -> dict[str, Pieces]:
@@ -269,8 +282,12 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, 
     host if any failed)."""
     x: Any = coord
     # Keyed by (array, band): a round may hold several bands of one array.
-    sends = {(n, k): side.sends[n].band(k, b) for n, k, b in rnd if n in side.sends}
-    gets = {(n, k): side.gets[n].band(k, b) for n, k, b in rnd if n in side.gets}
+    # A spread array's band k is sent k hosts on from the host that holds its shard's fragment.
+    hosts, spread = coord.size, side.spread
+    sends = {(n, k): sent(side.sends[n].band(k, b), k if n in spread else 0, coord.rank, hosts) for n, k, b in rnd
+             if n in side.sends}
+    gets = {(n, k): received(side.gets[n].band(k, b), k if n in spread else 0, hosts) for n, k, b in rnd
+            if n in side.gets}
     failure: BaseException | None = None
     try:
         messages = _read_and_pack(store, side, sends, gets, coord.rank)
