@@ -209,10 +209,13 @@ def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
         local, gets = root, _incoming_complete(root, arrays, rank, hosts)
         sends = {n: dataclasses.replace(p, src=p.ref % hosts) for n, p in outgoing(root.items, arrays, rank).items()}
     else:
-        mine = set(responsible(len(root.fragments or []), hosts, rank)) | spread_fragments(root, spread, rank, hosts)
-        local = run_sync(store.load_fragment_numbers(step_dir, root, sorted(mine), names=set(arrays)))
-        sends = {n: dataclasses.replace(p, src=original_senders(local.items[n], root.items[n], rank, hosts)[p.ref])
-                 for n, p in outgoing(local.items, arrays, rank).items()}  # type: ignore[arg-type]
+        mine = set(responsible(len(root.fragments or []), hosts, rank))
+        extra = spread_fragments(root, spread, rank, hosts) - mine
+        local = run_sync(store.load_fragment_numbers(step_dir, root, sorted(mine | extra), names=set(arrays)))
+        sends = outgoing(local.items, arrays, rank)  # src: this host, the sender of its responsible fragments
+        if extra:  # shards of other hosts' fragments too: each one's sender unspread, by the root's locator
+            sends = {n: dataclasses.replace(p, src=original_senders(local.items[n], root.items[n], rank, hosts)[p.ref])
+                     for n, p in sends.items()}  # type: ignore[arg-type]
         gets = incoming(root.items, arrays, rank, hosts)
     sends = {n: p.take(may_send(p.src, spread.get(n, 1), rank, hosts)) for n, p in sends.items()}
     if not store.host_local:
