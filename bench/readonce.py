@@ -23,6 +23,7 @@ Each process runs this module as a script (``worker``); tests reuse it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,14 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SCENARIOS", "expected", "launch", "make_checkpoints", "measured", "print_rows", "run_readonce", "spawn",
-           "summary", "warm_up", "worker_main"]
+__all__ = ["SCENARIOS", "counted_sends", "expected", "launch", "make_checkpoints", "measured", "print_rows",
+           "run_readonce", "spawn", "summary", "warm_up", "worker_main"]
 
 ROWS, COLS = 2048, 4096  # float32: 32 MiB
 REPLICATED = 2 << 20  # float32 elements: 8 MiB
@@ -138,8 +139,35 @@ def restore_counted(root: str, step: int | None, target: Any, read_once: bool | 
     from ckptio.backends.wrappers import CountingBackend
 
     counting = CountingBackend(open_backend(root))
-    out, stats = measured(lambda: ckptio.restore(root, step, target, backend=counting, read_once=read_once))
-    return out, {"read": counting.bytes_read, **stats}
+    with counted_sends() as sent:
+        out, stats = measured(lambda: ckptio.restore(root, step, target, backend=counting, read_once=read_once))
+    return out, {"read": counting.bytes_read, "sent": sent[0], **stats}
+
+
+@contextlib.contextmanager
+def counted_sends() -> Iterator[list[int]]:
+    """The bytes this process sends other processes in exchanges of ckptio's default coordinator
+    meanwhile (``[n]``, filled on exit; 0 where it has no exchange)."""
+    from ckptio.distributed import default_coordinator
+
+    coord: Any = default_coordinator()
+    sent = [0]
+    wrapped = {}
+    for name in ("exchange", "exchange_into"):
+        real = getattr(coord, name, None)
+        if callable(real):
+            def counting(sends: dict[int, list[memoryview]], *a: Any, _real: Any = real, **kw: Any) -> Any:
+                sent[0] += sum(b.nbytes for dst, bufs in sends.items() if dst != coord.rank for b in bufs)
+                return _real(sends, *a, **kw)
+
+            wrapped[name] = counting
+    try:
+        for name, fn in wrapped.items():
+            setattr(coord, name, fn)
+        yield sent
+    finally:
+        for name in wrapped:
+            delattr(coord, name)
 
 
 def replicated(root: str, read_once: bool | str) -> dict[str, Any]:
@@ -265,6 +293,7 @@ def summary(case: str, mode: str, stored: int, reports: list[dict[str, Any]]) ->
     cold = [r.get("rss_cold", r["rss_growth"]) for r in reports]
     return {"case": case, "mode": mode, "hosts": len(reports), "stored": stored, "job_read": total,
             "read_over_stored": round(total / stored, 3),
+            "max_sent": max(r.get("sent", 0) for r in reports),
             "max_rss_growth_mib": round(max(r["rss_growth"] for r in reports) / 2**20, 1),
             "max_rss_over_restored": round(max(r["rss_growth"] / r["restored"] for r in reports), 2),
             "max_cold_rss_over_restored": round(max(c / r["restored"] for c, r in zip(cold, reports)), 2),
@@ -275,12 +304,13 @@ def summary(case: str, mode: str, stored: int, reports: list[dict[str, Any]]) ->
 def print_rows(rows: list[dict[str, Any]]) -> None:
     """The rows of :func:`summary`, as a table."""
     print(f"{'case':<15} {'mode':<10} {'hosts':>5} {'stored MiB':>10} {'job read MiB':>12} {'read/stored':>11} "
-          f"{'peak RSS growth MiB':>19} {'peak RSS/restored':>17} {'cold':>5} {'wall s':>6} {'CPU s':>6}")
+          f"{'peak RSS growth MiB':>19} {'peak RSS/restored':>17} {'cold':>5} {'wall s':>6} {'CPU s':>6} "
+          f"{'max sent MiB':>12}")
     for r in rows:
         print(f"{r['case']:<15} {r['mode']:<10} {r['hosts']:>5} {r['stored'] / 2**20:>10.1f} "
               f"{r['job_read'] / 2**20:>12.1f} {r['read_over_stored']:>11} {r['max_rss_growth_mib']:>19} "
               f"{r['max_rss_over_restored']:>17} {r['max_cold_rss_over_restored']:>5} {r['max_wall_s']:>6.2f} "
-              f"{r['max_cpu_s']:>6.2f}")
+              f"{r['max_cpu_s']:>6.2f} {r['max_sent'] / 2**20:>12.1f}")
 
 
 if __name__ == "__main__":

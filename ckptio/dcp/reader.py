@@ -50,6 +50,7 @@ from ..restore.agreement import can_read_once
 from ..store import CheckpointStore
 from . import _stock, _transforms
 from ._codec import ChunkRef, metadata_from_manifest, numpy_dtype_of, numpy_view
+from ._rootview import boxed, located, wanted
 from ._readonce import Want, exchange_regions
 from ._location import Located
 
@@ -166,7 +167,8 @@ class Reader(Located, StorageReader):
             raise
         finally:
             self._close()  # read_data reopens it: no connections held between DCP's steps
-        metadata, chunks = metadata_from_manifest(manifest, where)
+        # A format-2 root's chunks are its boxes: no fragment is read until read_data knows which it needs.
+        metadata, chunks = metadata_from_manifest(boxed(manifest), where)
         metadata.storage_meta.load_id = self.load_id
         self._manifest, self._chunks, self._stock = manifest, chunks, None
         self._index(metadata)
@@ -176,7 +178,7 @@ class Reader(Located, StorageReader):
         """With no step, a root of steps reads its newest committed one (as ``ckptio.restore`` does);
         None if the root holds none."""
         try:
-            step_dir, manifest = run_sync(store.resolve_manifest(None))
+            step_dir, manifest = run_sync(store.resolve_manifest(None, shards=False))
         except CheckpointNotFoundError:
             return None
         self.step_dir = step_dir
@@ -244,7 +246,7 @@ class Reader(Located, StorageReader):
                                  coord)
             else:
                 requests = (self._plan_stock(store, plan, planner, finish) if self._stock is not None
-                            else self._plan_manifest(plan, planner, finish))
+                            else self._plan_manifest(store, plan, planner, finish))
                 run_sync(store.engine.read(requests))
         except IntegrityError as e:  # name the checkpoint too, not only the object key under it
             raise IntegrityError(f"checkpoint {self.checkpoint_id}: {e}", key=e.key, item=e.item) from e
@@ -264,10 +266,15 @@ class Reader(Located, StorageReader):
 
     # -- ckptio checkpoints --------------------------------------------------
 
-    def _plan_manifest(self, plan: LoadPlan, planner: LoadPlanner, finish: list[Callable[[], None]]
-                       ) -> list[ReadRequest]:
+    def _plan_manifest(self, store: CheckpointStore, plan: LoadPlan, planner: LoadPlanner,
+                       finish: list[Callable[[], None]]) -> list[ReadRequest]:
         manifest = self._manifest
         assert manifest is not None
+        if not manifest.complete:  # only the fragments holding this rank's chunks, only their items' rows
+            keys = {k for k in map(self._key_of, plan.items) if k in self._chunks}  # _chunk names the others
+            boxes = wanted(self._chunks[k] for k in keys)
+            manifest = run_sync(store.load_fragments(self.step_dir, manifest, boxes))
+            self._chunks = located(self._chunks, keys, manifest, self.checkpoint_id)
         return plan_regions(self._wants(plan, planner, finish), manifest.objects, manifest.block_size)
 
     def _wants(self, plan: LoadPlan, planner: LoadPlanner, finish: list[Callable[[], None]]) -> list[Want]:
@@ -281,6 +288,12 @@ class Reader(Located, StorageReader):
             else:
                 wants.append(self._want_tensor(ri, planner, ref, finish))
         return wants
+
+    @staticmethod
+    def _key_of(ri: ReadItem) -> tuple[str, tuple[int, ...]]:
+        """The (FQN, chunk offsets) a read item names (a byte item's: ``(0,)``)."""
+        index, ndim = ri.storage_index, 1 if ri.type == LoadItemType.BYTE_IO else len(ri.lengths)
+        return index.fqn, tuple(index.offset) if index.offset is not None else (0,) * ndim
 
     def _chunk(self, index: MetadataIndex, ndim: int) -> ChunkRef:
         offsets = tuple(index.offset) if index.offset is not None else (0,) * ndim
@@ -426,7 +439,7 @@ async def _find(store: CheckpointStore, step_dir: str) -> tuple[Manifest | None,
 
     async def manifest() -> Manifest | None:
         try:
-            return await store.read_manifest(step_dir)
+            return await store.read_manifest(step_dir, shards=False)
         except CheckpointNotFoundError:
             return None
 

@@ -22,14 +22,17 @@ the coordinator calls :func:`restore_exchange`):
    an IntegrityError). Where the coordinator has ``exchange_into``, a piece
    that is one run of its target buffer is received right there, others
    through a staging buffer (:mod:`ckptio.restore.landing`); a box the sender
-   wants itself as one run of its target (a replicated array) is read there;
+   wants itself as one run of its target (a replicated array) is read there.
+   An array whose shards lie in fewer fragments than there are hosts (a
+   replicated one) has each band of its shards read and sent by another host
+   (:mod:`ckptio.restore.spread`), not all of it by one;
 4. each round ends in a status round: an error on any host (a missing object,
    a checksum, a bad target) is raised on every host, naming the host that
    failed and what it failed on (:func:`ckptio.restore.agreement.agree`).
 
 So each stored byte some target needs is read from storage once in the job,
-no host reads another host's fragment, and a host holds its restored arrays
-plus one round's reads and messages.
+no host reads another host's fragment (but for the bands of a spread array),
+and a host holds its restored arrays plus one round's reads and messages.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from .._exchange import joined
 from ..checksum import crc32c
 from ..distributed import Coordinator
 from ..engine import Progress, run_sync
@@ -52,7 +54,10 @@ from ..errors import CheckpointNotFoundError, IntegrityError
 from ..reshard import Region, coverage_gaps, plan_regions
 from ..store import CheckpointStore
 from .boxroute import Pieces, TargetTable, apart, gathered, incoming, outgoing, responsible
-from .landing import Landing, Piece, dest_run
+from .landing import Landing, dest_run
+from .packing import buffer_lengths, pack, read_buffers
+from .runs import flat
+from .spread import may_send, original_senders, received, sent, spread_bands, spread_fragments
 from .packed import table_reads
 from .plan import ReadPlan, Selection, _Builder, select
 from .agreement import agree as _agree, named as _named
@@ -66,8 +71,6 @@ _ROUNDS = 8
 #: At most this many bands of one array's shards (see :func:`_bands`); shards up to _ONE_BAND bytes
 #: are never cut (a whole array up to 1 MiB has one checksum block).
 _MAX_BANDS, _ONE_BAND = 4, 1 << 20
-#: Pieces under _SMALL bytes go in one buffer per run of up to _GROUP bytes (sends, not copies, cost).
-_SMALL, _GROUP = 64 << 10, 4 << 20
 
 
 @dataclasses.dataclass
@@ -79,6 +82,8 @@ class _Side:
     gets: dict[str, Pieces]
     local: Manifest  # the root with the shards of this host's responsible fragments
     targets: dict[str, TargetTable]
+    #: Arrays whose bands several hosts send (:mod:`ckptio.restore.spread`), and their bands.
+    spread: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, target: Any, coord: Coordinator, *,
@@ -128,7 +133,9 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
             # Arrays no two hosts share: each host reads its own (the same choice on every host).
             own = apart(root.items, tables)
             _read_own(store, root, step_dir, {n: r for n, r in regions.items() if n in own}, tables_read, progress)
-            side = _plan(store, root, step_dir, regions, {n: t for n, t in tables.items() if n not in own}, coord)
+            shared = {n: t for n, t in tables.items() if n not in own}
+            bands = {n: b for rnd in (_rounds(root, shared) if shared else []) for n, _k, b in rnd}
+            side = _plan(store, root, step_dir, regions, shared, coord, spread_bands(root, shared, bands, coord.size))
         except Exception as e:
             failure = _named(e, coord.rank)
     config, what = store.engine.config, f"exchange restore of {where}"
@@ -189,23 +196,31 @@ def _check_tables(root: Manifest, regions: dict[str, dict[tuple[int, ...], list[
 
 def _plan(store: CheckpointStore, root: Manifest, step_dir: str,
           regions: dict[str, dict[tuple[int, ...], list[Region]]],
-          tables: dict[str, TargetTable], coord: Coordinator) -> _Side:
-    """This host's pieces of the arrays of ``tables``: its responsible fragments' shards against
-    every target, its own targets against the root's locators."""
+          tables: dict[str, TargetTable], coord: Coordinator, spread: dict[str, int]) -> _Side:
+    """This host's pieces of the arrays of ``tables``: its responsible fragments' shards (and those
+    whose bands it sends of the ``spread`` arrays) against every target, its own targets against
+    the root's locators. A send's ``src`` is the host that would send it unspread (see
+    :func:`_round`)."""
     arrays = {n: t for n, t in tables.items() if isinstance(root.items.get(n), ArrayItem)}
+    rank, hosts = coord.rank, coord.size
     if not arrays:  # nothing exchanged: no fragment read to send from
         return _Side(regions, {}, {}, root, {})
     if root.complete:  # format 1: every shard in the root; shard i is sent by host i % H
-        local, gets = root, _incoming_complete(root, arrays, coord.rank, coord.size)
-        sends = {n: p.take(p.ref % coord.size == coord.rank)
-                 for n, p in outgoing(root.items, arrays, coord.rank).items()}
+        local, gets = root, _incoming_complete(root, arrays, rank, hosts)
+        sends = {n: dataclasses.replace(p, src=p.ref % hosts) for n, p in outgoing(root.items, arrays, rank).items()}
     else:
-        mine = responsible(len(root.fragments or []), coord.size, coord.rank)
-        local = run_sync(store.load_fragment_numbers(step_dir, root, mine, names=set(arrays)))
-        sends, gets = outgoing(local.items, arrays, coord.rank), incoming(root.items, arrays, coord.rank, coord.size)
+        mine = set(responsible(len(root.fragments or []), hosts, rank))
+        extra = spread_fragments(root, spread, rank, hosts) - mine
+        local = run_sync(store.load_fragment_numbers(step_dir, root, sorted(mine | extra), names=set(arrays)))
+        sends = outgoing(local.items, arrays, rank)  # src: this host, the sender of its responsible fragments
+        if extra:  # shards of other hosts' fragments too: each one's sender unspread, by the root's locator
+            sends = {n: dataclasses.replace(p, src=original_senders(local.items[n], root.items[n], rank, hosts)[p.ref])
+                     for n, p in sends.items()}  # type: ignore[arg-type]
+        gets = incoming(root.items, arrays, rank, hosts)
+    sends = {n: p.take(may_send(p.src, spread.get(n, 1), rank, hosts)) for n, p in sends.items()}
     if not store.host_local:
         run_sync(store.check_objects(local, store.where(step_dir)))
-    return _Side(regions, sends, gets, local, arrays)
+    return _Side(regions, sends, gets, local, arrays, spread)
 
 
 def _incoming_complete(root: Manifest, targets: dict[str, TargetTable], rank: int, hosts: int) -> dict[str, Pieces]:
@@ -270,8 +285,12 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, 
     host if any failed)."""
     x: Any = coord
     # Keyed by (array, band): a round may hold several bands of one array.
-    sends = {(n, k): side.sends[n].band(k, b) for n, k, b in rnd if n in side.sends}
-    gets = {(n, k): side.gets[n].band(k, b) for n, k, b in rnd if n in side.gets}
+    # A spread array's band k is sent k hosts on from the host that holds its shard's fragment.
+    hosts, spread = coord.size, side.spread
+    sends = {(n, k): sent(side.sends[n].band(k, b), k if n in spread else 0, coord.rank, hosts) for n, k, b in rnd
+             if n in side.sends}
+    gets = {(n, k): received(side.gets[n].band(k, b), k if n in spread else 0, hosts) for n, k, b in rnd
+            if n in side.gets}
     failure: BaseException | None = None
     try:
         messages = _read_and_pack(store, side, sends, gets, coord.rank)
@@ -280,15 +299,15 @@ def _round(store: CheckpointStore, coord: Coordinator, side: _Side, rnd: Round, 
         messages = {}
     status = memoryview(bytearray([failure is not None]))
     out: dict[int, list[memoryview]] = {}
-    for dst, lengths in _lengths(side, sends, "dst").items():
+    for dst, lengths in _buffers(side, sends, "dst").items():
         # After a failure, zeros of the promised lengths: nobody waits for bytes that never come.
-        bufs = _coalesced(messages.get(dst) or [memoryview(bytearray(n)) for n in lengths])
+        bufs = messages.get(dst) or [memoryview(bytearray(n)) for n in lengths]
         out[dst] = [status, *bufs, _sealed(bufs)]
-    expect = _lengths(side, gets, "src")
-    sizes = {src: [1, *_grouped(lengths), _SEAL] for src, lengths in expect.items()}
+    expect = _buffers(side, gets, "src")
+    sizes = {src: [1, *lengths, _SEAL] for src, lengths in expect.items()}
     if callable(getattr(x, "exchange_into", None)):
         # Each piece lands in its target where it is one run of it (no message held beside it).
-        landing = _landing(side, gets, expect)
+        landing = _landing(side, gets)
         x.exchange_into(out, sizes, landing.into)
         del out, messages
         try:
@@ -342,85 +361,54 @@ def _check_views(views: list[memoryview], src: int, rank: int) -> None:
                              f"(crc32c mismatch over {sum(v.nbytes for v in views[1:-1])} bytes)")
 
 
-def _landing(side: _Side, gets: dict[tuple[str, int], Pieces], expect: dict[int, list[int]]) -> Landing:
+def _landing(side: _Side, gets: dict[tuple[str, int], Pieces]) -> Landing:
     """Where this round's received pieces go (see :mod:`ckptio.restore.landing`), per source in
     message order, cut as the senders cut their messages."""
-    pieces: dict[int, list[tuple[Piece, np.dtype]]] = {}
+    landing, targets = Landing(_SEAL), []
     for (n, _k), p in gets.items():
-        dtype = side.local.items[n].dtype  # type: ignore[union-attr]
         tt, regions = side.targets[n], side.regions[n]
-        for src, ref, lo, hi, nb in zip(p.src.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist(),
-                                        p.nbytes(dtype.itemsize).tolist()):
-            box = regions[(*tt.offsets[ref].tolist(), *tt.shape[ref].tolist())]
-            pieces.setdefault(src, []).append(((box, tuple(lo), tuple(hi), nb), dtype))
-    return Landing(pieces, {src: _groups(lengths) for src, lengths in expect.items()}, _SEAL)
+        refs, inv = np.unique(p.ref, return_inverse=True)
+        base = len(targets)
+        targets += [regions[(*tt.offsets[r].tolist(), *tt.shape[r].tolist())] for r in refs.tolist()]
+        landing.add(p.src, p.lo, p.hi, tt.offsets[p.ref], tt.shape[p.ref], base + inv.reshape(-1),
+                    side.local.items[n].dtype.itemsize)  # type: ignore[union-attr]
+    landing.build(targets)
+    return landing
 
 
-def _groups(lengths: list[int]) -> list[tuple[int, int]]:
-    """Pieces ``[i, j)`` sent as one buffer: runs of pieces under ``_SMALL`` bytes, up to
-    ``_GROUP`` bytes a run, each larger piece alone (a million tiny pieces must not be a million
-    sends). Both ends cut the same lengths alike."""
-    out: list[tuple[int, int]] = []
-    i, n = 0, len(lengths)
-    while i < n:
-        j, total = i + 1, lengths[i]
-        if lengths[i] < _SMALL:
-            while j < n and lengths[j] < _SMALL and total + lengths[j] <= _GROUP:
-                total += lengths[j]
-                j += 1
-        out.append((i, j))
-        i = j
-    return out
-
-
-def _grouped(lengths: list[int]) -> list[int]:
-    """The buffers' lengths of a message of pieces ``lengths`` (see :func:`_groups`)."""
-    return [sum(lengths[i:j]) for i, j in _groups(lengths)]
-
-
-def _coalesced(views: list[memoryview]) -> list[memoryview]:
-    """The buffers of a message of pieces ``views``: small ones joined (see :func:`_groups`)."""
-    return [views[i] if j == i + 1 else memoryview(joined(views[i:j]))
-            for i, j in _groups([v.nbytes for v in views])]
-
-
-def _lengths(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
-    """Per peer (``"dst"`` or ``"src"`` of ``pieces``), the lengths of its pieces, in message order."""
-    out: dict[int, list[int]] = {}
-    for (n, _k), p in pieces.items():
-        nb = p.nbytes(side.local.items[n].dtype.itemsize).tolist()  # type: ignore[union-attr]
-        for h, k in zip(getattr(p, peer).tolist(), nb):
-            out.setdefault(h, []).append(k)
-    return out
+def _buffers(side: _Side, pieces: dict[tuple[str, int], Pieces], peer: str) -> dict[int, list[int]]:
+    """Per peer (``"dst"`` or ``"src"`` of ``pieces``), the lengths of the buffers its message is
+    cut into (:func:`~ckptio.restore.packing.buffer_lengths`)."""
+    if not pieces:
+        return {}
+    return buffer_lengths(np.concatenate([getattr(p, peer) for p in pieces.values()]),
+                          np.concatenate([p.nbytes(side.local.items[n].dtype.itemsize)  # type: ignore[union-attr]
+                                          for (n, _k), p in pieces.items()]))
 
 
 def _read_and_pack(store: CheckpointStore, side: _Side, sends: dict[tuple[str, int], Pieces],
                    gets: dict[tuple[str, int], Pieces] | None = None, rank: int = -1) -> dict[int, list[memoryview]]:
     """Read (verified) the part of each shard this round's pieces need, then each destination's
-    message: its pieces' bytes, in canonical order (views where a piece is contiguous). Where this
-    host (``rank``, receiving ``gets``) wants that very box itself as one run of its target buffer
-    (a replicated array), it is read there, not beside it."""
-    wants, bufs = [], {}
+    message: its pieces' bytes in canonical order, as the buffers
+    :func:`~ckptio.restore.packing.buffer_lengths` cuts (a piece alone in its buffer and contiguous where it was read: a view; the rest packed into one flat
+    send buffer for the round, as runs). Where this host (``rank``, receiving ``gets``) wants that
+    very box itself as one run of its target buffer (a replicated array), it is read there, not
+    beside it; the rest is read into one flat read buffer for the round."""
+    reads, cols = [], []
     for (n, k), p in sends.items():
         item = side.local.items[n]
-        for row in np.unique(p.ref).tolist():
-            sel = p.ref == row
-            lo, hi = p.lo[sel].min(axis=0), p.hi[sel].max(axis=0)
-            buf = _in_place(side, (gets or {}).get((n, k)), rank, n, lo, hi)
-            if buf is None:
-                buf = np.empty(tuple((hi - lo).tolist()), item.dtype)  # type: ignore[union-attr]
-            region = Region(tuple(lo.tolist()), buf)
-            bufs[(n, k, row)] = region
-            wants.append((n, item, region))
+        order = np.argsort(p.ref, kind="stable")
+        rows, begin = np.unique(p.ref[order], return_index=True)
+        lo, hi = np.minimum.reduceat(p.lo[order], begin, axis=0), np.maximum.reduceat(p.hi[order], begin, axis=0)
+        base = len(reads)
+        for lo_, hi_ in zip(lo, hi):  # one per stored shard (its band) sent from
+            reads.append((n, item, lo_, hi_, _in_place(side, (gets or {}).get((n, k)), rank, n, lo_, hi_)))
+        src = base + np.searchsorted(rows, p.ref)
+        cols.append((p.dst, p.lo, p.hi, lo[src - base], hi[src - base], src, item.dtype.itemsize))  # type: ignore[union-attr]
+    buffers = read_buffers([(item, lo_, hi_, own) for _n, item, lo_, hi_, own in reads])
+    wants = [(n, item, Region(tuple(lo_.tolist()), buf)) for (n, item, lo_, _h, _o), buf in zip(reads, buffers)]
     run_sync(store.engine.read(plan_regions(wants, side.local.objects, side.local.block_size)))
-    out: dict[int, list[memoryview]] = {}
-    for (n, k), p in sends.items():
-        for dst, row, lo, hi in zip(p.dst.tolist(), p.ref.tolist(), p.lo.tolist(), p.hi.tolist()):
-            region = bufs[(n, k, row)]
-            box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, region.offsets))
-            piece = np.ascontiguousarray(region.dest[box]).reshape(-1).view(np.uint8)  # a view where contiguous
-            out.setdefault(dst, []).append(memoryview(piece))
-    return out
+    return pack(cols, [flat(b) for b in buffers])
 
 
 def _in_place(side: _Side, gets: Pieces | None, rank: int, name: str, lo: np.ndarray, hi: np.ndarray
