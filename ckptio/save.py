@@ -410,10 +410,7 @@ class SaveJob:
     def _write_carried(self, records: list[dict[str, Any]]) -> None:
         """The coordinator's fragments step on a host-local store (:mod:`ckptio.carried`): every host's
         fragment written here under this save's intent, covering their save ids first."""
-        sids = carried_save_ids(records, self.step_dir, self.where)
-        lease = self.lease
-        lease.covers = sorted(set(lease.covers) | set(sids))
-        run_sync(self.store.announce(self.step_dir, self.save_id, 0, lease.lease_s, lease.covers))
+        self.lease.cover(carried_save_ids(records, self.step_dir, self.where))
         self.handle.part_bases = run_sync(write_carried(self.store.io, records, self.where))
 
     def verdict(

@@ -132,6 +132,11 @@ class Lease:
         self._thread.start()
         return self
 
+    def cover(self, save_ids: Iterable[str]) -> None:
+        """Cover ``save_ids`` too from now on: announced at once, then by every beat."""
+        self.covers = sorted(set(self.covers) | set(save_ids))
+        run_sync(self._announce())
+
     def _announce(self) -> Coroutine[Any, Any, None]:
         return self.store.announce(self.step_dir, self.save_id, self.host, self.lease_s, self.covers)
 
