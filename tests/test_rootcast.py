@@ -7,6 +7,8 @@ fragment, ``tests/test_carried.py``); then they agree on the step's manifest as 
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from ckptio.restore.plan import select
 from ckptio.save import start_save
 from ckptio.store import CheckpointStore
 from ckptio.tiers.peer import RoutedBackend
-from ckptio.tiers.policy import RestorePlan
+from ckptio.tiers.policy import Holding, RestorePlan
 from ckptio.tiers.rootcast import HostTiers, manifest_for
 from hosts import on_hosts
 
@@ -139,3 +141,33 @@ def test_a_fragment_that_does_not_match_the_root_fails_every_host_alike(tmp_path
 
     on_hosts(HOSTS, host)
     assert len(errors) == HOSTS and len(set(errors)) == 1 and "host 2" in errors[0] and bad.key in errors[0]
+
+
+def test_host_0s_partner_keeps_a_format_2_manifest_as_stored(tmp_path: Path) -> None:
+    """The peer round's host 0 sends its root's stored bytes (it parses no fragment) and its fragments after
+    its objects; its partner writes the fragments, then commits that root as it is: the replica reads
+    back as host 0's whole manifest, and a restart's scan counts it."""
+    from ckptio.tiers.peer import holdings
+    from ckptio.tiers.peerround import _commit_part_replica, _head, _JobManifest, own_part
+
+    cid = _saved(tmp_path)
+    fast = CheckpointStore(str(tmp_path / "r0"), host_local=True)
+    root = run_sync(fast.read_manifest(str(STEP), shards=False))
+    rec, _m = own_part(fast, STEP, 0)
+    head, error = _head(fast, STEP, rec, root)
+    assert error is None and head["manifest"] is None and head["root"]
+    job = _JobManifest.of(json.loads(json.dumps(head)), "replica")
+    assert job is not None and job.data == (tmp_path / "r0" / str(STEP) / MANIFEST_NAME).read_bytes()
+    assert [f.key for f in job.fragments] == [f.key for f in root.fragments or []]
+    replica = CheckpointStore(str(tmp_path / "peer"), host_local=True)
+    for key in [*rec.objects, *(f.key for f in job.fragments)]:  # what the round's messages write
+        run_sync(replica.io.write(key, [memoryview((tmp_path / "r0" / key).read_bytes())]))
+    run_sync(_commit_part_replica(replica, STEP, rec, job, 0))
+    assert (tmp_path / "peer" / str(STEP) / MANIFEST_NAME).read_bytes() == job.data
+    whole, kept = (run_sync(s.read_manifest(str(STEP))) for s in (fast, replica))
+    assert kept.checkpoint_id == cid and kept.objects == whole.objects and kept.items.keys() == whole.items.keys()
+    assert holdings(CheckpointStore(str(tmp_path / "own"), host_local=True), replica, 1) == [
+        Holding(1, STEP, cid, 0, HOSTS, False)]
+    # A damaged root is refused before anything is committed.
+    with pytest.raises(Exception, match="(?i)checksum|crc|seal|manifest"):
+        _JobManifest.of({"root": base64.b64encode(job.data[:-3] + b"xyz").decode()}, "replica")

@@ -141,15 +141,17 @@ def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUN
         yield memoryview(buf)
 
 
-async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
+async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int,
+                          data: bytes | None = None) -> None:
     """Commit ``m`` in the replica store (the replica of ``source``'s part; host 0's, whose partner keeps
-    the job's manifest), mark it, retire the older replicas."""
+    the job's manifest; ``data``: a format-2 root's stored bytes, its fragments already written), mark
+    it, retire the older replicas."""
     step_dir = str(step)
     await replica.io.sync()
     try:
-        await replica.commit(step_dir, m)
+        await replica.commit(step_dir, m, data)
     except FileExistsError:  # another partner's replica of the same checkpoint came first
-        if (await replica.read_manifest(step_dir)).checkpoint_id != m.checkpoint_id:
+        if (await replica.read_manifest(step_dir, shards=False)).checkpoint_id != m.checkpoint_id:
             raise
     await mark_replica(replica, step, m.checkpoint_id, m.num_hosts, source)
     await retire_older_replicas(replica, step)

@@ -44,7 +44,7 @@ from .group import PeerGroup
 from .peer import OBJECT_NAME, RoutedBackend
 from .policy import RestorePlan
 
-__all__ = ["HostTiers", "manifest_for", "manifest_to_send"]
+__all__ = ["HostTiers", "manifest_for", "manifest_to_send", "stored_root"]
 
 log = logging.getLogger("ckptio.tiers")
 
@@ -101,13 +101,18 @@ def _payload(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> bytes:
     m = manifest_to_send(t, plan, holding_store)
     if m.complete:
         return b"M" + m.to_json()
-    step_dir = str(plan.step)
-    store = holding_store(0)
-    raw = run_sync(store.io.read(join_key(step_dir, MANIFEST_NAME)))
+    return b"R" + run_sync(stored_root(holding_store(0), str(plan.step), m))
+
+
+async def stored_root(store: CheckpointStore, step_dir: str, root: Manifest) -> bytes:
+    """The stored bytes of ``root``, the format-2 root of ``step_dir`` that ``store`` read and checked (size
+    cap, tombstone, binding, fence): what goes to another host as it is. CheckpointNotFoundError if the
+    step's manifest is not that one any more."""
+    raw = await store.io.read(join_key(step_dir, MANIFEST_NAME))
     again = Manifest.from_json(raw, f"{store.where(step_dir)}/{MANIFEST_NAME}")
-    if (again.checkpoint_id, again.fence) != (m.checkpoint_id, m.fence):  # replaced since it was checked
-        raise CheckpointNotFoundError(f"step {plan.step}: its manifest changed while it was read")
-    return b"R" + raw
+    if (again.checkpoint_id, again.fence) != (root.checkpoint_id, root.fence):  # replaced since it was checked
+        raise CheckpointNotFoundError(f"{store.where(step_dir)}: its manifest changed while it was read")
+    return raw
 
 
 def manifest_to_send(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
