@@ -171,3 +171,21 @@ def test_host_0s_partner_keeps_a_format_2_manifest_as_stored(tmp_path: Path) -> 
     # A damaged root is refused before anything is committed.
     with pytest.raises(Exception, match="(?i)checksum|crc|seal|manifest"):
         _JobManifest.of({"root": base64.b64encode(job.data[:-3] + b"xyz").decode()}, "replica")
+
+
+def test_a_provider_answers_only_the_asks_its_plan_gives_it_for_that_writers_own_keys() -> None:
+    """A peer fetch asks by key (a provider holds no manifest): the provider answers an ask only if the
+    needer's plan fetches that writer from it and the key's name says that writer; else it says why."""
+    from ckptio.tiers.peer import _bad_ask, _peer_source
+
+    plan = RestorePlan(STEP, "0123456789ab", HOSTS, 0, False, HOSTS, replica_offset=1, exceptions={1: (2,)})
+    needer, writer = 1, 1  # host 1 lost: its own part comes from its partner, host 2
+    provider = _peer_source(plan, needer, writer)
+    assert provider == 2
+    key = f"{STEP}/0123456789ab.h00001-00000"
+    assert _bad_ask(plan, provider, needer, writer, key, 10) is None
+    assert "does not fetch from host 0" in (_bad_ask(plan, 0, needer, writer, key, 10) or "")
+    assert "its name does not say" in (_bad_ask(plan, provider, needer, writer, key.replace("h00001", "h00002"), 10)
+                                       or "")
+    for ask in ((None, key, 10), (writer, 7, 10), (writer, key, -1), (writer, key, "10")):
+        assert "malformed" in (_bad_ask(plan, provider, needer, *ask) or ""), ask
