@@ -344,6 +344,11 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
                 "holdings_scan_s": other["holdings_s"],
                 "save_total": sum(sizes[1:]) + other["received"] * (hosts - 1),
             })
+            from .tiers_restore_scale import restore_side
+
+            for who, rank in (("coordinator", 0), ("host", 1)):
+                got = _in_child(restore_side, root, hosts, rank, f"{replay}.restore")
+                res.update({f"restore_{who}_{k}": v for k, v in got.items()})
         lost = hosts // 2
         for case in restarts:
             behind = RESTARTS[case]
@@ -371,6 +376,12 @@ def render_tiers_scale(res: dict[str, Any]) -> str:
             f"  restart   a host's scan of what it holds (one committed step, fresh stores) "
             f"{res['holdings_scan_s']:.2f} s, not part of the plan times below",
         ]
+    if "restore_host_cpu_s" in res:
+        lines.append("  restore's manifest (same layout)  cpu s   wall s   received       sent   peak RSS  shards of an array")
+        for who in ("coordinator", "host"):
+            g = lambda k: res[f"restore_{who}_{k}"]  # noqa: E731
+            lines.append(f"    {who:<28} {g('cpu_s'):6.2f}  {g('wall_s'):7.2f}  {_mb(g('received')):>9}  "
+                         f"{_mb(g('sent')):>9}  {g('rss_mb'):6.0f} MB  {g('shards_at_hand')}")
     lines.append(f"  restart, host {h // 2} lost          plan s  sources s   received       sent   peak RSS")
     for case in (c for c in RESTARTS if f"{c}_coordinator_plan_s" in res):
         lines.append(f"   {RESTART_TITLES[case]}")

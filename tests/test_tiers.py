@@ -225,7 +225,8 @@ def test_a_restore_without_host_0s_part_takes_the_durable_manifest_under_the_fas
     its objects named as the fast tiers name them; without a durable copy of that checkpoint it fails plainly."""
     from ckptio.tiers.group import LocalGroup
     from ckptio.tiers.policy import RestorePlan
-    from ckptio.tiers.restore import HostTiers, _manifest_to_send
+    from ckptio.tiers.restore import HostTiers
+    from ckptio.tiers.rootcast import manifest_to_send as _manifest_to_send
 
     m = run_sync(src.read_manifest("7"))
     url = f"mem://fallback-{tmp_path.name}"

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from ckptio._system import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, ReadOnlyBackend
@@ -45,11 +47,15 @@ __all__ = [
     "object_sizes",
     "read_chunks",
     "mark_replica",
+    "object_host",
     "retire_older_replicas",
     "retire_replica",
 ]
 
 log = logging.getLogger("ckptio.tiers.peer")
+
+#: The last component of an object's key as every naming of :mod:`ckptio.layout` spells it.
+OBJECT_NAME = re.compile(r"(?P<sid>[^./]+)\.h(?P<host>\d{5,})-(?P<n>\d{5,})")
 
 
 def object_sizes(manifest: Manifest) -> list[int]:
@@ -135,15 +141,17 @@ def read_chunks(store: CheckpointStore, key: str, nbytes: int, chunk: int = CHUN
         yield memoryview(buf)
 
 
-async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int) -> None:
+async def _commit_replica(replica: CheckpointStore, step: int, m: Manifest, source: int,
+                          data: bytes | None = None) -> None:
     """Commit ``m`` in the replica store (the replica of ``source``'s part; host 0's, whose partner keeps
-    the job's manifest), mark it, retire the older replicas."""
+    the job's manifest; ``data``: a format-2 root's stored bytes, its fragments already written), mark
+    it, retire the older replicas."""
     step_dir = str(step)
     await replica.io.sync()
     try:
-        await replica.commit(step_dir, m)
+        await replica.commit(step_dir, m, data)
     except FileExistsError:  # another partner's replica of the same checkpoint came first
-        if (await replica.read_manifest(step_dir)).checkpoint_id != m.checkpoint_id:
+        if (await replica.read_manifest(step_dir, shards=False)).checkpoint_id != m.checkpoint_id:
             raise
     await mark_replica(replica, step, m.checkpoint_id, m.num_hosts, source)
     await retire_older_replicas(replica, step)
@@ -196,30 +204,29 @@ def fetch_from_peers(
     needed: Sequence[int],
     store_for: Callable[[int], CheckpointStore],
     local_error: str | None = None,
-) -> dict[int, bytearray]:
+) -> dict[str, bytearray]:
     """Collective: every host asks for the objects its plan sources from peers; providers send them.
 
-    ``needed`` are this host's object indices whose source is ``PEER``;
-    ``store_for(writer)`` is this host's store holding ``writer``'s objects.
-    Returns the received objects by index. Raises on every host if any
-    host's transfer failed, or if any host brings a ``local_error`` from
-    preparing its part (a restore must not go on half-fed on some hosts).
+    ``needed`` are this host's object indices (in its ``manifest``, which may hold only the
+    fragments this host loaded) whose source is ``PEER``; ``store_for(writer)`` is this host's
+    store holding ``writer``'s objects. An ask names the object by key, so that a provider needs
+    no manifest. Returns the received objects by key. Raises on every host if any host's transfer
+    failed, or if any host brings a ``local_error`` from preparing its part (a restore must not go
+    on half-fed on some hosts).
     """
-    sizes = object_sizes(manifest)
-    writers = object_writers(manifest)
-    messages, bad = _asks(group, plan, writers, sizes, needed)
-    got: dict[int, bytearray] = {}
+    messages, bad = _asks(group, plan, manifest, needed)
+    got: dict[str, bytearray] = {}
 
     def provide(msg: Message) -> Iterator[memoryview]:
-        w = writers[msg.tag]
-        if w is None or msg.tag in bad:  # zeros go instead (the transfer keeps the stream aligned)
-            raise RuntimeError(f"object {msg.tag}: {bad.get(msg.tag, 'no shard refers to it')}")
-        return read_chunks(store_for(w), manifest.objects[msg.tag], msg.nbytes)
+        writer, key, why = msg.tag
+        if why is not None:  # zeros go instead (the transfer keeps the stream aligned)
+            raise RuntimeError(f"object {key!r}: {why}")
+        return read_chunks(store_for(writer), key, msg.nbytes)
 
     def deliver(msg: Message, buf: bytearray) -> None:
-        got[msg.tag] = buf
+        got[msg.tag[1]] = buf
 
-    problem = local_error or next(iter(bad.values()), None)
+    problem = local_error or next(iter(bad), None)
     error = f"host {group.rank}: {problem}" if problem else None
     try:
         group.transfer(messages, provide, deliver)
@@ -233,34 +240,58 @@ def fetch_from_peers(
     return got
 
 
-def _asks(group: PeerGroup, plan: RestorePlan, writers: Sequence[int | None], sizes: Sequence[int],
-          needed: Sequence[int]) -> tuple[list[Message], dict[int, str]]:
-    """Collective: the messages this host receives (its asks) and sends (what needers ask of it), and
-    the objects it must not send, with why.
+def object_host(key: str) -> int | None:
+    """The host a ckptio object's key names in its last component (``sid.hHOST-N``), else None."""
+    m = OBJECT_NAME.fullmatch(key.rpartition("/")[2])
+    return int(m["host"]) if m is not None else None
+
+
+def _asks(group: PeerGroup, plan: RestorePlan, manifest: Manifest, needed: Sequence[int]
+          ) -> tuple[list[Message], list[str]]:
+    """Collective: the messages this host receives (its asks) and sends (what needers ask of it),
+    and why any ask of its own is bad.
 
     Each needer tells only the providers it asks (an exchange: what a host receives grows with
-    what is asked of it, plus 8 bytes of lengths per host), not every host every ask. A bad ask
-    (not what the needer's plan sources from this provider) is still answered -- with zeros -- so
-    that no receive waits forever; its error fails every host in the status round.
+    what is asked of it, plus 8 bytes of lengths per host), not every host every ask: per object
+    ``[n, writer, key, nbytes]``, ``n`` its place in the needer's asks (the messages' global
+    order). A bad ask (not what the needer's plan sources from this provider, or a key that is
+    not that writer's object) is still answered -- with zeros -- so that no receive waits
+    forever; its error fails every host in the status round (``tag[2]``).
     """
     rank = group.rank
-    bad: dict[int, str] = {}
-    mine: dict[int, list[int]] = {}
+    sizes = object_sizes(manifest)
+    writers = object_writers(manifest)
+    bad: list[str] = []
+    mine: dict[int, list[list[Any]]] = {}
+    messages: list[Message] = []
     for i in sorted(set(needed)):
-        src = _peer_source(plan, rank, writers[i] if 0 <= i < len(writers) else None)
+        w = writers[i] if 0 <= i < len(writers) else None
+        src = _peer_source(plan, rank, w)
         if src is None:
-            bad[i] = f"host {rank}: object {i} is not one its plan fetches from a peer"
-        else:
-            mine.setdefault(src, []).append(i)
-    asked = group.exchange({p: [memoryview(json.dumps(idxs).encode())] for p, idxs in mine.items()})
-    messages = [Message((i, rank), p, rank, sizes[i], i) for p, idxs in mine.items() for i in idxs]
+            bad.append(f"object {i} is not one its plan fetches from a peer")
+            continue
+        n = len(messages)
+        mine.setdefault(src, []).append([n, w, manifest.objects[i], sizes[i]])
+        messages.append(Message((rank, n), src, rank, sizes[i], (w, manifest.objects[i], None)))
+    asked = group.exchange({p: [memoryview(json.dumps(a).encode())] for p, a in mine.items()})
     for needer, data in sorted(asked.items()):
-        for i in json.loads(data):
-            ok = 0 <= i < len(sizes)
-            if not ok or _peer_source(plan, needer, writers[i]) != rank:
-                bad[i] = f"host {needer} asked for object {i}, which its plan does not fetch from host {rank}"
-            messages.append(Message((i, needer), rank, needer, sizes[i] if ok else 0, i))
+        for n, w, key, nbytes in json.loads(data):
+            why = _bad_ask(plan, rank, needer, w, key, nbytes)
+            # Even a bad ask gets the bytes it waits for (zeros): its receive must not hang.
+            length = nbytes if isinstance(nbytes, int) and nbytes >= 0 else 0
+            messages.append(Message((needer, n), rank, needer, length, (w, key, why)))
     return messages, bad
+
+
+def _bad_ask(plan: RestorePlan, rank: int, needer: int, writer: Any, key: Any, nbytes: Any) -> str | None:
+    """Why ``needer``'s ask of this host for ``writer``'s object ``key`` is not one to answer, or None."""
+    if not isinstance(writer, int) or not isinstance(key, str) or not isinstance(nbytes, int) or nbytes < 0:
+        return f"host {needer} asked for {key!r} of host {writer!r} with a malformed ask"
+    if _peer_source(plan, needer, writer) != rank:
+        return f"host {needer} asked for host {writer}'s object {key!r}, which its plan does not fetch from host {rank}"
+    if object_host(key) != writer:
+        return f"host {needer} asked for {key!r} as host {writer}'s object, which its name does not say"
+    return None
 
 
 def _peer_source(plan: RestorePlan, needer: int, writer: int | None) -> int | None:
@@ -285,6 +316,8 @@ class RoutedBackend(ReadOnlyBackend):
     def __init__(self, url: str, received: dict[str, bytearray]) -> None:
         self._url = url
         self.received = received
+        #: A format-2 manifest's fragments this host was sent (manifest bytes: not counted as data read).
+        self.fragments: dict[str, bytes] = {}
         self.routes: dict[str, tuple[str, Backend, str]] = {}
         self.bytes_from: dict[str, int] = {LOCAL: 0, PEER: 0, DURABLE: 0}
         self.capabilities = Capabilities(read_only=True, concurrency=16)
@@ -297,6 +330,12 @@ class RoutedBackend(ReadOnlyBackend):
         self.routes[key] = (tier, backend, key_there)
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
+        if key in self.fragments:
+            frag = memoryview(self.fragments[key])
+            if rng.end > len(frag):
+                raise ValueError(f"{key}: range [{rng.start}, {rng.end}) past the {len(frag)} bytes received")
+            scatter_bytes(frag[rng.start : rng.end], buffers)
+            return
         if key in self.received:
             data = memoryview(self.received[key])
             if rng.end > len(data):
@@ -312,6 +351,8 @@ class RoutedBackend(ReadOnlyBackend):
         self.bytes_from[tier] += rng.length
 
     async def stat(self, key: str) -> ObjectInfo:
+        if key in self.fragments:
+            return ObjectInfo(key, len(self.fragments[key]), 0.0)
         if key in self.received:
             return ObjectInfo(key, len(self.received[key]), 0.0)
         if key not in self.routes:

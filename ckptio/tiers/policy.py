@@ -208,7 +208,7 @@ def _manifest_holder(ranked: Mapping[int, tuple[int, ...]], hs: Sequence[Holding
     keeps it): every other host's fast tier holds only its own part (issue #33). Without any
     holder of host 0's part (host 0 and its partner lost; the plan then has the step in the durable
     tier), the lowest-ranked holder of the step, which broadcasts the durable tier's manifest
-    (:func:`ckptio.tiers.restore._manifest_to_send`).
+    (:func:`ckptio.tiers.rootcast.manifest_to_send`).
     """
     holders = ranked.get(0, ())
     return holders[0] if holders else min(h.rank for h in hs)

@@ -3,7 +3,9 @@
 Every host reports what it holds to host 0, which plans and broadcasts one
 compact :class:`~ckptio.tiers.policy.RestorePlan` (who reads which writer's
 objects from which tier); one host broadcasts the manifest, read through its store
-(size cap, tombstone, binding and fence checked). Then the core restore's
+(size cap, tombstone, binding and fence checked): a format-2 root without its
+fragments, each host then getting from it only the fragments its target meets
+(:mod:`ckptio.tiers.rootcast`). Then the core restore's
 :class:`~ckptio.restore.ReadPlan` says which objects this host reads: they
 are routed to its own fast tier, its replicas or the durable tier, or
 fetched from peers (a collective exchange), and the plan is executed against
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -25,10 +26,13 @@ from ..copy import object_writers
 from ..engine import Progress, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError
 from ..manifest import Manifest
-from ..restore import execute, prepare
+from ..restore import execute
+from ..restore.plan import ReadPlan, select
+from ..restore.plan import plan as plan_reads
 from ..store import CheckpointStore
 from .group import PeerGroup
-from .peer import RoutedBackend, fetch_from_peers, holdings
+from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings
+from .rootcast import HostTiers, manifest_for
 from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
 
 __all__ = ["HostTiers", "RestoreReport", "restore_from_tiers"]
@@ -52,24 +56,7 @@ class RestoreReport:
     fetch_seconds: float
 
 
-@dataclasses.dataclass(frozen=True)
-class HostTiers:
-    """One host's tiers at a restore: its stores, and the group it agrees with the other hosts in."""
-
-    group: PeerGroup
-    fast: CheckpointStore
-    replica: CheckpointStore
-    durable: CheckpointStore | None
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
-
-
 StoreFor = Callable[[int], CheckpointStore]
-
-#: The last component of an object's key as every naming of :mod:`ckptio.layout` spells it.
-_OBJECT_NAME = re.compile(r"(?P<sid>[^./]+)\.h(?P<host>\d{5,})-(?P<n>\d{5,})")
 
 
 def restore_from_tiers(
@@ -88,18 +75,18 @@ def restore_from_tiers(
         """This host's store with ``writer``'s objects of the step: its own fast tier, or its replicas."""
         return t.fast if writer == t.rank and own_held else t.replica
 
-    manifest = _manifest(t, plan, holding_store)
-    t_plan = time.perf_counter() - t0
     routed = RoutedBackend(f"tiers://{t.fast.url}", {})
+    manifest = manifest_for(t, plan, holding_store, target, routed)
+    t_plan = time.perf_counter() - t0
     # host_local: routed reads reach only the objects this host's plan fetched
     store = CheckpointStore(routed.url, backend=routed, host_local=True)
     failure: BaseException | None = None
     fetch_seconds = 0.0
     out: Any = None
     try:
-        read_plan = prepare(store, manifest, str(plan.step), target)
+        read_plan, loaded = _prepare(store, manifest, str(plan.step), target)
         t_fetch = time.perf_counter()
-        _route_reads(t, plan, manifest, routed, holding_store, read_plan.keys())
+        _route_reads(t, plan, loaded, routed, holding_store, read_plan.keys())
         fetch_seconds = time.perf_counter() - t_fetch
         out = execute(read_plan, store.engine, progress)
     except BaseException as e:  # every host must learn it before the step counts as resumed from
@@ -115,6 +102,16 @@ def restore_from_tiers(
         fetch_seconds=fetch_seconds,
     )
     return report, out
+
+
+def _prepare(store: CheckpointStore, root: Manifest, step_dir: str, target: Any) -> tuple[ReadPlan, Manifest]:
+    """:func:`ckptio.restore.prepare` on the routed ``store``, also returning the manifest it planned with:
+    a format-2 root's fragments for ``target`` loaded (from those the host was sent), whose objects the
+    reads are routed by."""
+    where = store.where(step_dir)
+    sel = select(root, target, where)
+    loaded = run_sync(store.load_fragments(step_dir, root, lambda: sel.boxes(root)))
+    return plan_reads(loaded, sel, where=where, max_read=store.engine.config.max_read_size), loaded
 
 
 def _tier_of(plan: RestorePlan, needer: int, writer: int) -> str:
@@ -168,56 +165,6 @@ def _agree_on_plan(t: HostTiers, step: int | None, tiers: Collection[str]) -> tu
     return RestorePlan.from_json(decided["plan"]), mine
 
 
-def _manifest(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
-    """The step's manifest on every host: broadcast by the host the plan names (from its copy of host 0's
-    part; where no fast tier holds that part, from the durable tier), else the durable tier's.
-
-    The broadcast carries the manifest or the sender's one-line reason why there is none, which every host
-    then raises: a restore fails plainly and alike, never on a half-read manifest.
-    """
-    step_dir = str(plan.step)
-    if plan.manifest_from is None:
-        assert t.durable is not None
-        return run_sync(t.durable.read_manifest(step_dir))
-    data = None
-    if t.rank == plan.manifest_from:
-        try:
-            data = b"M" + _manifest_to_send(t, plan, holding_store).to_json()
-        except Exception as e:  # noqa: BLE001 -- every host raises it below
-            log.error("step %d: cannot read the manifest to broadcast: %r", plan.step, e)
-            data = f"Estep {plan.step}: host {t.rank} cannot read the job's manifest: {type(e).__name__}: {e}".encode()
-    data = t.group.broadcast_bytes(data, plan.manifest_from)
-    if data[:1] != b"M":
-        raise CheckpointNotFoundError(data[1:].decode(errors="replace"))
-    return Manifest.from_json(data[1:], f"{t.fast.url}/{step_dir} (host {plan.manifest_from})")
-
-
-def _manifest_to_send(t: HostTiers, plan: RestorePlan, holding_store: StoreFor) -> Manifest:
-    """The manifest this host broadcasts: its copy of host 0's part (host 0's own, or its partner's replica),
-    which holds the job's manifest; where no fast tier holds that part (host 0 and its partner lost), the
-    durable tier's, under the fast tiers' keys (other hosts' fast tiers hold only their own part, #33)."""
-    step_dir = str(plan.step)
-    if t.rank in plan.holders(0):
-        return run_sync(holding_store(0).read_manifest(step_dir))
-    if t.durable is None or not plan.in_durable:
-        raise CheckpointNotFoundError(f"step {plan.step}: host 0's part (the job's manifest) is in no fast tier, and "
-                                      "the durable tier does not hold the step")
-    there = run_sync(t.durable.read_manifest(step_dir))
-    if there.checkpoint_id != plan.checkpoint_id:
-        raise CheckpointNotFoundError(f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
-                                      f"the fast tiers {plan.checkpoint_id}, and host 0's part is in no fast tier")
-    return dataclasses.replace(there, objects=[_fast_key(k, step_dir, t.fast, there.num_hosts) for k in there.objects])
-
-
-def _fast_key(key: str, step_dir: str, fast: CheckpointStore, num_hosts: int) -> str:
-    """The key a durable copy's object ``key`` had in the fast tiers: the fast tier's naming of its save id,
-    host and number (a durable copy keeps them in its key's last component; every byte read is checked)."""
-    m = _OBJECT_NAME.fullmatch(key.rpartition("/")[2])
-    if m is None:
-        raise IntegrityError(f"{step_dir}: durable object {key!r} is not named as a save names its objects", key=key)
-    return fast.naming.object_key(step_dir, m["sid"], int(m["host"]), num_hosts, int(m["n"]))
-
-
 def _everywhere(group: PeerGroup, step: int, failure: BaseException | None) -> None:
     """Raise unless the restore of ``step`` succeeded on every host (this host's own failure first).
 
@@ -249,7 +196,7 @@ def _route_reads(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBac
         error = f"{type(e).__name__}: {e}"
         from_peers = []
     got = fetch_from_peers(t.group, plan, m, from_peers, holding_store, local_error=error)
-    routed.received.update({m.objects[i]: buf for i, buf in got.items()})
+    routed.received.update(got)
 
 
 def _route_local(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBackend, holding_store: StoreFor,
@@ -273,11 +220,36 @@ def _route_local(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBac
             durable_keys.append(k)
     if durable_keys:
         assert t.durable is not None
-        there = run_sync(t.durable.read_manifest(step_dir))
-        if there.checkpoint_id != m.checkpoint_id or len(there.objects) != len(m.objects):
-            raise IntegrityError(
-                f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
-                f"the fast tiers {m.checkpoint_id}: they cannot be mixed", key=step_dir)
-        for k in durable_keys:
-            routed.route(k, DURABLE, t.durable.backend, there.objects[index[k]])
+        for k, there in _durable_keys(t.durable, plan, m, index, durable_keys).items():
+            routed.route(k, DURABLE, t.durable.backend, there)
     return from_peers
+
+
+def _durable_keys(durable: CheckpointStore, plan: RestorePlan, m: Manifest, index: dict[str, int],
+                  keys: list[str]) -> dict[str, str]:
+    """Where the durable tier holds each of ``keys`` (objects of the fast tiers' ``m``): by index in a whole
+    manifest; by the save id, host and number that a copy's key keeps (see ``rootcast.fast_key``) in one
+    with only this host's fragments loaded, whose indices are not the job's."""
+    step_dir = str(plan.step)
+    there = run_sync(durable.read_manifest(step_dir))
+    if there.checkpoint_id != m.checkpoint_id or (m.complete and len(there.objects) != len(m.objects)):
+        raise IntegrityError(
+            f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
+            f"the fast tiers {m.checkpoint_id}: they cannot be mixed", key=step_dir)
+    if m.complete:
+        return {k: there.objects[index[k]] for k in keys}
+    by_name = {_name_of(k): k for k in there.objects}
+    out = {}
+    for k in keys:
+        name = _name_of(k)
+        found = by_name.get(name) if name is not None else None
+        if found is None:
+            raise IntegrityError(f"step {plan.step}: object {k!r} has no copy in the durable tier", key=k)
+        out[k] = found
+    return out
+
+
+def _name_of(key: str) -> str | None:
+    """What of ``key`` a copy keeps whatever the naming: its last component, ``sid.hHOST-N`` (None: none such)."""
+    m = OBJECT_NAME.fullmatch(key.rpartition("/")[2])
+    return m.group(0) if m is not None else None
