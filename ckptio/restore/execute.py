@@ -18,7 +18,8 @@ from typing import Any
 from ..engine import Engine, Progress, run_sync
 from ..manifest import Manifest
 from ..store import CheckpointStore
-from .plan import ReadPlan, plan, select
+from .batches import METADATA_BUDGET, batched
+from .plan import ReadPlan, Selection, plan, select
 
 __all__ = ["execute", "prepare", "restore_checkpoint"]
 
@@ -33,7 +34,7 @@ def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: A
     :func:`~ckptio.restore.plan.plan`.
     """
     where = store.where(step_dir)
-    sel = select(manifest, target, where)
+    sel = target if isinstance(target, Selection) else select(manifest, target, where)
     # The shards this restore meets, at hand (a format-2 root reads only the fragments holding them;
     # the boxes are made only then).
     root = manifest
@@ -60,6 +61,21 @@ def restore_checkpoint(
     *,
     progress: Progress | None = None,
     host: tuple[int, int] | None = None,
+    budget: int = METADATA_BUDGET,
 ) -> Any:
-    """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree (``host``: see ``prepare``)."""
-    return execute(prepare(store, manifest, step_dir, target, host), store.engine, progress)
+    """Read ``manifest``'s items (as ``target`` asks) and rebuild the tree (``host``: see ``prepare``).
+
+    A format-2 restore whose fragments' metadata does not fit ``budget`` bytes at once (a
+    column block of every array of thousands of hosts) is planned and read in batches of
+    fragments (:mod:`ckptio.restore.batches`): each batch's rows, checksums and requests are
+    dropped once its reads are verified, before the next batch is loaded."""
+    where = store.where(step_dir)
+    sel = select(manifest, target, where)
+    streamed = batched(manifest, sel, where, host, budget)
+    if streamed is None:
+        return execute(prepare(store, manifest, step_dir, sel, host), store.engine, progress)
+    plan_, numbers = streamed
+    for reqs in plan_.batches(store, step_dir, budget, numbers):
+        run_sync(store.engine.read(reqs, progress))
+        del reqs  # before the next batch is loaded: its checksums and scratch go with it
+    return plan_.finish()
