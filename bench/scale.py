@@ -178,17 +178,18 @@ def _streamed(store: Any, step_dir: str, root_m: Any, boxes: dict[str, list[Any]
     fit its budget (:mod:`ckptio.restore.batches`): batch by batch, each batch's requests dropped
     (here unread: no data) before the next batch is loaded. None where the restore plans at once."""
     from ckptio.restore import Selection
-    from ckptio.restore.batches import METADATA_BUDGET, batched
+    from ckptio.restore.batches import METADATA_BUDGET, Batched, fragment_cut
     from ckptio.staging import Sharded
 
     wanted = {}
     for name, [(off, shape)] in boxes.items():
         item = root_m.items[name]
         wanted[name] = Sharded(item.shape, item.dtype, [(tuple(slice(o, o + s) for o, s in zip(off, shape)), None)])
-    got = batched(root_m, Selection(wanted, [], None), "bench")
-    if got is None:
+    sel = Selection(wanted, [], None)
+    cut = fragment_cut(root_m, sel, METADATA_BUDGET)
+    if cut is None or len(cut) == 1:
         return None
-    plan, numbers = got
+    plan = Batched(root_m, sel, "bench")
     load = [0.0, 0.0]
     load_fragment_numbers = store.load_fragment_numbers
 
@@ -202,7 +203,7 @@ def _streamed(store: Any, step_dir: str, root_m: Any, boxes: dict[str, list[Any]
 
     store.load_fragment_numbers = timed
     n_reqs = n_batches = read = 0
-    for reqs in plan.batches(store, step_dir, METADATA_BUDGET, numbers, check=False):
+    for reqs in plan.batches(store, step_dir, cut, check=False):
         n_reqs, n_batches, read = n_reqs + len(reqs), n_batches + 1, read + sum(r.rng.length for r in reqs)
         del reqs
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0

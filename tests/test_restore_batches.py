@@ -16,10 +16,10 @@ from hosts import on_hosts
 
 import ckptio
 from ckptio.engine import run_sync
-from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ckptio.manifest import ArrayItem
 from ckptio.restore import restore_checkpoint, select
-from ckptio.restore.batches import Batched, batched, fragment_batches, locator_gaps
+from ckptio.restore.batches import Batched, fragment_batches, fragment_cut, locator_gaps
 from ckptio.store import CheckpointStore
 
 HOSTS = 4
@@ -131,8 +131,8 @@ def test_a_tiny_budget_restores_bit_exact_and_reads_each_needed_range_once(saved
     root = run_sync(store.read_manifest(str(STEP), shards=False))
     run_sync(store.close())
     sel = select(root, _target(boxes))
-    assert batched(root, sel, "here", budget=1) is not None  # the case really is batched...
-    assert batched(root, sel, "here", budget=1 << 30) is None  # ...and a roomy budget plans at once
+    assert fragment_cut(root, sel, 1) == [[f] for f in range(HOSTS)]  # the case really is batched...
+    assert fragment_cut(root, sel, 1 << 30) == [list(range(HOSTS))]  # ...and a roomy budget plans at once
 
     got, reads = _restore(saved, _target(boxes), budget=1)
     _, once = _restore(saved, _target(boxes), budget=1 << 30)
@@ -166,6 +166,7 @@ def test_every_batch_holds_fragments_in_order_within_the_budget(saved: Path) -> 
     assert fragment_batches(root, numbers, names, 1) == [[f] for f in numbers]
     assert fragment_batches(root, numbers, names, 1 << 30) == [numbers]
     assert fragment_batches(root, numbers, [], 1) == [numbers]  # no wanted rows: nothing held
+    assert fragment_batches(root, [], names, 1) == [[]]  # no fragment: one empty batch (nothing to load)
     size = max(f.size for f in root.fragments or []) * 2 * 3  # about two fragments' rows
     cut = fragment_batches(root, numbers, names, size)
     assert [f for b in cut for f in b] == numbers and all(1 <= len(b) <= 2 for b in cut)
@@ -204,10 +205,10 @@ def test_rows_a_fragment_lacks_are_refused_before_the_tree_is_built(saved: Path)
     try:
         root = run_sync(store.read_manifest(str(STEP), shards=False))
         plan = Batched(root, select(root, _target({"params/w": (slice(None), slice(0, 4))})), "here")
-        for reqs in plan.batches(store, str(STEP), 1, [0, 2, 3]):  # fragment 1 (rows 10..30) never loaded
+        for reqs in plan.batches(store, str(STEP), [[0], [2, 3]]):  # fragment 1 (rows 10..30) never loaded
             run_sync(store.engine.read(reqs))
             del reqs
-        with pytest.raises(CheckpointNotFoundError, match="params/w"):
+        with pytest.raises(ManifestError, match="params/w"):
             plan.finish()
     finally:
         run_sync(store.close())

@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 
 from ..engine import ReadRequest
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, ManifestError
 from ..manifest import ArrayItem, Manifest, table_of
 from ..manifest.lazy import fragments_for
 from ..reshard import Region, geometry_key, plan_regions
 from .plan import ReadPlan, Selection, _Builder
 from .targets import target_regions
 
-__all__ = ["METADATA_BUDGET", "Batched", "batched", "fragment_batches", "locator_gaps"]
+__all__ = ["METADATA_BUDGET", "Batched", "fragment_batches", "fragment_cut", "locator_gaps"]
 
 #: Bytes of metadata a restoring host holds at once, by default: the decoded rows, extents and
 #: checksums of a batch of fragments and the read requests planned from them.
@@ -67,10 +67,10 @@ def fragment_batches(root: Manifest, numbers: list[int], names: Collection[str],
     sizes = np.array([frags[f].size for f in numbers], np.float64)
     nums = np.asarray(numbers, _I64)
     cost = sizes * HELD_PER_BYTE * wanted[nums] / np.maximum(every[nums], 1)
-    out: list[list[int]] = []
+    out: list[list[int]] = [[]]  # no fragment to read: one empty batch
     held = 0.0
     for f, c in zip(numbers, cost.tolist()):
-        if out and held + c <= budget:
+        if held + c <= budget or not out[-1]:
             out[-1].append(f)
             held += c
         else:
@@ -148,21 +148,16 @@ class Batched:
             self.covered[k] += got
         return plan_regions(wants, m.objects, m.block_size)
 
-    def batches(self, store: Any, step_dir: str, budget: int = METADATA_BUDGET,
-                numbers: list[int] | None = None, *, check: bool = True) -> Iterator[list[ReadRequest]]:
-        """Each batch's requests, its fragments loaded from ``store`` (every fragment the regions
-        meet, unless ``numbers``) and dropped before the next batch is loaded. The consumer must
-        drop each list once read (``del``) before asking for the next. ``check``: each batch's
-        objects are checked to be there and long enough before its requests are made (unless
-        the store is host-local)."""
+    def batches(self, store: Any, step_dir: str, cut: list[list[int]], *, check: bool = True
+                ) -> Iterator[list[ReadRequest]]:
+        """Each batch's requests, its fragments (a list of ``cut``, see :func:`fragment_cut`) loaded
+        from ``store``, and dropped before the next batch is loaded. The consumer must drop each
+        list once read (``del``) before asking for the next. ``check``: each batch's objects are
+        checked to be there and long enough before its requests are made (unless the store is
+        host-local)."""
         from ..engine import run_sync
 
-        if numbers is None:
-            boxes: dict[str, list[Any]] = {}
-            for name, region in self.regions:
-                boxes.setdefault(name, []).append((region.offsets, tuple(region.dest.shape)))
-            numbers = fragments_for(self.root, boxes)
-        for batch in fragment_batches(self.root, numbers, self.names, budget):
+        for batch in cut:
             m = run_sync(store.load_fragment_numbers(step_dir, self.root, batch, self.names))
             if check and not store.host_local:
                 run_sync(store.check_objects(m, self.where))
@@ -172,25 +167,22 @@ class Batched:
             del reqs
 
     def finish(self) -> Any:
-        """The restored tree, once every batch was read; CheckpointNotFoundError naming the item if
-        the fragments did not hold every element of a region (a row its root promised missing)."""
+        """The restored tree, once every batch was read; ManifestError naming the item if the
+        fragments did not hold every element of a region (a row the root promised missing: damage,
+        which a restore of the newest step falls back from)."""
         for (name, region), got in zip(self.regions, self.covered.tolist()):
             if got != region.dest.size:
-                raise CheckpointNotFoundError(
+                raise ManifestError(
                     f"{self.where}: item {name!r}: {region.dest.size - got} elements of the target slice "
                     f"are not in the fragments that the root says hold them")
         return self.read_plan.finish()
 
 
-def batched(root: Manifest, sel: Selection, where: str, host: tuple[int, int] | None = None,
-            budget: int = METADATA_BUDGET) -> tuple[Batched, list[int]] | None:
-    """A :class:`Batched` restore of ``sel`` from ``root`` and the fragments it meets, where their
-    metadata does not fit ``budget`` in one batch; None where one plan fits (or ``root`` is not a
-    format-2 root still to load)."""
+def fragment_cut(root: Manifest, sel: Selection, budget: int = METADATA_BUDGET) -> list[list[int]] | None:
+    """The fragments a restore of ``sel`` from ``root`` loads, in batches that fit ``budget``
+    (:func:`fragment_batches`; one batch: plan at once); None where ``root`` is not a format-2
+    root still to load (or ``sel`` reads pack tables, which only complete manifests have)."""
     if root.complete or root.fragments is None or sel.tables:
         return None
     boxes = sel.boxes(root)
-    numbers = fragments_for(root, boxes)
-    if len(fragment_batches(root, numbers, boxes.keys(), budget)) <= 1:
-        return None
-    return Batched(root, sel, where, host), numbers
+    return fragment_batches(root, fragments_for(root, boxes), boxes.keys(), budget)
