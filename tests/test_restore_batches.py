@@ -235,3 +235,35 @@ def test_arrays_of_one_layout_asking_one_box_are_segmented_once_and_read_apart(
         run_sync(store.close())
     for name, dest in dests.items():
         assert dest.tobytes() == arrays()[name][:, 5:17].tobytes(), name
+
+
+def test_object_sizes_from_columns_are_those_of_the_records(saved: Path) -> None:
+    """store.objects.manifest_object_sizes reads columnar items' extents as columns: the same
+    needs as walking their shard records."""
+    import dataclasses
+
+    from ckptio.store.objects import manifest_object_sizes
+
+    store = CheckpointStore(str(saved))
+    try:
+        m = run_sync(store.read_manifest(str(STEP)))
+    finally:
+        run_sync(store.close())
+    assert all(it.table is not None for it in m.items.values() if isinstance(it, ArrayItem))
+    records = dataclasses.replace(m, items={n: ArrayItem(it.dtype, it.shape, list(it.shards), it.scalar, it.origin)
+                                           if isinstance(it, ArrayItem) else it for n, it in m.items.items()})
+    assert all(it.table is None for it in records.items.values() if isinstance(it, ArrayItem))
+    need = manifest_object_sizes(m)
+    assert need == manifest_object_sizes(records) and len(need) == len(set(m.objects)) and all(need.values())
+
+
+def test_a_short_object_is_refused_naming_it_before_its_batch_is_read(saved: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(saved, root)
+    data = [p for p in (root / str(STEP)).rglob("*") if p.is_file() and "manifest" not in p.name
+            and "fragment" not in p.name]
+    victim = max(data, key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size - 1)
+    with pytest.raises(IntegrityError, match=f"{victim.name}.* holds"):
+        _restore(root, _target(TARGETS["whole"]), budget=1)

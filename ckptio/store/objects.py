@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from ..engine import gather_or_cancel
 from ..errors import CheckpointNotFoundError, IntegrityError
 from ..manifest import ArrayItem, Manifest, split_items
@@ -27,15 +29,24 @@ def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
     plain, tables = split_items(manifest.items)
     for t in tables:  # a pack table: one extent
         ends[t.object] = max(ends[t.object], t.offset + t.ends[-1])
+    columns = np.zeros(len(manifest.objects), np.int64)
     for item in plain.values():
-        if isinstance(item, ArrayItem):
-            for shard in item.shards:
-                for e in shard.extents:
-                    end = e.offset + e.length
-                    if end > ends[e.object]:
-                        ends[e.object] = end
+        if not isinstance(item, ArrayItem):
+            continue
+        if item.table is not None:
+            # Shards read from columnar fragments: their extents as columns, not a record per
+            # shard (a column block of every array of 4096 hosts: 1 M shards, ~0.6 s and ~100 MB
+            # of records per 256 fragments).
+            if len(item.table.object):
+                np.maximum.at(columns, item.table.object, item.table.offset + item.table.length)
+            continue
+        for shard in item.shards:
+            for e in shard.extents:
+                end = e.offset + e.length
+                if end > ends[e.object]:
+                    ends[e.object] = end
     need = dict.fromkeys(manifest.objects, 0)
-    for key, end in zip(manifest.objects, ends):
+    for key, end in zip(manifest.objects, map(max, ends, columns.tolist())):
         need[key] = max(need[key], end)  # a key listed twice keeps its larger need
     return need
 
