@@ -101,17 +101,24 @@ def _target(boxes: dict[str, tuple[slice, ...]]) -> dict[str, Any]:
     return _nest({name: _piece(name, box) for name, box in boxes.items()})
 
 
-def _restore(root: Path, target: Any, budget: int) -> tuple[Any, list[tuple[str, int, int]]]:
-    """Restore ``target`` with ``budget``, and every (key, start, end) the backend read."""
+def _restore(root: Path, target: Any, budget: int, lists: list[str] | None = None
+             ) -> tuple[Any, list[tuple[str, int, int]]]:
+    """Restore ``target`` with ``budget``, and every (key, start, end) the backend read (and in
+    ``lists``, every prefix it listed)."""
     store = CheckpointStore(str(root))
     reads: list[tuple[str, int, int]] = []
-    read_into = store.backend.read_into
+    read_into, list_ = store.backend.read_into, store.backend.list
 
     async def counting(key: str, rng: Any, buffers: Any) -> None:
         await read_into(key, rng, buffers)
         reads.append((key, rng.start, rng.end))
 
+    async def listing(prefix: str, *args: Any, **kw: Any) -> Any:
+        (lists if lists is not None else []).append(prefix)
+        return await list_(prefix, *args, **kw)
+
     store.backend.read_into = counting  # type: ignore[method-assign]
+    store.backend.list = listing  # type: ignore[method-assign]
     try:
         manifest = run_sync(store.read_manifest(str(STEP), shards=False))
         return restore_checkpoint(store, manifest, str(STEP), target, budget=budget), reads
@@ -134,7 +141,9 @@ def test_a_tiny_budget_restores_bit_exact_and_reads_each_needed_range_once(saved
     assert fragment_cut(root, sel, 1) == [[f] for f in range(HOSTS)]  # the case really is batched...
     assert fragment_cut(root, sel, 1 << 30) == [list(range(HOSTS))]  # ...and a roomy budget plans at once
 
-    got, reads = _restore(saved, _target(boxes), budget=1)
+    lists: list[str] = []
+    got, reads = _restore(saved, _target(boxes), budget=1, lists=lists)
+    assert lists == [f"{STEP}/"]  # one listing checks every batch's objects
     _, once = _restore(saved, _target(boxes), budget=1 << 30)
     for name, box in boxes.items():
         [(_index, have)] = _leaf(got, name).pieces

@@ -157,10 +157,11 @@ class Batched:
         host-local)."""
         from ..engine import run_sync
 
+        listed: dict[str, dict[str, int]] = {}  # each directory listed once, not once a batch
         for batch in cut:
             m = run_sync(store.load_fragment_numbers(step_dir, self.root, batch, self.names))
             if check and not store.host_local:
-                run_sync(store.check_objects(m, self.where))
+                run_sync(store.check_objects(m, self.where, listed))
             reqs = self.plan_batch(m)
             del m
             yield reqs

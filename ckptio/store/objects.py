@@ -17,10 +17,12 @@ from ..errors import CheckpointNotFoundError, IntegrityError
 from ..manifest import ArrayItem, Manifest, split_items
 from .context import StoreContext
 
-__all__ = ["Objects", "manifest_object_sizes"]
+__all__ = ["Listed", "Objects", "manifest_object_sizes"]
 
 #: Fewer keys than this in one directory are stat-ed one by one rather than listed.
 _LIST_FROM = 4
+#: Listings kept between calls: directory -> every key listed there -> its size.
+Listed = dict[str, dict[str, int]]
 
 
 def manifest_object_sizes(manifest: Manifest) -> dict[str, int]:
@@ -57,11 +59,13 @@ class Objects:
     def __init__(self, ctx: StoreContext) -> None:
         self.ctx = ctx
 
-    async def object_sizes(self, keys: Iterable[str]) -> dict[str, int]:
+    async def object_sizes(self, keys: Iterable[str], listed: Listed | None = None) -> dict[str, int]:
         """Sizes of ``keys`` that exist (absent ones are left out).
 
         One listing per directory the keys live in (a step directory, or each
-        hashed prefix of it), not one request per object.
+        hashed prefix of it), not one request per object; ``listed`` keeps the
+        listings for the next call (a restore checking its objects batch by batch
+        lists each directory once).
         """
         wanted = set(keys)
         by_dir: dict[str, list[str]] = {}
@@ -78,8 +82,13 @@ class Objects:
                     except FileNotFoundError:
                         pass
                 return
-            listed = await io.list(directory + "/")
-            sizes.update((i.key, i.size) for i in listed if i.key in wanted)
+            if listed is None:
+                sizes.update((i.key, i.size) for i in await io.list(directory + "/") if i.key in wanted)
+                return
+            got = listed.get(directory)
+            if got is None:
+                got = listed[directory] = {i.key: i.size for i in await io.list(directory + "/")}
+            sizes.update((k, got[k]) for k in ks if k in got)
 
         await gather_or_cancel((one(d, ks) for d, ks in by_dir.items()), limit=self.ctx.concurrency * 2)
         return sizes
@@ -96,11 +105,12 @@ class Objects:
         except FileNotFoundError as e:
             raise IntegrityError(str(e)) from None
 
-    async def check_objects(self, manifest: Manifest, where: str) -> None:
-        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
+    async def check_objects(self, manifest: Manifest, where: str, listed: Listed | None = None) -> None:
+        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its
+        extents need (``listed``: see :meth:`object_sizes`)."""
         need = manifest_object_sizes(manifest)
         need.update((f.key, f.size) for f in manifest.fragments or [])
-        have = await self.object_sizes(need)
+        have = await self.object_sizes(need, listed)
         for key, size in need.items():
             if key not in have:
                 raise FileNotFoundError(f"{where}: object {key!r} is missing (deleted by someone, or never written)")
