@@ -306,6 +306,7 @@ def render(res: dict[str, Any]) -> str:
           f"{res[f'{c}_rss_mb']:6.0f} MB {res[f'{c}_requests']:9,}  "
           f"{res[f'{c}_storage_read'] / max(res[f'{c}_storage_needed'], 1):.2f}x "
           f"({res[f'{c}_storage_read'] / 2**20:.1f} / {res[f'{c}_storage_needed'] / 2**20:.1f} MiB)"
+          + (f", {res[f'{c}_batches']} batches of fragments" if res.get(f"{c}_batches", 1) > 1 else "")
           for c, what in CASES.items()),
         *render_rows(res, CASES),
         f"  (building {h} hosts' records with the save code took {res['records_s']:.1f} s in this one process)",

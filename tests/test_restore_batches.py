@@ -276,3 +276,32 @@ def test_a_short_object_is_refused_naming_it_before_its_batch_is_read(saved: Pat
         f.truncate(victim.stat().st_size - 1)
     with pytest.raises(IntegrityError, match=f"{victim.name}.* holds"):
         _restore(root, _target(TARGETS["whole"]), budget=1)
+
+
+def test_the_scale_bench_plans_as_the_restore_does_batched_or_not(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.scale's host plan goes through ckptio.restore.batches where the restore would: the
+    same bytes planned with one batch per fragment as at once."""
+    import importlib
+    import json
+
+    from ckptio.bench import scale
+
+    batches = importlib.import_module("ckptio.restore.batches")
+    (tmp_path / "1").mkdir()
+    path = tmp_path / "summaries.json"
+    path.write_text(json.dumps([scale._host_files(str(tmp_path), 8, 8, r) for r in range(8)]))
+    got: list[dict[str, Any]] = []
+
+    class Out:
+        def put(self, x: dict[str, Any]) -> None:
+            got.append(x)
+
+    scale._commit(str(tmp_path), str(path), 8, Out())
+    scale._plan(str(tmp_path), 4, 8, "resharded", Out())
+    monkeypatch.setattr(batches, "METADATA_BUDGET", 1)
+    scale._plan(str(tmp_path), 4, 8, "resharded", Out())
+    at_once, batched = got[1], got[2]
+    assert "batches" not in at_once and batched["batches"] == 8
+    assert batched["storage_read"] == at_once["storage_read"] and batched["storage_needed"] == at_once["storage_needed"]
+    assert batched["bytes_read"] == at_once["bytes_read"]  # each fragment read once either way
