@@ -153,6 +153,10 @@ def _plan_paused(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     for name, item in root_m.items.items():
         if isinstance(item, ArrayItem) and (mine := _boxes(case, rank, hosts, name, item.shape)):
             boxes[name] = mine
+    streamed = _streamed(store, step_dir, root_m, boxes, stored, t0, c0)
+    if streamed is not None:
+        out.put(streamed)
+        return
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
     t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
     load_rss = _rss_mb()
@@ -166,6 +170,47 @@ def _plan_paused(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
              "load_cpu_s": c_load, "plan_cpu_s": time.process_time() - c0 - c_load,
              "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
              "storage_needed": needed, "load_rss_mb": load_rss})
+
+
+def _streamed(store: Any, step_dir: str, root_m: Any, boxes: dict[str, list[Any]], stored: list[int],
+              t0: float, c0: float) -> dict[str, Any] | None:
+    """A host's load + plan as ``ckptio.restore`` does it where the fragments' metadata does not
+    fit its budget (:mod:`ckptio.restore.batches`): batch by batch, each batch's requests dropped
+    (here unread: no data) before the next batch is loaded. None where the restore plans at once."""
+    from ckptio.restore import Selection
+    from ckptio.restore.batches import METADATA_BUDGET, Batched, fragment_cut
+    from ckptio.staging import Sharded
+
+    wanted = {}
+    for name, [(off, shape)] in boxes.items():
+        item = root_m.items[name]
+        wanted[name] = Sharded(item.shape, item.dtype, [(tuple(slice(o, o + s) for o, s in zip(off, shape)), None)])
+    sel = Selection(wanted, [], None)
+    cut = fragment_cut(root_m, sel, METADATA_BUDGET)
+    if cut is None or len(cut) == 1:
+        return None
+    plan = Batched(root_m, sel, "bench")
+    load = [0.0, 0.0]
+    load_fragment_numbers = store.load_fragment_numbers
+
+    async def timed(*args: Any, **kw: Any) -> Any:  # the loads' share of the time (the rest plans)
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            return await load_fragment_numbers(*args, **kw)
+        finally:
+            load[0] += time.perf_counter() - w
+            load[1] += time.process_time() - c
+
+    store.load_fragment_numbers = timed
+    n_reqs = n_batches = read = 0
+    for reqs in plan.batches(store, step_dir, cut, check=False):
+        n_reqs, n_batches, read = n_reqs + len(reqs), n_batches + 1, read + sum(r.rng.length for r in reqs)
+        del reqs
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    needed = sum(r.dest.nbytes for _n, r in plan.regions)
+    return {"load_s": load[0], "plan_s": wall - load[0], "requests": n_reqs, "load_cpu_s": load[1],
+            "plan_cpu_s": cpu - load[1], "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": read,
+            "storage_needed": needed, "load_rss_mb": None, "batches": n_batches}
 
 
 def _preload() -> None:
@@ -261,6 +306,7 @@ def render(res: dict[str, Any]) -> str:
           f"{res[f'{c}_rss_mb']:6.0f} MB {res[f'{c}_requests']:9,}  "
           f"{res[f'{c}_storage_read'] / max(res[f'{c}_storage_needed'], 1):.2f}x "
           f"({res[f'{c}_storage_read'] / 2**20:.1f} / {res[f'{c}_storage_needed'] / 2**20:.1f} MiB)"
+          + (f", {res[f'{c}_batches']} batches of fragments" if res.get(f"{c}_batches", 1) > 1 else "")
           for c, what in CASES.items()),
         *render_rows(res, CASES),
         f"  (building {h} hosts' records with the save code took {res['records_s']:.1f} s in this one process)",

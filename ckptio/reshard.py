@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 
 from .engine import ReadRequest
-from .manifest import ArrayItem, Box, ShardRecord, overlap, table_of
+from .manifest import ArrayItem, Box, ShardRecord, ShardTable, overlap, table_of
 from .reshard_reads import SCRATCH_ROWS_BYTES, Region, Want, requests_for
 from .tiling import tiles_meeting
 
-__all__ = ["Region", "coverage_gaps", "overlap", "plan_region", "plan_regions", "shard_grid", "shards_meeting"]
+__all__ = ["Region", "coverage_gaps", "geometry_key", "overlap", "plan_region", "plan_regions", "shard_grid", "shards_meeting"]
 
 #: Segments planned at once: bounds planning memory (~200 bytes a segment) at a million overlaps.
 _BATCH_SEGMENTS = 1 << 17
@@ -92,18 +92,36 @@ def plan_regions(
     reqs: list[ReadRequest] = []
     segs = _Segments()
     ws: list[Want] = []
+    # Arrays of one layout (every parameter and its optimizer states) asking for the same box
+    # have the same segments: found once per layout, box and item size, repeated for the others.
+    planned: dict[tuple[Any, ...], int] = {}
     for name, item, region in wants:
         if not region.dest.size:
             continue
         w = Want(name, item, region, table_of(item))
         ws.append(w)
-        _add_segments(segs, len(ws) - 1, w)
+        key = geometry_key(w.table, region.offsets, region.dest.shape, item.dtype.itemsize)
+        like = planned.get(key)
+        if like is None:
+            planned[key] = len(ws) - 1
+            mark = segs.mark()
+            _add_segments(segs, len(ws) - 1, w)
+            segs.remember(len(ws) - 1, mark)
+        else:
+            segs.repeat(like, len(ws) - 1)
+            w.g_off, w.b_shape = list(ws[like].g_off), list(ws[like].b_shape)
         if segs.size >= _BATCH_SEGMENTS:
             # Regions come in the order their arrays were saved (and packed): a batch of them
             # still coalesces into one read per object run, with bounded planning memory.
             reqs += _plan_batch(segs, ws, objects, block_size)
-            segs, ws = _Segments(), []
+            segs, ws, planned = _Segments(), [], {}
     return reqs + _plan_batch(segs, ws, objects, block_size)
+
+
+def geometry_key(t: ShardTable, off: Sequence[int], shape: Sequence[int], itemsize: int) -> tuple[Any, ...]:
+    """What the segments of the box ``(off, shape)`` over table ``t`` depend on: its shards'
+    boxes and tiles (not their extents), the box and the item size. Equal keys, equal segments."""
+    return (itemsize, tuple(off), tuple(shape), t.offsets.tobytes(), t.shape.tobytes(), t.tile.tobytes())
 
 
 def _plan_batch(segs: _Segments, ws: list[Want], objects: list[str], block_size: int) -> list[ReadRequest]:
@@ -128,6 +146,28 @@ class _Segments:
         self.parts: dict[str, list[np.ndarray]] = {n: [] for n in self.NAMES}
         self.one: list[tuple[int, int, int, int]] = []
         self.size = 0
+        #: Per region planned here: its span ``(parts from, one from, parts to, one to)``.
+        self.spans: dict[int, tuple[int, int, int, int]] = {}
+
+    def mark(self) -> tuple[int, int]:
+        """Where the next region's segments will start (see :meth:`remember`)."""
+        return len(self.w), len(self.one)
+
+    def remember(self, w: int, mark: tuple[int, int]) -> None:
+        """Region ``w``'s segments are those added since ``mark``: :meth:`repeat` can copy them."""
+        self.spans[w] = (*mark, len(self.w), len(self.one))
+
+    def repeat(self, like: int, w: int) -> None:
+        """Region ``w`` has the segments of region ``like`` (same layout, box and item size)."""
+        p0, o0, p1, o1 = self.spans[like]
+        for k in range(p0, p1):
+            n = len(self.w[k])
+            self.w.append(np.full(n, w, _I64))
+            for name in self.NAMES[1:]:
+                self.parts[name].append(self.parts[name][k])
+            self.size += n
+        for _like, lo, hi, d0 in self.one[o0:o1]:
+            self.add_one(w, lo, hi, d0)
 
     def add(self, w: int, **cols: Any) -> None:
         k = len(cols["row"])

@@ -10,6 +10,8 @@ The package, one concern a module, imports pointing down:
 * :mod:`.plan`: :func:`plan` ``(manifest, target) -> ReadPlan``, pure
 * :mod:`.execute`: :func:`execute` ``(plan, engine)``, the IO and checksums;
   :func:`restore_checkpoint` = prepare + execute
+* :mod:`.batches`: a format-2 restore whose fragments' metadata exceeds a budget, planned,
+  read and dropped batch of fragments by batch
 * :mod:`.step`: :func:`restore_step`, picking the step (and falling back)
 * :mod:`.boxroute` + :mod:`.boxexchange`: read-once restores (``read_once=True``), the
   logical-box exchange: each host reads the fragments it is responsible for and sends others

@@ -197,9 +197,11 @@ class CheckpointStore:
         """IntegrityError unless every key ``manifest`` names is there with its size (listings, no reads)."""
         await self.objects.check_whole(step_dir, manifest)
 
-    async def check_objects(self, manifest: Manifest, where: str) -> None:
-        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need."""
-        await self.objects.check_objects(manifest, where)
+    async def check_objects(self, manifest: Manifest, where: str, listed: dict[str, dict[str, int]] | None = None
+                            ) -> None:
+        """FileNotFoundError unless every object ``manifest`` names exists, at least as long as its extents need
+        (``listed``: listings kept between calls, see :meth:`~ckptio.store.objects.Objects.object_sizes`)."""
+        await self.objects.check_objects(manifest, where, listed)
 
     # -- saves in flight (ckptio.store.intents) ---------------------------------------
 
