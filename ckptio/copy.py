@@ -33,7 +33,7 @@ from .layout import HashedNaming
 from .manifest import ArrayItem, Manifest
 from .names import parse_object, step_of_key
 from .store import CheckpointStore
-from .store.companions import carried, companions_of, without_others, write_carried
+from .store.companions import carried, companions_of, without_others, write_companions
 
 __all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_keys", "copy_objects", "object_extents", "object_writers",
            "rekey", "rekey_one", "stored_extents", "verified_reads"]
@@ -264,7 +264,7 @@ async def copy_checkpoint(
         if there.checkpoint_id == manifest.checkpoint_id:  # a copy that died before its companions ends here
             recorded = {e["name"] for e in companions_of(there)}
             todo = await carried(src, step_dir, manifest, dst, where_to, there)
-            await write_carried(dst, where_to, {n: b for n, b in todo.items() if n in recorded})
+            await write_companions(dst, where_to, {n: b for n, b in todo.items() if n in recorded})
             return there, CopyStats()
         raise FileExistsError(
             f"{dst.where(where_to)} holds another checkpoint ({there.checkpoint_id}, not {manifest.checkpoint_id})"
@@ -290,7 +290,7 @@ async def copy_checkpoint(
             there = await dst.read_manifest(where_to)
             if there.checkpoint_id != manifest.checkpoint_id:
                 raise
-        await write_carried(dst, where_to, companions)  # after the commit, as the Writer does
+        await write_companions(dst, where_to, companions)  # after the commit, as the Writer does
     log.info("copied %s -> %s: committed (%d objects written, %d kept)",
              src.where(step_dir), dst.where(where_to), stats.written, stats.kept)
     return out, stats

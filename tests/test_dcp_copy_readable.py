@@ -159,7 +159,7 @@ def test_a_copy_paused_after_its_commit_never_overwrites_a_newer_checkpoints_met
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     dcp.save(_state(), storage_writer=Writer(src, step=6))
     newer = {"w": torch.arange(12.0).reshape(3, 4), "step": 60}
-    real = copy_mod.write_carried
+    real = copy_mod.write_companions
 
     def meanwhile() -> None:
         with ckptio.CheckpointManager(dst) as m:
@@ -170,7 +170,7 @@ def test_a_copy_paused_after_its_commit_never_overwrites_a_newer_checkpoints_met
         await asyncio.to_thread(meanwhile)  # the copy sleeps; the step goes and comes back
         await real(store, step_dir, companions)
 
-    monkeypatch.setattr(copy_mod, "write_carried", paused)
+    monkeypatch.setattr(copy_mod, "write_companions", paused)
     a, b = CheckpointStore(src), CheckpointStore(dst)
     try:
         run_sync(copy_checkpoint(a, b, "6"))

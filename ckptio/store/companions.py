@@ -14,7 +14,7 @@ any object its manifest names, so whoever reads it (torch) never finds it
 pointing at data ckptio has started to delete.
 
 A copy (``ckptio cp``) carries a companion byte for byte (:func:`carried`,
-:func:`write_carried`): its paths are relative to the step directory, so it
+:func:`write_companions`): its paths are relative to the step directory, so it
 stays right wherever the objects keep their names relative to the step (a
 copy between POSIX roots, to another step number). Where they do not (a
 hashed object store, objects renamed for a revoked save id) the copy's
@@ -34,7 +34,7 @@ from ckptio.backends.base import join_key
 from ..manifest import Manifest
 
 __all__ = ["carried", "companions_of", "create_companion", "delete_companions", "is_companion", "without_others",
-           "write_carried"]
+           "write_companions"]
 
 log = logging.getLogger("ckptio.store")
 
@@ -148,7 +148,7 @@ def without_others(manifest: Manifest, names: Any) -> Manifest:
     return dataclasses.replace(manifest, metadata={**manifest.metadata, "dcp": dcp})
 
 
-async def write_carried(dst: _Store, dst_dir: str, companions: dict[str, bytes]) -> None:
+async def write_companions(dst: _Store, dst_dir: str, companions: dict[str, bytes]) -> None:
     """Write the carried companions in ``dst_dir`` (after the copy's commit: torch never reads a
     ``.metadata`` whose objects are not committed), each by :func:`create_companion`."""
     for name, data in companions.items():
