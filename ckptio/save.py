@@ -355,13 +355,24 @@ class SaveJob:
         self.finish(self.verdict(record, failure))
 
     def write(self) -> list[WrittenObject]:
-        """Build the structure's deferred bulk, then have the writer write and sync every object."""
-        if self.reuse is not None and self.reuse.items:  # pinned before anything references them
-            run_sync(pin_bases(self.store, self.step_dir, self.save_id, self.reuse))
-        with _gc.paused():
-            for build in self.deferred:
-                build()
-        return self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+        """Build the structure's deferred bulk, then have the writer write and sync every object.
+
+        An incremental save pins its bases meanwhile: only its commit references their objects,
+        and its own objects' writes do not touch them (docs/incremental.md, R1 and R2)."""
+        pinning = None
+        if self.reuse is not None and self.reuse.items:
+            pinning = submit(pin_bases(self.store, self.step_dir, self.save_id, self.reuse))
+        try:
+            with _gc.paused():
+                for build in self.deferred:
+                    build()
+            written = self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+        finally:
+            if pinning is not None:  # settled before the save goes on or fails: no pin made behind its back
+                concurrent.futures.wait([pinning])
+        if pinning is not None:
+            pinning.result()
+        return written
 
     def record(self, written: list[WrittenObject]) -> dict[str, Any]:
         """This host's record for the gather: its part of the manifest or, with many hosts, its

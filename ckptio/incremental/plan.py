@@ -98,24 +98,31 @@ def plan_reuse(staged: dict[str, Any], source_of: Callable[[np.ndarray], np.ndar
     by a byte compare with its shadow (with ``shadows``), any other by its digest (from its source)."""
     base_dir, manifest = base if base is not None else ("", None)
     reuse = Reuse(base_dir, manifest, set(), {})
-    for name, item in staged.items():
-        if not isinstance(item, StagedArray):
-            continue
+    arrays = {name: item for name, item in staged.items() if isinstance(item, StagedArray)}
+    compared: dict[ShardKey, np.ndarray] = {}  # private copies the base records: compared all at once
+    for name, item in arrays.items():
         old = manifest.items.get(name) if manifest is not None else None
         mine = reuse.digests[name] = {}
         for offsets, shape, data in item.shards:
             box, source = _box(offsets, shape), source_of(data)
             if shadows is not None and source is not data:
                 reuse.private.add((name, box))
-                if old is not None and shadows.unchanged(manifest, name, box, source):
-                    reuse.matched.add((name, box))
+                if old is not None:
+                    compared[(name, box)] = source
                 continue
             raw = memoryview(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
             if _crcs_differ(raw, old, box):
                 continue  # changed: no digest (one is taken once its crcs match the base's again)
             mine[box] = digest_of(raw)
-        matched = {b for n, b in reuse.matched if n == name}
-        if old is not None and _same(item, mine, matched, old, (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
+    if shadows is not None and compared:
+        reuse.matched = shadows.unchanged_many(manifest, compared)
+    matched: dict[str, set[Box]] = {}
+    for n, b in reuse.matched:
+        matched.setdefault(n, set()).add(b)
+    for name, item in arrays.items():
+        old = manifest.items.get(name) if manifest is not None else None
+        if old is not None and _same(item, reuse.digests[name], matched.get(name, set()), old,
+                                     (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
             reuse.items.add(name)
     log.info("incremental save: %d of %d array items unchanged since step %s (%d shards by shadow)",
              len(reuse.items), len(reuse.digests), base_dir, len(reuse.kept()))
