@@ -4,10 +4,12 @@ make the committed document reference it (docs/incremental.md, sections 1 and 2)
 Granularity in this first part: a whole array item of a single-host save is reused when every
 one of its shards has the same box and tiling in the base and the same bytes: a shard staged as a
 private copy is compared with its shadow (:mod:`.shadow`, a byte compare against the copy the last
-save wrote); any other (a view of an immutable array) by its sha256 (of its C-order bytes),
-computed from the caller's array while the training step waits: it is stable then. Its bytes
-are then neither copied to staging nor written; the commit's document names the base's objects
-and extents for it. Packed small arrays are always written.
+save wrote), on the caller's thread while the training step waits (the caller's array may
+change once ``save`` returns); a view of an immutable array by its sha256 (of its C-order
+bytes), on the save's thread (:func:`settle_views`: a view does not change). Its bytes are then
+neither copied to staging nor written; the commit's document names the base's objects and
+extents for it. Packed small arrays are always written. A private copy without a shadow (no
+manager) is digested from the caller's array, on the caller's thread.
 """
 
 from __future__ import annotations
