@@ -164,3 +164,23 @@ def test_a_shadow_is_a_private_copy_held_until_replaced() -> None:
     shadows.offer("s3", [], [], {}, StagingArea(pool))
     shadows.settle(other)  # type: ignore[arg-type]  # not the offer's commit: nothing can be proven
     assert len(shadows) == 0 and shadows.cid is None and pool.has(N * 4)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_compares_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's compare threads do not exist in a forked child: its compares must not wait on them."""
+    import os
+
+    monkeypatch.setattr(compare_mod, "_CHUNK", 1 << 12)
+    monkeypatch.setattr(compare_mod, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(compare_mod, "_THREADS", 2)
+    a = np.arange(1 << 16, dtype=np.uint8)
+    assert compare_mod.equal_pairs({0: (a, a.copy())}) == {0}  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if its compare completes (a hang fails the test by timeout)
+        import signal
+
+        signal.alarm(20)
+        os._exit(0 if compare_mod.equal_pairs({0: (a, a.copy())}) == {0} else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
