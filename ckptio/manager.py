@@ -106,7 +106,8 @@ class CheckpointManager:
             (handled from its first call on; default SIGTERM).
         incremental: an array whose bytes equal those the previous save of this manager
             committed is not written again: the new step references its objects (docs/incremental.md;
-            single-host saves; the first save, and the one after a failure, write in full).
+            the first save, and the one after a failure, write in full). Single-host jobs only: with
+            several hosts the manager refuses it (ValueError), as their fragments take no references yet.
     """
 
     def __init__(
@@ -143,6 +144,12 @@ class CheckpointManager:
         if problem:
             raise NotADirectoryError(problem)
         self.coordinator = coordinator or default_coordinator()
+        if incremental and self.coordinator.size > 1:
+            # Every host refuses alike (the job's size is the same on each): no host waits on another.
+            raise ValueError(
+                f"CheckpointManager(incremental=True) needs a single-host job, and this one has {self.coordinator.size} "
+                "hosts: their saves write manifest fragments (format 2), which do not reference older steps' objects "
+                "yet (docs/incremental.md); pass incremental=False")
         self.store = CheckpointStore(StoreOptions(
             os.fspath(url), backend=backend, engine_config=config_for_host(engine_config, self.coordinator),
             naming=naming, backend_options=backend_options,

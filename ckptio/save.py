@@ -26,7 +26,7 @@ from . import _gc
 from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
-from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items
+from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items, settle_views
 from .incremental.shadow import Shadows
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
@@ -259,16 +259,12 @@ class SaveJob:
         """Plan the objects, name them, and write the manifest's head."""
         store, coord = self.store, self.coord
         pieces, self.arrays = pieces_of(self.staged, self.packs, store.engine.config.block_size)
-        if self.reuse is not None:  # unchanged items: neither copied nor written
-            pieces = [p for p in pieces if p.item not in self.reuse.items or p.shard < 0]
+        if self.reuse is not None:  # unchanged items: neither copied nor written; views: decided later
+            later = self.reuse.items | self.reuse.deferred
+            pieces = [p for p in pieces if p.item not in later or p.shard < 0]
             self.area.forget([data for name in self.reuse.items for _o, _s, data in self.staged[name].shards])
         self.save_id = save_id = new_id()
-        self.plans = pack(
-            pieces,
-            object_size=store.backend.layout_defaults.object_size,
-            align=store.backend.capabilities.alignment,
-            key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, n),
-        )
+        self.plans = self._pack(pieces, 0)
         # Each object's write starts as soon as its own bytes are staged.
         self.ready = [concurrent.futures.Future() for _ in self.plans]
         self.head = {
@@ -276,6 +272,32 @@ class SaveJob:
             "created": time.time(), "block_size": store.engine.config.block_size, "num_hosts": coord.size,
             "tree": self.structure, "metadata": self.metadata,
         }
+
+    def _pack(self, pieces: list[Any], first: int) -> list[ObjectPlan]:
+        """``pieces`` packed into objects numbered from ``first``."""
+        store, coord, save_id = self.store, self.coord, self.save_id
+        return pack(
+            pieces,
+            object_size=store.backend.layout_defaults.object_size,
+            align=store.backend.capabilities.alignment,
+            key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, first + n),
+        )
+
+    def _lay_out_views(self) -> None:
+        """The save's thread: settle the views an incremental save deferred (:func:`settle_views`)
+        and lay out the ones it writes after the rest (their bytes need no copy: ready at once)."""
+        if self.reuse is None or not self.reuse.views:
+            return
+        late = settle_views(self.reuse, self.staged)
+        if not late:
+            return
+        pieces, arrays = pieces_of({name: self.staged[name] for name in late}, (), self.store.engine.config.block_size)
+        plans = self._pack(pieces, len(self.plans))
+        ready: list[concurrent.futures.Future[None]] = [concurrent.futures.Future() for _ in plans]
+        for fut in ready:
+            fut.set_result(None)
+        # New lists, not appended to: the calling thread may still be filling from the old ones.
+        self.plans, self.ready, self.arrays = [*self.plans, *plans], [*self.ready, *ready], {**self.arrays, **arrays}
 
     def _announce(self) -> None:
         """Announced before the first object: deleters spare a live save's objects, whatever their age.
@@ -321,13 +343,14 @@ class SaveJob:
             # and the writer's per-member checksums would contend for it inside the step's stall.
             for p in self.packs:
                 area.fill(p.buffer)
-            thread.start()
             # Each object's write is released once its own arrays are copied (a failed write cancels
-            # the objects still waiting for theirs); large states are copied by helpers too.
-            objects = [[(e.item, e.shard) for e in plan.extents] for plan in self.plans]
-            copies = (self.arrays[k] for k in {k for keys in objects for k in keys})
+            # the objects still waiting for theirs); large states are copied by helpers too. Taken
+            # before the save's thread starts: it may lay out more objects (an incremental save's views).
+            objects, arrays = [[(e.item, e.shard) for e in plan.extents] for plan in self.plans], self.arrays
+            thread.start()
+            copies = (arrays[k] for k in {k for keys in objects for k in keys})
             nbytes = sum(a.nbytes for a in copies if area.source_of(a) is not a)  # copy=False: none
-            fill_objects(area.fill, objects, self.arrays, ready, fillers_for(nbytes))
+            fill_objects(area.fill, objects, arrays, ready, fillers_for(nbytes))
             area.fill_all()  # zero-byte pieces belong to no object
         except BaseException as e:
             for fut in ready:
@@ -355,13 +378,25 @@ class SaveJob:
         self.finish(self.verdict(record, failure))
 
     def write(self) -> list[WrittenObject]:
-        """Build the structure's deferred bulk, then have the writer write and sync every object."""
-        if self.reuse is not None and self.reuse.items:  # pinned before anything references them
-            run_sync(pin_bases(self.store, self.step_dir, self.save_id, self.reuse))
-        with _gc.paused():
-            for build in self.deferred:
-                build()
-        return self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+        """Build the structure's deferred bulk, then have the writer write and sync every object.
+
+        An incremental save pins its bases meanwhile: only its commit references their objects,
+        and its own objects' writes do not touch them (docs/incremental.md, R1 and R2)."""
+        self._lay_out_views()
+        pinning = None
+        if self.reuse is not None and self.reuse.items:
+            pinning = submit(pin_bases(self.store, self.step_dir, self.save_id, self.reuse))
+        try:
+            with _gc.paused():
+                for build in self.deferred:
+                    build()
+            written = self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+        finally:
+            if pinning is not None:  # settled before the save goes on or fails: no pin made behind its back
+                concurrent.futures.wait([pinning])
+        if pinning is not None:
+            pinning.result()
+        return written
 
     def record(self, written: list[WrittenObject]) -> dict[str, Any]:
         """This host's record for the gather: its part of the manifest or, with many hosts, its

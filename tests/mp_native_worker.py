@@ -1,6 +1,6 @@
 """One process of a multi-process native save/restore (launched by tests/test_multiprocess.py).
 
-usage: mp_native_worker.py save|restore ROOT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
+usage: mp_native_worker.py save|restore|incremental ROOT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
 """
 
 from __future__ import annotations
@@ -27,7 +27,16 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     full = expected()
-    if mode == "save":
+    if mode == "incremental":  # refused alike on every host: multi-host saves take no references yet
+        try:
+            ckptio.CheckpointManager(root, incremental=True)
+        except ValueError as e:
+            assert f"this one has {world} hosts" in str(e), e
+        else:
+            raise AssertionError("a multi-host CheckpointManager(incremental=True) was not refused")
+        dist.barrier()
+        assert not os.path.exists(root) or not os.listdir(root), os.listdir(root)
+    elif mode == "save":
         rows = SHAPE[0] // world
         ix = (slice(rank * rows, (rank + 1) * rows), slice(None))
         state = {

@@ -159,3 +159,42 @@ def test_the_previous_release_deletes_nothing_a_kept_step_references(tmp_path: P
             assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in states[step].items()), step
     assert set(mngr.all_steps()) >= ({3, 4} if base == "deleted" else {2, 3}), done.stdout
     mngr.close()
+
+
+@pytest.mark.slow
+def test_the_previous_release_deleting_an_incremental_step_loses_nothing_kept(tmp_path: Path) -> None:
+    """The previous release's gc (grace 0) and ``delete`` of an incremental step that is itself a base
+    (step 3 reuses an array step 2 wrote): the older version deletes step 2 (what it was asked), but
+    never the objects step 3 references there (spared through step 3's hold); steps 1 and 3 restore
+    bit-exact, and this version's gc then leaves exactly the objects the kept steps reference."""
+    old = _previous_release(tmp_path)
+    root = tmp_path / "steps"
+    frozen = np.random.default_rng(0).standard_normal(FROZEN).astype(np.float32)
+    mid = {1: 1.0, 2: 2.0, 3: 2.0}  # changes at step 2, not at step 3: step 3 references step 2's object
+    states = {s: {"frozen": frozen, "mid": np.full(FROZEN // 4, mid[s], np.float32),
+                  "moving": np.full(FROZEN // 4, s, np.float32)} for s in (1, 2, 3)}
+    mngr = ckptio.CheckpointManager(root, max_to_keep=3, incremental=True)
+    for step, state in states.items():
+        mngr.save(step, state, force=True)
+        mngr.wait_until_finished()
+    m3 = run_sync(mngr.store.read_manifest("3"))
+    assert {k.split("/")[0] for k in m3.objects} == {"1", "2", "3"}  # the scenario: references into 1 and 2
+    mngr.close()
+    env = {**os.environ, "PYTHONPATH": str(old)}
+    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "2"], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{old}/ckptio" not in done.stderr
+    assert "old delete 2 done" in done.stdout, done.stdout
+    mngr = ckptio.CheckpointManager(root, incremental=True)
+    for rounds in ("after the older delete", "after this version's gc"):
+        assert mngr.all_steps() == [1, 3], (rounds, done.stdout)
+        for step in (1, 3):
+            out = mngr.restore(step)
+            assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in states[step].items()), (rounds, step)
+        mngr.sweep_orphans(0.0)
+    kept = {k for s in ("1", "3") for k in run_sync(mngr.store.read_manifest(s)).objects}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and parse_object(str(p.relative_to(root)))}
+    assert on_disk == kept
+    assert not [p for p in (root / PIN_DIR).glob("*") if p.name.split(".")[1] == "2"]  # step 2's own pins went
+    mngr.close()

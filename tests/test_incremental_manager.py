@@ -16,6 +16,7 @@ from ckptio.engine import run_sync
 from ckptio.incremental.pins import PIN_DIR
 from ckptio.names import parse_object
 from ckptio.store import CheckpointStore
+from hosts import on_hosts
 
 FROZEN = 1 << 20  # float32 elements: 4 MiB
 MOVING = 1 << 18  # 1 MiB
@@ -185,3 +186,68 @@ def test_convert_of_an_incremental_step_is_self_contained(tmp_path: Path) -> Non
     out = ckptio.restore(str(tmp_path / "back"), step=3)
     for name in ("frozen", "moving", "small"):
         assert np.asarray(out[name]).tobytes() == np.asarray(state(3, frozen)[name]).tobytes(), name
+
+
+def test_a_multi_host_job_is_refused_on_every_host(tmp_path: Path) -> None:
+    """Several hosts (threads as hosts): their saves write manifest fragments, which take no references
+    yet, so ``incremental=True`` is refused on every host alike (no host waits on another), before
+    anything is written; the same job's plain manager saves."""
+    def host(rank: int, coord: Any) -> str:
+        with pytest.raises(ValueError, match="needs a single-host job, and this one has 2 hosts") as e:
+            ckptio.CheckpointManager(tmp_path, coordinator=coord, incremental=True)
+        mngr = ckptio.CheckpointManager(tmp_path, coordinator=coord)
+        mngr.save(1, {"x": ckptio.Sharded((4,), np.float32, [((slice(2 * rank, 2 * rank + 2),),
+                                                             np.full(2, rank, np.float32))])}, force=True)
+        mngr.close()
+        return str(e.value)
+
+    assert len(set(on_hosts(2, host))) == 1
+    assert np.asarray(ckptio.restore(tmp_path, 1)["x"]).tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_multi_process_job_is_refused_on_every_process(tmp_path: Path) -> None:
+    """The same refusal in real processes (torch.distributed, gloo): every rank raises, none hangs."""
+    pytest.importorskip("torch")
+    from ckptio.bench.readonce import spawn
+
+    spawn(str(Path(__file__).parent / "mp_native_worker.py"), 2, ["incremental", str(tmp_path / "ckpt")], 120)
+
+
+def test_views_are_digested_off_the_training_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An immutable array (a jax array: a view, not copied) is digested on the save's thread, never in
+    the ``save`` call (the step's stall): a frozen one is still referenced from its first save, and a
+    changing one -- laid out after the rest, once that thread decides -- restores bit-exact beside
+    changing private copies and packed small arrays."""
+    jnp = pytest.importorskip("jax.numpy")
+    import threading
+
+    from ckptio.incremental import plan as plan_mod
+
+    threads: list[str] = []
+    digest = plan_mod.digest_of
+
+    def spy(data: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return digest(data)
+
+    monkeypatch.setattr(plan_mod, "digest_of", spy)
+    rng = np.random.default_rng(3)
+    frozen = jnp.asarray(rng.standard_normal(FROZEN).astype(np.float32))
+    mngr = ckptio.CheckpointManager(tmp_path, incremental=True)
+    states = {}
+    for step in range(1, 5):
+        states[step] = {"frozen": frozen, "moving_jax": jnp.full(MOVING, step, jnp.float32),
+                        "moving_np": np.full(MOVING, -step, np.float32), "small": np.arange(3) + step}
+        mngr.save(step, states[step], force=True)
+        assert not [t for t in threads if t == threading.current_thread().name], threads
+        mngr.wait_until_finished()
+    assert threads and all(t.startswith("ckptio-save-") for t in threads), threads
+    for step in range(1, 5):
+        m = run_sync(mngr.store.read_manifest(str(step)))
+        steps = {name: {m.objects[e.object].split("/")[0] for s in m.items[name].shards for e in s.extents}
+                 for name in ("frozen", "moving_jax")}  # type: ignore[union-attr]
+        assert steps == {"frozen": {"1"}, "moving_jax": {str(step)}}, (step, steps)
+        out = mngr.restore(step)
+        assert all(np.asarray(out[k]).tobytes() == np.asarray(v).tobytes() for k, v in states[step].items()), step
+    mngr.close()

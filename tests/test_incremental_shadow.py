@@ -15,6 +15,7 @@ import pytest
 import ckptio
 from ckptio.engine import run_sync
 from ckptio.incremental import plan as plan_mod
+from ckptio.incremental import compare as compare_mod
 from ckptio.incremental.shadow import Shadows, same_bytes
 from ckptio.manifest import ArrayItem, Manifest
 from ckptio.names import step_of_key
@@ -39,6 +40,24 @@ def test_same_bytes_compares_every_byte() -> None:
         b[i] ^= 1
     assert not same_bytes(a, b[:-1])
     assert same_bytes(a.view(np.uint8)[:4].view(np.float32), a[:4].view(np.int32))  # bytes, not dtypes
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_equal_pairs_compares_every_byte_of_every_pair(parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many pairs at once (chunks on several threads, or one): a pair is equal only when every byte
+    is, whichever chunk holds the difference, and a difference in one pair leaves the others alone."""
+    monkeypatch.setattr(compare_mod, "_CHUNK", 1 << 12)
+    monkeypatch.setattr(compare_mod, "_PARALLEL_MIN", 0 if parallel else 1 << 40)
+    monkeypatch.setattr(compare_mod, "_THREADS", 3 if parallel else 1)
+    rng = np.random.default_rng(1)
+    a = {i: rng.integers(0, 255, (i + 1) * 5000 + i, dtype=np.uint8) for i in range(8)}
+    b = {i: x.copy() for i, x in a.items()}
+    for i, at in ((1, 0), (3, 4096), (5, len(b[5]) - 1), (6, 7777)):
+        b[i][at] ^= 0x80
+    pairs = {i: (a[i], b[i]) for i in a}
+    pairs[7] = (a[7], b[7][:-1])  # a shorter buffer is never equal
+    pairs[8] = (a[0][:8].view(np.float32), a[0][:8].view(np.int32))  # bytes, not dtypes
+    assert compare_mod.equal_pairs(pairs) == {0, 2, 4, 8}
 
 
 def test_a_frozen_base_is_compared_not_digested(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,3 +164,23 @@ def test_a_shadow_is_a_private_copy_held_until_replaced() -> None:
     shadows.offer("s3", [], [], {}, StagingArea(pool))
     shadows.settle(other)  # type: ignore[arg-type]  # not the offer's commit: nothing can be proven
     assert len(shadows) == 0 and shadows.cid is None and pool.has(N * 4)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_compares_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's compare threads do not exist in a forked child: its compares must not wait on them."""
+    import os
+
+    monkeypatch.setattr(compare_mod, "_CHUNK", 1 << 12)
+    monkeypatch.setattr(compare_mod, "_PARALLEL_MIN", 0)
+    monkeypatch.setattr(compare_mod, "_THREADS", 2)
+    a = np.arange(1 << 16, dtype=np.uint8)
+    assert compare_mod.equal_pairs({0: (a, a.copy())}) == {0}  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if its compare completes (a hang fails the test by timeout)
+        import signal
+
+        signal.alarm(20)
+        os._exit(0 if compare_mod.equal_pairs({0: (a, a.copy())}) == {0} else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

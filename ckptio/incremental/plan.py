@@ -4,10 +4,12 @@ make the committed document reference it (docs/incremental.md, sections 1 and 2)
 Granularity in this first part: a whole array item of a single-host save is reused when every
 one of its shards has the same box and tiling in the base and the same bytes: a shard staged as a
 private copy is compared with its shadow (:mod:`.shadow`, a byte compare against the copy the last
-save wrote); any other (a view of an immutable array) by its sha256 (of its C-order bytes),
-computed from the caller's array while the training step waits: it is stable then. Its bytes
-are then neither copied to staging nor written; the commit's document names the base's objects
-and extents for it. Packed small arrays are always written.
+save wrote), on the caller's thread while the training step waits (the caller's array may
+change once ``save`` returns); a view of an immutable array by its sha256 (of its C-order
+bytes), on the save's thread (:func:`settle_views`: a view does not change). Its bytes are then
+neither copied to staging nor written; the commit's document names the base's objects and
+extents for it. Packed small arrays are always written. A private copy without a shadow (no
+manager) is digested from the caller's array, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .pins import pin_key
 from .reuse import digest_of
 from .shadow import Shadows, ShardKey
 
-__all__ = ["Reuse", "pin_bases", "plan_reuse", "reference_items"]
+__all__ = ["Reuse", "pin_bases", "plan_reuse", "reference_items", "settle_views"]
 
 log = logging.getLogger("ckptio.incremental")
 
@@ -50,6 +52,13 @@ class Reuse:
     #: whose bytes equal their shadow's.
     private: set[ShardKey] = dataclasses.field(default_factory=set)
     matched: set[ShardKey] = dataclasses.field(default_factory=set)
+    #: Shards staged as views (immutable arrays, private host copies: stable once the save
+    #: returns), digested on the save's thread (:func:`settle_views`), and the items holding them
+    #: that the base may hold (same dtype and shape): laid out only once that thread decides.
+    views: set[ShardKey] = dataclasses.field(default_factory=set)
+    deferred: set[str] = dataclasses.field(default_factory=set)
+    #: ``matched`` by item.
+    matched_boxes: dict[str, set[Box]] = dataclasses.field(default_factory=dict)
 
     def writers(self, writers_of: Callable[[Iterable[str]], set[str]]) -> dict[str, set[str]]:
         """By base step, the save ids that wrote the objects the reused items reference there."""
@@ -98,28 +107,70 @@ def plan_reuse(staged: dict[str, Any], source_of: Callable[[np.ndarray], np.ndar
     by a byte compare with its shadow (with ``shadows``), any other by its digest (from its source)."""
     base_dir, manifest = base if base is not None else ("", None)
     reuse = Reuse(base_dir, manifest, set(), {})
-    for name, item in staged.items():
-        if not isinstance(item, StagedArray):
-            continue
+    arrays = {name: item for name, item in staged.items() if isinstance(item, StagedArray)}
+    compared: dict[ShardKey, np.ndarray] = {}  # private copies the base records: compared all at once
+    for name, item in arrays.items():
         old = manifest.items.get(name) if manifest is not None else None
         mine = reuse.digests[name] = {}
         for offsets, shape, data in item.shards:
             box, source = _box(offsets, shape), source_of(data)
             if shadows is not None and source is not data:
                 reuse.private.add((name, box))
-                if old is not None and shadows.unchanged(manifest, name, box, source):
-                    reuse.matched.add((name, box))
+                if old is not None:
+                    compared[(name, box)] = source
                 continue
-            raw = memoryview(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
-            if _crcs_differ(raw, old, box):
-                continue  # changed: no digest (one is taken once its crcs match the base's again)
-            mine[box] = digest_of(raw)
-        matched = {b for n, b in reuse.matched if n == name}
-        if old is not None and _same(item, mine, matched, old, (manifest.digests or {}).get(name, {})):  # type: ignore[union-attr]
+            if source is data:  # a view: its bytes stay as they are: digested off the training step
+                reuse.views.add((name, box))
+                continue
+            _digest(mine, source, old, box)
+        # Only an item of views alone: a private copy is filled for the objects laid out here.
+        if isinstance(old, ArrayItem) and (old.dtype, tuple(old.shape)) == (item.dtype, tuple(item.shape)) and all(
+                (name, _box(o, s)) in reuse.views and d.nbytes for o, s, d in item.shards) and item.shards:
+            reuse.deferred.add(name)
+    if shadows is not None and compared:
+        reuse.matched = shadows.unchanged_many(manifest, compared)
+    for n, b in reuse.matched:
+        reuse.matched_boxes.setdefault(n, set()).add(b)
+    for name, item in arrays.items():
+        if name not in reuse.deferred and _same_as_base(reuse, name, item):
             reuse.items.add(name)
     log.info("incremental save: %d of %d array items unchanged since step %s (%d shards by shadow)",
              len(reuse.items), len(reuse.digests), base_dir, len(reuse.kept()))
     return reuse
+
+
+def _same_as_base(reuse: Reuse, name: str, item: StagedArray) -> bool:
+    old = reuse.base.items.get(name) if reuse.base is not None else None
+    if old is None:
+        return False
+    return _same(item, reuse.digests[name], reuse.matched_boxes.get(name, set()), old,
+                 (reuse.base.digests or {}).get(name, {}))  # type: ignore[union-attr]
+
+
+def _digest(into: dict[Box, str], source: np.ndarray, old: Any, box: Box) -> None:
+    """Record the digest of ``source`` (shard ``box``) in ``into``, unless the cheap crc filter
+    already tells it changed since ``old``: no digest then (one is taken once its crcs match again)."""
+    raw = memoryview(np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+    if not _crcs_differ(raw, old, box):
+        into[box] = digest_of(raw)
+
+
+def settle_views(reuse: Reuse, staged: dict[str, Any]) -> list[str]:
+    """On the save's thread: digest the view shards, add the deferred items the base holds
+    unchanged to ``reuse.items``, and return the other deferred items (to write), in staged order.
+    Sound because a view's bytes do not change once the save returns: the writer writes them then."""
+    for name, box in reuse.views:
+        item = staged[name]
+        old = reuse.base.items.get(name) if reuse.base is not None else None
+        for offsets, shape, data in item.shards:
+            if _box(offsets, shape) == box:
+                _digest(reuse.digests[name], data, old, box)
+    for name in reuse.deferred:
+        if _same_as_base(reuse, name, staged[name]):
+            reuse.items.add(name)
+    log.info("incremental save: %d of %d array items held as views unchanged since step %s",
+             len(reuse.deferred & reuse.items), len({n for n, _b in reuse.views}), reuse.base_dir)
+    return [name for name in staged if name in reuse.deferred and name not in reuse.items]
 
 
 def _crcs_differ(raw: memoryview, old: Any, box: Box) -> bool:

@@ -26,9 +26,8 @@ that changes everything holds it beside the pool's buffers: up to twice a full s
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,36 +35,10 @@ import numpy as np
 from ..manifest import Manifest
 from ..manifest.model import Box
 from ..staging import StagingArea, StagingPool, StagedArray
+from .compare import equal_pairs, same_bytes
 from .reuse import ShardKey
 
 __all__ = ["ShardKey", "Shadows", "same_bytes"]
-
-#: Compared per chunk: a changed shard usually differs early, and each call releases the GIL.
-_CHUNK = 64 << 20
-
-try:
-    _libc = ctypes.CDLL(None)
-    _memcmp = _libc.memcmp
-    _memcmp.restype = ctypes.c_int
-    _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-except (OSError, AttributeError):  # no C library to call: numpy compares (slower, same answer)
-    _memcmp = None
-
-
-def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two C-contiguous arrays hold the same bytes (their dtypes are not compared)."""
-    if a.nbytes != b.nbytes:
-        return False
-    x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    for start in range(0, a.nbytes, _CHUNK):
-        end = min(start + _CHUNK, a.nbytes)
-        if _memcmp is not None:
-            if _memcmp(x.ctypes.data + start, y.ctypes.data + start, end - start):
-                return False
-        elif not np.array_equal(x[start:end], y[start:end]):
-            return False
-    return True
-
 
 @dataclasses.dataclass
 class _Held:
@@ -101,10 +74,15 @@ class Shadows:
     def unchanged(self, base: Manifest | None, name: str, box: Box, source: np.ndarray) -> bool:
         """Whether ``source`` (the caller's bytes of shard ``box`` of item ``name``) equals what
         ``base`` records for it, as its shadow proves (False without one for ``base``)."""
-        held = self._held.get((name, box))
-        if held is None or base is None or base.checkpoint_id != self._cid:
-            return False
-        return same_bytes(held.data, np.ascontiguousarray(source))
+        return (name, box) in self.unchanged_many(base, {(name, box): source})
+
+    def unchanged_many(self, base: Manifest | None, sources: Mapping[ShardKey, np.ndarray]) -> set[ShardKey]:
+        """The shards of ``sources`` (the caller's bytes by item and box) whose bytes equal what
+        ``base`` records for them, as their shadows prove: compared all at once (:mod:`.compare`)."""
+        if base is None or base.checkpoint_id != self._cid:
+            return set()
+        pairs = {k: (self._held[k].data, src) for k, src in sources.items() if k in self._held}
+        return equal_pairs(pairs)  # type: ignore[return-value]
 
     def offer(self, save_id: str, kept: Iterable[ShardKey], private: Iterable[ShardKey],
               staged: dict[str, Any], area: StagingArea) -> None:
