@@ -295,3 +295,16 @@ def test_a_failed_metadata_write_leaves_a_committed_checkpoint_torch_does_not_mi
         out = {"w": torch.zeros(8)}
         dcp.load(out, storage_reader=reader)
         assert torch.equal(out["w"], torch.ones(8))
+
+
+def test_a_float32_save_does_not_import_ml_dtypes(tmp_path):
+    # Its import takes 1.4-4 s on this host: it must not sit inside the first save's stall when no tensor needs it.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp, ckptio; from ckptio.dcp import Writer\n"
+            f"sd = {{'w': torch.arange(6, dtype=torch.float32)}}\n"
+            f"ckptio.save({str(tmp_path / 'native')!r}, sd, step=1).result()\n"
+            f"dcp.save(sd, storage_writer=Writer({str(tmp_path / 'dcp')!r}))\n"
+            "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
