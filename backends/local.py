@@ -21,11 +21,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
-from ckptio._system.threads import background_pool, start_workers
+from ckptio._system.poolshelf import PoolSlot
 
 from ._bounce import BOUNCE
 from ._local_config import LocalConfig
@@ -57,9 +56,10 @@ class LocalBackend(Backend):
             raise ValueError(f"local backend URL {url!r} names no directory")
         self.root = os.path.abspath(path)
         self._url = url
-        self._pool: ThreadPoolExecutor | None = None  # made on first use, again after close()
-        self._write_pool: ThreadPoolExecutor | None = None  # bulk writes, at a lower CPU priority
-        self._pool_lock = threading.Lock()
+        # Taken on first use (threads started at once, not one per submit inside a burst of reads), again
+        # after close(); closing parks them for the next backend (ckptio._system.poolshelf).
+        self._pool = PoolSlot("ckptio-posix", self.config.threads, started=True)
+        self._write_pool = PoolSlot("ckptio-posix-w", self.config.threads, nice=self.config.write_nice)  # bulk writes
         self._dirty_dirs: set[str] = set()
         self._dirty_lock = threading.Lock()
         self._direct_ok = True
@@ -110,25 +110,12 @@ class LocalBackend(Backend):
                 return  # nothing further exists to be a link (a write creates real directories)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        pool = self._pool
-        if pool is None:
-            with self._pool_lock:
-                if self._pool is None:  # threads started now, not one per submit inside a burst of reads
-                    pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="ckptio-posix")
-                    self._pool = start_workers(pool, self.config.threads)
-                pool = self._pool
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool.get(), fn, *args)
 
     async def _run_write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a bulk write on the lower-priority write threads (reads keep full priority:
         a restore is what the job waits for)."""
-        pool = self._write_pool
-        if pool is None:
-            with self._pool_lock:
-                if self._write_pool is None:
-                    self._write_pool = background_pool(self.config.threads, "ckptio-posix-w", self.config.write_nice)
-                pool = self._write_pool
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._write_pool.get(), fn, *args)
 
     # -- writing ---------------------------------------------------------
 
@@ -473,9 +460,5 @@ class LocalBackend(Backend):
         return await self._run(self._list_children, prefix)
 
     async def close(self) -> None:
-        with self._pool_lock:
-            pools = (self._pool, self._write_pool)
-            self._pool = self._write_pool = None
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=False)  # calls in flight finish; the next call makes a new pool
+        self._pool.release()  # calls in flight finish; parked for the next backend, or shut down
+        self._write_pool.release()

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ckptio._system import POPULATE_MIN, background_pool, flat_bytes, populate, start_workers
+from ckptio._system import POPULATE_MIN, flat_bytes, populate
+from ckptio._system.poolshelf import PoolSlot
 from ckptio.backends.base import Backend, ByteRange
 from ckptio.backends.budget import RequestRate, budgeted
 from ckptio.backends.deadline import Deadlines, with_deadlines
@@ -212,9 +213,11 @@ class Engine:
         self.config = config or EngineConfig()
         self.backend = self.config.drive(backend)
         self.concurrency = self.config.concurrency or backend.capabilities.concurrency
-        self._cpu: concurrent.futures.ThreadPoolExecutor | None = None  # a read's checks: _read_pool()
-        self._cpu_lock = threading.Lock()
-        self._cpu_save = background_pool(self.config.checksum_threads, "ckptio-crc-w", self.config.save_nice)
+        # A read's checks (and populating, copying out), its threads started at the first read, all at once,
+        # before any read is issued (start_workers); a save's checksums and tile cuts, at save_nice. Both
+        # taken from, and parked back on, the process's shelf (ckptio._system.poolshelf).
+        self._cpu = PoolSlot("ckptio-crc", self.config.checksum_threads, started=True)
+        self._cpu_save = PoolSlot("ckptio-crc-w", self.config.checksum_threads, nice=self.config.save_nice)
         self._state: dict[asyncio.AbstractEventLoop, tuple[asyncio.Semaphore, ByteBudget]] = {}
 
     def _limits(self) -> tuple[asyncio.Semaphore, ByteBudget]:
@@ -224,23 +227,11 @@ class Engine:
             self._state[loop] = (asyncio.Semaphore(self.concurrency), ByteBudget(self.config.byte_budget))
         return self._state[loop]
 
-    def _read_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads that verify (and populate, copy out) what reads bring in; started on the
-        first read, all at once, before any read is issued (backends/_threads.start_workers)."""
-        pool = self._cpu
-        if pool is None:
-            with self._cpu_lock:
-                if self._cpu is None:
-                    n = self.config.checksum_threads
-                    self._cpu = start_workers(concurrent.futures.ThreadPoolExecutor(n, "ckptio-crc"), n)
-                pool = self._cpu
-        return pool
-
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._read_pool(), fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu.get(), fn, *args)
 
     async def _in_save_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu_save, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_save.get(), fn, *args)
 
     async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run ``call()``, retrying RetryableError as :func:`ckptio.backends.retrying.retry_call` does,
@@ -349,7 +340,7 @@ class Engine:
                 await self.retrying(
                     f"read {req.key!r}", lambda p=piece: self.backend.read_into(p.key, p.rng, p.buffers)
                 )
-                checking.append(loop.run_in_executor(self._read_pool(), self._verify_checks, piece))
+                checking.append(loop.run_in_executor(self._cpu.get(), self._verify_checks, piece))
             await asyncio.gather(*checking)
         finally:  # a failed read must not leave checks running over buffers a retry refills
             await asyncio.gather(faulting, *checking, return_exceptions=True)
@@ -358,7 +349,7 @@ class Engine:
         """Fault ``piece``'s buffers in on a worker thread when ``wanted`` and large enough to gain."""
         loop = asyncio.get_running_loop()
         if wanted and piece.rng.length >= POPULATE_MIN:
-            return loop.run_in_executor(self._read_pool(), populate, piece.buffers)
+            return loop.run_in_executor(self._cpu.get(), populate, piece.buffers)
         done: asyncio.Future[None] = loop.create_future()
         done.set_result(None)
         return done
@@ -409,7 +400,7 @@ class Engine:
         the whole restore returns.
         """
         merged = self.coalesce(requests)
-        self._read_pool()  # its threads up before the first read, not started one by one amid them
+        self._cpu.get()  # its threads up before the first read, not started one by one amid them
         for r in requests:
             r.buffers, r.after = [], []
         scratch = ScratchPool()  # reused across this call's copy-outs, dropped with it
@@ -422,9 +413,8 @@ class Engine:
             req.buffers, req.after = [], []
 
     def close(self) -> None:
-        if self._cpu is not None:
-            self._cpu.shutdown(wait=False)
-        self._cpu_save.shutdown(wait=False)
+        self._cpu.release()  # parked for the next store's engine
+        self._cpu_save.release()
 
 
 _PIECE = 16 << 20

@@ -126,6 +126,25 @@ def test_records_are_never_split_and_start_aligned():
     assert all(at % 64 == 0 for _, at, _ in where.values())
 
 
+def test_chunks_that_fill_an_object_by_their_data_share_it_despite_their_frames():
+    # 32 chunks of 8 MiB under direct IO (page-aligned data, a frame before each): four 64 MiB objects, as DCP
+    # itself writes four files, not 7 + 7 + 7 + 7 + 4 chunks in five (frames and padding past the object size).
+    from ckptio.dcp._torchsave import FRAME_SLACK
+
+    chunk, object_size = 8 << 20, 64 << 20
+    head, tail = frame(torch.float32, (chunk // 4,))
+    data = memoryview(bytes(chunk))
+    plans, where = pack_records([Record(i, data, head, tail) for i in range(32)], object_size, lambda n: f"obj{n}",
+                                align=4096)
+    assert [sum(e.item != "frame" for e in p.extents) for p in plans] == [8, 8, 8, 8]
+    assert all(p.size <= object_size + object_size // FRAME_SLACK for p in plans)
+    assert sorted(where) == list(range(32))
+    # Nine chunks' worth never shares one object: the slack is for frames, not for data.
+    plans, _ = pack_records([Record(i, memoryview(bytes(1 << 20)), head, tail) for i in range(9)], 8 << 20,
+                            lambda n: f"obj{n}", align=4096)
+    assert [sum(e.item != "frame" for e in p.extents) for p in plans] == [8, 1]
+
+
 def test_stock_torch_reads_a_ckptio_checkpoint_bit_exact(tmp_path):
     sd = _state()
     path = str(tmp_path / "ck")
@@ -276,3 +295,16 @@ def test_a_failed_metadata_write_leaves_a_committed_checkpoint_torch_does_not_mi
         out = {"w": torch.zeros(8)}
         dcp.load(out, storage_reader=reader)
         assert torch.equal(out["w"], torch.ones(8))
+
+
+def test_a_float32_save_does_not_import_ml_dtypes(tmp_path):
+    # Its import takes 1.4-4 s on this host: it must not sit inside the first save's stall when no tensor needs it.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp, ckptio; from ckptio.dcp import Writer\n"
+            f"sd = {{'w': torch.arange(6, dtype=torch.float32)}}\n"
+            f"ckptio.save({str(tmp_path / 'native')!r}, sd, step=1).result()\n"
+            f"dcp.save(sd, storage_writer=Writer({str(tmp_path / 'dcp')!r}))\n"
+            "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -80,7 +80,7 @@ def test_a_local_backend_and_an_engine_start_their_read_threads_before_the_reads
 
     asyncio.run(go())
     assert (out == data).all()
-    assert backend._pool is not None and len(backend._pool._threads) == 3
-    assert engine._cpu is not None and len(engine._cpu._threads) == 2
+    assert backend._pool.pool is not None and len(backend._pool.pool._threads) == 3
+    assert engine._cpu.pool is not None and len(engine._cpu.pool._threads) == 2
     engine.close()
     asyncio.run(backend.close())

@@ -61,6 +61,8 @@ RECORD_ALIGN = 64
 #: Under direct IO, chunks of at least this many bytes start at an aligned offset: padding a smaller
 #: one (up to a page, beside a ~1.5 KB frame) would cost more bytes than its bounce copy costs time.
 DIRECT_MIN = 1 << 16
+#: An object may run ``object_size // FRAME_SLACK`` bytes past ``object_size`` (frames, padding): see pack_records.
+FRAME_SLACK = 64
 
 
 class _Gap(io.RawIOBase):
@@ -142,7 +144,8 @@ class Record:
 
 def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[[int], str], align: int = 1
                  ) -> tuple[list[ObjectPlan], dict[int, tuple[str, int, int]]]:
-    """Whole records packed into objects of about ``object_size`` (one larger record: an object of its own).
+    """Whole records packed into objects of about ``object_size`` (at most 1/:data:`FRAME_SLACK` more; one larger
+    record: an object of its own).
 
     Returns the plans and, per record, ``(object key, offset, length)``. Frame bytes between two data
     extents (a tail, padding, the next head) are one extent named :data:`FRAME`: a small chunk costs the
@@ -152,6 +155,10 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     """
     plans: list[ObjectPlan] = []
     where: dict[int, tuple[str, int, int]] = {}
+    # Frames and alignment padding may take an object a little past ``object_size``: else they alone would push a
+    # chunk that fills an object to a whole out of it (8 x 8 MiB chunks became 7 + 1 in 64 MiB objects: 5 objects,
+    # 5 fsyncs and uneven streams for 256 MiB, where DCP itself writes 4).
+    limit = object_size + object_size // FRAME_SLACK
     current: list[PlannedExtent] = []
     spans: list[tuple[int, int, int]] = []
     frame_at, frame_bytes = 0, bytearray()
@@ -184,7 +191,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
         if r.data.nbytes == 0 and not r.head:
             continue  # nothing stored (as ckptio.layout.pack): the reader makes empty chunks itself
         start = _record_start(size, len(r.head), r.data.nbytes, align)
-        if size and start + r.length > object_size:
+        if size and start + r.length > limit:
             close()
             start = _record_start(size, len(r.head), r.data.nbytes, align)
         pad = start - size
