@@ -136,16 +136,17 @@ def index_range(head_size: int, first: int, last: int) -> tuple[int, int]:
 
 
 def parse_index(raw: bytes | memoryview, first: int, head: Head, size: int, here: str) -> np.ndarray:
-    """Index entries from number ``first`` (``raw``: their bytes), each checked to lie in the
-    object's sections (``size``: the object's length)."""
+    """Index entries from number ``first`` (``raw``: their bytes) as int64 rows ``[offset, length,
+    crc32c]``, each checked to lie in the object's sections (``size``: the object's length)."""
     n = len(raw) // _ENTRY.itemsize
     if len(raw) % _ENTRY.itemsize or first + n > head.items:
         raise ManifestError(f"{here}: its index is cut short")
-    index = np.frombuffer(raw, _ENTRY, n)
-    used = index["len"] > 0
+    entries = np.frombuffer(raw, _ENTRY, n)
+    index = np.empty((n, 3), np.int64)
+    index[:, 0], index[:, 1], index[:, 2] = entries["off"], entries["len"], entries["crc"]
+    off, length = index[:, 0], index[:, 1]
     start = head.size + _ENTRY.itemsize * head.items
-    if ((index["off"][used] < start) | (index["off"][used] + index["len"][used] > size)
-            | (index["off"][used] % 8 != 0)).any():
+    if (((off < start) | (off + length > size) | (off % 8 != 0)) & (length > 0)).any():
         raise ManifestError(f"{here}: its index names a section outside the fragment")
     return index
 
@@ -156,37 +157,37 @@ def take_sections(parts: Mapping[int, bytes | memoryview], index: np.ndarray, fi
     number ``first``), each checked, as one set of columns: ``(items, rows per item, columns)``."""
     got = []
     for i in sorted(parts):
-        e = index[i - first]
+        _off, length, crc = index[i - first].tolist()
         data = parts[i]
-        if len(data) != int(e["len"]) or crc32c(data) != int(e["crc"]):
+        if len(data) != length or crc32c(data) != crc:
             raise IntegrityError(f"{here}: the section of item number {i} does not match its checksum", key=key)
         got.append(_section(data, i, head.width, here))
     rows, cols = _joined(got, head.width)
     return sorted(parts), rows, cols
 
 
-def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str, key: str
+def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str, key: str, *, check: bool = True
                ) -> tuple[list[int], list[int], Columns4]:
     """Every section (``wanted`` None) or sections ``wanted`` of a whole fragment, each checked,
     as one set of columns: their rows gathered with a few array operations whatever their number."""
     lo, hi = index_range(head.size, 0, head.items - 1) if head.items else (head.size, head.size)
     index = parse_index(memoryview(data)[lo:hi], 0, head, len(data), here)
-    numbers = np.flatnonzero(index["len"] > 0) if wanted is None else \
-        np.array([i for i in wanted if index["len"][i] > 0], np.int64)
+    numbers = np.flatnonzero(index[:, 1] > 0) if wanted is None else \
+        np.array([i for i in wanted if i < len(index) and index[i, 1] > 0], np.int64)
     if not len(numbers):
         return [], [], _joined([], head.width)[1]
-    view = memoryview(data)
-    for i in numbers.tolist():
-        e = index[i]
-        if crc32c(view[int(e["off"]) : int(e["off"]) + int(e["len"])]) != int(e["crc"]):
-            raise IntegrityError(f"{here}: the section of item number {i} does not match its checksum", key=key)
-    offs = index["off"][numbers].astype(np.int64)
+    offs = index[numbers, 0]
+    if check:
+        view = memoryview(data)
+        for i, (o, n, c) in zip(numbers.tolist(), index[numbers].tolist()):
+            if crc32c(view[o : o + n]) != c:
+                raise IntegrityError(f"{here}: the section of item number {i} does not match its checksum", key=key)
     u4 = np.frombuffer(data, "<u4")
     hdr = u4[(offs // 4)[:, None] + np.arange(4)]  # item, rows, extents, checksums of each section
     w = head.width
     words = _SECTION.size // 8 + hdr[:, 1].astype(np.int64) * (3 * w + 1) + hdr[:, 2].astype(np.int64) * 6
     lengths = words * 8 + hdr[:, 3].astype(np.int64) * 4
-    if (hdr[:, 0] != numbers).any() or (lengths + (-lengths % 8) != index["len"][numbers]).any():
+    if (hdr[:, 0] != numbers).any() or (lengths + (-lengths % 8) != index[numbers, 1]).any():
         raise ManifestError(f"{here}: a section does not hold what its index entry says")
     i8 = np.frombuffer(data, "<i8")
     base, rows, n_ext = offs // 8 + _SECTION.size // 8, hdr[:, 1].astype(np.int64), hdr[:, 2].astype(np.int64)

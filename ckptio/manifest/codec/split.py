@@ -202,7 +202,7 @@ class FragmentLoader:
         for blob, (start, _end) in zip(blobs, self.section_ranges_of(index, first)):
             view = memoryview(blob)
             for i in self.wanted or []:
-                off, n = int(index["off"][i - first]), int(index["len"][i - first])
+                off, n = index[i - first, :2].tolist()
                 if n and start <= off < start + len(blob):
                     data[i] = view[off - start : off - start + n]
         numbers, rows, cols = take_sections(data, index, first, head, here, ref.key)
@@ -232,7 +232,7 @@ class FragmentLoader:
         """The joined section ranges of the wanted arrays in ``index`` (entries from ``first``)."""
         out: list[tuple[int, int]] = []
         for i in self.wanted or []:
-            off, n = int(index["off"][i - first]), int(index["len"][i - first])
+            off, n = index[i - first, :2].tolist()
             if n:
                 out[-1:] = [(out[-1][0], off + n)] if out and out[-1][1] == off else [*out[-1:], (off, off + n)]
         return out
