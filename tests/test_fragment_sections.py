@@ -249,3 +249,22 @@ def test_a_copy_keeps_v4_fragments_readable(saved: Path, tmp_path: Path) -> None
     got = ckptio.restore(tmp_path / "c", step=STEP, target=_column_block("nu"))
     assert got["params"]["nu"].pieces[0][1].tobytes() == np.ascontiguousarray(full("nu")[:, :16]).tobytes()
     assert host_state(0)["step"] == ckptio.restore(tmp_path / "c", step=STEP)["step"]
+
+
+@pytest.mark.gcs
+def test_on_gcs_one_array_is_read_by_ranged_gets(gcs_emulator_env: str, tmp_path: Path) -> None:
+    from conftest import GCS_TEST_BUCKET
+    from fake_gcs import unique_prefix
+
+    from ckptio.backends.wrappers import CountingBackend
+
+    url = f"gs://{GCS_TEST_BUCKET}/{unique_prefix(tmp_path)}"
+    save_on_hosts(url)
+    backend = CountingBackend(ckptio.backends.open_backend(url))
+    got = ckptio.restore(url, step=STEP, target=_column_block("mu"), backend=backend)
+    assert got["params"]["mu"].pieces[0][1].tobytes() == np.ascontiguousarray(full("mu")[:, :16]).tobytes()
+    refs = {f.key: f for f in run_sync(CheckpointStore(url).read_manifest(str(STEP), shards=False)).fragments}
+    frag_reads = [(k, r) for k, r in backend.reads if k.split("/", 1)[-1] in refs or k in refs]
+    assert len(frag_reads) == 2 * len(refs)  # per fragment: its head (and index entry), then one section
+    assert all(r.length < refs[k if k in refs else k.split("/", 1)[-1]].size / 2 for k, r in frag_reads)
+    assert ckptio.restore(url, step=STEP)["params"]["w"].tobytes() == full("w").tobytes()
