@@ -34,6 +34,8 @@ Fetch = Callable[[list[int]], Awaitable[Mapping[int, bytes]]]
 FetchRanges = Callable[[list[tuple[int, int, int]]], Awaitable[list[bytes]]]
 #: Fragments read at a time (each a few KiB to a few hundred): enough to keep the store busy.
 FETCH_BATCH = 256
+#: Fragments read by range at a time (heads, index entries, sections: ~0.3-1 KiB each).
+RANGED_BATCH = 8192
 
 
 def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
@@ -98,8 +100,11 @@ async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, s
     loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(numbers) <= 8,
                             expect=len(numbers))
     ranged = fetch_ranges is not None and loader.ranged()
-    for i in range(0, len(numbers), FETCH_BATCH):
-        batch = numbers[i : i + FETCH_BATCH]
+    # Read by range, a fragment is held as a few hundred bytes: batches as large as a job (two
+    # round trips in all, not two per batch).
+    size = RANGED_BATCH if ranged else FETCH_BATCH
+    for i in range(0, len(numbers), size):
+        batch = numbers[i : i + size]
         if ranged:
             assert fetch_ranges is not None
             await _ranged_batch(loader, batch, fetch_ranges)

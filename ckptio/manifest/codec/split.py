@@ -215,7 +215,7 @@ class FragmentLoader:
         if ref.head_size is not None:
             _check_whole(ref, data, here)
             head = self._head(parse_head(data, ref.head_size, ref.head_crc32c or 0, here, ref.key), here)
-            self._add4(f, head, *take_whole(data, head, self.wanted, here, ref.key), here)
+            self._add4(f, head, *take_whole(data, head, self.wanted, here), here)
             return
         doc = _fragment_doc(self.manifest, ref, data, here)
         base = len(self.objects)
