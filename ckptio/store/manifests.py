@@ -86,11 +86,8 @@ class Manifests:
         refs = root.fragments or []
 
         async def one(i: int, datas: dict[int, bytes]) -> None:
-            key = refs[i].key
-            try:
-                datas[i] = await self.ctx.io.read(key)
-            except FileNotFoundError:
-                raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
+            # The root records each fragment's size: one read of those bytes, no stat before it.
+            datas[i] = await self._read_range(refs[i].key, 0, refs[i].size, where)
 
         async def fetch(numbers: list[int]) -> dict[int, bytes]:
             datas: dict[int, bytes] = {}  # a new one per batch: the caller drops each once decoded
@@ -103,17 +100,7 @@ class Manifests:
         refs = root.fragments or []
 
         async def one(k: int, f: int, start: int, end: int, out: list[bytes]) -> None:
-            key = refs[f].key
-            buf = bytearray(end - start)
-            try:
-                if end > start:
-                    await self.ctx.io.read_into(key, ByteRange(start, end), [memoryview(buf)])
-            except FileNotFoundError:
-                raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
-            except ValueError:  # the range runs past its end: not the object the root records
-                raise IntegrityError(f"{where}: fragment {key!r} is shorter than the root manifest records",
-                                     key=key) from None
-            out[k] = bytes(buf)
+            out[k] = await self._read_range(refs[f].key, start, end, where)
 
         async def fetch_ranges(ranges: list[tuple[int, int, int]]) -> list[bytes]:
             out: list[bytes] = [b""] * len(ranges)
@@ -121,6 +108,22 @@ class Manifests:
             return out
 
         return fetch_ranges
+
+    async def _read_range(self, key: str, start: int, end: int, where: str) -> bytes:
+        """Bytes ``[start, end)`` of fragment ``key``; IntegrityError naming it if it is missing or
+        shorter than the root records."""
+        buf = bytearray(end - start)
+        try:
+            if end > start:
+                await self.ctx.io.read_into(key, ByteRange(start, end), [memoryview(buf)])
+            else:
+                await self.ctx.io.stat(key)
+        except FileNotFoundError:
+            raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
+        except ValueError:  # the range runs past its end: not the object the root records
+            raise IntegrityError(f"{where}: fragment {key!r} is shorter than the root manifest records",
+                                 key=key) from None
+        return bytes(buf)
 
     async def read_unchecked(self, step_dir: str) -> Manifest:
         """The manifest of ``step_dir`` as stored: parsed and validated, nothing else checked.
