@@ -166,7 +166,8 @@ def take_sections(parts: Mapping[int, bytes | memoryview], index: np.ndarray, fi
     return sorted(parts), rows, cols
 
 
-def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str) -> tuple[list[int], list[int], Columns4]:
+def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str
+               ) -> tuple[Sequence[int], Sequence[int], Columns4]:
     """Every section (``wanted`` None) or sections ``wanted`` of a whole fragment, whose bytes the
     caller checked against the root's crc32c of the object, as one set of columns: their rows
     gathered with a few array operations whatever their number.
@@ -181,7 +182,11 @@ def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str)
     spans = index[used[np.argsort(index[used, 0], kind="stable")], :2]
     if len(spans) and (spans[0, 0] != hi or spans[-1].sum() != len(data) or (spans[:-1].sum(1) != spans[1:, 0]).any()):
         raise ManifestError(f"{here}: its sections do not follow its index back to back")
-    numbers = used if wanted is None else np.array([i for i in wanted if i < len(index) and index[i, 1] > 0], np.int64)
+    if wanted is None:
+        numbers = used
+    else:
+        asked = np.asarray(wanted, np.int64)
+        numbers = asked[index[asked[asked < len(index)], 1] > 0]
     if not len(numbers):
         return [], [], _joined([], head.width)[1]
     offs = index[numbers, 0]
@@ -199,7 +204,7 @@ def take_whole(data: bytes, head: Head, wanted: Sequence[int] | None, here: str)
     ext = i8[_ranges(base + rows * (3 * w + 1), n_ext * 6)].reshape(-1, 6)
     crcs = u4[_ranges((offs + words * 8) // 4, hdr[:, 3].astype(np.int64))]
     _check_counts(ecount, ext, len(crcs), here)
-    return numbers.tolist(), rows.tolist(), (boxes, ecount, ext, crcs)
+    return numbers, rows, (boxes, ecount, ext, crcs)
 
 
 def _section(data: bytes | memoryview, i: int, width: int, here: str) -> tuple[int, Columns4]:

@@ -16,7 +16,7 @@ import base64
 import dataclasses
 import itertools
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -160,6 +160,7 @@ class FragmentLoader:
         self.array_names, self.digest = array_names, names_digest(array_names)
         self.wanted = None if names is None else sorted(i for i, n in enumerate(array_names) if n in names)
         self.heads: dict[int, tuple[Head, int, np.ndarray]] = {}  # ranged reads: head, first entry, entries
+        self.last_key: tuple[np.ndarray, np.ndarray] | None = None  # the last v4 fragment's sections and rows
 
     def ranged(self) -> bool:
         """Whether to read fragments by range (head, index entries, sections): a reader wanting few
@@ -246,13 +247,17 @@ class FragmentLoader:
         _check_objects(head.objects, here, self.step_dir)
         return head
 
-    def _add4(self, f: int, head: Head, numbers: list[int], rows: list[int],
+    def _add4(self, f: int, head: Head, numbers: Sequence[int], rows: Sequence[int],
               cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], here: str) -> None:
         """A version-4 fragment's sections ``numbers`` (``rows`` each), as columns, into the gather."""
-        counts = {self.array_names[i]: r for i, r in zip(numbers, rows)}
-        if self.last is not None and self.last.counts == counts:
-            counts = self.last.counts  # shared: the gather works out each layout's item index once
-        starts = dict(zip(counts, itertools.accumulate(counts.values(), initial=0)))
+        key = np.asarray(numbers, np.int64), np.asarray(rows, np.int64)
+        last = self.last
+        if last is not None and self.last_key is not None and all(map(np.array_equal, key, self.last_key)):
+            counts, starts = last.counts, last.starts  # shared: the gather works out each layout's item index once
+        else:
+            counts = dict(zip([self.array_names[i] for i in key[0].tolist()], key[1].tolist()))
+            starts = dict(zip(counts, itertools.accumulate(counts.values(), initial=0)))
+        self.last_key = key
         c = Columns(here, head.width, len(head.objects), starts, counts, len(cols[0]), len(cols[2]), len(cols[3]),
                     "", counts, starts, len(cols[0]), cols)
         base = len(self.objects)
