@@ -73,8 +73,7 @@ def host_record(hosts: int, shards: int, rank: int, step_dir: str = "1", cols: i
 
 def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]:
     """Host ``rank``'s fragment (written under ``root``) and its summary, from the real save code."""
-    from ckptio.checksum import crc32c
-    from ckptio.manifest import FragmentRef, fragment_doc, fragment_key, summary_of
+    from ckptio.manifest import fragment_doc, fragment_key, fragment_ref, summary_of
 
     record = host_record(hosts, shards, rank)
     save_id = f"{rank:012x}"
@@ -82,7 +81,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
     key = fragment_key("1", save_id)
     with open(os.path.join(root, key), "wb") as f:
         f.write(data)
-    return json.loads(json.dumps(summary_of(record, FragmentRef(key, len(data), crc32c(data), rank), coordinator=rank == 0)))
+    return json.loads(json.dumps(summary_of(record, fragment_ref(key, data, rank), coordinator=rank == 0)))
 
 
 def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:

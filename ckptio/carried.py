@@ -34,7 +34,7 @@ from typing import Any
 from .checksum import crc32c
 from .engine import gather_or_cancel
 from .errors import ManifestError
-from .manifest import FragmentRef, fragment_doc, fragment_key, summary_of
+from .manifest import fragment_doc, fragment_key, fragment_ref, summary_of
 from .names import parse_object
 
 __all__ = ["CARRIED", "carried_summary", "carried_save_ids", "own_part", "write_carried"]
@@ -50,7 +50,7 @@ def carried_summary(record: Mapping[str, Any], step_dir: str, step: int | None, 
     ref, data = None, None
     if any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
         data = fragment_doc(record, step, save_id, host)
-        ref = FragmentRef(fragment_key(step_dir, save_id), len(data), crc32c(data), host)
+        ref = fragment_ref(fragment_key(step_dir, save_id), data, host)
     summary = summary_of(record, ref, coordinator=host == 0)
     summary[CARRIED] = base64.b64encode(data).decode() if data is not None else None
     summary["n_objects"] = len(record["objects"])

@@ -35,8 +35,8 @@ from .store.intents import Lease, new_id
 from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
 from .carried import carried_save_ids, carried_summary, own_part, write_carried
-from .checksum import crc32c
-from .manifest import FragmentRef, Manifest, build_root, fragment_doc, fragment_key, merge_records, seal, summary_of
+from .manifest import (FragmentRef, Manifest, build_root, fragment_doc, fragment_key, fragment_ref, merge_records, seal,
+                       summary_of)
 from .manifest.builder import PACKED
 from .manifest.builder import expanded as _expanded
 from .manifest.builder import host_record as _host_record
@@ -95,7 +95,7 @@ async def _write_fragment(
         key = fragment_key(step_dir, save_id)
         await store.io.write(key, [memoryview(data)])
         await store.io.sync()
-        return FragmentRef(key, len(data), crc32c(data), host)
+        return fragment_ref(key, data, host)
 
     ref, _ = await gather_or_cancel([fragment(), _vouch(store, step_dir, plans)])
     return summary_of(record, ref, coordinator=host == 0)

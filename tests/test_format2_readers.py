@@ -21,7 +21,7 @@ import ckptio
 from ckptio.cli import EXIT_CODES, main
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME, unseal
-from ckptio.manifest.formats import COLUMNS_VERSION
+from ckptio.manifest.formats import HEADS_VERSION
 from ckptio.store import CheckpointStore
 
 HOSTS = 4
@@ -80,7 +80,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     on_hosts(HOSTS, lambda rank, coord: ckptio.save(
         str(root), host_state(rank), step=STEP, coordinator=coord, engine_config=config).result())
     doc = json.loads(unseal((root / str(STEP) / MANIFEST_NAME).read_bytes(), "root"))
-    assert doc["version"] == COLUMNS_VERSION and len(doc["fragments"]) == HOSTS  # what every test below relies on
+    assert doc["version"] == HEADS_VERSION and len(doc["fragments"]) == HOSTS  # what every test below relies on
     return root
 
 

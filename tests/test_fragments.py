@@ -18,7 +18,7 @@ from ckptio.cli import main as cli
 from ckptio.engine import run_sync
 from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, unseal
-from ckptio.manifest.formats import COLUMNS_VERSION
+from ckptio.manifest.formats import HEADS_VERSION
 from ckptio.store import CheckpointStore
 
 HOSTS = 4
@@ -67,7 +67,7 @@ class CountingReads(WrapperBackend):
 def test_many_hosts_commit_a_root_and_a_fragment_each(tmp_path: Path) -> None:
     save_on_hosts(str(tmp_path))
     doc = root_doc(tmp_path)
-    assert doc["version"] == COLUMNS_VERSION and len(doc["fragments"]) == HOSTS
+    assert doc["version"] == HEADS_VERSION and len(doc["fragments"]) == HOSTS
     assert all("shards" not in it for it in doc["items"].values())
     # w, mu and nu share their layout: one locator for the three
     assert len({doc["items"][f"params/{n}"]["locator"] for n in ("w", "mu", "nu")}) == 1

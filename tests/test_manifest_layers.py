@@ -28,6 +28,7 @@ LAYERS = [
     "codec.rowcheck",
     "codec.columns",
     "codec.gather",
+    "codec.sections",
     "codec.single",
     "codec.split",
     "codec",

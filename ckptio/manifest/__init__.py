@@ -44,7 +44,7 @@ from .formats import (
     VERSION,
     version_for,
 )
-from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, summary_of
+from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, fragment_ref, summary_of
 from .geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
 from .table import ShardTable, table_of
 from .itemjson import array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
@@ -114,6 +114,7 @@ __all__ = [
     "first_overlap",
     "fragment_doc",
     "fragment_key",
+    "fragment_ref",
     "fragments_for",
     "head_fields",
     "host_record",

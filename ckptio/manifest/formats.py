@@ -45,6 +45,7 @@ __all__ = [
     "FEATURES",
     "FORMAT",
     "FRAGMENTS_VERSION",
+    "HEADS_VERSION",
     "HOST_STATES_VERSION",
     "MANIFEST_NAME",
     "PACKS_VERSION",
@@ -58,7 +59,7 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 9
+VERSION = 10
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
@@ -67,10 +68,11 @@ BLOCKS_VERSION = 6
 COLUMNS_VERSION = 7
 HOST_STATES_VERSION = 8
 REFS_VERSION = 9
+HEADS_VERSION = 10
 #: The least version that can express each feature a document may use.
 FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
             "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION, "host_states": HOST_STATES_VERSION,
-            "refs": REFS_VERSION}
+            "refs": REFS_VERSION, "heads": HEADS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
@@ -78,10 +80,12 @@ TOMBSTONE_NAME = "ckptio.deleting"
 
 def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
                 blocks: bool = False, columns: bool = False, host_states: bool = False,
-                refs: bool = False) -> int:
+                refs: bool = False, heads: bool = False) -> int:
     """The lowest format version that expresses a document using the given features (``blocks``:
     some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns;
-    ``host_states``: some item is per-host; ``refs``: bases or digests, :mod:`.refs`)."""
+    ``host_states``: some item is per-host; ``refs``: bases or digests, :mod:`.refs`; ``heads``:
+    fragments of version 4, :mod:`.codec.sections`)."""
     used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks,
-            "columns": columns, "host_states": host_states, "refs": refs}
+            "columns": columns, "host_states": host_states, "refs": refs,
+            "heads": heads}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

@@ -37,8 +37,10 @@ import numpy as np
 
 from ckptio.backends.base import join_key
 
+from ..checksum import crc32c
 from ..errors import ManifestError
 from .codec.columns import COLUMNS_FRAGMENT_VERSION, encode_columns
+from .codec.sections import SECTIONS_FRAGMENT_VERSION, encode_sections, head_size_of
 from .codec.split import FRAGMENT_FORMAT
 from .formats import FORMAT, version_for
 from .geometry import without_replicas
@@ -46,7 +48,8 @@ from .hoststate import has_host_states, merge_host_state
 from .model import FragmentRef
 from .seal import seal
 
-__all__ = ["FRAGMENT_PREFIX", "build_root", "fragment_doc", "fragment_key", "summary_of"]
+__all__ = ["FRAGMENT_PREFIX", "FRAGMENT_VERSION", "build_root", "fragment_doc", "fragment_key", "fragment_ref",
+           "summary_of"]
 
 FRAGMENT_PREFIX = "ckptio.fragment."
 
@@ -57,13 +60,28 @@ def fragment_key(step_dir: str, save_id: str) -> str:
 
 # -- a host's side --------------------------------------------------------------------------------
 
+#: The version of the fragments this ckptio writes (3: :mod:`.codec.columns`, 4: :mod:`.codec.sections`).
+FRAGMENT_VERSION = SECTIONS_FRAGMENT_VERSION
+
+
 def fragment_doc(record: Mapping[str, Any], step: int | None, save_id: str, host: int) -> bytes:
-    """A host's fragment, sealed, from its format-1 record (``save._host_record``): its shards as
-    columns (fragment version 3, :mod:`.codec.columns`), so a reader decodes them without parsing
-    a row per shard."""
+    """A host's fragment from its format-1 record (``save._host_record``): a head and one binary
+    section per array item (fragment version 4, :mod:`.codec.sections`), so that a reader wanting
+    few arrays reads only their sections; with :data:`FRAGMENT_VERSION` 3, sealed JSON with its
+    shards as columns (:mod:`.codec.columns`). Its reference: :func:`fragment_ref`."""
+    if FRAGMENT_VERSION == SECTIONS_FRAGMENT_VERSION:
+        items = [(name, it["shards"]) for name, it in record["items"].items() if it["kind"] == "array"]
+        return encode_sections(step, record["objects"], items)[0]
     items = [(name, it["shards"]) for name, it in record["items"].items() if it["kind"] == "array" and it["shards"]]
     return seal({"format": FRAGMENT_FORMAT, "version": COLUMNS_FRAGMENT_VERSION, "step": step, "save_id": save_id,
                  "host": host, "objects": record["objects"], **encode_columns(items)})
+
+
+def fragment_ref(key: str, data: bytes, host: int) -> FragmentRef:
+    """The root's reference to fragment ``data`` stored at ``key``: its size and crc32c and, for a
+    version-4 fragment, its head's."""
+    head = head_size_of(data)
+    return FragmentRef(key, len(data), crc32c(data), host, head, None if head is None else crc32c(data[:head]))
 
 
 _META_KEYS = ("kind", "dtype", "shape", "scalar", "origin")
@@ -84,7 +102,7 @@ def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinato
     # len(rows), not -1: a state with no arrays at all (only values) has width 0
     table = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * width)
     doc: dict[str, Any] = {
-        "ok": True, "fragment": dataclasses.asdict(ref) if ref is not None else None, "meta_digest": _digest(meta),
+        "ok": True, "fragment": _ref_doc(ref), "meta_digest": _digest(meta),
         "counts": [len(it["shards"]) for it in record["items"].values() if it["kind"] == "array"],
         "width": width, "boxes": base64.b64encode(zlib.compress(table.tobytes(), 1)).decode(),
         "values": {n: it for n, it in record["items"].items() if it["kind"] != "array"},
@@ -96,6 +114,11 @@ def summary_of(record: Mapping[str, Any], ref: FragmentRef | None, *, coordinato
     if coordinator:
         doc["meta"] = meta
     return doc
+
+
+def _ref_doc(ref: FragmentRef | None) -> dict[str, Any] | None:
+    """A fragment reference as the root records it (no head fields for a fragment without a head)."""
+    return None if ref is None else {k: v for k, v in dataclasses.asdict(ref).items() if v is not None}
 
 
 def _digest(meta: Any) -> str:
@@ -161,6 +184,7 @@ def build_root(summaries: list[dict[str, Any]], head: dict[str, Any], where: str
             locators[lid] = base64.b64encode(zlib.compress(raw, 6)).decode()
         items[name] = {**it, "locator": lid}
     version = version_for(fragments=True, columns=True, tiles=any(s.get("tiled") for s in summaries),
-                          blocks=any(s.get("blocks") for s in summaries), host_states=has_host_states(items.values()))
+                          blocks=any(s.get("blocks") for s in summaries), host_states=has_host_states(items.values()),
+                          heads=any("head_size" in f for f in fragments))
     return {**head, "format": FORMAT, "version": version, "items": items, "locators": locators, "fragments": fragments,
             "objects": []}

@@ -21,7 +21,7 @@ import numpy as np
 from .codec.split import FragmentLoader
 from .model import ArrayItem, Box, Manifest
 
-__all__ = ["Boxes", "Fetch", "Wanted", "fragments_for", "with_every_shard", "with_fragments", "with_shards_meeting"]
+__all__ = ["Boxes", "Fetch", "FetchRanges", "Wanted", "fragments_for", "with_every_shard", "with_fragments", "with_shards_meeting"]
 
 
 #: Item name -> target boxes ``(offsets, shape)``.
@@ -30,8 +30,12 @@ Boxes = Mapping[str, Iterable[Box]]
 Wanted = Boxes | Callable[[], Boxes] | None
 #: Reads fragments by number: the store's reads, with its retries and errors (a new mapping a call).
 Fetch = Callable[[list[int]], Awaitable[Mapping[int, bytes]]]
+#: Reads byte ranges ``(fragment number, start, end)`` of fragments, each range's bytes in order.
+FetchRanges = Callable[[list[tuple[int, int, int]]], Awaitable[list[bytes]]]
 #: Fragments read at a time (each a few KiB to a few hundred): enough to keep the store busy.
 FETCH_BATCH = 256
+#: Fragments read by range at a time (heads, index entries, sections: ~0.3-1 KiB each).
+RANGED_BATCH = 8192
 
 
 def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
@@ -65,12 +69,14 @@ def fragments_for(manifest: Manifest, wanted: Wanted) -> list[int]:
 
 
 async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, step_dir: str,
-                              where: str) -> Manifest:
+                              where: str, *, fetch_ranges: FetchRanges | None = None) -> Manifest:
     """``manifest`` with every shard that meets ``wanted`` at hand (``wanted`` None: every shard);
     array items ``wanted`` does not name are left without shards.
 
     ``fetch`` reads the fragments it is given (their numbers in ``manifest.fragments``); it is
     called only when some are needed. ``where`` (the manifest's URL) names the faults.
+    ``fetch_ranges``: reads parts of fragments, so that a reader wanting few arrays of
+    version-4 fragments reads their heads and sections only (None: fragments are read whole).
     """
     if manifest.complete:
         return manifest
@@ -78,11 +84,12 @@ async def with_shards_meeting(manifest: Manifest, wanted: Wanted, fetch: Fetch, 
         wanted = wanted()
     numbers = fragments_for(manifest, wanted)
     return await with_fragments(manifest, numbers, fetch, step_dir, where, complete=wanted is None,
-                                names=None if wanted is None else set(wanted))
+                                names=None if wanted is None else set(wanted), fetch_ranges=fetch_ranges)
 
 
 async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, step_dir: str, where: str, *,
-                         complete: bool = False, names: Collection[str] | None = None) -> Manifest:
+                         complete: bool = False, names: Collection[str] | None = None,
+                         fetch_ranges: FetchRanges | None = None) -> Manifest:
     """``manifest`` (a format-2 root) with the shards of fragments ``numbers`` at hand, only the
     rows of items ``names`` (None: every item); ``complete``: ``numbers`` are all of them. What a
     host reads that sends the shards of the fragments it is responsible for
@@ -92,13 +99,38 @@ async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, s
     # fragment holds one batch of their bytes, not all of them.
     loader = FragmentLoader(manifest, step_dir, where, complete=complete, names=names, few=len(numbers) <= 8,
                             expect=len(numbers))
-    for i in range(0, len(numbers), FETCH_BATCH):
-        batch = numbers[i : i + FETCH_BATCH]
+    ranged = fetch_ranges is not None and loader.ranged()
+    # Read by range, a fragment is held as a few hundred bytes: batches as large as a job (two
+    # round trips in all, not two per batch).
+    size = RANGED_BATCH if ranged else FETCH_BATCH
+    for i in range(0, len(numbers), size):
+        batch = numbers[i : i + size]
+        if ranged:
+            assert fetch_ranges is not None
+            await _ranged_batch(loader, batch, fetch_ranges)
+            continue
         datas = await fetch(batch)
         for f in batch:
             loader.add(f, datas[f])
         del datas
     return loader.done()
+
+
+async def _ranged_batch(loader: FragmentLoader, batch: list[int], fetch_ranges: FetchRanges) -> None:
+    """Fragments ``batch`` read by range: every head (and index entries) at once, then every section."""
+    heads = await _read(fetch_ranges, {f: loader.head_ranges(f) for f in batch})
+    sections = await _read(fetch_ranges, {f: loader.section_ranges(f, heads[f]) for f in batch})
+    for f in batch:
+        loader.add_sections(f, sections[f])
+
+
+async def _read(fetch_ranges: FetchRanges, asked: dict[int, list[tuple[int, int]]]) -> dict[int, list[bytes]]:
+    """The bytes of each fragment's ranges ``asked``, all read at once."""
+    blobs = await fetch_ranges([(f, a, b) for f, ranges in asked.items() for a, b in ranges])
+    got, at = {}, 0
+    for f, ranges in asked.items():
+        got[f], at = blobs[at : at + len(ranges)], at + len(ranges)
+    return got
 
 
 async def with_every_shard(manifest: Manifest, fetch: Fetch, step_dir: str, where: str) -> Manifest:

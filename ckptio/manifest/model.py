@@ -111,6 +111,10 @@ class FragmentRef:
     size: int
     crc32c: int
     host: int
+    #: A version-4 fragment's head (:mod:`.codec.sections`): its length and crc32c, so that a
+    #: reader can read and check it alone (format 10); None for older fragments.
+    head_size: int | None = None
+    head_crc32c: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ckptio.backends.base import join_key
+from ckptio.backends.base import ByteRange, join_key
 
 from ..engine import gather_or_cancel
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
 from ..fence import COMMIT, REVOKED, Fences
 from ..manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Fetch, Manifest, Wanted, unseal,
                         with_fragments, with_shards_meeting)
+from ..manifest.lazy import FetchRanges
 from ..manifest.refs import check_foreign_keys
 from .context import StoreContext
 
@@ -70,24 +71,23 @@ class Manifests:
         """``root`` with the shards that meet ``wanted`` (item -> boxes, or a callable making them;
         None: all) at hand: a format-2 root's fragments holding them read, any other manifest as is."""
         where = f"{self.ctx.where(step_dir)}/{MANIFEST_NAME}"
-        return await with_shards_meeting(root, wanted, self._fetcher(root, where), step_dir, where)
+        return await with_shards_meeting(root, wanted, self._fetcher(root, where), step_dir, where,
+                                         fetch_ranges=self._ranger(root, where))
 
     async def load_fragment_numbers(self, step_dir: str, root: Manifest, numbers: list[int],
                                     names: Collection[str] | None = None) -> Manifest:
         """A format-2 ``root`` with the shards of its fragments ``numbers`` at hand (only items
         ``names``; None: all): what a host reads to send the shards it is responsible for."""
         where = f"{self.ctx.where(step_dir)}/{MANIFEST_NAME}"
-        return await with_fragments(root, numbers, self._fetcher(root, where), step_dir, where, names=names)
+        return await with_fragments(root, numbers, self._fetcher(root, where), step_dir, where, names=names,
+                                    fetch_ranges=self._ranger(root, where))
 
     def _fetcher(self, root: Manifest, where: str) -> Fetch:
         refs = root.fragments or []
 
         async def one(i: int, datas: dict[int, bytes]) -> None:
-            key = refs[i].key
-            try:
-                datas[i] = await self.ctx.io.read(key)
-            except FileNotFoundError:
-                raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
+            # The root records each fragment's size: one read of those bytes, no stat before it.
+            datas[i] = await self._read_range(refs[i].key, 0, refs[i].size, where)
 
         async def fetch(numbers: list[int]) -> dict[int, bytes]:
             datas: dict[int, bytes] = {}  # a new one per batch: the caller drops each once decoded
@@ -95,6 +95,35 @@ class Manifests:
             return datas
 
         return fetch
+
+    def _ranger(self, root: Manifest, where: str) -> FetchRanges:
+        refs = root.fragments or []
+
+        async def one(k: int, f: int, start: int, end: int, out: list[bytes]) -> None:
+            out[k] = await self._read_range(refs[f].key, start, end, where)
+
+        async def fetch_ranges(ranges: list[tuple[int, int, int]]) -> list[bytes]:
+            out: list[bytes] = [b""] * len(ranges)
+            await gather_or_cancel((one(k, *r, out) for k, r in enumerate(ranges)), limit=self.ctx.concurrency * 2)
+            return out
+
+        return fetch_ranges
+
+    async def _read_range(self, key: str, start: int, end: int, where: str) -> bytes:
+        """Bytes ``[start, end)`` of fragment ``key``; IntegrityError naming it if it is missing or
+        shorter than the root records."""
+        buf = bytearray(end - start)
+        try:
+            if end > start:
+                await self.ctx.io.read_into(key, ByteRange(start, end), [memoryview(buf)])
+            else:
+                await self.ctx.io.stat(key)
+        except FileNotFoundError:
+            raise IntegrityError(f"{where}: fragment {key!r} is missing", key=key) from None
+        except ValueError:  # the range runs past its end: not the object the root records
+            raise IntegrityError(f"{where}: fragment {key!r} is shorter than the root manifest records",
+                                 key=key) from None
+        return bytes(buf)
 
     async def read_unchecked(self, step_dir: str) -> Manifest:
         """The manifest of ``step_dir`` as stored: parsed and validated, nothing else checked.

@@ -37,7 +37,7 @@ from ..limits import MAX_COUNT, MAX_NDIM, check_int
 from ..model import ArrayItem, Manifest
 from ..table import ShardList, ShardTable
 
-__all__ = ["COLUMNS_FRAGMENT_VERSION", "Columns", "decode_columns", "encode_columns", "from_columns"]
+__all__ = ["COLUMNS_FRAGMENT_VERSION", "Columns", "column_bytes", "decode_columns", "encode_columns", "from_columns"]
 
 #: The ``version`` of a fragment document holding its shards as columns.
 COLUMNS_FRAGMENT_VERSION = 3
@@ -49,6 +49,14 @@ def encode_columns(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> 
     ``offsets``, ``shape``, ``extents`` ``[object, offset, shard_offset, length, crcs(, block)]``,
     optional ``tile``)."""
     width = max((len(s["shape"]) for _n, shards in items for s in shards), default=0)
+    raw, n_ext, n_crc = column_bytes(items, width)
+    return {"items": {name: len(shards) for name, shards in items}, "width": width, "extents": n_ext,
+            "crcs": n_crc, "columns": base64.b64encode(zlib.compress(raw, 1)).decode()}
+
+
+def column_bytes(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], width: int) -> tuple[bytes, int, int]:
+    """The shards of ``items`` as the columns' raw bytes (boxes padded to rank ``width``), with
+    their extent and checksum counts."""
     boxes, counts, extents, crcs = [], [], [], []
     for _name, shards in items:
         for s in shards:
@@ -63,8 +71,7 @@ def encode_columns(items: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> 
     raw = b"".join([np.array(boxes, _LE64).reshape(len(boxes), 3 * width).tobytes(),
                     np.array(counts, _LE64).tobytes(), np.array(extents, _LE64).reshape(-1, 6).tobytes(),
                     np.array(crcs, _LE32).tobytes()])
-    return {"items": {name: len(shards) for name, shards in items}, "width": width, "extents": len(extents),
-            "crcs": len(crcs), "columns": base64.b64encode(zlib.compress(raw, 1)).decode()}
+    return raw, len(extents), len(crcs)
 
 
 @dataclasses.dataclass(slots=True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from ... import _json
 from ...checksum import crc32c
 from ...errors import IntegrityError, ManifestError
 from ...names import step_of_key
-from ..formats import HOST_STATES_VERSION
+from ..formats import HEADS_VERSION, HOST_STATES_VERSION
 from ..geometry import check_table
 from ..hoststate import host_state_item
 from ..limits import U32, check_int
@@ -36,12 +37,16 @@ from ..values import decode_value
 from .arrays import array_item
 from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
 from .gather import Gather
+from .sections import (SECTIONS_FRAGMENT_VERSION, Head, index_range, names_digest, parse_head, parse_index,
+                       take_sections, take_whole)
 from .single import head_fields
 
 __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc"]
 
 #: The ``format`` of a fragment document.
 FRAGMENT_FORMAT = "ckptio-fragment"
+#: Index entries lying this close behind a head are read with it, in one request.
+_GAP = 256
 
 
 def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
@@ -58,7 +63,7 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
             raise ManifestError(f"{where}: bad fragment reference {str(f)[:100]!r}: {e}") from e
         fragments.append(FragmentRef(f["key"], check_int(f["size"], "fragment size", where),
                                      check_int(f["crc32c"], "fragment crc32c", where, hi=U32 - 1),
-                                     check_int(f.get("host", 0), "fragment host", where)))
+                                     check_int(f.get("host", 0), "fragment host", where), *_head_of(f, doc, where)))
     locators = doc["locators"]
     if not isinstance(locators, dict):
         raise ManifestError(f"{where}: 'locators' must be a JSON object")
@@ -97,6 +102,16 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
         items[name] = item
     return Manifest(block_size=block_size, items=items, objects=[], fragments=fragments, complete=False,
                     **head_fields(doc, items, where))
+
+
+def _head_of(f: dict[str, Any], doc: dict[str, Any], where: str) -> tuple[int | None, int | None]:
+    """A fragment reference's head length and crc32c (format 10), or none."""
+    if "head_size" not in f and "head_crc32c" not in f:
+        return None, None
+    if doc["version"] < HEADS_VERSION:
+        raise ManifestError(f"{where}: fragment {f['key']!r} has a head, which needs format {HEADS_VERSION}")
+    size = check_int(f.get("head_size"), "fragment head size", where, lo=1, hi=f["size"])
+    return size, check_int(f.get("head_crc32c"), "fragment head crc32c", where, hi=U32 - 1)
 
 
 def load_fragments(manifest: Manifest, datas: Mapping[int, bytes], step_dir: str, where: str,
@@ -138,13 +153,71 @@ class FragmentLoader:
         self.objects: list[str] = []
         self.shards: dict[str, list[Any]] = {}
         self.owners: dict[str, dict[tuple[int, ...], int]] = {}  # per item: box -> the fragment the root assigns it
-        self.gather = Gather([n for n, it in manifest.items.items() if isinstance(it, ArrayItem)], names, expect)
+        array_names = [n for n, it in manifest.items.items() if isinstance(it, ArrayItem)]
+        self.gather = Gather(array_names, names, expect)
         self.last: Columns | None = None  # the columnar fragment added last (the next shares its item index)
+        # Version-4 fragments number their sections as the root lists its arrays.
+        self.array_names, self.digest = array_names, names_digest(array_names)
+        self.wanted = None if names is None else sorted(i for i, n in enumerate(array_names) if n in names)
+        self.heads: dict[int, tuple[Head, int, np.ndarray]] = {}  # ranged reads: head, first entry, entries
+        self.last_key: tuple[np.ndarray, np.ndarray] | None = None  # the last v4 fragment's sections and rows
+
+    def ranged(self) -> bool:
+        """Whether to read fragments by range (head, index entries, sections): a reader wanting few
+        of the arrays of fragments that all have heads. One wanting many reads them whole."""
+        refs = self.manifest.fragments or []
+        return (self.wanted is not None and len(self.wanted) * 4 <= len(self.array_names)
+                and all(r.head_size is not None for r in refs))
+
+    def head_ranges(self, f: int) -> list[tuple[int, int]]:
+        """The byte ranges to read first of fragment ``f`` (see :meth:`ranged`): its head, then the
+        index entries of the wanted arrays (one range when they lie close behind the head)."""
+        size = self.manifest.fragments[f].head_size  # type: ignore[index]
+        assert size is not None and self.wanted is not None
+        if not self.wanted:
+            return [(0, size)]
+        lo, hi = index_range(size, self.wanted[0], self.wanted[-1])
+        return [(0, hi)] if lo - size <= _GAP else [(0, size), (lo, hi)]
+
+    def section_ranges(self, f: int, parts: list[bytes]) -> list[tuple[int, int]]:
+        """Fragment ``f``'s head and index entries (as :meth:`head_ranges` read them), checked; the
+        byte ranges of the wanted arrays' sections (adjacent ones joined)."""
+        ref = self.manifest.fragments[f]  # type: ignore[index]
+        here = f"{self.where}: fragment {ref.key!r}"
+        data = b"".join(parts)
+        assert ref.head_size is not None and ref.head_crc32c is not None and self.wanted is not None
+        head = self._head(parse_head(data, ref.head_size, ref.head_crc32c, here, ref.key), here)
+        first = self.wanted[0] if self.wanted else 0
+        lo, hi = index_range(ref.head_size, first, self.wanted[-1]) if self.wanted else (0, 0)
+        raw = data[ref.head_size:] if len(parts) == 1 else parts[1]
+        index = parse_index(raw[len(raw) - (hi - lo):] if hi > lo else b"", first, head, ref.size, here)
+        self.heads[f] = (head, first, index)
+        return self.section_ranges_of(index, first)
+
+    def add_sections(self, f: int, blobs: list[bytes]) -> None:
+        """Fragment ``f``'s sections, read as :meth:`section_ranges` said, checked and added."""
+        head, first, index = self.heads.pop(f)
+        ref = self.manifest.fragments[f]  # type: ignore[index]
+        here = f"{self.where}: fragment {ref.key!r}"
+        data = {}
+        for blob, (start, _end) in zip(blobs, self.section_ranges_of(index, first)):
+            view = memoryview(blob)
+            for i in self.wanted or []:
+                off, n = index[i - first, :2].tolist()
+                if n and start <= off < start + len(blob):
+                    data[i] = view[off - start : off - start + n]
+        numbers, rows, cols = take_sections(data, index, first, head, here, ref.key)
+        self._add4(f, head, numbers, rows, cols, here)
 
     def add(self, f: int, data: bytes) -> None:
         """Fragment number ``f``'s bytes, checked against the root's record of it."""
         ref = self.manifest.fragments[f]  # type: ignore[index]
         here = f"{self.where}: fragment {ref.key!r}"
+        if ref.head_size is not None:
+            _check_whole(ref, data, here)
+            head = self._head(parse_head(data, ref.head_size, ref.head_crc32c or 0, here, ref.key), here)
+            self._add4(f, head, *take_whole(data, head, self.wanted, here), here)
+            return
         doc = _fragment_doc(self.manifest, ref, data, here)
         base = len(self.objects)
         self.objects += _fragment_objects(doc, here, self.step_dir)
@@ -155,6 +228,44 @@ class FragmentLoader:
             _rows_v2(self.manifest, f, doc, base, here, self.shards, self.owners, few=self.few, names=self.names)
         if self.last is not None and self.shards:
             raise ManifestError(f"{self.where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
+
+    def section_ranges_of(self, index: np.ndarray, first: int) -> list[tuple[int, int]]:
+        """The joined section ranges of the wanted arrays in ``index`` (entries from ``first``)."""
+        out: list[tuple[int, int]] = []
+        for i in self.wanted or []:
+            off, n = index[i - first, :2].tolist()
+            if n:
+                out[-1:] = [(out[-1][0], off + n)] if out and out[-1][1] == off else [*out[-1:], (off, off + n)]
+        return out
+
+    def _head(self, head: Head, here: str) -> Head:
+        """``head``, refused unless it belongs to this root: its step, and its arrays in the root's order."""
+        if head.step != self.manifest.step:
+            raise ManifestError(f"{here}: not a fragment of step {self.manifest.step}")
+        if head.items != len(self.array_names) or head.digest != self.digest:
+            raise ManifestError(f"{here}: its arrays are not the root's arrays, in the root's order")
+        _check_objects(head.objects, here, self.step_dir)
+        return head
+
+    def _add4(self, f: int, head: Head, numbers: Sequence[int], rows: Sequence[int],
+              cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], here: str) -> None:
+        """A version-4 fragment's sections ``numbers`` (``rows`` each), as columns, into the gather."""
+        key = np.asarray(numbers, np.int64), np.asarray(rows, np.int64)
+        last = self.last
+        if last is not None and self.last_key is not None and all(map(np.array_equal, key, self.last_key)):
+            counts, starts = last.counts, last.starts  # shared: the gather works out each layout's item index once
+        else:
+            counts = dict(zip([self.array_names[i] for i in key[0].tolist()], key[1].tolist()))
+            starts = dict(zip(counts, itertools.accumulate(counts.values(), initial=0)))
+        self.last_key = key
+        c = Columns(here, head.width, len(head.objects), starts, counts, len(cols[0]), len(cols[2]), len(cols[3]),
+                    "", counts, starts, len(cols[0]), cols)
+        base = len(self.objects)
+        self.objects += head.objects
+        self.gather.add(f, base, c)
+        if self.shards:
+            raise ManifestError(f"{self.where}: its fragments mix versions 2 and {SECTIONS_FRAGMENT_VERSION}")
+        self.last = c
 
     def done(self) -> Manifest:
         """The manifest with the shards of every fragment added."""
@@ -179,8 +290,7 @@ class FragmentLoader:
 
 def _fragment_doc(manifest: Manifest, ref: FragmentRef, data: bytes, here: str) -> dict[str, Any]:
     """A fragment's document, checked against the root's record of it and bound to its step."""
-    if len(data) != ref.size or crc32c(data) != ref.crc32c:
-        raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
+    _check_whole(ref, data, here)
     try:
         doc = _json.loads(unseal(data, here))
     except (ValueError, RecursionError) as e:
@@ -190,8 +300,16 @@ def _fragment_doc(manifest: Manifest, ref: FragmentRef, data: bytes, here: str) 
     return doc
 
 
+def _check_whole(ref: FragmentRef, data: bytes, here: str) -> None:
+    if len(data) != ref.size or crc32c(data) != ref.crc32c:
+        raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
+
+
 def _fragment_objects(doc: dict[str, Any], here: str, step_dir: str) -> list[str]:
-    keys = doc["objects"]
+    return _check_objects(doc["objects"], here, step_dir)
+
+
+def _check_objects(keys: Any, here: str, step_dir: str) -> list[str]:
     if not isinstance(keys, list):
         raise ManifestError(f"{here}: 'objects' must be a list")
     for key in keys:
