@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import ckptio
+from ckptio.backends.base import Backend
 from ckptio.backends.memory import MemoryBackend
 from ckptio.engine import run_sync
 from ckptio.layout import HashedNaming
@@ -25,9 +26,12 @@ from ckptio.store import CheckpointStore
 from ckptio.tiers.durable import durable_round
 from ckptio.tiers.fastcommit import commit_everywhere
 from ckptio.tiers.policy import TierPolicy
+from ckptio.tiers.policy import RestorePlan
 from ckptio.tiers.replicator import ReplicationError
+from ckptio.tiers.restore import HostTiers, _durable_keys, restore_from_tiers
 from hosts import TierGroup, on_hosts
-from test_rootcast import HOSTS, STEP, W, _state  # the same job: 3 hosts, each a block of rows
+from test_fragments import CountingReads
+from test_rootcast import HOSTS, STEP, W, _rows, _state  # the same job: 3 hosts, each a block of rows
 
 def _fast(tmp_path: Path, rank: int) -> CheckpointStore:
     return CheckpointStore(str(tmp_path / f"r{rank}"), host_local=True)
@@ -52,9 +56,14 @@ def durable_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         MemoryBackend.forget(url)
 
 
-def _durable(where: tuple[str, Any]) -> CheckpointStore:
+def _durable(where: tuple[str, Any], backend: Backend | None = None) -> CheckpointStore:
     url, naming = where
-    return CheckpointStore(url) if naming is None else CheckpointStore(url, naming=naming)
+    return CheckpointStore(url, backend=backend) if naming is None else \
+        CheckpointStore(url, naming=naming, backend=backend)
+
+
+def _fragments_read(reads: CountingReads) -> set[str]:
+    return {k for k in reads.keys if "ckptio.fragment." in k}
 
 
 def _round(tmp_path: Path, where: tuple[str, Any]) -> list[BaseException | None]:
@@ -117,3 +126,44 @@ def test_a_fragment_that_is_not_the_roots_fails_every_host_and_commits_nothing(t
     assert len({str(e) for e in errors}) == 1
     assert "host 2" in str(errors[0]) and "does not match the root" in str(errors[0])
     assert run_sync(_durable(durable_url).committed_steps()) == []
+
+
+def _target(rank: int) -> dict[str, Any]:
+    return {"w": ckptio.Sharded(W.shape, W.dtype, [((_rows(rank), slice(None)), None)]), "lr": None}
+
+
+def test_a_host_restoring_from_the_durable_tier_reads_the_root_and_only_its_own_fragment(
+        tmp_path: Path, durable_url: Any) -> None:
+    _save_in_fast_tiers(tmp_path)
+    assert _round(tmp_path, durable_url) == [None] * HOSTS
+    refs = {f.host: f.key for f in run_sync(_durable(durable_url).read_manifest(str(STEP), shards=False)).fragments}
+
+    def host(rank: int, member: Any) -> tuple[Any, set[str]]:
+        reads = CountingReads(_durable(durable_url).backend)
+        t = HostTiers(TierGroup(member), _fast(tmp_path, rank), _fast(tmp_path, rank), _durable(durable_url, reads))
+        report, out = restore_from_tiers(t, STEP, _target(rank), ("durable",), None)
+        assert set(report.sources.values()) == {"durable"}
+        return out, _fragments_read(reads)
+
+    for rank, (out, fragments) in enumerate(on_hosts(HOSTS, host)):
+        np.testing.assert_array_equal(out["w"].pieces[0][1], W[_rows(rank)])
+        assert out["lr"] == 0.5 and fragments == {refs[rank]}
+
+
+def test_durable_keys_of_one_writer_read_only_that_writers_fragment(tmp_path: Path, durable_url: Any) -> None:
+    """A host whose writer and its partner are lost reads that writer's objects from the durable tier: it
+    learns their durable keys from that writer's fragment alone, never the whole durable manifest."""
+    _save_in_fast_tiers(tmp_path)
+    assert _round(tmp_path, durable_url) == [None] * HOSTS
+    fast0 = _fast(tmp_path, 0)
+    root = run_sync(fast0.read_manifest(str(STEP), shards=False))
+    two = [f for f, ref in enumerate(root.fragments or []) if ref.host == 2]
+    m = run_sync(fast0.load_fragment_numbers(str(STEP), root, two))
+    assert m.objects and not m.complete
+    reads = CountingReads(_durable(durable_url).backend)
+    plan = RestorePlan(STEP, root.checkpoint_id, HOSTS, 0, True, HOSTS)
+    got = _durable_keys(_durable(durable_url, reads), plan, m, {k: i for i, k in enumerate(m.objects)}, m.objects)
+    whole = run_sync(_durable(durable_url).read_manifest(str(STEP)))
+    assert set(got.values()) <= set(whole.objects)
+    assert all(there.rpartition("/")[2] == k.rpartition("/")[2] for k, there in got.items())
+    assert _fragments_read(reads) == {ref.key for ref in whole.fragments or [] if ref.host == 2}

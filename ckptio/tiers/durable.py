@@ -107,6 +107,9 @@ def durable_round(
     verdict = group.broadcast(verdict)
     if lease is not None:
         lease.close(retire=bool(verdict["ok"]))
+    # Every host's intent retired before host 0 looks for leftovers: a live-looking intent of this very
+    # round would have it sweep the step (reading its whole manifest) and keep sweeping it at later rounds.
+    group.gather(None)
     if committed:
         # After the intents are retired: the cleanup must see only dead attempts' intents.
         _after_durable_commit(durable, step_dir, policy, set() if unclean is None else unclean)

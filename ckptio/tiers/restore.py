@@ -32,7 +32,7 @@ from ..restore.plan import ReadPlan, select
 from ..restore.plan import plan as plan_reads
 from ..store import CheckpointStore
 from .group import PeerGroup
-from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings
+from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings, object_host
 from .rootcast import HostTiers, manifest_for
 from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
 
@@ -244,9 +244,16 @@ def _durable_keys(durable: CheckpointStore, plan: RestorePlan, m: Manifest, inde
                   keys: list[str]) -> dict[str, str]:
     """Where the durable tier holds each of ``keys`` (objects of the fast tiers' ``m``): by index in a whole
     manifest; by the save id, host and number that a copy's key keeps (see ``rootcast.fast_key``) in one
-    with only this host's fragments loaded, whose indices are not the job's."""
+    with only this host's fragments loaded, whose indices are not the job's (of a format-2 copy, only the
+    fragments of the writers of ``keys`` are read)."""
     step_dir = str(plan.step)
-    there = run_sync(durable.read_manifest(step_dir))
+    there = run_sync(durable.read_manifest(step_dir, shards=False))
+    if m.complete or there.checkpoint_id != m.checkpoint_id:  # by index: every object of the copy
+        there = there if there.complete else run_sync(durable.load_fragments(step_dir, there, None))
+    elif not there.complete:  # a format-2 copy: only the fragments of the writers of ``keys``
+        writers = {object_host(k) for k in keys}
+        numbers = [f for f, ref in enumerate(there.fragments or []) if ref.host in writers]
+        there = run_sync(durable.load_fragment_numbers(step_dir, there, numbers, names=()))
     if there.checkpoint_id != m.checkpoint_id or (m.complete and len(there.objects) != len(m.objects)):
         raise IntegrityError(
             f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "
