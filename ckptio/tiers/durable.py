@@ -138,9 +138,10 @@ def _copy_own(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src
         if fragment is not None:
             writers.add(fragment_save_id(fragment.ref))
         lease = Lease(durable, step_dir, new_id(), host=rank, covers=writers).start()
-        if fragment is not None:  # before the objects: the copy's final sync covers it too
-            run_sync(durable.io.write(fragment.ref.key, [memoryview(fragment.data)]))
         stats = run_sync(copy_keys(own, durable, objects))
+        if fragment is not None:  # after its objects, as a save writes it; synced before the verdict
+            run_sync(durable.io.write(fragment.ref.key, [memoryview(fragment.data)]))
+            run_sync(durable.io.sync())
         log.info("durable copy of step %s: host %d written (%d objects, %d kept from an earlier try)",
                  step_dir, rank, stats.written, stats.kept)
         return None, lease, dataclasses.asdict(fragment.ref) if fragment is not None else None
