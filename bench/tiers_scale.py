@@ -349,6 +349,11 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
             for who, rank in (("coordinator", 0), ("host", 1)):
                 got = _in_child(restore_side, root, hosts, rank, f"{replay}.restore")
                 res.update({f"restore_{who}_{k}": v for k, v in got.items()})
+            from .tiers_durable_scale import durable_side, peer_side, prepare_durable
+
+            res.update({f"peer_{k}": v for k, v in _in_child(peer_side, root).items()})
+            prepare_durable(root, path, hosts)
+            res.update({f"durable_{k}": v for k, v in _in_child(durable_side, root, hosts).items()})
         lost = hosts // 2
         for case in restarts:
             behind = RESTARTS[case]
@@ -382,6 +387,15 @@ def render_tiers_scale(res: dict[str, Any]) -> str:
             g = lambda k: res[f"restore_{who}_{k}"]  # noqa: E731
             lines.append(f"    {who:<28} {g('cpu_s'):6.2f}  {g('wall_s'):7.2f}  {_mb(g('received')):>9}  "
                          f"{_mb(g('sent')):>9}  {g('rss_mb'):6.0f} MB  {g('shards_at_hand')}")
+    if "durable_wall_s" in res:
+        lines += [
+            f"  durable round at host 0: {res['durable_wall_s']:.2f} s ({res['durable_cpu_s']:.2f} s CPU), RSS "
+            f"{res['durable_rss_mb']:.0f} MB; received {_mb(res['durable_received'])}, sent "
+            f"{_mb(res['durable_sent'])} (to one other host {_mb(res['durable_to_host'])}); durable manifest "
+            f"format {res['durable_format']}, {_mb(res['durable_manifest_bytes'])}",
+            f"  peer round, host 0's head to its partner: {_mb(res['peer_sent'])} (before its objects), prepared in "
+            f"{res['peer_wall_s']:.2f} s ({res['peer_cpu_s']:.2f} s CPU), RSS {res['peer_rss_mb']:.0f} MB",
+        ]
     lines.append(f"  restart, host {h // 2} lost          plan s  sources s   received       sent   peak RSS")
     for case in (c for c in RESTARTS if f"{c}_coordinator_plan_s" in res):
         lines.append(f"   {RESTART_TITLES[case]}")

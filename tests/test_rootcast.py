@@ -25,7 +25,7 @@ from ckptio.store import CheckpointStore
 from ckptio.tiers.peer import RoutedBackend
 from ckptio.tiers.policy import Holding, RestorePlan
 from ckptio.tiers.rootcast import HostTiers, manifest_for
-from hosts import on_hosts
+from hosts import TierGroup, on_hosts
 
 HOSTS, ROWS, COLS, STEP = 3, 48, 8, 4
 W = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
@@ -43,40 +43,6 @@ def _target(rank: int) -> dict[str, Any]:
     return {"w": ckptio.Sharded(W.shape, W.dtype, [((_rows(rank), slice(None)), None)]), "lr": None}
 
 
-class _Group:
-    """One thread-host's side of the collectives a tiered restore's manifest takes, over an all-gather
-    (tests/hosts.py); :attr:`received` counts the bytes others sent this host."""
-
-    def __init__(self, member: Any) -> None:
-        self.m, self.rank, self.size = member, member.rank, member.size
-        self.received = 0
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        everyone = self.m.all_gather(obj)
-        return everyone if self.rank == 0 else None
-
-    def broadcast(self, obj: Any) -> Any:
-        return self.m.all_gather(obj)[0]
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        got = self.m.all_gather(data.hex() if data is not None else None)[src]
-        if got is None:
-            raise ValueError(f"broadcast_bytes: host {src} has no data")
-        if src != self.rank:
-            self.received += len(got) // 2
-        return bytes.fromhex(got)
-
-    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
-                 ) -> dict[int, bytearray]:
-        out = {str(d): b"".join(bytes(b) for b in bufs).hex() for d, bufs in sends.items()}
-        everyone = self.m.all_gather(out)
-        got = {s: bytearray.fromhex(m[str(self.rank)]) for s, m in enumerate(everyone) if m.get(str(self.rank))}
-        if sizes is not None:
-            assert {s: len(b) for s, b in got.items()} == {s: sum(n) for s, n in sizes.items() if sum(n)}, sizes
-        self.received += sum(len(b) for s, b in got.items() if s != self.rank)
-        return got
-
-
 def _saved(tmp_path: Path) -> str:
     def host(rank: int, coord: Any) -> None:
         start_save(CheckpointStore(str(tmp_path / f"r{rank}"), host_local=True), STEP, _state(rank),
@@ -87,12 +53,12 @@ def _saved(tmp_path: Path) -> str:
                                                                                         shards=False)).checkpoint_id
 
 
-def _manifests(tmp_path: Path, cid: str) -> list[tuple[Any, RoutedBackend, _Group]]:
+def _manifests(tmp_path: Path, cid: str) -> list[tuple[Any, RoutedBackend, TierGroup]]:
     plan = RestorePlan(STEP, cid, HOSTS, 0, False, HOSTS, replica_offset=1)
 
-    def host(rank: int, member: Any) -> tuple[Any, RoutedBackend, _Group]:
+    def host(rank: int, member: Any) -> tuple[Any, RoutedBackend, TierGroup]:
         fast = CheckpointStore(str(tmp_path / f"r{rank}"), host_local=True)
-        group = _Group(member)
+        group = TierGroup(member)
         routed = RoutedBackend(f"tiers://{fast.url}", {})
         return manifest_for(HostTiers(group, fast, fast, None), plan, lambda w: fast, _target(rank), routed), \
             routed, group
@@ -136,7 +102,7 @@ def test_a_fragment_that_does_not_match_the_root_fails_every_host_alike(tmp_path
         fast = CheckpointStore(str(tmp_path / f"r{rank}"), host_local=True)
         routed = RoutedBackend(f"tiers://{fast.url}", {})
         with pytest.raises(CheckpointNotFoundError, match="fragments did not reach every host") as e:
-            manifest_for(HostTiers(_Group(member), fast, fast, None), plan, lambda w: fast, _target(rank), routed)
+            manifest_for(HostTiers(TierGroup(member), fast, fast, None), plan, lambda w: fast, _target(rank), routed)
         errors.append(str(e.value))
 
     on_hosts(HOSTS, host)

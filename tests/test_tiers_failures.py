@@ -148,8 +148,22 @@ def test_a_killed_copys_objects_are_cleaned_when_the_step_completes(tmp_path):
     m = run_sync(durable.read_manifest("2"))
     names = set(os.listdir(tmp_path / "durable" / "2"))
     own = {MANIFEST_NAME, *([fence_key("", m.fence)] if m.fence else [])}  # the commit's fence is its own
-    extra = {k for k in names if f"2/{k}" not in set(m.objects) and k not in own}
+    extra = {k for k in names if f"2/{k}" not in set(m.keys()) and k not in own}  # keys: objects and fragments
     assert not extra, f"left beside the committed step: {sorted(extra)}"
     assert not [k for k in names if parse_intent(k)]
     assert not set(left) & {k.rsplit("/", 1)[-1] for k in m.objects}  # the new run's objects, not the old
     run_sync(durable.close())
+
+
+def test_a_restore_whose_planning_fails_on_one_host_fails_every_host_alike(tmp_path):
+    """#33: host 1's target does not fit the checkpoint, so the restore's planning fails there only. It
+    still takes part in the fetch's status round: no host waits forever in an exchange host 1 skipped,
+    and every host raises the same error, naming host 1 and why."""
+    root = str(tmp_path)
+    common = ["--every", "0", "--keep", "1"]
+    run(3, "save", root, "--steps", "1,2", *common)
+    got = run(3, "badtarget", root, "--victims", "1", *common)
+    errors = {r["error"] for r in got.values()}
+    assert len(got) == 3 and len(errors) == 1 and None not in errors, got
+    (error,) = errors
+    assert "host 1: planning its reads:" in error and "host 0:" not in error and "host 2:" not in error, error

@@ -36,3 +36,9 @@ def test_what_a_non_coordinator_receives_per_save_does_not_grow_with_the_job(tmp
     assert got[1] * 32 < big["manifest_bytes"], (got, big["manifest_bytes"])
     # In total: the coordinator's gather plus one part per other host, O(hosts).
     assert big["save_total"] == big["gathered_at_coordinator"] + 63 * got[1]
+    # The durable round (format 2): a host gets its own fragment and the round's verdicts from host 0, and the
+    # durable tier's manifest is the root: neither grows with the shards of the job.
+    durable = [r["durable_to_host"] for r in (small, big)]
+    assert small["durable_format"] == big["durable_format"] == 2
+    assert 0 < durable[0] <= durable[1] < durable[0] + 256, durable
+    assert big["durable_manifest_bytes"] <= big["manifest_bytes"], big

@@ -18,6 +18,8 @@ Modes:
   phasekill    save --steps one at a time (each replicated before the next); host --victims kills itself
                (SIGKILL) at replication --phase of the last step (the test then kills the others)
   durabledown  save --steps with every durable write failing; report the lag, exit
+  badtarget    restore, host --victims with a target that does not fit the checkpoint (a wrong global shape):
+               every host must fail alike, naming that host and why; report the error
   keepup       save --steps back to back while each peer round takes --slow-peer s and the last step's
                round never ends (the node dies mid-replication); after each save, report the newest
                step every host has replicated and the replication lag; exit without closing
@@ -362,6 +364,19 @@ def main() -> int:
         counter = counted(args)
         mgr = manager(args, rank, durable_backend=counter)
         restore_and_report(mgr, args, rank, world, counter)
+        mgr.close()
+    elif args.mode == "badtarget":
+        mgr = manager(args, rank)
+        target = target_for(rank, world, args.arrays)
+        if rank in victims:  # one more row than was saved: the restore's planning refuses it, here only
+            w = target["w0"]
+            target["w0"] = ckptio.Sharded((w.shape[0] + 1, w.shape[1]), w.dtype, [(ix, None) for ix, _ in w.pieces])
+        try:
+            mgr.restore(args.restore_step, target=target)
+            error = None
+        except Exception as e:  # noqa: BLE001 -- reported: the test compares every host's
+            error = f"{type(e).__name__}: {e}"
+        print(json.dumps({"rank": rank, "error": error}), flush=True)
         mgr.close()
     elif args.mode == "emergency":
         mgr = manager(args, rank, fast=f"mem://tiers-fast-r{rank}")

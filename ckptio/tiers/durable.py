@@ -2,19 +2,26 @@
 
 :func:`durable_round` copies every host's own objects of a fast-tier step to
 the durable tier (:func:`ckptio.copy.copy_keys`) and then host 0 commits the
-manifest there, last, and runs the durable tier's retention. Host 0 copies by
-the manifest; every other host by its commit record (its fast tier holds no
-manifest, #33), which carries each object's index in the manifest, so that
-its keys are those :func:`ckptio.copy.rekey` gives the manifest's copy. A
-run killed mid-copy leaves objects without a manifest (invisible to
-readers); :func:`durable_recovery`, the first thing a new run's durable
-worker does, finds fast-tier steps newer than the durable tier's newest and
-copies them again, keeping the objects that already arrived whole.
+manifest there, last, and runs the durable tier's retention. Every host copies
+by its commit record (a non-coordinator's fast tier holds no manifest, #33),
+which carries each object's index in the checkpoint, so that its keys are
+those :func:`ckptio.copy.rekey` gives the whole manifest's copy. A fast-tier
+step that is a format-2 checkpoint (a save by many hosts) is copied as one:
+each host also copies its own fragment and host 0 commits the root it holds
+(:mod:`ckptio.tiers.durableroot`), parsing no other host's shards. A step
+without records (one host's, or saved before records carried indices) is
+copied by host 0's whole manifest and committed as format 1. A run killed
+mid-copy leaves objects without a manifest (invisible to readers);
+:func:`durable_recovery`, the first thing a new run's durable worker does,
+finds fast-tier steps newer than the durable tier's newest and copies them
+again, keeping the objects that already arrived whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 from ckptio.backends.base import join_key
 
@@ -28,8 +35,10 @@ from ..store import CheckpointStore, sweeps_temporaries_by_prefix
 from ..store.parts import PartRecord
 from .group import PeerGroup
 from .peer import checkpoint_disagreement, holdings
+from .durableroot import durable_fragment, durable_root, exchange_fragments, fragment_save_id
 from .policy import TierPolicy
 from .replicator import ReplicationError
+from .rootcast import stored_root
 
 __all__ = ["durable_recovery", "durable_round"]
 
@@ -65,45 +74,30 @@ def durable_round(
     step_dir = str(step)
     rank = group.rank
     # Nothing before a collective may raise on one host only: the others would wait forever.
-    m, part = _source_or_none(own, step_dir, rank)
-    cid = m.checkpoint_id if m is not None else part.checkpoint_id if part is not None else None
-    recs = group.gather(cid)
-    # Host 0 alone decides whether to copy ("copy"), there is nothing to do ("done"), or the round fails.
+    src = _source_or_none(own, step_dir, rank)
+    recs = group.gather(src.checkpoint_id)
+    # Host 0 alone decides whether to copy ("copy"), there is nothing to do ("done"), or the round fails;
+    # and whether the copy is a format-2 one (each host's fragment copied, a root committed).
     plan: dict[str, object] = {"do": "copy", "error": None}
     if recs is not None:
-        plan = _durable_plan(durable, step_dir, recs)
+        plan = {**_durable_plan(durable, step_dir, recs), "format": 2 if src.root is not None else 1}
     plan = group.broadcast(plan)
     if plan["do"] == "done":
         log.info("durable copy of step %d: already committed there", step)
         return
     if plan["do"] != "copy":
         raise ReplicationError(f"durable copy of step {step}: {plan['error']}")
-    error: str | None = None
-    out: Manifest | None = None
-    lease: Lease | None = None
-    try:
-        # Deterministic: the same keys (or the same error) on every host, from the manifest or a record.
-        objects, out = _objects_to_copy(own, durable, step_dir, m, part, rank)
-        # This host's copy is a save into the durable tier: it announces an intent before its first object
-        # (covering the source's save ids, which the copied objects keep), so that no deleter takes them
-        # for a crash's leftovers; kept until the commit's verdict, retired only on success.
-        writers = {n.save_id for _k, dk, _e in objects if (n := parse_object(dk)) is not None}
-        lease = Lease(durable, step_dir, new_id(), host=rank, covers=writers).start()
-        stats = run_sync(copy_keys(own, durable, objects))
-        log.info("durable copy of step %d: host %d written (%d objects, %d kept from an earlier try)",
-                 step, rank, stats.written, stats.kept)
-    except BaseException as e:
-        error = f"host {rank}: {type(e).__name__}: {e}"
-    errors = group.gather(error)
+    message = exchange_fragments(group, own, src.root) if plan.get("format") == 2 else None
+    error, lease, ref = _copy_own(own, durable, step_dir, src, message, rank)
+    sent = group.gather({"error": error, "fragment": ref})
     verdict: dict[str, object] = {"ok": False, "error": ""}
     committed = False
-    if errors is not None:
-        failed = [e for e in errors if e]
+    if sent is not None:
+        failed = [str(s["error"]) for s in sent if s["error"]]
         verdict = {"ok": not failed, "error": join_errors(failed)}
         if not failed:
             try:
-                assert out is not None  # host 0 copies by the manifest
-                run_sync(durable.commit(step_dir, out))
+                run_sync(_commit(own, durable, step_dir, src, [s["fragment"] for s in sent]))
                 committed = True
                 log.info("durable copy of step %d: committed", step)
             except FileExistsError:
@@ -113,11 +107,60 @@ def durable_round(
     verdict = group.broadcast(verdict)
     if lease is not None:
         lease.close(retire=bool(verdict["ok"]))
+    # Every host's intent retired before host 0 looks for leftovers: a live-looking intent of this very
+    # round would have it sweep the step (reading its whole manifest) and keep sweeping it at later rounds.
+    group.gather(None)
     if committed:
         # After the intents are retired: the cleanup must see only dead attempts' intents.
         _after_durable_commit(durable, step_dir, policy, set() if unclean is None else unclean)
     if not verdict["ok"]:
         raise ReplicationError(f"durable copy of step {step} failed: {verdict['error']}")
+
+
+def _copy_own(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src: _Source, message: bytes | None,
+              rank: int) -> tuple[str | None, Lease | None, dict[str, Any] | None]:
+    """Copy this host's objects (and, on format 2, its fragment) to the durable tier, under a lease.
+
+    Returns why not (one line naming this host), the lease (closed by the caller once the verdict
+    is known), and the reference of the fragment written (format 2)."""
+    lease: Lease | None = None
+    try:
+        # Deterministic: the same keys (or the same error) on every host, from the manifest or a record.
+        objects = _objects_to_copy(own, durable, step_dir, src, rank)
+        fragment = None
+        if message is not None:
+            assert src.part is not None  # format 2 is decided only where every host copies by its record
+            fragment = durable_fragment(message, rank, src.part, step_dir, durable)
+        # This host's copy is a save into the durable tier: it announces an intent before its first object
+        # (covering the source's save ids, which the copied objects and its fragment keep), so that no
+        # deleter takes them for a crash's leftovers; kept until the commit's verdict, retired only on success.
+        writers = {n.save_id for _k, dk, _e in objects if (n := parse_object(dk)) is not None}
+        if fragment is not None:
+            writers.add(fragment_save_id(fragment.ref))
+        lease = Lease(durable, step_dir, new_id(), host=rank, covers=writers).start()
+        stats = run_sync(copy_keys(own, durable, objects))
+        if fragment is not None:  # after its objects, as a save writes it; synced before the verdict
+            run_sync(durable.io.write(fragment.ref.key, [memoryview(fragment.data)]))
+            run_sync(durable.io.sync())
+        log.info("durable copy of step %s: host %d written (%d objects, %d kept from an earlier try)",
+                 step_dir, rank, stats.written, stats.kept)
+        return None, lease, dataclasses.asdict(fragment.ref) if fragment is not None else None
+    except BaseException as e:
+        return f"host {rank}: {type(e).__name__}: {e}", lease, None
+
+
+async def _commit(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src: _Source,
+                  fragments: list[Any]) -> None:
+    """Host 0, once every host's copy succeeded: commit the durable manifest, last. Format 1: the
+    fast tier's whole manifest, rekeyed. Format 2: the fast tier's root as stored, naming the
+    fragments the hosts wrote, under a fresh fence."""
+    if src.root is None:
+        assert src.manifest is not None  # host 0 copies by the manifest
+        await durable.commit(step_dir, rekey(src.manifest, step_dir, durable))
+        return
+    stored = await stored_root(own, step_dir, src.root)
+    out, data = durable_root(stored, fragments, durable.where(step_dir))
+    await durable.commit(step_dir, out, data)
 
 
 def _after_durable_commit(
@@ -174,7 +217,8 @@ def _durable_plan(durable: CheckpointStore, step_dir: str, ids: list[str | None]
     if disagreement is not None:
         return {"do": "fail", "error": disagreement}
     try:
-        there: str | None = run_sync(durable.read_manifest(step_dir)).checkpoint_id
+        # The root alone (a format-2 copy's fragments are not needed to know its checkpoint).
+        there: str | None = run_sync(durable.read_manifest(step_dir, shards=False)).checkpoint_id
     except FileNotFoundError:
         there = None
     except Exception as e:
@@ -186,37 +230,57 @@ def _durable_plan(durable: CheckpointStore, step_dir: str, ids: list[str | None]
     return {"do": "copy", "error": None}
 
 
-def _source_or_none(own: CheckpointStore, step_dir: str, rank: int) -> tuple[Manifest | None, PartRecord | None]:
-    """What this host copies ``step_dir`` by: its standing commit record (a non-coordinator's fast tier holds
-    no manifest, #33), else the committed manifest (host 0; a step saved before records carried indices).
-    ``(None, None)`` if neither can be read (logged)."""
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What this host copies a step by: its commit record (``part``), or host 0's whole ``manifest``
+    (format 1: a step saved before records carried indices, or by one host); host 0 also has the
+    fast tier's format-2 ``root`` when it copies by its record (the round is then a format-2 one)."""
+
+    manifest: Manifest | None = None
+    part: PartRecord | None = None
+    root: Manifest | None = None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        have = self.manifest or self.root or self.part
+        return have.checkpoint_id if have is not None else None
+
+
+def _source_or_none(own: CheckpointStore, step_dir: str, rank: int) -> _Source:
+    """What this host copies ``step_dir`` by: its standing commit record (a non-coordinator's fast tier
+    holds no manifest, #33; host 0's beside a format-2 root, whose fragments it then never loads), else
+    the committed manifest, whole (host 0). Empty if neither can be read (logged)."""
     try:
+        mine = [r for r in run_sync(own.parts.standing(step_dir)) if r.host == rank]
+        part = mine[0] if len(mine) == 1 and mine[0].sizes is not None and \
+            {"extents", "indices"} <= set(mine[0].extra) else None
         if rank != 0:
-            mine = [r for r in run_sync(own.parts.standing(step_dir)) if r.host == rank]
-            if len(mine) == 1 and mine[0].sizes is not None and {"extents", "indices"} <= set(mine[0].extra):
-                return None, mine[0]
-        return run_sync(own.read_manifest(step_dir)), None
+            return _Source(part=part) if part is not None else _Source(manifest=run_sync(own.read_manifest(step_dir)))
+        root = run_sync(own.read_manifest(step_dir, shards=False))
+        if part is not None and not root.complete and not root.bases and root.checkpoint_id == part.checkpoint_id:
+            return _Source(part=part, root=root)
+        return _Source(manifest=root if root.complete else run_sync(own.read_manifest(step_dir)))
     except FileNotFoundError:
-        return None, None
+        return _Source()
     except Exception as e:
         log.error("%s: unreadable manifest or commit record: %r", own.where(step_dir), e)
-        return None, None
+        return _Source()
 
 
-def _objects_to_copy(own: CheckpointStore, durable: CheckpointStore, step_dir: str, m: Manifest | None,
-                     part: PartRecord | None, rank: int
-                     ) -> tuple[list[tuple[str, str, list[StoredExtent]]], Manifest | None]:
+def _objects_to_copy(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src: _Source, rank: int
+                     ) -> list[tuple[str, str, list[StoredExtent]]]:
     """``(key, durable key, extents)`` of each object this host copies -- by the manifest, those it wrote and
-    any unreferenced ones it has; by its record, its own (named by their indices in the manifest) -- and the
-    durable tier's manifest where this host copies by the manifest (host 0 commits it)."""
+    any unreferenced ones it has; by its record, its own (named by their indices in the manifest)."""
+    m, part = src.manifest, src.part
     if m is not None:
         out = rekey(m, step_dir, durable)
         extents = object_extents(m)
         return [(m.objects[i], out.objects[i], extents[i])
-                for i in _own_indices(own, m.objects, object_writers(m), rank)], out
-    assert part is not None
+                for i in _own_indices(own, m.objects, object_writers(m), rank)]
+    if part is None:
+        raise RuntimeError(f"{own.where(step_dir)}: neither a commit record of host {rank} nor a manifest")
     return [(k, rekey_one(k, int(i), step_dir, durable), stored_extents(ex))
-            for k, i, ex in zip(part.objects, part.extra["indices"], part.extra["extents"], strict=True)], None
+            for k, i, ex in zip(part.objects, part.extra["indices"], part.extra["extents"], strict=True)]
 
 
 def _durable_retention(durable: CheckpointStore, policy: TierPolicy) -> list[int]:

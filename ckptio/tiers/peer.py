@@ -236,7 +236,7 @@ def fetch_from_peers(
     errors = group.gather(error)
     verdict = group.broadcast(join_errors([e for e in errors if e]) if errors is not None else None)
     if verdict:
-        raise RuntimeError(f"restore of step {plan.step}: fetching objects from peers failed: {verdict}")
+        raise RuntimeError(f"restore of step {plan.step} failed (its plan or its fetch from peers): {verdict}")
     return got
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from ..copy import object_writers
+from ..distributed import join_errors
 from ..engine import Progress, run_sync
 from ..errors import CheckpointNotFoundError, IntegrityError
 from ..manifest import Manifest
@@ -31,7 +32,7 @@ from ..restore.plan import ReadPlan, select
 from ..restore.plan import plan as plan_reads
 from ..store import CheckpointStore
 from .group import PeerGroup
-from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings
+from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings, object_host
 from .rootcast import HostTiers, manifest_for
 from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
 
@@ -83,13 +84,23 @@ def restore_from_tiers(
     failure: BaseException | None = None
     fetch_seconds = 0.0
     out: Any = None
+    read_plan: ReadPlan | None = None
     try:
-        read_plan, loaded = _prepare(store, manifest, str(plan.step), target)
+        try:
+            read_plan, loaded = _prepare(store, manifest, str(plan.step), target)
+        except Exception as e:  # noqa: BLE001 -- carried into the fetch's status round: every host fails alike
+            failure, loaded = e, manifest
         t_fetch = time.perf_counter()
-        _route_reads(t, plan, loaded, routed, holding_store, read_plan.keys())
+        # Collective even where planning failed (no reads, the error carried): a host that skipped it
+        # would leave the others waiting in the exchange forever.
+        _route_reads(t, plan, loaded, routed, holding_store, read_plan.keys() if read_plan is not None else set(),
+                     None if failure is None else f"planning its reads: {type(failure).__name__}: {failure}")
         fetch_seconds = time.perf_counter() - t_fetch
-        out = execute(read_plan, store.engine, progress)
+        if read_plan is not None:
+            out = execute(read_plan, store.engine, progress)
     except BaseException as e:  # every host must learn it before the step counts as resumed from
+        if failure is not None and e.__cause__ is None:
+            e.__cause__ = failure
         failure = e
     finally:
         store.engine.close()
@@ -170,28 +181,32 @@ def _everywhere(group: PeerGroup, step: int, failure: BaseException | None) -> N
 
     The step counts as resumed from only once every host holds it in memory: a restore that failed
     anywhere leaves the next save's retirement as it was, everywhere. Host 0 decides; the others
-    get one word.
+    get the failed hosts' one-line reasons (none when all went well).
     """
-    oks = group.gather(failure is None)
-    all_ok = group.broadcast(all(oks) if oks is not None else None)
+    why = None if failure is None else f"host {group.rank}: {type(failure).__name__}: {failure}"
+    whys = group.gather(why)
+    verdict = group.broadcast(join_errors([w for w in whys if w]) if whys is not None else None)
     if failure is not None:
         raise failure
-    if not all_ok:
-        raise RuntimeError(f"restore of step {step} failed on another host")
+    if verdict:
+        raise RuntimeError(f"restore of step {step} failed on another host: {verdict}")
 
 
 def _route_reads(t: HostTiers, plan: RestorePlan, m: Manifest, routed: RoutedBackend, holding_store: StoreFor,
-                 keys: set[str]) -> None:
-    """Route every key the read plan reads; fetch the peer-sourced ones (collective)."""
+                 keys: set[str], error: str | None = None) -> None:
+    """Route every key the read plan reads; fetch the peer-sourced ones (collective). ``error``: why this
+    host has no read plan (it still takes part; every host then raises, naming this host and why)."""
     if plan.manifest_from is None:  # durable only, on every host alike: no exchange
         assert t.durable is not None
         for k in keys:
             routed.route(k, DURABLE, t.durable.backend, k)
+        if error is not None:
+            raise RuntimeError(f"restore of step {plan.step}: host {t.rank}: {error}")
         return
     from_peers: list[int] = []
-    error: str | None = None
     try:
-        from_peers = _route_local(t, plan, m, routed, holding_store, keys)
+        if error is None:
+            from_peers = _route_local(t, plan, m, routed, holding_store, keys)
     except Exception as e:  # carried into the exchange's status round: every host fails alike
         error = f"{type(e).__name__}: {e}"
         from_peers = []
@@ -229,9 +244,16 @@ def _durable_keys(durable: CheckpointStore, plan: RestorePlan, m: Manifest, inde
                   keys: list[str]) -> dict[str, str]:
     """Where the durable tier holds each of ``keys`` (objects of the fast tiers' ``m``): by index in a whole
     manifest; by the save id, host and number that a copy's key keeps (see ``rootcast.fast_key``) in one
-    with only this host's fragments loaded, whose indices are not the job's."""
+    with only this host's fragments loaded, whose indices are not the job's (of a format-2 copy, only the
+    fragments of the writers of ``keys`` are read)."""
     step_dir = str(plan.step)
-    there = run_sync(durable.read_manifest(step_dir))
+    there = run_sync(durable.read_manifest(step_dir, shards=False))
+    if m.complete or there.checkpoint_id != m.checkpoint_id:  # by index: every object of the copy
+        there = there if there.complete else run_sync(durable.load_fragments(step_dir, there, None))
+    elif not there.complete:  # a format-2 copy: only the fragments of the writers of ``keys``
+        writers = {object_host(k) for k in keys}
+        numbers = [f for f, ref in enumerate(there.fragments or []) if ref.host in writers]
+        there = run_sync(durable.load_fragment_numbers(step_dir, there, numbers, names=()))
     if there.checkpoint_id != m.checkpoint_id or (m.complete and len(there.objects) != len(m.objects)):
         raise IntegrityError(
             f"step {plan.step}: the durable tier holds checkpoint {there.checkpoint_id}, "

@@ -75,9 +75,12 @@ def manifest_for(t: HostTiers, plan: RestorePlan, holding_store: StoreFor, targe
     broadcast by the host the plan names, else the durable tier's; a format-2 root comes with the
     fragments this host's ``target`` needs put into ``routed`` (see the module's docstring)."""
     step_dir = str(plan.step)
-    if plan.manifest_from is None:
+    if plan.manifest_from is None:  # every host reads the durable tier: its root and the fragments it needs
         assert t.durable is not None
-        return run_sync(t.durable.read_manifest(step_dir))
+        root = run_sync(t.durable.read_manifest(step_dir, shards=False))
+        if not root.complete:
+            _durable_fragments(t.durable, root, step_dir, target, routed)
+        return root
     data = None
     if t.rank == plan.manifest_from:
         try:
@@ -163,6 +166,23 @@ def _fragment_round(t: HostTiers, plan: RestorePlan, root: Manifest, holding_sto
     verdict = t.group.broadcast(join_errors([e for e in errors if e]) if errors is not None else None)
     if verdict:
         raise CheckpointNotFoundError(f"step {plan.step}: the manifest's fragments did not reach every host: {verdict}")
+
+
+def _durable_fragments(durable: CheckpointStore, root: Manifest, step_dir: str, target: Any,
+                       routed: RoutedBackend) -> None:
+    """Put the fragments of the durable tier's format-2 ``root`` that this host's ``target`` meets into
+    ``routed`` (read once each, checked against the root): no host loads the job's shards. One that
+    cannot be read or does not match is left out (logged): this host's planning then fails on it, and
+    every host learns that in the restore's status round."""
+    try:
+        numbers = fragments_for(root, lambda: select(root, target, step_dir).boxes(root))
+    except Exception:  # noqa: BLE001 -- the restore's planning raises it again
+        return
+    refs = [(root.fragments or [])[f] for f in numbers]
+    sends, error = _fragments_asked(durable, root.fragments or [], {0: bytearray(json.dumps(numbers).encode())})
+    error = error or _keep(bytearray(b"".join(sends.get(0, []))), refs, routed)
+    if error is not None:  # not raised here: planning fails on the missing fragment, inside the status rounds
+        log.error("step %s: the durable tier's fragments: %s", step_dir, error)
 
 
 def _fragments_asked(store: CheckpointStore, refs: list[FragmentRef], asks: dict[int, bytearray]
