@@ -119,8 +119,8 @@ def test_without_per_extent_blocks_the_same_split_reads_about_2x(tmp_path: Path,
     url = str(tmp_path)
     save_rows(url)
     doc = root_doc(tmp_path)
-    # No extent of its own block: the version columnar fragments need, not one for blocks.
-    assert doc["version"] == formats.version_for(fragments=True, columns=True)
+    # No extent of its own block: the version sectioned fragments need, not one for blocks.
+    assert doc["version"] == formats.version_for(fragments=True, columns=True, heads=True)
     worst = check_split(url, [0, 25, 50], 2.01)
     assert worst > 1.9
 

@@ -275,3 +275,30 @@ def test_on_gcs_one_array_is_read_by_ranged_gets(gcs_emulator_env: str, tmp_path
     assert len(frag_reads) == 2 * len(refs)  # per fragment: its head (and index entry), then one section
     assert all(r.length < refs[k if k in refs else k.split("/", 1)[-1]].size / 2 for k, r in frag_reads)
     assert ckptio.restore(url, step=STEP)["params"]["w"].tobytes() == full("w").tobytes()
+
+
+def test_a_fragment_renamed_to_other_object_keys_keeps_every_section() -> None:
+    """with_objects (a durable copy under another naming): the new head names the new keys, its index
+    moves with it, and every section reads back the same, whole or by range, each still checked."""
+    shards = [{"offsets": [0, 4 * k], "shape": [4, 4], "extents": [[k, 64 * k, 0, 64, [7 + k]]]} for k in range(3)]
+    items = [("a", shards[:2]), ("empty", []), ("b", shards[2:])]
+    data, size = sections.encode_sections(STEP, ["s/o0", "s/o1", "s/o2"], items)
+    head = sections.parse_head(data, size, crc32c(data[:size]), "f", "f")
+    longer = ["s/ab/cdef/" + "x" * 40 + str(k) for k in range(3)]
+    for keys in (longer, ["a", "b", "c"]):
+        out = sections.with_objects(data, head, keys, "f")
+        new_size = sections.head_size_of(out)
+        assert new_size is not None
+        got = sections.parse_head(out, new_size, crc32c(out[:new_size]), "f", "f")
+        assert got.objects == keys and (got.step, got.width, got.items, got.digest) == \
+            (head.step, head.width, head.items, head.digest)
+        before, after = sections.take_whole(data, head, None, "f"), sections.take_whole(out, got, None, "f")
+        assert list(before[0]) == list(after[0]) == [0, 2]
+        for x, y in zip(before[2], after[2]):
+            assert np.array_equal(x, y)
+        lo, hi = sections.index_range(got.size, 0, got.items - 1)
+        index = sections.parse_index(out[lo:hi], 0, got, len(out), "f")
+        parts = {i: out[int(index[i, 0]): int(index[i, 0] + index[i, 1])] for i in (0, 2)}
+        assert sections.take_sections(parts, index, 0, got, "f", "f")[1] == [2, 1]
+    with pytest.raises(ManifestError, match="2 object keys"):
+        sections.with_objects(data, head, ["a", "b"], "f")

@@ -31,7 +31,8 @@ from ..checksum import crc32c
 from ..copy import rekey_one
 from ..engine import gather_or_cancel, run_sync
 from ..manifest import FragmentRef, Manifest
-from ..manifest.fragments import FRAGMENT_PREFIX
+from ..manifest.codec.sections import parse_head, with_objects
+from ..manifest.fragments import FRAGMENT_PREFIX, fragment_ref
 from ..manifest.seal import seal, unseal
 from ..names import new_id
 from ..store import CheckpointStore
@@ -112,15 +113,19 @@ def durable_fragment(message: bytes, rank: int, part: PartRecord, step_dir: str,
     ref = FragmentRef(**head["ref"])
     if ref.host != rank or len(data) != ref.size or crc32c(data) != ref.crc32c:
         raise RuntimeError(f"fragment {ref.key!r} as host {rank} received it does not match the root's reference")
-    doc = _json.loads(unseal(data, ref.key))
-    if doc.get("objects") != part.objects:
+    head = parse_head(data, ref.head_size, ref.head_crc32c, ref.key, ref.key) if ref.head_size is not None else None
+    doc = _json.loads(unseal(data, ref.key)) if head is None else None  # version 3: sealed JSON
+    if (head.objects if head is not None else doc.get("objects")) != part.objects:  # type: ignore[union-attr]
         raise RuntimeError(f"fragment {ref.key!r} does not name the objects host {rank}'s commit record does")
     keys = [rekey_one(k, int(i), step_dir, durable) for k, i in zip(part.objects, part.extra["indices"], strict=True)]
     if keys == part.objects:  # a flat naming: the fragment goes as it is
         return DurableFragment(data, ref)
-    doc["objects"] = keys
-    out = seal(doc)
-    return DurableFragment(out, FragmentRef(ref.key, len(out), crc32c(out), ref.host))
+    if head is not None:  # a new head naming the durable keys; the sections as they are
+        out = with_objects(data, head, keys, ref.key)
+    else:
+        assert doc is not None
+        out = seal({**doc, "objects": keys})
+    return DurableFragment(out, fragment_ref(ref.key, out, ref.host))
 
 
 def fragment_save_id(ref: FragmentRef) -> str:
@@ -140,7 +145,11 @@ def durable_root(stored: bytes, sent: list[Any], where: str) -> tuple[Manifest, 
         if not isinstance(got, dict) or got.get("key") != ref["key"] or got.get("host") != host \
                 or type(got.get("size")) is not int or type(got.get("crc32c")) is not int:
             raise RuntimeError(f"{where}: host {host} reported no copy of its fragment {ref['key']!r}")
-        refs.append({**ref, "size": got["size"], "crc32c": got["crc32c"]})
+        # A version-4 fragment renamed for the durable tier has a head of another length and crc32c.
+        heads = {k: got[k] for k in ("head_size", "head_crc32c") if got.get(k) is not None}
+        if ("head_size" in ref) != bool(heads):
+            raise RuntimeError(f"{where}: host {host} reported a copy of its fragment {ref['key']!r} of another version")
+        refs.append({**ref, "size": got["size"], "crc32c": got["crc32c"], **heads})
     doc["fragments"] = refs
     doc["fence"] = new_id()  # the durable commit's own, as a format-1 copy gets (ckptio.store.commit)
     data = seal(doc)

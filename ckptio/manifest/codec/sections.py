@@ -42,7 +42,7 @@ from ..limits import MAX_COUNT, MAX_NDIM
 from .columns import _ranges, column_bytes
 
 __all__ = ["MAGIC", "SECTIONS_FRAGMENT_VERSION", "Head", "encode_sections", "head_size_of", "index_range", "names_digest",
-           "parse_head", "parse_index", "take_sections", "take_whole"]
+           "parse_head", "parse_index", "take_sections", "take_whole", "with_objects"]
 
 #: The ``version`` of a fragment laid out in sections.
 SECTIONS_FRAGMENT_VERSION = 4
@@ -67,14 +67,7 @@ def encode_sections(step: int | None, objects: Sequence[str], items: Sequence[tu
     """A version-4 fragment of every array item of a host record, in order (``(name, shards)``, an
     item without shards included: its number is its place), and its head's length."""
     width = max((len(s["shape"]) for _n, shards in items for s in shards), default=0)
-    keys = "\n".join(objects).encode()
-    if any("\n" in k for k in objects):
-        raise ValueError("an object key holds a newline")
-    size = len(MAGIC) + _FIXED.size + len(keys)
-    size += _pad8(size)
-    head = MAGIC + _FIXED.pack(-1 if step is None else step, width, len(items), size,
-                               names_digest([n for n, _s in items]), len(objects)) + keys
-    head += bytes(size - len(head))
+    head = _head_bytes(step, width, len(items), names_digest([n for n, _s in items]), objects)
     at = len(head) + _ENTRY.itemsize * len(items)
     index = np.zeros(len(items), _ENTRY)
     parts: list[bytes] = []
@@ -88,6 +81,30 @@ def encode_sections(step: int | None, objects: Sequence[str], items: Sequence[tu
         parts.append(body)
         at += len(body)
     return b"".join([head, index.tobytes(), *parts]), len(head)
+
+
+def _head_bytes(step: int | None, width: int, items: int, digest: bytes, objects: Sequence[str]) -> bytes:
+    keys = "\n".join(objects).encode()
+    if any("\n" in k for k in objects):
+        raise ValueError("an object key holds a newline")
+    size = len(MAGIC) + _FIXED.size + len(keys)
+    size += _pad8(size)
+    head = MAGIC + _FIXED.pack(-1 if step is None else step, width, items, size, digest, len(objects)) + keys
+    return head + bytes(size - len(head))
+
+
+def with_objects(data: bytes, head: Head, objects: Sequence[str], here: str) -> bytes:
+    """A version-4 fragment ``data`` (whose checked ``head`` is given) naming ``objects`` instead of
+    its own object keys (as many): a new head, the index's offsets moved by its change of length,
+    the sections as they are (their crc32c stays theirs). For a copy whose objects get other keys."""
+    if len(objects) != len(head.objects):
+        raise ManifestError(f"{here}: {len(objects)} object keys for a fragment naming {len(head.objects)}")
+    new = _head_bytes(head.step, head.width, head.items, head.digest, objects)
+    lo, hi = index_range(head.size, 0, head.items - 1) if head.items else (head.size, head.size)
+    index = np.frombuffer(data, _ENTRY, head.items, lo).copy()
+    used = index["len"] > 0  # the head may grow or shrink: offsets moved as signed numbers
+    index["off"][used] = (index["off"][used].astype(np.int64) + (len(new) - head.size)).astype(np.uint64)
+    return b"".join([new, index.tobytes(), data[hi:]])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
