@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .columns import _ranges
 from .sections import _SECTION, Head
@@ -109,9 +110,11 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
         return None
     i8 = np.frombuffer(buf, "<i8")
     at = goff // 8 + _SECTION.size // 8
-    boxes = i8[_ranges(at, rows * 3 * w)].reshape(-1, 3 * w) if w else np.zeros((int(rows.sum()), 0), _I64)
+    # Rows are taken whole from windows over the words (one index per row, not one per word).
+    boxes = (sliding_window_view(i8, 3 * w)[_rows_at(at, rows, 3 * w)] if w
+             else np.zeros((int(rows.sum()), 0), _I64))
     ecount = i8[_ranges(at + rows * 3 * w, rows)]
-    ext = i8[_ranges(at + rows * (3 * w + 1), n_ext * 6)].reshape(-1, 6)
+    ext = sliding_window_view(i8, 6)[_rows_at(at + rows * (3 * w + 1), n_ext, 6)]
     crcs = u4[_ranges((goff + words * 8) // 4, n_crc)]
     # Each section's counts add up (stricter than per fragment, as take_whole checks them).
     if (len(ecount) and ecount.min() < 0) or (len(ext) and ext[:, 4].min() < 0):
@@ -122,6 +125,11 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
     if len(ext) and ((ext[:, 0] < 0) | (ext[:, 0] >= n_objects[ext_pos])).any():
         return None
     return Wholes(np.repeat(numbers, rows), np.repeat(pos, rows), boxes, ecount, ext, crcs, ext_pos)
+
+
+def _rows_at(starts: np.ndarray, counts: np.ndarray, step: int) -> np.ndarray:
+    """The first words of ``counts[i]`` rows of ``step`` words from word ``starts[i]``, for every ``i``."""
+    return np.repeat(starts - step * (np.cumsum(counts) - counts), counts) + step * np.arange(int(counts.sum()))
 
 
 def _sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
