@@ -66,6 +66,9 @@ def test_a_batch_gathers_what_each_fragment_in_turn_gathers(saved: Path, monkeyp
     monkeypatch.setattr(split.FragmentLoader, "add", refuse)  # the batch path really is taken
     for names, expected in zip(choices, want):
         assert _gathered(doc, datas, names, batch=True) == expected
+    monkeypatch.setattr(split, "WHOLES", 2)  # in two batches of two
+    for names, expected in zip(choices, want):
+        assert _gathered(doc, datas, names, batch=True) == expected
 
 
 def test_a_restore_of_every_array_is_bit_exact(saved: Path) -> None:
@@ -74,10 +77,11 @@ def test_a_restore_of_every_array_is_bit_exact(saved: Path) -> None:
         assert got["params"][n].tobytes() == full(n).tobytes()
 
 
-@pytest.mark.parametrize("flip", [0x01, 0x80])
-def test_every_changed_byte_of_the_index_and_sections_meets_the_same_answer(saved: Path, flip: int) -> None:
+@pytest.mark.parametrize(("flip", "f", "wholes"), [(0x01, 1, 32), (0x80, 1, 32), (0x01, 1, 2), (0x80, 3, 2)])
+def test_every_changed_byte_of_the_index_and_sections_meets_the_same_answer(
+        saved: Path, flip: int, f: int, wholes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(split, "WHOLES", wholes)  # 2: the changed fragment's batch and one clean batch
     doc0, datas = _root_doc(saved), _datas(saved)
-    f = 1
     ref0 = doc0["fragments"][f]
     clean = datas[ref0["key"]]
     refused = kept = 0

@@ -48,6 +48,9 @@ __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc
 FRAGMENT_FORMAT = "ckptio-fragment"
 #: Index entries lying this close behind a head are read with it, in one request.
 _GAP = 256
+#: Whole version-4 fragments taken at once: enough that the array calls' fixed cost is spread
+#: thin, few enough that their index arrays (one int64 per checksum) stay a few MB.
+WHOLES = 32
 
 
 def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
@@ -232,25 +235,34 @@ class FragmentLoader:
 
     def add_batch(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> None:
         """Fragments ``fs`` (``datas``: their bytes), as :meth:`add` of each in turn would add
-        them. Whole version-4 fragments are checked and taken all at once
+        them. Whole version-4 fragments are checked and taken :data:`WHOLES` at once
         (:func:`.wholes.take_wholes`); where that finds a fault, or the fragments are of other
         versions, each is added alone, so that the fault is reported as :meth:`add` reports it."""
+        last_taken = False
+        for i in range(0, len(fs), WHOLES):
+            last_taken = self._add_wholes(fs[i : i + WHOLES], datas)
+        if last_taken:  # what add would leave as the fragment added last (the next shares its item index)
+            f = fs[-1]
+            ref = self.manifest.fragments[f]  # type: ignore[index]
+            here = f"{self.where}: fragment {ref.key!r}"
+            head = parse_head(datas[f], ref.head_size or 0, ref.head_crc32c or 0, here, ref.key)
+            c = self._columns4(head, *take_whole(datas[f], head, self.wanted, here), here)
+            c.take()
+            self.last = c
+
+    def _add_wholes(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> bool:
+        """Fragments ``fs`` added (see :meth:`add_batch`); whether they were taken at once."""
         heads = self._whole_heads(fs, datas) if len(fs) > 1 and not self.shards else None
         got = heads and take_wholes([datas[f] for f in fs], heads, self.wanted, [len(h.objects) for h in heads])
         if not got or not heads:
             for f in fs:
                 self.add(f, datas[f])
-            return
+            return False
         bases = list(itertools.accumulate((len(h.objects) for h in heads), initial=len(self.objects)))[:-1]
         self.gather.add_wholes(fs, bases, got, heads[0].width)
         for h in heads:
             self.objects += h.objects
-        # What add would leave as the fragment added last (the next shares its item index).
-        f, head = fs[-1], heads[-1]
-        here = f"{self.where}: fragment {self.manifest.fragments[f].key!r}"  # type: ignore[index]
-        c = self._columns4(head, *take_whole(datas[f], head, self.wanted, here), here)
-        c.take()
-        self.last = c
+        return True
 
     def _whole_heads(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> list[Head] | None:
         """The heads of whole version-4 fragments ``fs``, each checked as :meth:`add` checks it;
