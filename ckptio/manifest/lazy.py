@@ -110,8 +110,7 @@ async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, s
             await _ranged_batch(loader, batch, fetch_ranges)
             continue
         datas = await fetch(batch)
-        for f in batch:
-            loader.add(f, datas[f])
+        loader.add_batch(batch, datas)
         del datas
     return loader.done()
 

@@ -11,13 +11,14 @@ the reader holds one set of columns and one fragment's bytes at a time.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from ...errors import ManifestError
 from .columns import Columns, _ranges, _take_rows, _widened
+from .wholes import Wholes
 
 __all__ = ["Gather"]
 
@@ -65,6 +66,24 @@ class Gather:
         self.at = [r + n, e + m, q + k]
         self.loaded.append(f)
 
+    def add_wholes(self, frags: Sequence[int], bases: Sequence[int], got: Wholes, width: int) -> None:
+        """The rows of whole version-4 fragments ``frags`` (their objects numbered from ``bases``),
+        taken at once (:func:`.wholes.take_wholes`, fragments of rank ``width``): what :meth:`add`
+        of each in turn would gather."""
+        if width > self.width:
+            self._widen(width)
+        boxes = got.boxes if width == self.width else _widened(got.boxes, width, self.width)
+        n, m, k = len(boxes), len(got.extents), len(got.crcs)
+        self._room(n, m, k, share=len(frags))
+        r, e, q = self.at
+        cols = self.cols
+        cols["item"][r : r + n], cols["frag"][r : r + n] = got.item, np.asarray(frags, np.int64)[got.pos]
+        cols["boxes"][r : r + n], cols["ecount"][r : r + n] = boxes, got.ecount
+        cols["extents"][e : e + m], cols["crcs"][q : q + k] = got.extents, got.crcs
+        cols["extents"][e : e + m, 0] += np.asarray(bases, np.int64)[got.ext_pos]
+        self.at = [r + n, e + m, q + k]
+        self.loaded.extend(frags)
+
     def done(self) -> dict[str, Any]:
         """The gathered columns (views of the filled part)."""
         if not self.cols:
@@ -90,10 +109,10 @@ class Gather:
                                               rows_of, c)
         return got[0], got[1]
 
-    def _room(self, n: int, m: int, k: int) -> None:
+    def _room(self, n: int, m: int, k: int, share: int = 1) -> None:
         """Columns with room for ``n`` more rows, ``m`` extents and ``k`` checksums: the first
-        fragment's sizes times those expected, doubled when short (pages never written cost no
-        memory, so a generous guess is free)."""
+        ``share`` fragments' sizes times those expected, doubled when short (pages never written
+        cost no memory, so a generous guess is free)."""
         r, e, q = self.at
         if self.cols and r + n <= len(self.cols["item"]) and e + m <= len(self.cols["extents"]) \
                 and q + k <= len(self.cols["crcs"]):
@@ -103,7 +122,7 @@ class Gather:
                    max(2 * len(self.cols["crcs"]), q + k)]
         else:
             w = self.width
-            times = max(self.expect or 1, 1)
+            times = max(-(-(self.expect or 1) // share), 1)
             # The guess's address space is capped (a first fragment far larger than the others,
             # times thousands, could be refused by the kernel): past the cap, columns double.
             room = (n * 8 * (3 + 3 * w) + m * 48 + k * 4) * times

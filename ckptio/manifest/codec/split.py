@@ -37,6 +37,7 @@ from ..values import decode_value
 from .arrays import array_item
 from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
 from .gather import Gather
+from .wholes import take_wholes
 from .sections import (SECTIONS_FRAGMENT_VERSION, Head, index_range, names_digest, parse_head, parse_index,
                        take_sections, take_whole)
 from .single import head_fields
@@ -47,6 +48,9 @@ __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc
 FRAGMENT_FORMAT = "ckptio-fragment"
 #: Index entries lying this close behind a head are read with it, in one request.
 _GAP = 256
+#: Whole version-4 fragments taken at once: enough that the array calls' fixed cost is spread
+#: thin, few enough that their index arrays (one int64 per checksum) stay a few MB.
+WHOLES = 32
 
 
 def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
@@ -229,6 +233,53 @@ class FragmentLoader:
         if self.last is not None and self.shards:
             raise ManifestError(f"{self.where}: its fragments mix versions 2 and {COLUMNS_FRAGMENT_VERSION}")
 
+    def add_batch(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> None:
+        """Fragments ``fs`` (``datas``: their bytes), as :meth:`add` of each in turn would add
+        them. Whole version-4 fragments are checked and taken :data:`WHOLES` at once
+        (:func:`.wholes.take_wholes`); where that finds a fault, or the fragments are of other
+        versions, each is added alone, so that the fault is reported as :meth:`add` reports it."""
+        last_taken = False
+        for i in range(0, len(fs), WHOLES):
+            last_taken = self._add_wholes(fs[i : i + WHOLES], datas)
+        if last_taken:  # what add would leave as the fragment added last (the next shares its item index)
+            f = fs[-1]
+            ref = self.manifest.fragments[f]  # type: ignore[index]
+            here = f"{self.where}: fragment {ref.key!r}"
+            head = parse_head(datas[f], ref.head_size or 0, ref.head_crc32c or 0, here, ref.key)
+            c = self._columns4(head, *take_whole(datas[f], head, self.wanted, here), here)
+            c.take()
+            self.last = c
+
+    def _add_wholes(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> bool:
+        """Fragments ``fs`` added (see :meth:`add_batch`); whether they were taken at once."""
+        heads = self._whole_heads(fs, datas) if len(fs) > 1 and not self.shards else None
+        got = heads and take_wholes([datas[f] for f in fs], heads, self.wanted, [len(h.objects) for h in heads])
+        if not got or not heads:
+            for f in fs:
+                self.add(f, datas[f])
+            return False
+        bases = list(itertools.accumulate((len(h.objects) for h in heads), initial=len(self.objects)))[:-1]
+        self.gather.add_wholes(fs, bases, got, heads[0].width)
+        for h in heads:
+            self.objects += h.objects
+        return True
+
+    def _whole_heads(self, fs: Sequence[int], datas: Mapping[int, bytes]) -> list[Head] | None:
+        """The heads of whole version-4 fragments ``fs``, each checked as :meth:`add` checks it;
+        None if any is not one, or fails a check."""
+        heads = []
+        for f in fs:
+            ref = self.manifest.fragments[f]  # type: ignore[index]
+            if ref.head_size is None:
+                return None
+            here = f"{self.where}: fragment {ref.key!r}"
+            try:
+                _check_whole(ref, datas[f], here)
+                heads.append(self._head(parse_head(datas[f], ref.head_size, ref.head_crc32c or 0, here, ref.key), here))
+            except (ManifestError, IntegrityError):
+                return None
+        return heads
+
     def section_ranges_of(self, index: np.ndarray, first: int) -> list[tuple[int, int]]:
         """The joined section ranges of the wanted arrays in ``index`` (entries from ``first``)."""
         out: list[tuple[int, int]] = []
@@ -250,6 +301,18 @@ class FragmentLoader:
     def _add4(self, f: int, head: Head, numbers: Sequence[int], rows: Sequence[int],
               cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], here: str) -> None:
         """A version-4 fragment's sections ``numbers`` (``rows`` each), as columns, into the gather."""
+        c = self._columns4(head, numbers, rows, cols, here)
+        base = len(self.objects)
+        self.objects += head.objects
+        self.gather.add(f, base, c)
+        if self.shards:
+            raise ManifestError(f"{self.where}: its fragments mix versions 2 and {SECTIONS_FRAGMENT_VERSION}")
+        self.last = c
+
+    def _columns4(self, head: Head, numbers: Sequence[int], rows: Sequence[int],
+                  cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], here: str) -> Columns:
+        """A version-4 fragment's sections ``numbers`` (``rows`` each) as :class:`Columns`, sharing
+        the item index of the fragment before when their layout is the same."""
         key = np.asarray(numbers, np.int64), np.asarray(rows, np.int64)
         last = self.last
         if last is not None and self.last_key is not None and all(map(np.array_equal, key, self.last_key)):
@@ -258,14 +321,8 @@ class FragmentLoader:
             counts = dict(zip([self.array_names[i] for i in key[0].tolist()], key[1].tolist()))
             starts = dict(zip(counts, itertools.accumulate(counts.values(), initial=0)))
         self.last_key = key
-        c = Columns(here, head.width, len(head.objects), starts, counts, len(cols[0]), len(cols[2]), len(cols[3]),
-                    "", counts, starts, len(cols[0]), cols)
-        base = len(self.objects)
-        self.objects += head.objects
-        self.gather.add(f, base, c)
-        if self.shards:
-            raise ManifestError(f"{self.where}: its fragments mix versions 2 and {SECTIONS_FRAGMENT_VERSION}")
-        self.last = c
+        return Columns(here, head.width, len(head.objects), starts, counts, len(cols[0]), len(cols[2]), len(cols[3]),
+                       "", counts, starts, len(cols[0]), cols)
 
     def done(self) -> Manifest:
         """The manifest with the shards of every fragment added."""
