@@ -137,6 +137,17 @@ if sys.argv[-1] == "1" and len(sys.argv) == 3 and sys.argv[1].endswith("standing
 """
 
 
+def _run_previous(old: Path, root: Path, step: int, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The previous release (``old``: its sources) runs ``_OLD`` on ``root`` (gc, then ``delete`` of
+    ``step``), importing its own code, not this tree's."""
+    env = {**os.environ, "PYTHONPATH": str(old)}
+    done = subprocess.run([sys.executable, "-c", _OLD, str(root), str(step)], env=env, capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{old}/ckptio" not in done.stderr
+    return done
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("base", ["deleted", "standing"])
 def test_the_previous_release_deletes_nothing_a_kept_step_references(tmp_path: Path, base: str) -> None:
@@ -147,11 +158,7 @@ def test_the_previous_release_deletes_nothing_a_kept_step_references(tmp_path: P
     root = tmp_path / base
     mngr, states = _run(root, 4 if base == "deleted" else 3, keep=2 if base == "deleted" else 3)
     mngr.close()
-    env = {**os.environ, "PYTHONPATH": str(old)}
-    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "1"], env=env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"{old}/ckptio" not in done.stderr
+    done = _run_previous(old, root, 1, tmp_path)
     mngr = ckptio.CheckpointManager(root, incremental=True)
     for step in states:
         if step in mngr.all_steps():  # the older delete took step 1's manifest (by name), not its objects
@@ -180,11 +187,7 @@ def test_the_previous_release_deleting_an_incremental_step_loses_nothing_kept(tm
     m3 = run_sync(mngr.store.read_manifest("3"))
     assert {k.split("/")[0] for k in m3.objects} == {"1", "2", "3"}  # the scenario: references into 1 and 2
     mngr.close()
-    env = {**os.environ, "PYTHONPATH": str(old)}
-    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "2"], env=env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"{old}/ckptio" not in done.stderr
+    done = _run_previous(old, root, 2, tmp_path)
     assert "old delete 2 done" in done.stdout, done.stdout
     mngr = ckptio.CheckpointManager(root, incremental=True)
     for rounds in ("after the older delete", "after this version's gc"):
