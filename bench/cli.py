@@ -59,7 +59,8 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("state")
     g.add_argument("--size", default=None, help=f"total state size (default 1GiB; the quick set: {QUICK_SIZE})")
-    g.add_argument("--arrays", type=int, default=32, help="number of arrays (default 32)")
+    g.add_argument("--arrays", type=int, default=None,
+                   help="number of arrays (default 32; 100 for --incremental, so its FRACTION is met to 1 %%)")
     g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
     g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
     g = p.add_argument_group("where")
@@ -305,7 +306,7 @@ def _warn_if_interleaving_will_not_fit(classes: Sequence[type[Case]], spec: Stat
 
 
 def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays, dtype=args.dtype)
+    spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays or 32, dtype=args.dtype)
     if args.pin and not args.train:
         raise ValueError("--pin pins the training thread of --train: add --train")
     pin = pinning.plan() if args.pin else None  # ValueError on one core
@@ -435,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.incremental is not None:
         from .incremental import main_incremental
 
-        return main_incremental(args.incremental, parse_size(args.size or "1GiB"), args.arrays,
+        return main_incremental(args.incremental, parse_size(args.size or "1GiB"), args.arrays or 100,
                                 args.incremental_steps, args.dir, args.keep)
     if args.rate_limit is not None:
         return main_rate_limit_args(args, _error)

@@ -59,6 +59,9 @@ def main_incremental(fraction: float, size: int, arrays: int, steps: int, parent
     rng = np.random.default_rng(0)
     state: dict[str, Any] = {f"a{i:03d}": rng.standard_normal(per).astype(np.float32) for i in range(arrays)}
     changed = max(0, round(fraction * arrays))
+    if abs(changed / arrays - fraction) > 0.005:  # e.g. 0.02 of 32 arrays is 1 array, 3.1 %: say so
+        print(f"note: {fraction:g} of {arrays} arrays is {changed} ({changed / arrays:.1%}); "
+              f"--arrays {max(100, arrays)} meets it more closely")
     base = Path(tempfile.mkdtemp(prefix="ckptio-incr-", dir=parent))
     roots = {"full": base / "full", "incremental": base / "incremental"}
     mngrs = {name: ckptio.CheckpointManager(root, max_to_keep=3, incremental=name == "incremental")
