@@ -36,6 +36,9 @@ class SaveHandle:
         #: (its objects' first index in the checkpoint; -1: no fragment). The tiers' commit records.
         self.part: dict[str, Any] | None = None
         self.part_bases: list[int] | None = None
+        #: A multi-host incremental save: this host's own part of the step, its next save's base
+        #: (ckptio.incremental.hosts.own_base).
+        self.own_base: Manifest | None = None
         self._future: concurrent.futures.Future[Manifest | None] = concurrent.futures.Future()
 
     def result(self, timeout: float | None = None) -> Manifest | None:

@@ -106,8 +106,8 @@ class CheckpointManager:
             (handled from its first call on; default SIGTERM).
         incremental: an array whose bytes equal those the previous save of this manager
             committed is not written again: the new step references its objects (docs/incremental.md;
-            the first save, and the one after a failure, write in full). Single-host jobs only: with
-            several hosts the manager refuses it (ValueError), as their fragments take no references yet.
+            the first save, and the one after a failure, write in full). With several hosts, each host
+            compares and references its own shards, in its own fragment (ckptio.incremental.hosts).
     """
 
     def __init__(
@@ -144,12 +144,6 @@ class CheckpointManager:
         if problem:
             raise NotADirectoryError(problem)
         self.coordinator = coordinator or default_coordinator()
-        if incremental and self.coordinator.size > 1:
-            # Every host refuses alike (the job's size is the same on each): no host waits on another.
-            raise ValueError(
-                f"CheckpointManager(incremental=True) needs a single-host job, and this one has {self.coordinator.size} "
-                "hosts: their saves write manifest fragments (format 2), which do not reference older steps' objects "
-                "yet (docs/incremental.md); pass incremental=False")
         self.store = CheckpointStore(StoreOptions(
             os.fspath(url), backend=backend, engine_config=config_for_host(engine_config, self.coordinator),
             naming=naming, backend_options=backend_options,
@@ -369,10 +363,12 @@ class CheckpointManager:
             else:
                 self.save_failures.since_last_good.clear()
                 self.save_failures.last_good_step = handle.step
-                if self.incremental and manifest is not None and handle.step is not None:
-                    self._base = (step_dir_of(handle.step), manifest)
+                # Many hosts: each host's base is its own part of the step (ckptio.incremental.hosts).
+                mine = handle.own_base if self.coordinator.size > 1 else manifest
+                if self.incremental and mine is not None and handle.step is not None:
+                    self._base = (step_dir_of(handle.step), mine)
                 if self._shadows is not None:
-                    self._shadows.settle(manifest if self._base is not None else None)
+                    self._shadows.settle(mine if self._base is not None else None)
         if self._retention_error is not None:
             err, self._retention_error = self._retention_error, None
             self.save_failures.retention += 1

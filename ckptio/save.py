@@ -27,6 +27,7 @@ from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
 from .incremental.plan import Reuse, pin_bases, plan_reuse, reference_items, settle_views
+from .incremental.hosts import own_base, reference_record, referenced_sizes, with_bases
 from .incremental.shadow import Shadows
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
@@ -80,9 +81,10 @@ def _plan_staging(
 
 async def _write_fragment(
     store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
-    record: dict[str, Any], plans: list[ObjectPlan],
+    record: dict[str, Any], sizes: dict[str, int],
 ) -> dict[str, Any]:
-    """Write this host's fragment, check that its objects are all there, and return its summary.
+    """Write this host's fragment, check that its objects (``sizes``: their least length by key; an
+    incremental save's references too) are all there, and return its summary.
 
     The two run at once: both only need this host's objects written, and on an object store
     under a request budget a check chained after the write costs the save half a round of
@@ -97,17 +99,17 @@ async def _write_fragment(
         await store.io.sync()
         return fragment_ref(key, data, host)
 
-    ref, _ = await gather_or_cancel([fragment(), _vouch(store, step_dir, plans)])
-    return summary_of(record, ref, coordinator=host == 0)
+    ref, _ = await gather_or_cancel([fragment(), _vouch(store, step_dir, sizes)])
+    return {**summary_of(record, ref, coordinator=host == 0), "bases": sorted(record.get("bases") or {}, key=int)}
 
 
-async def _vouch(store: CheckpointStore, step_dir: str, plans: list[ObjectPlan]) -> None:
-    """FileNotFoundError unless this host's objects are all there: the coordinator sees only fragments,
-    so each host vouches for its own objects before the commit."""
-    have = await store.object_sizes(p.key for p in plans)
-    for p in plans:
-        if have.get(p.key, -1) < p.size:
-            raise FileNotFoundError(f"{store.where(step_dir)}: object {p.key!r} is missing or short after its write")
+async def _vouch(store: CheckpointStore, step_dir: str, sizes: dict[str, int]) -> None:
+    """FileNotFoundError unless this host's objects (by key, their least length) are all there: the
+    coordinator sees only fragments, so each host vouches for its own objects before the commit."""
+    have = await store.object_sizes(sizes)
+    for key, size in sizes.items():
+        if have.get(key, -1) < size:
+            raise FileNotFoundError(f"{store.where(step_dir)}: object {key!r} is missing or short after its write")
 
 
 async def _step_is_clear(store: CheckpointStore, step_dir: str, *, coordinator: bool) -> bool:
@@ -249,7 +251,7 @@ class SaveJob:
         self.structure, self.staged, self.packs = _plan_staging(
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
-        if self.incremental and self.single_host and not store.host_local and self.step is not None:
+        if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
         # budget a read and a write take separate slots, so the checks cost no round of their own.
@@ -408,13 +410,18 @@ class SaveJob:
         if self.carry:
             record = _expanded(record)
             # Its own objects, vouched for here as a native save's host does (the coordinator sees only fragments).
-            run_sync(_vouch(self.store, self.step_dir, self.plans))
+            run_sync(_vouch(self.store, self.step_dir, {p.key: p.size for p in self.plans}))
             self.handle.part = own_part(record, self.store.engine.config.block_size)
             record = carried_summary(record, self.step_dir, self.step, self.save_id, rank)
         elif self.split:
             record = _expanded(record)  # fragments hold full items
-            record = run_sync(_write_fragment(self.store, self.step_dir, self.save_id, rank, self.step, record,
-                                              self.plans))
+            sizes = {p.key: p.size for p in self.plans}
+            if self.reuse is not None:  # its references, vouched for as its own objects (ckptio.incremental.hosts)
+                bs = self.store.engine.config.block_size
+                record = reference_record(record, self.reuse, bs)
+                sizes.update(referenced_sizes(self.reuse))
+                self.handle.own_base = own_base(record, self.step, self.save_id, bs, self.where)  # type: ignore[arg-type]
+            record = run_sync(_write_fragment(self.store, self.step_dir, self.save_id, rank, self.step, record, sizes))
         self.handle.state = SaveState.WRITTEN
         log.info("%s: host %d written (%d objects)", self.where, rank, len(self.plans))
         return record
@@ -426,7 +433,8 @@ class SaveJob:
             self._write_carried(records)
         with _gc.paused():
             if self.split:
-                data = seal(build_root(records, self.head, where))
+                data = seal(with_bases(build_root(records, self.head, where), records, self.base, self.handle.own_base,
+                                      where))
                 manifest = Manifest.from_json(data, where)
             else:
                 # The document validated is the one written: no second encoding pass.

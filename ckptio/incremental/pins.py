@@ -42,12 +42,16 @@ from ckptio.backends.base import join_key
 from ..errors import IntegrityError, ManifestError
 from ..fence import Fences
 from ..manifest import TOMBSTONE_NAME, Manifest
+from ..manifest.fragments import fragment_key
 from ..manifest.refs import referenced
-from ..names import intent_key
+from ..names import intent_key, step_of_key
 
 __all__ = ["HOLD_LEASE_S", "PIN_DIR", "Judgement", "PinName", "Pins", "hold_key", "parse_pin", "pin_key"]
 
 log = logging.getLogger("ckptio.incremental")
+
+#: ``(step_dir, format-2 root, fragment number)`` -> the object keys that fragment names.
+FragmentObjects = Callable[[str, Manifest, int], Awaitable[list[str]]]
 
 #: Pins live in one folder at the root (like revocations): a base's pins are one prefix.
 PIN_DIR = "ckptio.pins"
@@ -108,12 +112,16 @@ class Pins:
 
     def __init__(self, io: Backend, fences: Fences, read_unchecked: Callable[[str], Awaitable[Manifest]],
                  live_saves: Callable[[str], Awaitable[set[str]]],
-                 settle: Callable[[str, Manifest], Awaitable[bool]]) -> None:
+                 settle: Callable[[str, Manifest], Awaitable[bool]],
+                 fragment_objects: FragmentObjects | None = None) -> None:
         self.io = io
         self.fences = fences
         self.read_unchecked = read_unchecked
         self.live_saves = live_saves
         self.settle = settle
+        #: The object keys one fragment of a format-2 root names (where a multi-host save's host keeps
+        #: its references): ``(step_dir, root, fragment number)``. None: such a pin keeps everything.
+        self.fragment_objects = fragment_objects
 
     async def pin(self, base: str, step_dir: str, save_id: str, checkpoint_id: str, via: str | None = None,
                   covers: Iterable[str] = ()) -> bool:
@@ -136,7 +144,10 @@ class Pins:
                "covers": sorted(set(covers)), "hold": key}
         await self.io.write(hold_key(parse_pin(key)), [memoryview(json.dumps(doc).encode())])  # type: ignore[arg-type]
         via = base if via is None else via
-        if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
+        # An older step than ``via`` may be mid-deletion (retention on another host, at once): what this
+        # save references there, ``via``'s standing commit references too, and that deletion kept it --
+        # or lists this pin (docs/incremental.md, R2). Only ``via``'s own objects need its tombstone absent.
+        if (base != via or not await self._being_deleted(base)) and await self._stands(via, checkpoint_id):
             return True
         await self.unpin([key])
         return False
@@ -149,14 +160,17 @@ class Pins:
             return False
 
     async def _stands(self, step_dir: str, checkpoint_id: str) -> bool:
-        """Whether the commit of ``checkpoint_id`` stands at ``step_dir``, no deletion under way."""
+        """Whether the commit of ``checkpoint_id`` stands at ``step_dir``, no deletion under way (a
+        format-2 root: one that lists the fragment of save ``checkpoint_id``, a host's)."""
         if await self._being_deleted(step_dir):
             return False
         try:
             m = await self.read_unchecked(step_dir)
         except (FileNotFoundError, ManifestError, IntegrityError):
             return False
-        if m.checkpoint_id != checkpoint_id:
+        # Many hosts: ``checkpoint_id`` is the host's own save id there, which its fragment's key names.
+        if m.checkpoint_id != checkpoint_id and (m.fragments is None or all(
+                f.key != fragment_key(step_dir, checkpoint_id) for f in m.fragments)):
             return False
         return not m.fence or await self.fences.outcome(step_dir, m.fence) == b"commit"
 
@@ -216,7 +230,29 @@ class Pins:
             log.warning("step %s: the manifest of step %s, which pins it, is unreadable (%s): its objects stay",
                         p.base, p.step_dir, e)
             return False
+        if m.fragments is not None:  # many hosts: each pinned under its own save id, its references in its fragment
+            return await self._standing_fragment(p, m)
         if m.checkpoint_id != p.save_id or not await self.settle(p.step_dir, m):
             return None
         return referenced(m, p.base)
+
+    async def _standing_fragment(self, p: PinName, root: Manifest) -> set[str] | bool | None:
+        """:meth:`_standing` for a format-2 ``root`` at ``p.step_dir``: the pin is its host's, standing only if
+        the root lists that host's fragment (a revoked host's save id fails the root's commit: ckptio.fence),
+        and it references the keys of ``p.base`` that fragment names. Read: that one fragment, no other."""
+        key = fragment_key(p.step_dir, p.save_id)
+        number = next((i for i, f in enumerate(root.fragments or []) if f.key == key), None)
+        if number is None or not await self.settle(p.step_dir, root):
+            return None
+        if not root.bases or p.base not in root.bases:
+            return set()
+        if self.fragment_objects is None:
+            return False  # cannot tell which: kept
+        try:
+            keys = await self.fragment_objects(p.step_dir, root, number)
+        except (FileNotFoundError, ManifestError, IntegrityError) as e:
+            log.warning("step %s: fragment %s of step %s, which pins it, is unreadable (%s): its objects stay",
+                        p.base, key, p.step_dir, e)
+            return False
+        return {k for k in keys if step_of_key(k) == p.base}
 

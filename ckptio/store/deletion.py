@@ -51,7 +51,8 @@ class Deletion:
         self.intents = intents
         self.fences = fences
         #: Saves referencing this store's steps (incremental saves, docs/incremental.md).
-        self.pins = Pins(ctx.io, fences, manifests.read_unchecked, intents.live_saves, self.settle_fence)
+        self.pins = Pins(ctx.io, fences, manifests.read_unchecked, intents.live_saves, self.settle_fence,
+                         self._fragment_objects)
 
     async def delete(self, step_dir: str, *, finishing: bool = False) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, records, manifest, fences, tombstone
@@ -136,7 +137,13 @@ class Deletion:
         """Once the step's manifest is deleted, the pins its save made on older steps (after it: while
         the manifest may count, its references must hold; docs/incremental.md, R4)."""
         if root is not None and root.bases:
-            await self.pins.unpin(pin_key(b, step_dir, root.checkpoint_id) for b in root.bases)
+            # Many hosts: each host pinned under its own save id, which its fragment's key names.
+            savers = {root.checkpoint_id} | self.ctx.writers_of(f.key for f in root.fragments or [])
+            await self.pins.unpin(pin_key(b, step_dir, x) for b in root.bases for x in savers)
+
+    async def _fragment_objects(self, step_dir: str, root: Manifest, number: int) -> list[str]:
+        """The object keys fragment ``number`` of the format-2 ``root`` at ``step_dir`` names (its shards unread)."""
+        return (await self.manifests.load_fragment_numbers(step_dir, root, [number], names=())).objects
 
     async def _unpinned(self, step_dir: str, keys: set[str]) -> tuple[list[str], set[str]]:
         """Take out of ``keys`` what later steps' saves reference through their pins on ``step_dir``

@@ -40,6 +40,7 @@ from .gather import Gather
 from .wholes import take_wholes
 from .sections import (SECTIONS_FRAGMENT_VERSION, Head, index_range, names_digest, parse_head, parse_index,
                        take_sections, take_whole)
+from ..refs import decode_refs
 from .single import head_fields
 
 __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc"]
@@ -104,8 +105,11 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
             check_table(item.locator, item.shape, len(fragments), here, exact=False)
             checked.add((lid, item.shape))
         items[name] = item
+    # A multi-host incremental save's root names the older steps its fragments reference (format 9, bases
+    # only: each host keeps its own digests).
+    bases = decode_refs(doc, doc["version"], where).get("bases")
     return Manifest(block_size=block_size, items=items, objects=[], fragments=fragments, complete=False,
-                    **head_fields(doc, items, where))
+                    bases=bases, **head_fields(doc, items, where))
 
 
 def _head_of(f: dict[str, Any], doc: dict[str, Any], where: str) -> tuple[int | None, int | None]:
@@ -224,7 +228,7 @@ class FragmentLoader:
             return
         doc = _fragment_doc(self.manifest, ref, data, here)
         base = len(self.objects)
-        self.objects += _fragment_objects(doc, here, self.step_dir)
+        self.objects += _fragment_objects(doc, here, self.step_dir, self.manifest.bases or ())
         if doc.get("version") == COLUMNS_FRAGMENT_VERSION:
             self.last = decode_columns(doc, here, self.last, keep=self.names, arrays=self.arrays)
             self.gather.add(f, base, self.last)
@@ -295,7 +299,7 @@ class FragmentLoader:
             raise ManifestError(f"{here}: not a fragment of step {self.manifest.step}")
         if head.items != len(self.array_names) or head.digest != self.digest:
             raise ManifestError(f"{here}: its arrays are not the root's arrays, in the root's order")
-        _check_objects(head.objects, here, self.step_dir)
+        _check_objects(head.objects, here, self.step_dir, self.manifest.bases or ())
         return head
 
     def _add4(self, f: int, head: Head, numbers: Sequence[int], rows: Sequence[int],
@@ -362,11 +366,13 @@ def _check_whole(ref: FragmentRef, data: bytes, here: str) -> None:
         raise IntegrityError(f"{here} does not match the checksum the root manifest records", key=ref.key)
 
 
-def _fragment_objects(doc: dict[str, Any], here: str, step_dir: str) -> list[str]:
-    return _check_objects(doc["objects"], here, step_dir)
+def _fragment_objects(doc: dict[str, Any], here: str, step_dir: str, bases: Collection[str] = ()) -> list[str]:
+    return _check_objects(doc["objects"], here, step_dir, bases)
 
 
-def _check_objects(keys: Any, here: str, step_dir: str) -> list[str]:
+def _check_objects(keys: Any, here: str, step_dir: str, bases: Collection[str] = ()) -> list[str]:
+    """``keys``, refused unless each lies in ``step_dir`` or in one of the root's ``bases`` (a host's
+    references to older steps' objects: an incremental save's)."""
     if not isinstance(keys, list):
         raise ManifestError(f"{here}: 'objects' must be a list")
     for key in keys:
@@ -374,7 +380,8 @@ def _check_objects(keys: Any, here: str, step_dir: str) -> list[str]:
             check_key(key)
         except (ValueError, TypeError) as e:
             raise ManifestError(f"{here}: bad object key: {e}") from e
-        if step_of_key(key) != step_dir:
+        there = step_of_key(key)
+        if there != step_dir and (there is None or there not in bases):
             raise ManifestError(f"{here}: object {key!r} lies outside this checkpoint's step")
     return keys
 
