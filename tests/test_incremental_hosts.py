@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hosts import on_hosts
 
 import ckptio
@@ -196,3 +197,72 @@ def test_the_judge_reads_each_pinning_hosts_fragment(tmp_path: Path) -> None:
         assert fragment_key("2", stray) not in {f.key for f in m2.fragments or []}
     finally:
         run_sync(store.close())
+
+
+def test_a_reader_of_format_10_refuses_a_multi_host_incremental_root(tmp_path: Path,
+                                                                       monkeypatch: Any) -> None:
+    """Even a save that references nothing yet: a format-10 deleter would judge every host's pin by a
+    root that names no object (every referenced object dead), so it must not read one at all."""
+    save_steps(tmp_path, range(1, 2))
+    from ckptio.errors import ManifestError
+    from ckptio.manifest import formats
+
+    monkeypatch.setattr(formats, "VERSION", formats.HEADS_VERSION)
+    store = CheckpointStore(str(tmp_path))
+    try:
+        try:
+            run_sync(store.read_manifest("1", shards=False))
+        except ManifestError as e:
+            assert "version 11 is not supported" in str(e)
+        else:
+            raise AssertionError("a format-10 reader read a multi-host incremental root")
+    finally:
+        run_sync(store.close())
+
+
+#: The release before multi-host incremental saves (format 10: pins, but a judge that reads roots only).
+PREVIOUS = "21a8b9b"
+
+_OLD = """
+import sys
+from ckptio.engine import run_sync
+from ckptio.manifest.formats import VERSION
+from ckptio.store import CheckpointStore
+assert VERSION == 10, VERSION
+store = CheckpointStore(sys.argv[1])
+run_sync(store.sweep(0))
+for step in sys.argv[2:]:
+    try:
+        run_sync(store.delete(step))
+        print("old delete", step, "done")
+    except Exception as e:
+        print("old delete", step, "refused:", repr(e))
+run_sync(store.sweep(0))
+run_sync(store.close())
+"""
+
+
+@pytest.mark.slow
+def test_the_previous_release_deletes_nothing_a_multi_host_step_references(tmp_path: Path) -> None:
+    """The previous release's gc, ``delete`` of the base step 1, and gc again, on a root whose kept
+    multi-host steps reference step 1: it cannot read their roots (format 11), so its judge keeps
+    every object of step 1, and every step restores bit-exact with this version afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    old = tmp_path / "previous"
+    old.mkdir()
+    tar = subprocess.run(["git", "-C", str(repo), "archive", PREVIOUS, "ckptio", "backends"], capture_output=True)
+    if tar.returncode != 0:
+        pytest.skip(f"git archive {PREVIOUS} failed: {tar.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=tar.stdout, check=True)
+    (old / "backends").rename(old / "ckptio" / "backends")
+    root = tmp_path / "root"
+    save_steps(root, range(1, 4))
+    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "1"], env={**os.environ, "PYTHONPATH": str(old)},
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0 and f"{old}/ckptio" not in done.stderr, done.stderr
+    for step in (2, 3):
+        assert_restores(root, step)

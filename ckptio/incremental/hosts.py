@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..manifest import ArrayItem, Manifest, array_item
-from ..manifest.formats import REFS_VERSION
+from ..manifest.formats import HOST_REFS_VERSION, REFS_VERSION
 from ..manifest.refs import decode_refs
 from .plan import Reuse, reference_items
 
@@ -60,8 +60,8 @@ def own_base(record: dict[str, Any], step: int, save_id: str, block_size: int, w
 def with_bases(root: dict[str, Any], summaries: list[dict[str, Any]], base: tuple[str, Manifest] | None,
                mine: Manifest | None, where: str) -> dict[str, Any]:
     """The coordinator's root document of an incremental save (``mine``: its own part, None for a save
-    that is not incremental: ``root`` as is): format 9 at least, like every incremental manifest (the
-    guard against an older ckptio), and ``bases``: every step a host's summary names, with the
+    that is not incremental: ``root`` as is): format 11 even with no reference (the guard against an
+    older ckptio: its deleters would judge every host's pin by a root that names no object), and ``bases``: every step a host's summary names, with the
     checkpoint id committed there, from ``base`` (the coordinator's own part of the last commit, whose
     ``bases`` hold every step that commit's root named). ManifestError for a step it does not know
     (the save then fails on every host: nothing references what no root vouches for). ``mine``
@@ -75,4 +75,4 @@ def with_bases(root: dict[str, Any], summaries: list[dict[str, Any]], base: tupl
         raise ManifestError(f"{where}: a host references step {missing[0]}, which the last commit does not name")
     bases = {s: known[s] for s in steps}
     mine.bases = {**bases, **(mine.bases or {})} or None
-    return {**root, "version": max(root["version"], REFS_VERSION), **({"bases": bases} if bases else {})}
+    return {**root, "version": max(root["version"], HOST_REFS_VERSION), **({"bases": bases} if bases else {})}

@@ -30,6 +30,11 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          objects ``objects`` may list, and ``digests`` the sha256 of shards; a reader that
          predates them would refuse the foreign keys as a copied manifest, so it refuses
          the version instead, plainly
+10       fragments with a head (:mod:`.codec.sections`)
+11       a multi-host incremental save's root (:mod:`ckptio.incremental.hosts`): ``bases``
+         in a format-2 root, whose fragments may list objects of those steps; a reader of
+         version 10 would read the root and find no reference in it (its ``objects`` is
+         empty), so its deleters would judge every host's pin dead: it refuses the version
 =======  =====================================================================
 
 A writer states the features its document uses and :func:`version_for` picks the
@@ -46,6 +51,7 @@ __all__ = [
     "FORMAT",
     "FRAGMENTS_VERSION",
     "HEADS_VERSION",
+    "HOST_REFS_VERSION",
     "HOST_STATES_VERSION",
     "MANIFEST_NAME",
     "PACKS_VERSION",
@@ -59,7 +65,7 @@ __all__ = [
 
 FORMAT = "ckptio"
 #: The newest format this ckptio reads (the table above).
-VERSION = 10
+VERSION = 11
 FRAGMENTS_VERSION = 2
 TILED_VERSION = 3
 ROWS_VERSION = 4
@@ -69,10 +75,12 @@ COLUMNS_VERSION = 7
 HOST_STATES_VERSION = 8
 REFS_VERSION = 9
 HEADS_VERSION = 10
+HOST_REFS_VERSION = 11
 #: The least version that can express each feature a document may use.
 FEATURES = {"fragments": FRAGMENTS_VERSION, "tiles": TILED_VERSION, "rows": ROWS_VERSION, "packs": PACKS_VERSION,
             "blocks": BLOCKS_VERSION, "columns": COLUMNS_VERSION, "host_states": HOST_STATES_VERSION,
-            "refs": REFS_VERSION, "heads": HEADS_VERSION}
+            "refs": REFS_VERSION, "heads": HEADS_VERSION,
+            "host_refs": HOST_REFS_VERSION}
 MANIFEST_NAME = "ckptio.manifest.json"
 #: Written before a checkpoint's objects are deleted; readers skip such checkpoints.
 TOMBSTONE_NAME = "ckptio.deleting"
@@ -80,12 +88,12 @@ TOMBSTONE_NAME = "ckptio.deleting"
 
 def version_for(*, fragments: bool = False, tiles: bool = False, rows: bool = False, packs: bool = False,
                 blocks: bool = False, columns: bool = False, host_states: bool = False,
-                refs: bool = False, heads: bool = False) -> int:
+                refs: bool = False, heads: bool = False, host_refs: bool = False) -> int:
     """The lowest format version that expresses a document using the given features (``blocks``:
     some extent records a checksum block size of its own; ``columns``: format-2 fragments as columns;
     ``host_states``: some item is per-host; ``refs``: bases or digests, :mod:`.refs`; ``heads``:
-    fragments of version 4, :mod:`.codec.sections`)."""
+    fragments of version 4, :mod:`.codec.sections`; ``host_refs``: a format-2 root of an incremental save)."""
     used = {"fragments": fragments, "tiles": tiles, "rows": rows, "packs": packs, "blocks": blocks,
             "columns": columns, "host_states": host_states, "refs": refs,
-            "heads": heads}
+            "heads": heads, "host_refs": host_refs}
     return max((FEATURES[name] for name, on in used.items() if on), default=1)

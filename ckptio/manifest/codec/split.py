@@ -27,7 +27,7 @@ from ... import _json
 from ...checksum import crc32c
 from ...errors import IntegrityError, ManifestError
 from ...names import step_of_key
-from ..formats import HEADS_VERSION, HOST_STATES_VERSION
+from ..formats import HEADS_VERSION, HOST_REFS_VERSION, HOST_STATES_VERSION
 from ..geometry import check_table
 from ..hoststate import host_state_item
 from ..limits import U32, check_int
@@ -107,6 +107,8 @@ def root_from_doc(doc: dict[str, Any], where: str) -> Manifest:
         items[name] = item
     # A multi-host incremental save's root names the older steps its fragments reference (format 9, bases
     # only: each host keeps its own digests).
+    if doc.get("bases") is not None and doc["version"] < HOST_REFS_VERSION:
+        raise ManifestError(f"{where}: 'bases' in a root needs format {HOST_REFS_VERSION}, the document says {doc['version']}")
     bases = decode_refs(doc, doc["version"], where).get("bases")
     return Manifest(block_size=block_size, items=items, objects=[], fragments=fragments, complete=False,
                     bases=bases, **head_fields(doc, items, where))
