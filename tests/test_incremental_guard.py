@@ -94,15 +94,15 @@ def test_every_incremental_manifest_is_format_9(tmp_path: Path) -> None:
     mngr.close()
 
 
-def _previous_release(tmp_path: Path) -> Path:
-    """The previous release's package (``git archive`` of :data:`PREVIOUS`), importable as ckptio."""
+def _previous_release(tmp_path: Path, commit: str = PREVIOUS) -> Path:
+    """The previous release's package (``git archive`` of ``commit``), importable as ckptio."""
     if not (REPO / ".git").exists():
         pytest.skip("needs this repository's git history (the previous release's code)")
     out = tmp_path / "previous"
     out.mkdir()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "ckptio", "backends"], capture_output=True)
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "ckptio", "backends"], capture_output=True)
     if tar.returncode != 0:
-        pytest.skip(f"git archive {PREVIOUS[:7]} failed: {tar.stderr.decode().strip()}")
+        pytest.skip(f"git archive {commit[:7]} failed: {tar.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(out)], input=tar.stdout, check=True)
     (out / "backends").rename(out / "ckptio" / "backends")
     return out

@@ -251,14 +251,9 @@ def test_the_previous_release_deletes_nothing_a_multi_host_step_references(tmp_p
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parent.parent
-    old = tmp_path / "previous"
-    old.mkdir()
-    tar = subprocess.run(["git", "-C", str(repo), "archive", PREVIOUS, "ckptio", "backends"], capture_output=True)
-    if tar.returncode != 0:
-        pytest.skip(f"git archive {PREVIOUS} failed: {tar.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=tar.stdout, check=True)
-    (old / "backends").rename(old / "ckptio" / "backends")
+    from test_incremental_guard import _previous_release
+
+    old = _previous_release(tmp_path, PREVIOUS)
     root = tmp_path / "root"
     save_steps(root, range(1, 4))
     done = subprocess.run([sys.executable, "-c", _OLD, str(root), "1"], env={**os.environ, "PYTHONPATH": str(old)},
