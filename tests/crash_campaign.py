@@ -219,6 +219,7 @@ def account(root: str) -> dict[str, int]:
     import ckptio
     from ckptio.manifest import MANIFEST_NAME
     from ckptio.incremental.pins import hold_key, parse_pin, pin_key
+    from ckptio.fence import writers_of
     from ckptio.names import REVOKED_DIR, fence_key
 
     mngr = ckptio.CheckpointManager(root)
@@ -227,8 +228,13 @@ def account(root: str) -> dict[str, int]:
         m = run_sync_manifest(mngr, step)
         owned.update(os.path.join(root, k) for k in m.keys())  # objects, and a format-2 step's fragments
         owned.add(os.path.join(root, str(step), MANIFEST_NAME))
-        # An incremental step's pins on the steps whose objects it references go with it.
+        # An incremental step's pins on the steps whose objects it references go with it. Many hosts: each
+        # host's, under its own save id, on the steps it references (a subset of the root's bases).
         pins = [pin_key(b, str(step), m.checkpoint_id) for b in m.bases or {}]
+        if m.fragments is not None:
+            savers = writers_of(f.key for f in m.fragments) | {m.checkpoint_id}
+            pins = [k for b in m.bases or {} for x in savers
+                    if os.path.exists(os.path.join(root, k := pin_key(b, str(step), x)))]
         owned.update(os.path.join(root, k) for k in pins)
         owned.update(os.path.join(root, hold_key(parse_pin(k))) for k in pins)  # and each pin's hold
         if m.fence:  # the commit's fence goes with its step (ckptio.fence)

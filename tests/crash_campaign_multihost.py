@@ -87,6 +87,8 @@ def global_arrays(step: int) -> dict[str, np.ndarray]:
         "w": rng.standard_normal((ROWS, COLS)).astype(np.float32),  # split by rows
         "mu": rng.standard_normal((ROWS, COLS)).astype(np.float32),  # split by columns
         "bias": rng.standard_normal(COLS),  # replicated: host 0 writes it
+        # the same at every step, split by columns: an incremental job's hosts reference it (--incremental)
+        "frozen": np.random.default_rng(7).standard_normal((ROWS, COLS)).astype(np.float32),
     }
 
 
@@ -108,7 +110,7 @@ def host_state(step: int, rank: int, hosts: int) -> dict[str, Any]:
 
     full = global_arrays(step)
     sharded = {n: ckptio.Sharded(full[n].shape, full[n].dtype, [(boxes(n, rank, hosts), full[n][boxes(n, rank, hosts)])])
-               for n in ("w", "mu")}
+               for n in ("w", "mu", "frozen")}
     return {"params": {**sharded, "bias": full["bias"]}, "step": step, "note": f"step {step}"}
 
 
@@ -289,7 +291,7 @@ def host_main(a: argparse.Namespace) -> int:
                     threading_kill_soon(log, rnd)
             super()._after_save(handle)
 
-    mngr = Manager(a.root, max_to_keep=2, keep_period=7, coordinator=coord, backend=backend)
+    mngr = Manager(a.root, max_to_keep=2, keep_period=7, coordinator=coord, backend=backend, incremental=a.incremental)
     step = coord.broadcast((mngr.latest_step() or 0) + 1)  # every host saves the same steps
     print("ready", flush=True)
     while True:
@@ -569,13 +571,15 @@ def _root_of_last_save(root: str, logs: str, trial: int) -> str:
 
 def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, notice: float = 0.3,
                  max_delay: float = 2.5, plan: Sequence[str] = (), pause_rate: float = 0.5,
-                 keep_going: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 keep_going: bool = False, log: Callable[[str], None] | None = None,
+                 incremental: bool = False) -> dict[str, Any]:
     """``trials`` jobs killed as the module doc says; returns the figures (see main).
 
     ``plan``: the first trials' kinds, in order ("random" or one of PHASES); random after it.
     ``pause_rate``: the fraction of trials that pause processes past the lease first (0: none).
     ``keep_going``: a broken invariant is recorded in the result's ``violations`` and the
-    campaign goes on, instead of raising. ``log``: gets one progress line per trial.
+    campaign goes on, instead of raising. ``log``: gets one progress line per trial. ``incremental``:
+    the hosts' managers save incrementally (each job's first save in full, then references).
 
     Beside ``root``: ``<root>-copy`` (cp's destination) and ``<root>-work`` (the jobs' coordinator
     directories, every process's event log and stderr).
@@ -630,7 +634,7 @@ def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, noti
         for r in range(hosts):
             argv = ["--role", "host", "--root", root, "--rank", str(r), "--hosts", str(hosts), "--coord", coord_dir,
                     "--log", os.path.join(logs, f"{trial}-host{r}"), "--name", f"{trial}/host{r}",
-                    "--seed", str(rnd.random())]
+                    "--seed", str(rnd.random())] + (["--incremental"] if incremental else [])
             if mode == "phase" and r == victim:
                 argv += ["--kill-phase", phase, "--kill-at", str(at)]
             procs[f"host{r}"] = Proc(f"{trial}/host{r}", argv, work)
@@ -760,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cp", action="store_true")
     ap.add_argument("--no-pauses", action="store_true", help="kills only, as before issue #30")
     ap.add_argument("--keep-going", action="store_true", help="count broken invariants instead of stopping")
+    ap.add_argument("--incremental", action="store_true", help="the hosts' managers save incrementally (#37)")
     a = ap.parse_args(argv)
     roles: dict[str, Callable[[argparse.Namespace], int]] = {
         "host": host_main, "threads": threads_main, "gc": gc_main, "cp": cp_main, "restorer": restorer_main}
@@ -767,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         return roles[a.role](a)
     root = a.root or tempfile.mkdtemp(prefix="ckptio-crash-mh-")
     result = run_campaign(a.trials, root, int(a.seed), cp=not a.no_cp, pause_rate=0.0 if a.no_pauses else 0.5,
-                          keep_going=a.keep_going, log=lambda line: print(line, flush=True))
+                          keep_going=a.keep_going, log=lambda line: print(line, flush=True),
+                          incremental=a.incremental)
     print(json.dumps(result), root, flush=True)
     return 1 if result["violations"] else 0
 

@@ -261,3 +261,67 @@ def test_the_previous_release_deletes_nothing_a_multi_host_step_references(tmp_p
     assert done.returncode == 0 and f"{old}/ckptio" not in done.stderr, done.stderr
     for step in (2, 3):
         assert_restores(root, step)
+
+
+def test_a_paused_host_revoked_by_a_deleter_never_makes_its_references_count(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Step 3 references step 2's ``mid`` objects (every host's). Host 1 pauses after it pinned step 2,
+    vouched for its references and wrote its fragment; meanwhile a deleter of step 2 finds no live save
+    (the step-3 saves look paused past their lease), revokes them and takes step 2 whole. Host 1 then
+    wakes and the job goes on to the root's commit: the root, which lists a revoked host's fragment,
+    never counts; steps 1 restores bit-exact, and gc leaves exactly what it references."""
+    from ckptio.save import SaveJob
+
+    mid = {1: 1.0, 2: 2.0, 3: 2.0}  # changes at step 2, not at step 3
+    deleted: list[str] = []
+    record = SaveJob.record
+
+    def paused_record(self: SaveJob, written: Any) -> Any:
+        out = record(self, written)
+        if self.coord.rank == 1 and self.step == 3:
+            store = CheckpointStore(str(tmp_path))
+
+            async def nobody_alive(step_dir: str, infos: Any = None) -> set[str]:
+                return set()
+
+            store.deletion.pins.live_saves = nobody_alive  # type: ignore[method-assign]
+            m3 = {p.name for p in (tmp_path / PIN_DIR).glob("2.3.*")}
+            assert len(m3) == HOSTS  # every host pinned step 2 before this
+            run_sync(store.delete("2"))
+            run_sync(store.close())
+            deleted.append("2")
+        return out
+
+    monkeypatch.setattr(SaveJob, "record", paused_record)
+
+    def host(rank: int, coord: Any) -> list[str]:
+        frozen = frozen_of(rank)
+        mngr = ckptio.CheckpointManager(tmp_path, coordinator=coord, incremental=True)
+        outcomes = []
+        for step in (1, 2, 3):
+            st = host_state(step, rank, frozen)
+            st["mid"] = ckptio.Sharded((HOSTS * N,), np.float32,
+                                       [((slice(rank * N, (rank + 1) * N),), np.full(N, mid[step], np.float32))])
+            mngr.save(step, st, force=True)
+            try:
+                mngr.wait_until_finished()
+                outcomes.append("committed")
+            except Exception as e:  # noqa: BLE001 -- the revoked commit is the finding
+                outcomes.append(type(e).__name__)
+        mngr.close()
+        return outcomes
+
+    outcomes = on_hosts(HOSTS, host)
+    assert deleted == ["2"]
+    # The coordinator's commit finds a host's save revoked; the others learn the verdict.
+    assert outcomes == [["committed", "committed", "SaveRevokedError"],
+                        *[["committed", "committed", "SaveFailedError"]] * (HOSTS - 1)], outcomes
+    store = CheckpointStore(str(tmp_path))
+    try:
+        assert run_sync(store.committed_steps()) == [1]
+        assert_restores(tmp_path, 1)
+        run_sync(store.sweep(grace_seconds=0))
+        assert set(data_on_disk(tmp_path)) == set(loaded(tmp_path, 1).objects)
+        assert not pins_on_disk(tmp_path)
+    finally:
+        run_sync(store.close())
