@@ -87,6 +87,33 @@ def test_a_pin_after_the_tombstone_references_nothing(tmp_path: Path) -> None:
     assert not list((tmp_path / "1").glob(f"ckptio.intent.{m3.checkpoint_id}"))  # and its hold
 
 
+def test_a_flattened_pin_waits_for_a_deletion_under_way_and_never_checks_during_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1 is being deleted (another host's retention) as a save of step 3 pins it through base 2:
+    the pin waits for that deletion to end instead of failing the save, and one that does not end in
+    time is given up (no check while a deletion runs: its D2 may judge step 2's pin after step 2 went)."""
+    import ckptio.incremental.pins as pins_mod
+
+    store, m3, m1, _two = planned(str(tmp_path))
+    tomb = tmp_path / "1" / "ckptio.deleting"
+    tomb.write_bytes(m1.checkpoint_id.encode())
+    loop = asyncio.new_event_loop()
+    try:
+        async def ends_later() -> bool:
+            asyncio.get_running_loop().call_later(0.3, tomb.unlink)
+            return await store.deletion.pins.pin("1", "3", m3.checkpoint_id, m3.bases["2"], via="2")
+
+        assert loop.run_until_complete(ends_later())  # waited, then pinned
+        assert list((tmp_path / PIN_DIR).glob("1.3.*"))
+        tomb.write_bytes(m1.checkpoint_id.encode())  # a deletion that does not end in time
+        monkeypatch.setattr(pins_mod, "DELETION_WAIT_S", 0.2)
+        assert not loop.run_until_complete(
+            store.deletion.pins.pin("1", "3", new_id(), m3.bases["2"], via="2"))
+    finally:
+        loop.close()
+    assert len(list((tmp_path / PIN_DIR).glob("1.3.*"))) == 1  # the second took its pin back
+
+
 def test_a_paused_referencing_save_is_revoked_and_cannot_commit(tmp_path: Path) -> None:
     """The save pins step 1, then stalls past its lease; a deleter judges it dead, revokes it and
     deletes step 1 whole. The save wakes and commits: its manifest never counts."""

@@ -29,6 +29,7 @@ hold left by a crash between the two is a dead intent to this version's gc.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -59,6 +60,9 @@ _STEP = r"0|[1-9][0-9]{0,18}"
 _PIN = re.compile(rf"{PIN_DIR}/(?P<base>{_STEP})\.(?P<step>{_STEP})\.(?P<sid>[0-9a-f]{{12}})")
 #: A hold's lease: live to every clock (an older ckptio judges an intent by the lease it declares).
 HOLD_LEASE_S = 1e18
+#: How long R2 waits for a deletion of an older step than its base (another host's retention) to end
+#: before it gives up on referencing it (the save then fails; the next one writes in full).
+DELETION_WAIT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,10 @@ class Pins:
         ``covers``: the writers of the objects of ``base`` it references (its hold's, for older ckptio).
         """
         key = pin_key(base, step_dir, save_id)
+        if via is not None and via != base:
+            # Before the pin too: a deletion under way that lists it keeps all of ``base`` (a live
+            # save's pin), until gc; one that does not see it deletes what only ``base`` needed.
+            await self._deletion_over(base, DELETION_WAIT_S)
         try:
             await self.io.create_if_absent(key, b"")
         except FileExistsError:
@@ -144,13 +152,24 @@ class Pins:
                "covers": sorted(set(covers)), "hold": key}
         await self.io.write(hold_key(parse_pin(key)), [memoryview(json.dumps(doc).encode())])  # type: ignore[arg-type]
         via = base if via is None else via
-        # An older step than ``via`` may be mid-deletion (retention on another host, at once): what this
-        # save references there, ``via``'s standing commit references too, and that deletion kept it --
-        # or lists this pin (docs/incremental.md, R2). Only ``via``'s own objects need its tombstone absent.
-        if (base != via or not await self._being_deleted(base)) and await self._stands(via, checkpoint_id):
+        if via != base:
+            # With many hosts the coordinator's retention may be deleting this older step right now,
+            # beside this host's next save. A deletion that finished before the check below is harmless
+            # (its D2 kept what ``via``'s standing commit names; docs/incremental.md, R2): wait for it
+            # rather than fail the save -- but never check while it runs, as that D2 may yet judge
+            # ``via``'s pin after ``via`` itself went.
+            await self._deletion_over(base, DELETION_WAIT_S)
+        if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
             return True
         await self.unpin([key])
         return False
+
+    async def _deletion_over(self, step_dir: str, limit_s: float) -> None:
+        """Wait up to ``limit_s`` for a deletion of ``step_dir`` under way (its tombstone) to end."""
+        deadline, pause = time.monotonic() + limit_s, 0.02
+        while await self._being_deleted(step_dir) and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
 
     async def _being_deleted(self, step_dir: str) -> bool:
         try:
