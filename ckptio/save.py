@@ -253,7 +253,8 @@ class SaveJob:
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if self._default_writer:
-            self.options = dataclasses.replace(self.options, writer=default_writer(store, self.staged, self.options.writer))
+            writer = default_writer(store, self.staged, self.options.writer, copied=self.copy)
+            self.options = dataclasses.replace(self.options, writer=writer)
         if self.incremental and self.single_host and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request

@@ -15,8 +15,8 @@ at 0.070-0.079 GiB/s, the same save with the writer process at 0.159-0.182
 GiB/s, at the same step slowdown (1.02-1.03x on core).
 
 So when neither ``EngineConfig.writer`` nor ``CKPTIO_WRITER`` names a writer, a
-save whose staged arrays are mostly JAX arrays, at least :data:`AUTO_MIN_BYTES`
-of them, on a local POSIX backend (:class:`ckptio.backends.local.LocalBackend`
+save whose staged arrays are mostly JAX arrays (through the native API or the
+Orbax handler), at least :data:`AUTO_MIN_BYTES` of them, on a local POSIX backend (:class:`ckptio.backends.local.LocalBackend`
 and its flavours) goes through the writer process (:mod:`ckptio.sidecar`).
 Everything else keeps the in-process writer: numpy and torch state (their
 checksums overlap their staging copy), small saves (a process is not worth
@@ -43,25 +43,29 @@ __all__ = ["AUTO_MIN_BYTES", "default_writer", "jax_share"]
 AUTO_MIN_BYTES = 64 << 20
 
 
-def jax_share(staged: Mapping[str, Any]) -> tuple[int, int]:
-    """``(bytes of JAX arrays, bytes of all arrays)`` this host writes, of a save's staged items."""
+def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]:
+    """``(bytes of JAX arrays, bytes of all arrays)`` this host writes, of a save's staged items.
+
+    ``copied=False`` (a save that references its leaves, as the Orbax handler's does): its
+    :class:`~ckptio.staging.Sharded` leaves count as JAX too -- they are the host views of JAX
+    arrays the handler made, staged without a copy all the same."""
     jax = total = 0
     for item in staged.values():
         if isinstance(item, StagedArray):
             n = nbytes_of(item)
             total += n
-            if item.origin == "jax":
+            if item.origin == "jax" or (item.origin == "sharded" and not copied):
                 jax += n
     return jax, total
 
 
-def default_writer(store: CheckpointStore, staged: Mapping[str, Any], chosen: Writer) -> Writer:
+def default_writer(store: CheckpointStore, staged: Mapping[str, Any], chosen: Writer, copied: bool = True) -> Writer:
     """The writer of a save of ``staged`` to ``store``: ``chosen`` (the store's), unless no writer
     was asked for and the save is a large JAX save on a local backend (see the module): then the
-    writer process."""
+    writer process. ``copied``: whether the save snapshots its leaves (see :func:`jax_share`)."""
     if chosen is SIDECAR_WRITER or writer_asked(store.engine.config):
         return chosen
     if not isinstance(store.backend, LocalBackend) or not sidecar_possible(store):
         return chosen
-    jax, total = jax_share(staged)
+    jax, total = jax_share(staged, copied)
     return SIDECAR_WRITER if jax >= AUTO_MIN_BYTES and 2 * jax >= total else chosen

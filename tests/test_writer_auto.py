@@ -116,3 +116,27 @@ def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(tmp_path: P
     budget = max(sidecar._EXPORT_OBJECTS * MIB, 8 * MIB)
     held = sidecar.shared_pool()._free.held_bytes()
     assert MIB <= held <= budget, (held, budget)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_sharded_host_views_saved_without_a_copy_count_as_jax(tmp_path: Path, copy: bool) -> None:
+    """The Orbax handler saves JAX arrays as ``Sharded`` host views with ``copy=False``: such a save
+    goes to the writer process as a JAX save does; the same leaves snapshotted (``copy=True``) do not."""
+    from ckptio import Sharded
+
+    arrays = _arrays(4)
+    state = {k: Sharded(v.shape, v.dtype, [((slice(None), slice(None)), v)]) for k, v in arrays.items()}
+    ckptio.save(tmp_path / "c", state, 1, copy=copy).result()
+    back = ckptio.restore(tmp_path / "c", 1)
+    assert np.asarray(back["w2"]).tobytes() == arrays["w2"].tobytes()
+    assert (sidecar.current_pid() is not None) == (not copy)
+
+
+def test_jax_share_counts_sharded_leaves_only_when_not_copied() -> None:
+    from ckptio.staging import StagedArray
+
+    a = np.zeros(1024, np.float32)
+    staged = {"s": StagedArray(a.dtype, a.shape, False, "sharded", [((0,), a.shape, a)]),
+              "j": StagedArray(a.dtype, a.shape, False, "jax", [((0,), a.shape, a)])}
+    assert writer_auto.jax_share(staged) == (4096, 8192)
+    assert writer_auto.jax_share(staged, copied=False) == (8192, 8192)
