@@ -16,8 +16,9 @@ GiB/s, at the same step slowdown (1.02-1.03x on core).
 
 So when neither ``EngineConfig.writer`` nor ``CKPTIO_WRITER`` names a writer, a
 save whose staged arrays are mostly JAX arrays (through the native API or the
-Orbax handler), at least :data:`AUTO_MIN_BYTES` of them, on a local POSIX backend (:class:`ckptio.backends.local.LocalBackend`
-and its flavours) goes through the writer process (:mod:`ckptio.sidecar`).
+Orbax handler), at least :data:`AUTO_MIN_BYTES` of them, on a local POSIX
+backend (:class:`ckptio.backends.local.LocalBackend` and its flavours) goes
+through the writer process (:mod:`ckptio.sidecar`).
 Everything else keeps the in-process writer: numpy and torch state (their
 checksums overlap their staging copy), small saves (a process is not worth
 it), and other backends (not measured). ``writer="thread"`` (or
@@ -59,7 +60,9 @@ def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]
     return jax, total
 
 
-def default_writer(store: CheckpointStore, staged: Mapping[str, Any], chosen: Writer, copied: bool = True) -> Writer:
+def default_writer(
+    store: CheckpointStore, staged: Mapping[str, Any], chosen: Writer, copied: bool = True
+) -> Writer:
     """The writer of a save of ``staged`` to ``store``: ``chosen`` (the store's), unless no writer
     was asked for and the save is a large JAX save on a local backend (see the module): then the
     writer process. ``copied``: whether the save snapshots its leaves (see :func:`jax_share`)."""

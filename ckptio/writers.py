@@ -27,8 +27,8 @@ from .layout import ObjectPlan
 from .staging import StagingPool
 from .store import CheckpointStore
 
-__all__ = ["ENV", "THREAD_WRITER", "WRITERS", "ThreadWriter", "Writer", "sidecar_possible", "wanted_sidecar", "writer_asked",
-           "writer_name"]
+__all__ = ["ENV", "THREAD_WRITER", "WRITERS", "ThreadWriter", "Writer", "sidecar_possible", "wanted_sidecar",
+           "writer_asked", "writer_name"]
 
 log = logging.getLogger("ckptio.sidecar")  # the choice's notes belong with the sidecar's
 

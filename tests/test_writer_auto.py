@@ -78,7 +78,9 @@ def test_a_state_mostly_numpy_keeps_the_in_process_writer(tmp_path: Path) -> Non
     assert not _save_and_check(tmp_path / "c", state, arrays)
 
 
-def test_a_small_jax_save_keeps_the_in_process_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_small_jax_save_keeps_the_in_process_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", 8 * MIB)
     arrays = _arrays(4)
     assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays)
