@@ -217,28 +217,32 @@ def _orbax_cases() -> type[Case]:
 _orbax = _orbax_cases()
 
 
-def _sidecar_cases() -> None:
-    """Each ckptio case again with its object writes in a writer process (``CKPTIO_WRITER=sidecar``).
+def _writer_cases() -> None:
+    """Each ckptio case again with its object writes in a writer process (``CKPTIO_WRITER=sidecar``),
+    and the JAX cases again in-process (``CKPTIO_WRITER=thread``): a large JAX save on a local disk
+    goes to the writer process by default (``ckptio.writer_auto``), so ``ckptio-jax`` is that default.
 
-    Not in the default run: ``--cases 'ckptio*'`` puts each case beside its sidecar twin, so one
+    Not in the default run: ``--cases 'ckptio*'`` puts each case beside its twins, so one
     ``--train`` run shows what the writer process buys the training thread. The variable is set in
     the case's own worker process, so it reaches every front-end (native, DCP, Orbax) alike.
     """
     import os
 
-    for base in [CkptioNumpy, CkptioJax, CkptioTorch, _dcp_async, _orbax]:
+    twins = [(base, "sidecar") for base in (CkptioNumpy, CkptioJax, CkptioTorch, _dcp_async, _orbax)]
+    for base, writer in [*twins, (CkptioJax, "thread"), (_orbax, "thread")]:
 
-        def setup(self: Any, _base: type[Case] = base) -> None:
-            os.environ["CKPTIO_WRITER"] = "sidecar"
+        def setup(self: Any, _base: type[Case] = base, _writer: str = writer) -> None:
+            os.environ["CKPTIO_WRITER"] = _writer
             _base.setup(self)
 
-        register(type(f"{base.__name__}Sidecar", (base,), {
-            "name": f"{base.name}-sidecar",
+        where = "a sidecar process" if writer == "sidecar" else "this process (the JAX default's opt-out)"
+        register(type(f"{base.__name__}{writer.title()}", (base,), {
+            "name": f"{base.name}-{writer}",
             "in_default_run": False,
-            "description": f"{base.description}; object writes in a sidecar process",
+            "description": f"{base.description}; object writes in {where}",
             "setup": setup,
-            "__doc__": f"{base.name} with CKPTIO_WRITER=sidecar.",
+            "__doc__": f"{base.name} with CKPTIO_WRITER={writer}.",
         }))
 
 
-_sidecar_cases()
+_writer_cases()

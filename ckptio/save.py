@@ -12,6 +12,7 @@ objects is a :class:`ckptio.writers.Writer`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -48,6 +49,7 @@ from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tree import flatten_named
 from .waits import waiting_for
+from .writer_auto import default_writer
 
 __all__ = ["SaveHandle", "SaveJob", "SaveOptions", "merge_records", "start_save"]
 
@@ -194,6 +196,7 @@ class SaveJob:
         self.coord: Coordinator = coordinator or SingleProcess()
         self.copy, self.progress, self.on_done = copy, progress, on_done
         self.options = options or SaveOptions.of(store)
+        self._default_writer = options is None  # the writer may still follow the state (ckptio.writer_auto)
         self.step_dir = step_dir_of(step)
         self.where = store.where(self.step_dir)
         self.handle = SaveHandle(self.where, step)
@@ -251,6 +254,9 @@ class SaveJob:
         self.structure, self.staged, self.packs = _plan_staging(
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
+        if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
+            writer = default_writer(store, self.staged, self.options.writer, copied=self.copy)
+            self.options = dataclasses.replace(self.options, writer=writer)
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request

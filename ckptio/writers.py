@@ -27,7 +27,8 @@ from .layout import ObjectPlan
 from .staging import StagingPool
 from .store import CheckpointStore
 
-__all__ = ["ENV", "THREAD_WRITER", "WRITERS", "ThreadWriter", "Writer", "wanted_sidecar", "writer_name"]
+__all__ = ["ENV", "THREAD_WRITER", "WRITERS", "ThreadWriter", "Writer", "sidecar_possible", "wanted_sidecar",
+           "writer_asked", "writer_name"]
 
 log = logging.getLogger("ckptio.sidecar")  # the choice's notes belong with the sidecar's
 
@@ -99,6 +100,18 @@ def writer_name(config: EngineConfig | None) -> str:
     return w
 
 
+def writer_asked(config: EngineConfig | None) -> bool:
+    """Whether a writer was named (``config.writer`` or ``CKPTIO_WRITER``): then no default rule
+    (:mod:`ckptio.writer_auto`) overrides it."""
+    return bool((config is not None and config.writer) or os.environ.get(ENV))
+
+
+def sidecar_possible(store: CheckpointStore) -> bool:
+    """Whether a writer process can write ``store``'s objects: a backend the store opened from its
+    URL (the child opens it again), storage outside this process's memory, and Linux memfd."""
+    return store.reopenable and not store.backend.capabilities.process_local and hasattr(os, "memfd_create")
+
+
 _warned: set[str] = set()
 
 
@@ -112,7 +125,7 @@ def wanted_sidecar(store: CheckpointStore) -> bool:
     """
     if writer_name(store.engine.config) != "sidecar":
         return False
-    if not store.reopenable or store.backend.capabilities.process_local or not hasattr(os, "memfd_create"):
+    if not sidecar_possible(store):
         if store.url not in _warned:
             _warned.add(store.url)
             # Asked for by this store's config: worth a warning; by the environment: a note.

@@ -1,0 +1,144 @@
+"""The default writer (ckptio.writer_auto): large JAX saves on a local backend go to the writer
+process when no writer is named; everything else, and every named writer, is left as it was."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio import sidecar, writer_auto
+from ckptio.engine import EngineConfig
+
+jax = pytest.importorskip("jax")
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the sidecar needs Linux memfd")
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _small_threshold(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A 1 MiB threshold (the rule, not its size, is under test), no writer named, no sidecar running."""
+    monkeypatch.delenv(sidecar.ENV, raising=False)
+    monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", MIB)
+    sidecar.shutdown()
+    yield
+    sidecar.shutdown()
+
+
+def _arrays(n_mib: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"w{i}": rng.standard_normal((MIB // 4 // 256, 256), dtype=np.float32) for i in range(n_mib)}
+
+
+def _jax(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {k: jax.device_put(v) for k, v in arrays.items()}
+
+
+def _save_and_check(root: Path, state: dict[str, Any], expected: dict[str, np.ndarray], **kw: Any) -> bool:
+    """Save ``state`` as step 1, check it restores to ``expected``; whether a writer process ran it."""
+    with ckptio.CheckpointManager(root, **kw) as m:
+        m.save(1, state).result()
+    back = ckptio.restore(root, 1)
+    for k, v in expected.items():
+        assert np.asarray(back[k]).tobytes() == v.tobytes()
+    return sidecar.current_pid() is not None
+
+
+def test_a_large_jax_save_goes_to_the_writer_process_by_default(tmp_path: Path) -> None:
+    arrays = _arrays(4)
+    assert _save_and_check(tmp_path / "c", _jax(arrays), arrays)
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_naming_the_thread_writer_opts_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    arrays = _arrays(4)
+    kw: dict[str, Any] = {}
+    if how == "config":
+        kw["engine_config"] = EngineConfig(writer="thread")
+    else:
+        monkeypatch.setenv(sidecar.ENV, "thread")
+    assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays, **kw)
+
+
+def test_numpy_state_keeps_the_in_process_writer(tmp_path: Path) -> None:
+    arrays = _arrays(4)
+    assert not _save_and_check(tmp_path / "c", dict(arrays), arrays)
+
+
+def test_a_state_mostly_numpy_keeps_the_in_process_writer(tmp_path: Path) -> None:
+    arrays = _arrays(5)
+    state: dict[str, Any] = dict(arrays)
+    state["w0"] = jax.device_put(arrays["w0"])
+    state["w1"] = jax.device_put(arrays["w1"])  # 2 of 5 MiB are JAX: not the majority
+    assert not _save_and_check(tmp_path / "c", state, arrays)
+
+
+def test_a_small_jax_save_keeps_the_in_process_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", 8 * MIB)
+    arrays = _arrays(4)
+    assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays)
+
+
+def test_a_process_local_backend_keeps_the_in_process_writer() -> None:
+    arrays = _arrays(4)
+    with ckptio.CheckpointManager("mem://auto-writer") as m:
+        m.save(1, _jax(arrays)).result()
+        back = m.restore(1)
+    assert np.asarray(back["w3"]).tobytes() == arrays["w3"].tobytes()
+    assert sidecar.current_pid() is None
+
+
+def test_jax_share_counts_the_bytes_this_host_writes() -> None:
+    from ckptio.staging import StagedArray
+
+    a = np.zeros(1024, np.float32)
+    staged = {
+        "j": StagedArray(a.dtype, a.shape, False, "jax", [((0,), a.shape, a)]),
+        "n": StagedArray(a.dtype, a.shape, False, "numpy", [((0,), a.shape, a)]),
+        "not-mine": StagedArray(a.dtype, a.shape, False, "jax", []),
+        "value": object(),
+    }
+    assert writer_auto.jax_share(staged) == (4096, 8192)
+
+
+def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(tmp_path: Path) -> None:
+    """JAX arrays are copied into shared memory object by object, and those copies are reused:
+    after a save of 16 one-MiB objects the pool holds what was ever in flight, which the budget
+    (``_EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
+    arrays = _arrays(16)
+    opts = {"object_size": MIB, "threads": 1}  # a budget of max(2 x 1 MiB, 1 x 8 MiB) = 8 MiB
+    assert _save_and_check(tmp_path / "c", _jax(arrays), arrays, backend_options=opts)
+    budget = max(sidecar._EXPORT_OBJECTS * MIB, 8 * MIB)
+    held = sidecar.shared_pool()._free.held_bytes()
+    assert MIB <= held <= budget, (held, budget)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_sharded_host_views_saved_without_a_copy_count_as_jax(tmp_path: Path, copy: bool) -> None:
+    """The Orbax handler saves JAX arrays as ``Sharded`` host views with ``copy=False``: such a save
+    goes to the writer process as a JAX save does; the same leaves snapshotted (``copy=True``) do not."""
+    from ckptio import Sharded
+
+    arrays = _arrays(4)
+    state = {k: Sharded(v.shape, v.dtype, [((slice(None), slice(None)), v)]) for k, v in arrays.items()}
+    ckptio.save(tmp_path / "c", state, 1, copy=copy).result()
+    back = ckptio.restore(tmp_path / "c", 1)
+    assert np.asarray(back["w2"]).tobytes() == arrays["w2"].tobytes()
+    assert (sidecar.current_pid() is not None) == (not copy)
+
+
+def test_jax_share_counts_sharded_leaves_only_when_not_copied() -> None:
+    from ckptio.staging import StagedArray
+
+    a = np.zeros(1024, np.float32)
+    staged = {"s": StagedArray(a.dtype, a.shape, False, "sharded", [((0,), a.shape, a)]),
+              "j": StagedArray(a.dtype, a.shape, False, "jax", [((0,), a.shape, a)])}
+    assert writer_auto.jax_share(staged) == (4096, 8192)
+    assert writer_auto.jax_share(staged, copied=False) == (8192, 8192)
