@@ -27,11 +27,13 @@ it), and other backends (not measured). ``writer="thread"`` (or
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from ckptio.backends.local import LocalBackend
 
+from . import sidecar
 from .sidecar import SIDECAR_WRITER
 from .staging import StagedArray, nbytes_of
 from .store import CheckpointStore
@@ -42,6 +44,10 @@ __all__ = ["AUTO_MIN_BYTES", "default_writer", "jax_share"]
 #: A save needs at least this many bytes of JAX arrays (one default local object) to go to
 #: the writer process by default.
 AUTO_MIN_BYTES = 64 << 20
+
+log = logging.getLogger("ckptio.writers")
+#: Why this process's writer process could not start, once it could not: later saves stay in-process.
+_unusable: str | None = None
 
 
 def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]:
@@ -71,4 +77,19 @@ def default_writer(
     if not isinstance(store.backend, LocalBackend) or not sidecar_possible(store):
         return chosen
     jax, total = jax_share(staged, copied)
-    return SIDECAR_WRITER if jax >= AUTO_MIN_BYTES and 2 * jax >= total else chosen
+    if jax < AUTO_MIN_BYTES or 2 * jax < total:
+        return chosen
+    return SIDECAR_WRITER if _writer_process_up() else chosen
+
+
+def _writer_process_up() -> bool:
+    """Whether this process's writer process is (or now starts) up. A default, unlike a writer asked
+    for, must not fail saves where no process can be spawned (a frozen or embedded interpreter, a
+    process limit): then one warning, and every later default save stays in this process."""
+    global _unusable
+    if _unusable is None:
+        proc = sidecar._sidecar()  # started (again) if none runs or the last one died
+        if proc.pid is None and proc.dead is not None:  # ``pid`` waits for the spawn, not the child's imports
+            _unusable = proc.dead
+            log.warning("%s: large JAX saves stay in this process (CKPTIO_WRITER=thread silences this)", proc.dead)
+    return _unusable is None

@@ -142,3 +142,23 @@ def test_jax_share_counts_sharded_leaves_only_when_not_copied() -> None:
               "j": StagedArray(a.dtype, a.shape, False, "jax", [((0,), a.shape, a)])}
     assert writer_auto.jax_share(staged) == (4096, 8192)
     assert writer_auto.jax_share(staged, copied=False) == (8192, 8192)
+
+
+def test_a_writer_process_that_cannot_start_leaves_default_saves_in_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A default must not fail saves where no process can be spawned: one warning, saves in-process."""
+    def no_spawn(_sock: Any) -> Any:
+        raise OSError("spawning is not allowed here")
+
+    monkeypatch.setattr(sidecar, "_spawn", no_spawn)
+    monkeypatch.setattr(writer_auto, "_unusable", None)
+    with caplog.at_level("WARNING", logger="ckptio.writers"):
+        for i, root in enumerate(("a", "b")):
+            assert not _save_and_check(tmp_path / root, _jax(_arrays(4, seed=i)), _arrays(4, seed=i))
+    assert sum("could not start the ckptio writer process" in r.getMessage() for r in caplog.records) == 1
+    assert writer_auto._unusable is not None
+
+
+def test_an_incremental_jax_save_keeps_the_in_process_writer(tmp_path: Path) -> None:
+    arrays = _arrays(4)
+    assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays, incremental=True)
