@@ -257,8 +257,16 @@ class Engine:
         async with sem:
             held = await budget.acquire(size)
             try:
-                crcs = await self._in_save_thread(lambda: _prepare(plan, bs))
-                await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
+                if plan.lazy:  # tiles are cut out of their staged shards before anything reads them
+                    await self._in_save_thread(plan.materialize)
+                # The checksums and the write only read the object's bytes: both at once, so that
+                # the write does not wait for a pass over its object (64 MiB: 5-15 ms here).
+                summing = asyncio.ensure_future(self._in_save_thread(lambda: _checksums(plan, bs)))
+                try:
+                    await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
+                finally:
+                    await _settled(summing)  # its thread reads the buffers that release() gives back
+                crcs = summing.result()
             finally:
                 plan.release()
                 await budget.release(held)
@@ -421,11 +429,18 @@ class Engine:
 _PIECE = 16 << 20
 
 
-def _prepare(plan: ObjectPlan, block_size: int) -> list[list[int]]:
-    """Cut a plan's lazy extents (tiles) out of their staged shards, then checksum every extent:
-    in its own blocks where the layout gave it some (a small shard's), else in ``block_size``."""
-    if plan.lazy:
-        plan.materialize()
+async def _settled(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, even through a cancellation (re-raised once it is)."""
+    try:
+        await asyncio.wait([fut])
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
+def _checksums(plan: ObjectPlan, block_size: int) -> list[list[int]]:
+    """Checksum every extent of a materialized plan: in its own blocks where the layout gave it
+    some (a small shard's), else in ``block_size``."""
     return [block_crcs(e.data, e.block or block_size) if e.cuts is None  # type: ignore[arg-type]
             else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
             for e in plan.extents]

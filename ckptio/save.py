@@ -383,7 +383,11 @@ class SaveJob:
             record, failure = failed_record(self.coord.rank, e), e
         finally:
             self.area.release()
-        self.finish(self.verdict(record, failure))
+        outcome = self.verdict(record, failure)
+        # The pool's new buffers into huge pages (a first save's, once): committed first, so no
+        # checkpoint waits for it; before the handle resolves, so ``result()`` still means done.
+        self.area.settle()
+        self.finish(outcome)
 
     def write(self) -> list[WrittenObject]:
         """Build the structure's deferred bulk, then have the writer write and sync every object.

@@ -53,6 +53,8 @@ class ShmStagingPool(StagingPool):
     (or a view into one) lives at.
     """
 
+    huge_pages = False  # memfd slabs: shared memory, which MADV_COLLAPSE leaves to shmem's own THP policy
+
     def __init__(self, slab_bytes: int = _SLAB) -> None:
         super().__init__(None)
         self.slab_bytes = slab_bytes

@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ckptio._system import POPULATE_MIN, fresh_pages, populate
-from ckptio._system.freelists import FreeLists
+from ckptio._system import POPULATE_MIN, populate
 
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
 from .manifest.hoststate import StagedHostState, staged_host_state
 from .perhost import is_per_host_leaf, state_of
+from .stagingpool import StagingPool, aligned_empty
 from .tiling import tile_for
 
 __all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
@@ -63,54 +63,6 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[in
         offs.append(start)
         sizes.append(max(0, stop - start))
     return tuple(offs), tuple(sizes)
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 buffer, page-aligned when large (anonymous mmap): direct IO
-    then moves it without a bounce copy. Small buffers come from numpy's allocator.
-
-    Large ones are *private* mappings (``fresh_pages``): ``mmap.mmap(-1, n)``'s default is
-    a shared one, i.e. shmem, whose first touch -- a first save's whole staging copy --
-    costs the most per page (backends/_pages.py). Below ``FRESH_MIN`` a mapping of its own
-    is not worth it."""
-    return fresh_pages(nbytes)
-
-
-class StagingPool:
-    """Host buffers reused across saves, so staging copies into already-touched memory.
-
-    Fresh memory costs page faults (~2.5 GiB/s here) where touched memory
-    copies at ~7.7 GiB/s: reusing buffers is most of the stall.
-    """
-
-    def __init__(self, max_bytes: int | None = None) -> None:
-        # By size; None: keep everything given back.
-        self._free: FreeLists[int, np.ndarray] = FreeLists(max_bytes)
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of ``nbytes``: one given back earlier, else a new one."""
-        return self.obtain(nbytes)[0]
-
-    def obtain(self, nbytes: int) -> tuple[np.ndarray, bool]:
-        """As :meth:`take`, and whether the buffer is new (its pages not yet touched)."""
-        buf = self._free.take(nbytes)
-        return (buf, False) if buf is not None else (self._allocate(nbytes), True)
-
-    def _allocate(self, nbytes: int) -> np.ndarray:
-        """A new buffer (a shared-memory pool, ckptio.sidecar, allocates elsewhere)."""
-        return aligned_empty(nbytes)
-
-    def has(self, nbytes: int) -> bool:
-        """Whether a :meth:`take` of ``nbytes`` would reuse a buffer now."""
-        return self._free.has(nbytes)
-
-    def give_back(self, buffers: Sequence[np.ndarray]) -> None:
-        """Keep ``buffers`` for later takes (within the bound; the rest go)."""
-        for b in buffers:
-            self._free.give(b.nbytes, b, b.nbytes)
-
-    def clear(self) -> None:
-        self._free.clear()
 
 
 @dataclasses.dataclass
@@ -167,6 +119,7 @@ class StagingArea:
         self.pool = pool
         self.owned: list[np.ndarray] = []
         self.fresh: list[np.ndarray] = []  # new buffers not yet prefaulted
+        self.new: list[np.ndarray] = []  # new buffers from the pool, not yet settled (StagingPool.settle)
         self._pending: dict[int, tuple[np.ndarray, np.ndarray | list[np.ndarray]]] = {}
 
     def snapshot(self, arr: np.ndarray) -> np.ndarray:
@@ -188,6 +141,8 @@ class StagingArea:
         self.owned.append(buf)
         if fresh and nbytes >= POPULATE_MIN:
             self.fresh.append(buf)
+            if self.pool is not None:
+                self.new.append(buf)
         return buf
 
     def prefault(self) -> threading.Thread | None:
@@ -245,6 +200,13 @@ class StagingArea:
         if self.pool is not None:
             self.pool.give_back(self.owned)
         self.owned = []
+
+    def settle(self) -> None:
+        """Once the save is committed: the pool moves the buffers it made for this save into huge
+        pages, for the saves that reuse them (:meth:`StagingPool.settle`)."""
+        new, self.new = self.new, []
+        if self.pool is not None and new:
+            self.pool.settle(new)
 
 
 #: Arrays up to this size (and at most one checksum block) are staged packed (:class:`LeafPack`).

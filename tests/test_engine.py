@@ -173,3 +173,76 @@ def test_progress_reports_every_byte(tmp_path):
     ckptio.save(tmp_path, state, step=1, progress=progress).result()
     ckptio.restore(tmp_path, progress=progress)
     assert seen == {"written": state["w"].nbytes, "read": state["w"].nbytes}
+
+
+def test_an_objects_write_does_not_wait_for_its_checksums(tmp_path, monkeypatch):
+    """The checksums and the write of one object run at once: a checksum pass that waits for its
+    object's write to begin still ends (run one after the other, it would wait forever), and the
+    checkpoint restores with every checksum verified."""
+    import threading
+
+    from ckptio import engine
+
+    url = f"mem://overlap-{tmp_path.name}"
+    writing = threading.Event()
+    waited: list[bool] = []
+    checksums = engine._checksums
+
+    def after_the_write_began(plan, block_size):
+        waited.append(writing.wait(30))
+        return checksums(plan, block_size)
+
+    class Marking(WrapperBackend):
+        async def write(self, key, buffers):
+            if "ckptio." not in key:
+                writing.set()
+            return await super().write(key, buffers)
+
+    monkeypatch.setattr(engine, "_checksums", after_the_write_began)
+    state = _state()
+    ckptio.save(url, state, step=1, backend=Marking(MemoryBackend(url)), engine_config=FAST_RETRY).result(timeout=60)
+    assert waited and all(waited)
+    _same(ckptio.restore(url, backend=MemoryBackend(url)), state)
+
+
+def test_a_failed_write_releases_its_buffers_only_after_their_checksums(tmp_path, monkeypatch):
+    """A write that fails at once still waits for the checksum pass reading the same buffers before
+    they are given back (a tiled object's scratch goes to the next object)."""
+    import threading
+    import time
+
+    from ckptio import engine, layout
+
+    url = f"mem://release-{tmp_path.name}"
+    events: list[str] = []
+    lock = threading.Lock()
+    checksums, release = engine._checksums, layout.ObjectPlan.release
+
+    def slow(plan, block_size):
+        time.sleep(0.2)
+        out = checksums(plan, block_size)
+        with lock:
+            events.append(("summed", plan.key))
+        return out
+
+    def released(plan):
+        with lock:
+            events.append(("released", plan.key))
+        release(plan)
+
+    class Failing(WrapperBackend):
+        async def write(self, key, buffers):
+            if "ckptio.intent." in key:
+                return await super().write(key, buffers)
+            raise PermissionError(f"{key}: denied")
+
+    monkeypatch.setattr(engine, "_checksums", slow)
+    monkeypatch.setattr(layout.ObjectPlan, "release", released)
+    small_objects = ckptio.EngineConfig(**{**FAST_RETRY.__dict__, "concurrency": 4})
+    h = ckptio.save(url, {"a": np.ones(1 << 20), "b": np.ones(1 << 20)}, step=1, backend=Failing(MemoryBackend(url)),
+                    engine_config=small_objects)
+    with pytest.raises(PermissionError, match="denied"):
+        h.result(timeout=60)
+    released_keys = [k for e, k in events if e == "released"]
+    assert released_keys  # every written object, failed or cancelled, once its checksums are done
+    assert all(events.index(("summed", k)) < events.index(("released", k)) for k in released_keys)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import mmap
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from ckptio._system import FRESH_MIN, POPULATE_MIN, fresh_pages, populate
+from ckptio._system import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, collapse, fresh_pages, populate
 from ckptio.staging import StagingArea, StagingPool, aligned_empty
 
 
@@ -94,3 +95,88 @@ def test_a_save_prefaults_only_its_new_buffers_and_changes_no_byte() -> None:
     assert again.fresh == [] and again.prefault() is None
     again.fill_all()
     assert all(np.array_equal(o, s) for o, s in zip(outs, srcs))
+
+
+def _huge_bytes(buf: np.ndarray) -> int:
+    """Bytes of the mapping holding ``buf`` that sit in transparent huge pages (/proc/self/smaps)."""
+    addr, found = buf.ctypes.data, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = lo <= addr < hi
+            elif found and head[0] == "AnonHugePages:":
+                return int(head[1]) << 10
+    return 0
+
+
+def test_collapse_keeps_every_byte_and_leaves_what_it_cannot_move() -> None:
+    """Huge pages or not (a kernel or a host may refuse), every byte reads back as written, in
+    buffers of any size and offset; small, read-only and non-contiguous buffers are not asked for."""
+    data = np.random.default_rng(2).integers(0, 255, (5 << 20) + 4321, dtype=np.uint8)
+    mapped = fresh_pages(data.nbytes)
+    mapped[:] = data
+    small = fresh_pages(HUGE_PAGE - 1)
+    small[:] = 3
+    read_only = np.frombuffer(b"x" * (3 << 20), np.uint8)
+    strided = mapped[::2]
+    moved = collapse([mapped, small, read_only, strided, mapped[7:]])
+    assert 0 <= moved <= 2 * mapped.nbytes and moved % HUGE_PAGE == 0
+    assert np.array_equal(mapped, data) and (small == 3).all()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_collapse_moves_a_buffer_into_huge_pages_where_the_kernel_can() -> None:
+    buf = fresh_pages(8 << 20)
+    buf[:] = 5
+    moved = collapse([buf])
+    if moved == 0:
+        pytest.skip("this kernel or host gives no huge page to MADV_COLLAPSE")
+    assert _huge_bytes(buf) >= moved >= 6 << 20  # the whole 2 MiB pages inside the buffer
+    assert (buf == 5).all()
+
+
+class _Counting(StagingPool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled: list[list[int]] = []
+
+    def settle(self, new: Sequence[np.ndarray]) -> int:
+        self.settled.append([b.nbytes for b in new])
+        return super().settle(new)
+
+
+def test_a_save_settles_only_the_buffers_its_pool_made_for_it() -> None:
+    """New pool buffers of a save are settled once, after it; reused and small ones never; an
+    area without a pool (its buffers die with the save) settles nothing."""
+    pool = _Counting()
+    srcs = [np.full(n, 9, np.uint8) for n in (3 << 20, POPULATE_MIN - 1, 2 << 20)]
+    first = StagingArea(pool)
+    outs = [first.snapshot(s) for s in srcs]
+    first.fill_all()
+    first.release()
+    first.settle()
+    first.settle()
+    assert pool.settled == [[3 << 20, 2 << 20]]
+    assert all(np.array_equal(o, s) for o, s in zip(outs, srcs))
+    again = StagingArea(pool)
+    outs = [again.snapshot(s) for s in srcs]
+    again.fill_all()
+    again.settle()
+    assert pool.settled == [[3 << 20, 2 << 20]]
+    assert all(np.array_equal(o, s) for o, s in zip(outs, srcs))
+    lone = StagingArea(None)
+    lone.snapshot(srcs[0])
+    lone.settle()
+
+
+def test_a_shared_memory_pool_is_never_collapsed() -> None:
+    from ckptio.shm import ShmStagingPool
+
+    assert StagingPool.huge_pages and not ShmStagingPool.huge_pages
+    pool = ShmStagingPool()
+    try:
+        assert pool.settle([pool.take(4 << 20)]) == 0
+    finally:
+        pool.close()

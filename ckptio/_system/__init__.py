@@ -9,16 +9,18 @@ imports nothing else from ckptio, so every layer may import it without a cycle.
 from __future__ import annotations
 
 from .bytes import GIL_FREE_MIN, address, byte_views, copy_bytes, flat_bytes, gather_bytes, scatter_bytes
-from .pages import FRESH_MIN, POPULATE_MIN, fresh_pages, populate
+from .pages import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, collapse, fresh_pages, populate
 from .threads import background_pool, lower_this_thread, start_workers
 
 __all__ = [
     "FRESH_MIN",
     "GIL_FREE_MIN",
+    "HUGE_PAGE",
     "POPULATE_MIN",
     "address",
     "background_pool",
     "byte_views",
+    "collapse",
     "copy_bytes",
     "flat_bytes",
     "fresh_pages",

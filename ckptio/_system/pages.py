@@ -32,7 +32,7 @@ import numpy as np
 
 from .bytes import flat_bytes
 
-__all__ = ["FRESH_MIN", "POPULATE_MIN", "fresh_pages", "populate"]
+__all__ = ["FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "collapse", "fresh_pages", "populate"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ FRESH_MIN = 1 << 16
 POPULATE_MIN = 1 << 20
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python's mmap module before 3.13
+_MADV_COLLAPSE = 25  # Linux 6.1+
+#: A transparent huge page (x86-64, arm64 with 4 KiB pages): what :func:`collapse` moves memory into.
+HUGE_PAGE = 2 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
@@ -104,3 +107,34 @@ def populate(buffers: Sequence[memoryview]) -> None:
         hi = (start + n) // _PAGE * _PAGE
         if hi > lo:
             _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+
+
+def collapse(buffers: Sequence[np.ndarray]) -> int:
+    """Move the whole huge pages inside each buffer into transparent huge pages (MADV_COLLAPSE),
+    keeping their contents; returns the bytes now in huge pages.
+
+    For buffers that are filled and written again and again (a save's staging pool): an
+    O_DIRECT write from 4 KiB pages pins every page and goes to the disk in requests of at
+    most ``max_segments`` pages (254 here: ~1 MiB), from 2 MiB pages in requests of up to
+    ``max_sectors_kb`` (4 MiB). Measured here, 256 MiB written by 4 threads with O_DIRECT +
+    fsync, buffers alternated in one sitting: 0.99-1.59 s and 0.022-0.026 s of CPU from
+    4 KiB pages, 0.65-0.85 s and 0.004-0.006 s from huge pages; copying into them costs
+    ~10 % less. Collapsing costs about what faulting the memory in once did (256 MiB:
+    ~0.4 s of CPU, ~1.1 s at load 18), so it is for memory that lives across many writes,
+    off the path anyone waits on. Like :func:`populate`, an optimisation only: the kernel
+    keeps every byte (concurrent writers wait for it), and a refusal (an old kernel, THP
+    off for this mapping, no huge page to be had) leaves the pages as they were. Only
+    private anonymous memory is asked for (``fresh_pages``' own); ctypes releases the GIL.
+    """
+    if _madvise is None:
+        return 0
+    done = 0
+    for b in buffers:
+        if b.nbytes < HUGE_PAGE or not b.flags.c_contiguous or not b.flags.writeable:
+            continue
+        start = b.ctypes.data
+        lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+        hi = (start + b.nbytes) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo and _madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
