@@ -80,3 +80,7 @@ class SaveOptions:
     def of(cls, store: CheckpointStore) -> SaveOptions:
         """The options ``store``'s config asks for (ValueError naming an unknown writer)."""
         return cls(writer_for(store), LayoutOptions(tile_bytes=store.engine.config.tile_bytes))
+
+    def with_writer(self, writer: Writer) -> SaveOptions:
+        """These options with ``writer`` instead (a default that follows the state: ckptio.writer_auto)."""
+        return dataclasses.replace(self, writer=writer)

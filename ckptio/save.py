@@ -12,7 +12,6 @@ objects is a :class:`ckptio.writers.Writer`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -255,8 +254,7 @@ class SaveJob:
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
-            writer = default_writer(store, self.staged, self.options.writer, copied=self.copy)
-            self.options = dataclasses.replace(self.options, writer=writer)
+            self.options = self.options.with_writer(default_writer(store, self.staged, self.options.writer, self.copy))
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
@@ -384,9 +382,7 @@ class SaveJob:
         finally:
             self.area.release()
         outcome = self.verdict(record, failure)
-        # The pool's new buffers into huge pages (a first save's, once): committed first, so no
-        # checkpoint waits for it; before the handle resolves, so ``result()`` still means done.
-        self.area.settle()
+        self.area.settle()  # new pool buffers into huge pages: after the commit, before result() resolves
         self.finish(outcome)
 
     def write(self) -> list[WrittenObject]:
