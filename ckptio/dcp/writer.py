@@ -162,6 +162,20 @@ class Writer(Located, StorageWriter, AsyncStager):
         self._save_id: str | None = None
         self._lease: Lease | None = None
 
+    def _open(self) -> CheckpointStore:
+        """The store, on a local path with ``direct_unaligned=False`` unless the caller chose.
+
+        ``dcp.save`` hands over the caller's tensors, whose memory torch allocates 64 bytes into a page:
+        O_DIRECT took every byte through a bounce buffer and waited on the device per request, 1.6x
+        slower than stock DCP's buffered write + fsync on the same disk (issue 35). Staged
+        (``async_save``) buffers are page-aligned and still go direct.
+        """
+        options = self._options
+        if self._store is None and _local(options.url) and "direct_unaligned" not in (options.backend_options or {}):
+            self._store = CheckpointStore(dataclasses.replace(
+                options, backend_options={**(options.backend_options or {}), "direct_unaligned": False}))
+        return super()._open()
+
     def _committed_error(self) -> FileExistsError:
         return FileExistsError(
             f"step {self.step} of {self.url} is already committed ({self.checkpoint_id}); ckptio never "
