@@ -115,3 +115,19 @@ def test_version_3_fragments_are_added_alone_as_before(tmp_path: Path, monkeypat
                                  complete=False, names=None, few=False, expect=0)
     empty.add_batch([], {})
     assert empty.objects == []
+
+
+def test_ranges_are_each_start_counted_up() -> None:
+    """``_ranges`` (every batch's checksum and extent indices) against its definition, empty
+    and single ranges included; negative counts are refused."""
+    from ckptio.manifest.codec.columns import _ranges
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        n = int(rng.integers(0, 12))
+        starts, counts = rng.integers(-3, 50, n), rng.integers(0, 4, n)
+        want = [s + k for s, c in zip(starts.tolist(), counts.tolist()) for k in range(c)]
+        got = _ranges(starts, counts)
+        assert got.dtype == np.int64 and got.tolist() == want
+    with pytest.raises(ValueError):
+        _ranges(np.array([0, 5]), np.array([2, -1]))

