@@ -18,6 +18,8 @@ Contract every backend keeps (the conformance suite shipped as
   partially written object under ``key``: either the old state or the new one.
 * :meth:`Backend.read_into` fills caller-owned buffers from a half-open
   :class:`ByteRange`; reading past the end is an error, never a short read.
+  :meth:`Backend.read_many` is many such reads in one call (the default: one
+  ``read_into`` each).
 * :meth:`Backend.create_if_absent` is the commit primitive: it writes a small
   object only if no object has that key, atomically, and raises
   :class:`FileExistsError` otherwise.
@@ -38,6 +40,7 @@ Contract every backend keeps (the conformance suite shipped as
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 
@@ -47,6 +50,7 @@ __all__ = [
     "Capabilities",
     "LayoutDefaults",
     "ObjectInfo",
+    "Read",
     "ReadOnlyBackend",
     "RetryableError",
     "ThrottledError",
@@ -54,6 +58,7 @@ __all__ = [
     "check_key",
     "check_prefix",
     "join_key",
+    "own_read_into",
 ]
 
 
@@ -111,6 +116,10 @@ class ByteRange:
         if self.length == 0:
             raise ValueError("an empty byte range has no HTTP Range header")
         return f"bytes={self.start}-{self.end - 1}"
+
+
+#: One read of :meth:`Backend.read_many`: ``(key, range, buffers)``, as :meth:`Backend.read_into` takes them.
+Read = tuple[str, ByteRange, Sequence[memoryview]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -222,6 +231,13 @@ def check_fill(rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         raise ValueError(f"buffers hold {have} bytes, range [{rng.start}, {rng.end}) needs {rng.length}")
 
 
+def own_read_into(backend: Backend) -> bool:
+    """Whether ``backend`` (an instance) was given its own ``read_into`` (a test's or a bench's
+    counter) and no ``read_many`` with it: then its batches are read one ``read_into`` at a time."""
+    own = vars(backend)
+    return "read_into" in own and "read_many" not in own
+
+
 def join_key(*parts: str) -> str:
     """Join key components with ``/``, dropping empty ones."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
@@ -240,6 +256,9 @@ class Backend(abc.ABC):
     capabilities: Capabilities
     #: How checkpoints are best laid out on it; backends without a preference keep these.
     layout_defaults: LayoutDefaults = LayoutDefaults()
+    #: Whether :meth:`read_many` costs less than its reads made one by one (a callers' hint: where
+    #: not, they make them one by one, each under its own retry and deadline).
+    batches_reads: bool = False
 
     @property
     @abc.abstractmethod
@@ -302,6 +321,25 @@ class Backend(abc.ABC):
         info = await self.stat(key)
         if rng.end > info.size:
             raise ValueError(f"{what}: runs past the end ({info.size} bytes)")
+
+    async def read_many(self, reads: Sequence[Read]) -> None:
+        """Each ``(key, rng, buffers)`` of ``reads`` filled as :meth:`read_into` fills it (its errors).
+
+        The first failure propagates, the other reads cancelled: which read failed is not said
+        (a caller that must name it reads one by one after). This default makes one
+        :meth:`read_into` a read, all at once; a backend whose calls cost more than the bytes
+        (a thread hop each) reads many small objects for less in one call and says so
+        (:attr:`batches_reads`). A wrapper passes a batch on as one only when it does not change
+        :meth:`read_into` (:class:`~ckptio.backends.wrappers.WrapperBackend`), so counting,
+        faults and budgets still meet every read.
+        """
+        tasks = [asyncio.ensure_future(self.read_into(key, rng, buffers)) for key, rng, buffers in reads]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def read(self, key: str) -> bytes:
         """Read a whole (small) object."""

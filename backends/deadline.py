@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from .base import Backend, ByteRange, ObjectInfo, RetryableError
+from .base import Backend, ByteRange, ObjectInfo, Read, RetryableError
 from .wrappers import WrapperBackend
 
 __all__ = ["DeadlineBackend", "DeadlineExceeded", "Deadlines", "with_deadlines"]
@@ -122,6 +122,15 @@ class DeadlineBackend(WrapperBackend):
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._run(f"reading bytes [{rng.start}, {rng.end}) of", key, rng.length,
                         lambda: self.inner.read_into(key, rng, buffers))
+
+    async def read_many(self, reads: Sequence[Read]) -> None:
+        if not self.batches_reads:
+            await super().read_many(reads)
+            return
+        # One deadline for the batch, sized by all of its bytes.
+        first = reads[0][0] if reads else ""
+        await self._run(f"reading {len(reads)} objects, the first", first, sum(r.length for _k, r, _b in reads),
+                        lambda: self.inner.read_many(reads))
 
     async def read(self, key: str) -> bytes:
         # The inner backend's own whole read (its size is unknown here: a small object's floor).

@@ -34,7 +34,8 @@ from ._posix import (
 from ._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
 from ._posix_conditional import TAKEN_MARK, file_version, take_if
 from .base import (
-    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, Read, check_fill, check_key, check_prefix,
+    own_read_into,
 )
 
 __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
@@ -345,6 +346,23 @@ class LocalBackend(Backend):
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._run(self._read_into, key, rng, buffers)
+
+    @property  # type: ignore[override]
+    def batches_reads(self) -> bool:
+        return type(self).read_into is LocalBackend.read_into and not own_read_into(self)
+
+    async def read_many(self, reads: Sequence[Read]) -> None:
+        """The reads one after another on one IO thread: a thread hop per batch, not per read (what
+        small objects cost, page-cached). A subclass's or an instance's own ``read_into`` is called
+        per read instead."""
+        if not self.batches_reads:
+            await super().read_many(reads)
+            return
+        await self._run(self._read_all, reads)
+
+    def _read_all(self, reads: Sequence[Read]) -> None:
+        for key, rng, buffers in reads:
+            self._read_into(key, rng, buffers)
 
     # -- metadata --------------------------------------------------------
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .base import Backend, ByteRange, ObjectInfo, RetryableError, ThrottledError
+from .base import Backend, ByteRange, ObjectInfo, Read, RetryableError, ThrottledError
 from .wrappers import WrapperBackend
 
 __all__ = ["RetryPolicy", "RetryingBackend", "retry_call"]
@@ -96,6 +96,14 @@ class RetryingBackend(WrapperBackend):
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._retry(f"read {key!r}", lambda: self.inner.read_into(key, rng, buffers))
+
+    async def read_many(self, reads: Sequence[Read]) -> None:
+        if not self.batches_reads:
+            await super().read_many(reads)
+            return
+        # Retried as one call: every buffer is filled again, so a retry after a partial batch is whole.
+        first = reads[0][0] if reads else ""
+        await self._retry(f"read {len(reads)} objects ({first!r}, ...)", lambda: self.inner.read_many(reads))
 
     async def read(self, key: str) -> bytes:
         return await self._retry(f"read {key!r}", lambda: self.inner.read(key))

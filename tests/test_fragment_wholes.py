@@ -115,3 +115,57 @@ def test_version_3_fragments_are_added_alone_as_before(tmp_path: Path, monkeypat
                                  complete=False, names=None, few=False, expect=0)
     empty.add_batch([], {})
     assert empty.objects == []
+
+
+def test_ranges_are_each_start_counted_up() -> None:
+    """``_ranges`` (every batch's checksum and extent indices) against its definition, empty
+    and single ranges included; negative counts are refused."""
+    from ckptio.manifest.codec.columns import _ranges
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        n = int(rng.integers(0, 12))
+        starts, counts = rng.integers(-3, 50, n), rng.integers(0, 4, n)
+        want = [s + k for s, c in zip(starts.tolist(), counts.tolist()) for k in range(c)]
+        got = _ranges(starts, counts)
+        assert got.dtype == np.int64 and got.tolist() == want
+    with pytest.raises(ValueError):
+        _ranges(np.array([0, 5]), np.array([2, -1]))
+
+
+def test_items_exactly_assigned_are_those_owned_whole() -> None:
+    """``_exactly_assigned`` (every item sharing a locator asked at once) says yes exactly where
+    an item's rows are its locator's rows in its order, and then ``_owned`` keeps them all; a
+    replica row, a row of another fragment, or rows out of order send the item to ``_owned``."""
+    from types import SimpleNamespace
+
+    from ckptio.manifest.codec.columns import _exactly_assigned, _owned
+
+    rng = np.random.default_rng(3)
+    width = 2
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        loc = np.column_stack([np.arange(n), rng.integers(0, 9, (n, 2)), rng.integers(1, 5, (n, 2))])
+        kinds = rng.choice(["exact", "replica", "other", "swapped"], size=int(rng.integers(1, 5)))
+        items, rows_of = [], []
+        for kind in kinds:
+            rows = loc.copy()
+            if kind == "replica":
+                rows = np.concatenate([rows, rows[-1:]])
+            elif kind == "other":
+                rows[0, 0] = n  # a fragment not loaded
+            elif kind == "swapped" and n > 1:
+                rows = rows[::-1].copy()
+            items.append(SimpleNamespace(locator=loc, shape=(10, 10)))
+            rows_of.append(rows)
+        bounds = np.concatenate([[0], np.cumsum([len(r) for r in rows_of])]).tolist()
+        every = np.concatenate(rows_of)
+        cols = {"frag": every[:, 0], "boxes": np.column_stack([every[:, 1:], np.full((len(every), 2), -1)]),
+                "loaded": np.arange(n + 1), "hosts": np.arange(n + 1)}
+        exact = _exactly_assigned(items, bounds, cols, width, {})  # type: ignore[arg-type]
+        for i, rows in enumerate(rows_of):
+            in_order = len(rows) == n and np.array_equal(rows, loc)
+            assert exact[i] == in_order, (kinds[i], rows, loc)
+            if exact[i]:
+                owned = _owned(items[i], np.arange(bounds[i], bounds[i + 1]), cols, width, {})  # type: ignore[arg-type]
+                assert owned.tolist() == list(range(bounds[i], bounds[i + 1]))

@@ -28,6 +28,9 @@ __all__ = ["Manifests", "check_binding"]
 
 #: The cache is dropped whole past this many manifests (a manager keeps a handful of steps).
 _CACHE_SIZE = 64
+#: Fragment reads (or ranges of them) made in one storage call: enough to amortise a call's cost
+#: (a thread hop, retry and deadline wrappers: ~0.2 ms), few enough to keep many calls in flight.
+READS_PER_CALL = 32
 
 
 def check_binding(manifest: Manifest, step_dir: str, where: str) -> None:
@@ -85,29 +88,48 @@ class Manifests:
     def _fetcher(self, root: Manifest, where: str) -> Fetch:
         refs = root.fragments or []
 
-        async def one(i: int, datas: dict[int, bytes]) -> None:
-            # The root records each fragment's size: one read of those bytes, no stat before it.
-            datas[i] = await self._read_range(refs[i].key, 0, refs[i].size, where)
-
         async def fetch(numbers: list[int]) -> dict[int, bytes]:
-            datas: dict[int, bytes] = {}  # a new one per batch: the caller drops each once decoded
-            await gather_or_cancel((one(i, datas) for i in numbers), limit=self.ctx.concurrency * 2)
-            return datas
+            # The root records each fragment's size: one read of those bytes, no stat before it.
+            got = await self._read_ranges([(refs[i].key, 0, refs[i].size) for i in numbers], where)
+            return dict(zip(numbers, got))  # a new one per batch: the caller drops each once decoded
 
         return fetch
 
     def _ranger(self, root: Manifest, where: str) -> FetchRanges:
         refs = root.fragments or []
 
-        async def one(k: int, f: int, start: int, end: int, out: list[bytes]) -> None:
-            out[k] = await self._read_range(refs[f].key, start, end, where)
-
         async def fetch_ranges(ranges: list[tuple[int, int, int]]) -> list[bytes]:
-            out: list[bytes] = [b""] * len(ranges)
-            await gather_or_cancel((one(k, *r, out) for k, r in enumerate(ranges)), limit=self.ctx.concurrency * 2)
-            return out
+            return await self._read_ranges([(refs[f].key, start, end) for f, start, end in ranges], where)
 
         return fetch_ranges
+
+    async def _read_ranges(self, ranges: list[tuple[str, int, int]], where: str) -> list[bytes]:
+        """Bytes ``[start, end)`` of each fragment ``(key, start, end)``, in order, with
+        :meth:`_read_range`'s errors. Where the backend batches reads, ``READS_PER_CALL`` at a time
+        in one :meth:`~ckptio.backends.base.Backend.read_many` (a few KiB each: a call apiece
+        would cost more than the bytes); else one by one, as many at once as before."""
+        out: list[bytes] = [b""] * len(ranges)
+        per = READS_PER_CALL if self.ctx.io.batches_reads else 1  # else each under its own retry and deadline
+
+        async def group(at: int) -> None:
+            part = ranges[at : at + per]
+            if len(part) == 1 or any(end <= start for _k, start, end in part):
+                for k, (key, start, end) in enumerate(part, at):  # an empty range is a stat
+                    out[k] = await self._read_range(key, start, end, where)
+                return
+            bufs = [bytearray(end - start) for _k, start, end in part]
+            try:
+                await self.ctx.io.read_many([(key, ByteRange(start, end), [memoryview(b)])
+                                             for (key, start, end), b in zip(part, bufs)])
+            except (FileNotFoundError, ValueError):  # which one? one by one names it, as a lone read does
+                for k, (key, start, end) in enumerate(part, at):
+                    out[k] = await self._read_range(key, start, end, where)
+                return
+            out[at : at + len(part)] = bufs  # no copy: each buffer is this read's alone
+
+        await gather_or_cancel((group(at) for at in range(0, len(ranges), per)),
+                               limit=self.ctx.concurrency * 2)
+        return out
 
     async def _read_range(self, key: str, start: int, end: int, where: str) -> bytes:
         """Bytes ``[start, end)`` of fragment ``key``; IntegrityError naming it if it is missing or

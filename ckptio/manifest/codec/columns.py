@@ -224,15 +224,17 @@ def from_columns(manifest: Manifest, gathered: dict[str, Any], where: str, *, co
     items: list[ArrayItem] = [manifest.items[n] for n in names]  # type: ignore[misc]
     check_rows(cols, items, names, manifest.block_size, where)
     mine: dict[int, np.ndarray] = {}  # per locator: the rows it assigns the loaded fragments
+    exact = _exactly_assigned(items, bounds, cols, width, mine)
     out: dict[str, ArrayItem] = {}
     for i, name in enumerate(names):
         if bounds[i] == bounds[i + 1]:
             continue
         item = items[i]
         here = f"{where}: item {name!r}"
-        rows: np.ndarray | slice = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, mine)
-        if len(rows) == bounds[i + 1] - bounds[i]:  # every row owned: the table is views of the columns
-            rows = slice(bounds[i], bounds[i + 1])
+        rows: np.ndarray | slice = slice(bounds[i], bounds[i + 1])  # every row owned: views of the columns
+        if not exact[i]:
+            owned = _owned(item, order[bounds[i] : bounds[i + 1]], cols, width, mine)
+            rows = rows if len(owned) == bounds[i + 1] - bounds[i] else owned
         table = _table(item, rows, cols, width)
         full = ArrayItem(item.dtype, item.shape, ShardList(table), item.scalar, item.origin)  # type: ignore[arg-type]
         full.table = table
@@ -272,17 +274,46 @@ def _widened(boxes: np.ndarray, width: int, to: int) -> np.ndarray:
                            np.ones((n, pad), np.int64), boxes[:, 2 * width :], np.full((n, pad), -1, np.int64)], axis=1)
 
 
+def _assigned(item: ArrayItem, cols: dict[str, Any], assigned_to: dict[int, np.ndarray]) -> np.ndarray:
+    """The rows ``(fragment, offsets, shape)`` that ``item``'s locator assigns the loaded
+    fragments (``assigned_to``: per locator, filled here)."""
+    loc = item.locator
+    mine = assigned_to.get(id(loc))
+    if mine is None:  # arrays of one layout share their locator: its rows are picked once
+        loaded = cols["loaded"]
+        mine = assigned_to[id(loc)] = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    return mine
+
+
+def _exactly_assigned(items: list[ArrayItem], bounds: list[int], cols: dict[str, Any], width: int,
+                      assigned_to: dict[int, np.ndarray]) -> np.ndarray:
+    """Per item: whether its rows (``[bounds[i], bounds[i + 1])``) are exactly the rows its
+    locator assigns the loaded fragments, in the locator's order (:func:`_owned`'s common case),
+    asked at once of every item sharing a locator (256 arrays of one layout: one comparison)."""
+    exact = np.zeros(len(items), bool)
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        if bounds[i] != bounds[i + 1]:
+            groups.setdefault(id(item.locator), []).append(i)
+    for ks in groups.values():
+        mine, ndim = _assigned(items[ks[0]], cols, assigned_to), len(items[ks[0]].shape)
+        same = [k for k in ks if bounds[k + 1] - bounds[k] == len(mine)]
+        if not same or not len(mine):
+            continue
+        rows = (np.array([bounds[k] for k in same], np.int64)[:, None] + np.arange(len(mine))).ravel()
+        keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim],
+                                cols["boxes"][rows, width : width + ndim]]).reshape(len(same), len(mine), -1)
+        exact[same] = (keys == mine[None]).all(axis=(1, 2))
+    return exact
+
+
 def _owned(item: ArrayItem, rows: np.ndarray, cols: dict[str, Any], width: int,
            assigned_to: dict[int, np.ndarray]) -> np.ndarray:
     """``rows`` without the replicas the root's locator assigns to another fragment
     (``assigned_to``: per locator, the rows it assigns the loaded fragments, filled here)."""
     ndim = len(item.shape)
     keys = np.column_stack([cols["frag"][rows], cols["boxes"][rows, :ndim], cols["boxes"][rows, width : width + ndim]])
-    loc = item.locator
-    mine = assigned_to.get(id(loc))
-    if mine is None:  # arrays of one layout share their locator: its rows are picked once
-        loaded = cols["loaded"]
-        mine = assigned_to[id(loc)] = loc if len(loaded) == len(cols["hosts"]) else loc[np.isin(loc[:, 0], loaded)]
+    mine = _assigned(item, cols, assigned_to)
     # The common case: exactly the rows the root assigns these fragments, in the root's order
     # (fragment by fragment, each in its own order), or at least the same set of them.
     if len(mine) == len(keys) and (np.array_equal(keys, mine) or np.array_equal(
@@ -308,6 +339,19 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated."""
-    rep = np.repeat(starts - (np.cumsum(counts) - counts), counts)
-    return rep + np.arange(int(counts.sum()))
+    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated (int64).
+
+    Made as one running sum of steps (1 within a range, a jump at each range's first index):
+    ~10x less than repeating each start (measured, 8192 ranges of 28: 0.4-0.6 vs 4-6 ms), and
+    a batch of fragments' checksums is ~1.7 M indices."""
+    if (counts < 0).any():  # refused as np.repeat refuses it
+        raise ValueError(f"negative counts in {counts.tolist()[:8]}")
+    nz = counts > 0
+    s, c = np.asarray(starts, np.int64)[nz], np.asarray(counts, np.int64)[nz]
+    out = np.ones(int(c.sum()), np.int64)
+    if len(s):
+        first = np.cumsum(c) - c
+        out[0] = s[0]
+        out[first[1:]] = s[1:] - (s[:-1] + c[:-1] - 1)
+        np.cumsum(out, out=out)
+    return out
