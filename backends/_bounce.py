@@ -18,12 +18,13 @@ default backend), in private anonymous memory (cheaper to fault in than shmem).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ckptio._system import fresh_pages
+from ckptio._system.bytes import address, byte_views
 from ckptio._system.freelists import FreeLists
 
-__all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE"]
+__all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE", "mostly_unaligned"]
 
 #: Bytes per bounce buffer: one O_DIRECT request's worth.
 BOUNCE_BYTES = 8 << 20
@@ -72,3 +73,9 @@ class BouncePool:
 
 #: The pool every local backend's direct writes use.
 BOUNCE = BouncePool()
+
+
+def mostly_unaligned(buffers: Sequence[memoryview], align: int) -> bool:
+    """Whether most bytes of ``buffers`` would pass through a bounce buffer (unaligned memory)."""
+    views = byte_views(buffers)
+    return 2 * sum(v.nbytes for v in views if address(v) % align) >= sum(v.nbytes for v in views)

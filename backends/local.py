@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
 from ckptio._system.poolshelf import PoolSlot
 
-from ._bounce import BOUNCE, BOUNCE_BYTES
+from ._bounce import BOUNCE, BOUNCE_BYTES, mostly_unaligned
 from ._local_config import LocalConfig
 from ._posix import (
     TMP_MARK, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
@@ -153,7 +153,8 @@ class LocalBackend(Backend):
                                                       and not os.path.isdir(directory)):
                     raise
         try:
-            if self._use_direct(sum(b.nbytes for b in buffers)) and self._direct_memory(buffers):
+            if self._use_direct(sum(b.nbytes for b in buffers)) and (  # torch's unaligned memory: page cache
+                    self.config.direct_unaligned or not mostly_unaligned(buffers, self.config.alignment)):
                 try:
                     self._write_direct(tmp, fd, buffers)
                 except OSError as e:
@@ -329,16 +330,6 @@ class LocalBackend(Backend):
                 off += v.nbytes
         finally:
             os.close(dfd)
-
-    def _direct_memory(self, buffers: Sequence[memoryview]) -> bool:
-        """Whether ``buffers`` are worth writing with O_DIRECT: always, unless ``direct_unaligned`` is
-        off and most of their bytes would pass through the bounce buffer."""
-        if self.config.direct_unaligned:
-            return True
-        align = self.config.alignment
-        views = byte_views(buffers)
-        unaligned = sum(v.nbytes for v in views if address(v) % align)
-        return 2 * unaligned < sum(v.nbytes for v in views)
 
     def _use_direct(self, nbytes: int) -> bool:
         """O_DIRECT for bulk IO only (small files gain nothing), and only where the file system takes it."""
