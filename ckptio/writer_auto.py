@@ -48,6 +48,8 @@ AUTO_MIN_BYTES = 64 << 20
 log = logging.getLogger("ckptio.writers")
 #: Why this process's writer process could not start, once it could not: later saves stay in-process.
 _unusable: str | None = None
+#: The writer process the last default save went to (its death turns the default off).
+_used: sidecar.Sidecar | None = None
 
 
 def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]:
@@ -84,12 +86,22 @@ def default_writer(
 
 def _writer_process_up() -> bool:
     """Whether this process's writer process is (or now starts) up. A default, unlike a writer asked
-    for, must not fail saves where no process can be spawned (a frozen or embedded interpreter, a
-    process limit): then one warning, and every later default save stays in this process."""
-    global _unusable
+    for, must not keep failing saves where no such process can run (a frozen or embedded interpreter,
+    a process limit, a child that cannot import ckptio, one killed for memory): the first that could
+    not start, or that died under a default save, gives one warning, and every later default save
+    stays in this process."""
+    global _used
+    # Still this process's current one (not closed by shutdown(), not a forked parent's), yet dead:
+    if _unusable is None and _used is not None and _used is sidecar._current and _used.dead is not None:
+        _give_up(_used.dead)
     if _unusable is None:
-        proc = sidecar._sidecar()  # started (again) if none runs or the last one died
+        proc = _used = sidecar._sidecar()  # started (again) if none runs or the last one died
         if proc.pid is None and proc.dead is not None:  # ``pid`` waits for the spawn, not the child's imports
-            _unusable = proc.dead
-            log.warning("%s: large JAX saves stay in this process (CKPTIO_WRITER=thread silences this)", proc.dead)
+            _give_up(proc.dead)
     return _unusable is None
+
+
+def _give_up(why: str) -> None:
+    global _unusable
+    _unusable = why
+    log.warning("%s: large JAX saves stay in this process (CKPTIO_WRITER=thread silences this)", why)

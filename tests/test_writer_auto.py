@@ -25,6 +25,8 @@ def _small_threshold(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A 1 MiB threshold (the rule, not its size, is under test), no writer named, no sidecar running."""
     monkeypatch.delenv(sidecar.ENV, raising=False)
     monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", MIB)
+    monkeypatch.setattr(writer_auto, "_unusable", None)  # each test starts with the default on
+    monkeypatch.setattr(writer_auto, "_used", None)
     sidecar.shutdown()
     yield
     sidecar.shutdown()
@@ -151,7 +153,6 @@ def test_a_writer_process_that_cannot_start_leaves_default_saves_in_process(
         raise OSError("spawning is not allowed here")
 
     monkeypatch.setattr(sidecar, "_spawn", no_spawn)
-    monkeypatch.setattr(writer_auto, "_unusable", None)
     with caplog.at_level("WARNING", logger="ckptio.writers"):
         for i, root in enumerate(("a", "b")):
             assert not _save_and_check(tmp_path / root, _jax(_arrays(4, seed=i)), _arrays(4, seed=i))
@@ -162,3 +163,23 @@ def test_a_writer_process_that_cannot_start_leaves_default_saves_in_process(
 def test_an_incremental_jax_save_keeps_the_in_process_writer(tmp_path: Path) -> None:
     arrays = _arrays(4)
     assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays, incremental=True)
+
+
+def test_a_writer_process_that_dies_turns_the_default_off_after_the_save_it_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A child that starts but cannot work (here: exits at once, as one that cannot import ckptio
+    would) fails the save it was given; the next default save stays in this process and succeeds."""
+    import subprocess
+    import sys
+
+    def dying(sock: Any) -> Any:
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], pass_fds=(sock.fileno(),))
+
+    monkeypatch.setattr(sidecar, "_spawn", dying)
+    with pytest.raises(Exception, match="writer process"):
+        with ckptio.CheckpointManager(tmp_path / "a") as m:
+            m.save(1, _jax(_arrays(4))).result()
+    with caplog.at_level("WARNING", logger="ckptio.writers"):
+        assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
+    assert sum("large JAX saves stay in this process" in r.getMessage() for r in caplog.records) == 1
+    assert not list((tmp_path / "a").glob("1/ckptio.manifest*"))  # the failed save committed nothing
