@@ -20,6 +20,7 @@ import numpy as np
 
 from ckptio.backends.base import ByteRange
 
+from ._system import unique
 from .engine import ReadRequest
 from .manifest import ArrayItem, ShardTable
 from .scratch import Scratch
@@ -291,7 +292,7 @@ def _split_segments(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str, np
     """Segments whose bytes span extents (a shard larger than an object): one scratch per
     segment, each extent's piece read into its part, copied out once all are in."""
     reqs: list[ReadRequest] = []
-    for s in np.unique(p["seg"][sel]).tolist():
+    for s in unique(p["seg"][sel]).tolist():
         mine = sel[p["seg"][sel] == s]
         wi, blk, r0, r1, lo, hi = (int(seg[k][s]) for k in ("w", "blk", "r0", "r1", "lo", "hi"))
         w = ws[wi]

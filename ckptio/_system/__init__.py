@@ -2,12 +2,14 @@
 
 They know nothing of checkpoints or storage, only of the machine: flat byte views and
 GIL-free copies (:mod:`.bytes`), fresh pages and faulting them in early (:mod:`.pages`),
-worker threads that yield the CPU to the training step (:mod:`.threads`). This package
+worker threads that yield the CPU to the training step (:mod:`.threads`), sorted unique
+values without numpy's lazy ``numpy.ma`` import (:mod:`.arrays`). This package
 imports nothing else from ckptio, so every layer may import it without a cycle.
 """
 
 from __future__ import annotations
 
+from .arrays import unique, unique_rows
 from .bytes import GIL_FREE_MIN, address, byte_views, copy_bytes, flat_bytes, gather_bytes, scatter_bytes
 from .pages import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, collapse, fresh_pages, populate
 from .threads import background_pool, lower_this_thread, start_workers
@@ -29,4 +31,6 @@ __all__ = [
     "populate",
     "scatter_bytes",
     "start_workers",
+    "unique",
+    "unique_rows",
 ]

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from .._system import unique_rows
 from ..errors import ManifestError
 from .model import Box, ShardRecord
 
@@ -150,7 +151,7 @@ def without_replicas(table: np.ndarray, shape: list[int], n_fragments: int, wher
     # Distinct boxes whose intervals, per dimension, are equal or disjoint cannot overlap.
     grid = True
     for d in range(ndim):
-        spans = np.unique(live[:, [1 + d, 1 + ndim + d]], axis=0)
+        spans = unique_rows(live[:, [1 + d, 1 + ndim + d]])
         if (spans[:-1, 0] + spans[:-1, 1] > spans[1:, 0]).any():
             grid = False
             break

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .._system import unique_rows
 from ..manifest import ArrayItem, Box, table_of
 
 __all__ = ["Pieces", "TargetTable", "apart", "gathered", "incoming", "meet", "outgoing", "responsible", "sender_of"]
@@ -203,10 +204,10 @@ def _apart(item: ArrayItem, tt: TargetTable, memo: dict[tuple[int, tuple[int, ..
     # box is on two hosts. The first box alone, then a hash of each, rule most targets out cheaply.
     if not (stored == boxes[0]).all(axis=1).any() or not np.isin(_hashed(boxes), _hashed(stored)).all():
         return False
-    if len(np.unique(boxes, axis=0)) < len(boxes):
+    if len(unique_rows(boxes)) < len(boxes):
         return False  # one box on several hosts: replicas
-    stored = np.unique(stored, axis=0)
-    return len(np.unique(np.concatenate([stored, boxes]), axis=0)) == len(stored)
+    stored = unique_rows(stored)
+    return len(unique_rows(np.concatenate([stored, boxes]))) == len(stored)
 
 
 def _hashed(rows: np.ndarray) -> np.ndarray:

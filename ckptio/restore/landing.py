@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._system import fresh_pages, populate
+from .._system import fresh_pages, populate, unique
 from ..reshard import Region
 from . import packing
 from .packing import message_buffers
@@ -118,7 +118,7 @@ class Landing:
         if len(piece):
             within -= within[np.searchsorted(piece, piece)]  # bytes of the piece before each run
         tid = self._tid[piece]
-        for t in np.unique(tid).tolist():
+        for t in unique(tid).tolist():
             regions = self._targets[t]
             mine = tid == t
             staged = mine & self._staged[piece]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._system import fresh_pages, populate
+from .._system import fresh_pages, populate, unique
 from .runs import box_view, copy_runs, counted_runs, groups
 
 __all__ = ["GROUP", "SMALL", "buffer_lengths", "pack", "read_buffers"]
@@ -93,7 +93,7 @@ def pack(cols: list[tuple[Any, ...]], sources: list[np.ndarray]) -> dict[int, li
     within = np.cumsum(length) - length
     within -= within[first[piece]] if len(piece) else 0
     mine = packed[piece]
-    for s in np.unique(src[piece[mine]]).tolist():
+    for s in unique(src[piece[mine]]).tolist():
         sel = mine & (src[piece] == s)
         copy_runs(sources[s], start[sel], send, pos[piece[sel]] + within[sel], length[sel])
     _copy_many(cols, sources, send, pos, packed & (counts > max(MANY, 1)))
