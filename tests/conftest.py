@@ -72,3 +72,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 # ============================ end of the xdist block ============================
+
+
+# ============================================================================
+# Disk: what the temporary directory's file system had free (CI machines may have only a few GiB)
+# ============================================================================
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+from disk import free_gib  # noqa: E402
+
+_FREE_AT_START = free_gib(tempfile.gettempdir())
+
+
+@pytest.fixture(autouse=True)
+def _failed_tests_keep_no_files(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test's tmp_path goes at its teardown too (pytest keeps it): one test that failed on a full
+    disk must not fail every later one. ``CKPTIO_KEEP_TMP=1`` keeps them, for a look after a failure."""
+    if "tmp_path" not in request.fixturenames or os.environ.get("CKPTIO_KEEP_TMP") == "1":
+        yield
+        return
+    path = request.getfixturevalue("tmp_path")
+    yield
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line after the results: free disk under the temporary directory at the start and now, so a
+    run that failed on a full disk says so beside its failures."""
+    tmp = tempfile.gettempdir()
+    terminalreporter.write_line(f"disk: {_FREE_AT_START:.1f} GiB free under {tmp} at the start, {free_gib(tmp):.1f} GiB now")
+
+# ============================ end of the disk block ============================

@@ -7,7 +7,7 @@
   ``StandardCheckpointer().restore`` (no target, and resharded onto 2x4), in an
   8-device subprocess (tests/interop_orbax_worker.py).
 * Streaming: the incremental writer's batches and validation; the peak RSS of
-  2 GiB conversions (slow; tests/interop_rss.py).
+  1 GiB conversions (slow; tests/interop_rss.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ torch = pytest.importorskip("torch")
 import interop_data as D  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from interop_run import HERE, check, run_dcp_ranks, run_orbax_worker  # noqa: E402
+from disk import disk_free_at_least  # noqa: E402
 
 import ckptio  # noqa: E402
 from ckptio.cli import main  # noqa: E402
@@ -219,14 +220,18 @@ def test_stream_writer_refuses_holes_and_existing_checkpoints(tmp_path: Path) ->
         StreamWriter(store, 2)
 
 
-# -- memory: 2 GiB conversions -------------------------------------------------
+# -- memory: streaming conversions ---------------------------------------------
 
 
 @pytest.mark.slow
-def test_2gib_conversions_peak_rss_under_1gib(tmp_path: Path) -> None:
-    """Every direction converts a 2 GiB checkpoint in a fresh process whose peak RSS stays under 1 GiB."""
+def test_conversions_stream_peak_rss_under_half_the_checkpoint(tmp_path: Path) -> None:
+    """Every direction converts a 1 GiB checkpoint in a fresh process whose RSS grows by less than half
+    the checkpoint over its imports (a conversion that held the state would grow by all of it), and whose
+    peak stays under 1 GiB. 1 GiB, not more: two checkpoints exist at once and CI machines may have
+    only a few GiB of disk free."""
+    disk_free_at_least(tmp_path, 2.5, "two 1 GiB checkpoints at once")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "interop_rss.py"), str(tmp_path), "--gib", "2"],
+        [sys.executable, str(HERE / "interop_rss.py"), str(tmp_path), "--gib", "1"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -236,6 +241,7 @@ def test_2gib_conversions_peak_rss_under_1gib(tmp_path: Path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for row in report["conversions"]:
+        assert row["peak_rss_mib"] - row["baseline_rss_mib"] < 512, row
         assert row["peak_rss_mib"] < 1024, row
 
 
