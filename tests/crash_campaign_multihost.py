@@ -59,7 +59,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from crash_campaign import _stopped, account  # noqa: E402
+from crash_campaign import _stopped, account, trim_copies  # noqa: E402
 
 #: Host intents live this long without a heartbeat. Long enough that a loaded machine's stall
 #: rarely makes a live save look dead, short enough for the final sweep to wait it out.
@@ -700,6 +700,7 @@ def run_campaign(trials: int, root: str, seed: int = 0, *, cp: bool = True, noti
             print(f"trial {trial}: restorer: {b}", file=sys.stderr)
         steps = checked(root, True)
         checked(dst, False)
+        trim_copies(dst)
         if steps:
             if newest_seen and steps[-1] < newest_seen[-1]:
                 violated(f"trial {trial}: the newest restorable step went back from {newest_seen[-1]} to {steps[-1]}")
