@@ -92,10 +92,10 @@ def _writer_process_up() -> bool:
     stays in this process."""
     global _used
     # Still this process's current one (not closed by shutdown(), not a forked parent's), yet dead:
-    if _unusable is None and _used is not None and _used is sidecar._current and _used.dead is not None:
+    if _unusable is None and _used is not None and _used is sidecar.current() and _used.dead is not None:
         _give_up(_used.dead)
     if _unusable is None:
-        proc = _used = sidecar._sidecar()  # started (again) if none runs or the last one died
+        proc = _used = sidecar.ensure()  # started (again) if none runs or the last one died
         if proc.pid is None and proc.dead is not None:  # ``pid`` waits for the spawn, not the child's imports
             _give_up(proc.dead)
     return _unusable is None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import sidecar, writer_auto
+from ckptio import sidecar, sidecar_export, writer_auto
 from ckptio.engine import EngineConfig
 
 jax = pytest.importorskip("jax")
@@ -113,11 +113,11 @@ def test_jax_share_counts_the_bytes_this_host_writes() -> None:
 def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(tmp_path: Path) -> None:
     """JAX arrays are copied into shared memory object by object, and those copies are reused:
     after a save of 16 one-MiB objects the pool holds what was ever in flight, which the budget
-    (``_EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
+    (``EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
     arrays = _arrays(16)
     opts = {"object_size": MIB, "threads": 1}  # a budget of max(2 x 1 MiB, 1 x 8 MiB) = 8 MiB
     assert _save_and_check(tmp_path / "c", _jax(arrays), arrays, backend_options=opts)
-    budget = max(sidecar._EXPORT_OBJECTS * MIB, 8 * MIB)
+    budget = max(sidecar_export.EXPORT_OBJECTS * MIB, 8 * MIB)
     held = sidecar.shared_pool()._free.held_bytes()
     assert MIB <= held <= budget, (held, budget)
 
