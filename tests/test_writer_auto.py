@@ -26,7 +26,7 @@ def _small_threshold(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.delenv(sidecar.ENV, raising=False)
     monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", MIB)
     monkeypatch.setattr(writer_auto, "_unusable", None)  # each test starts with the default on
-    monkeypatch.setattr(writer_auto, "_used", None)
+    monkeypatch.setattr(writer_auto, "_used", False)
     sidecar.shutdown()
     yield
     sidecar.shutdown()
@@ -183,3 +183,38 @@ def test_a_writer_process_that_dies_turns_the_default_off_after_the_save_it_fail
         assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
     assert sum("large JAX saves stay in this process" in r.getMessage() for r in caplog.records) == 1
     assert not list((tmp_path / "a").glob("1/ckptio.manifest*"))  # the failed save committed nothing
+
+
+def test_a_writer_process_that_died_before_the_save_reached_it_turns_the_default_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The race of the test above, forced: the child is dead by the time the save hands it its objects,
+    so the save's request for the writer process starts another (which dies as well) and the save fails
+    on that one. The next default save still stays in this process."""
+    import subprocess
+    import sys
+    import time
+
+    def dying(sock: Any) -> Any:
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], pass_fds=(sock.fileno(),))
+
+    write = sidecar.SidecarWriter.write
+    reached: list[Any] = []  # the writer process the default chose, as the save reaches it
+
+    def once_it_died(self: Any, *args: Any) -> Any:
+        reached.append(sidecar.current())
+        for _ in range(3000):  # until its reader thread has seen the child exit
+            if reached[-1] is None or reached[-1].dead is not None:
+                break
+            time.sleep(0.01)
+        return write(self, *args)
+
+    monkeypatch.setattr(sidecar, "_spawn", dying)
+    monkeypatch.setattr(sidecar.SidecarWriter, "write", once_it_died)
+    with pytest.raises(Exception, match="writer process"):
+        with ckptio.CheckpointManager(tmp_path / "a") as m:
+            m.save(1, _jax(_arrays(4))).result()
+    assert reached[0] is not None and reached[0].dead is not None  # dead before the save reached it
+    assert sidecar.current() is not reached[0]  # the save failed on its replacement
+    with caplog.at_level("WARNING", logger="ckptio.writers"):
+        assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
+    assert sum("large JAX saves stay in this process" in r.getMessage() for r in caplog.records) == 1
