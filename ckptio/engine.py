@@ -261,11 +261,14 @@ class Engine:
                     await self._in_save_thread(plan.materialize)
                 # The checksums and the write only read the object's bytes: both at once, so that
                 # the write does not wait for a pass over its object (64 MiB: 5-15 ms here).
-                summing = asyncio.ensure_future(self._in_save_thread(lambda: _checksums(plan, bs)))
+                summing = self._cpu_save.get().submit(_checksums, plan, bs)
                 try:
                     await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
-                finally:
-                    await _settled(summing)  # its thread reads the buffers that release() gives back
+                except BaseException:
+                    await _thread_done(summing)  # its thread reads the buffers that release() gives back
+                    _drop_failed(summing, plan.key)  # the write's error is the one to raise
+                    raise
+                await _thread_done(summing)
                 crcs = summing.result()
             finally:
                 plan.release()
@@ -429,13 +432,31 @@ class Engine:
 _PIECE = 16 << 20
 
 
-async def _settled(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, even through a cancellation (re-raised once it is)."""
-    try:
-        await asyncio.wait([fut])
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
+async def _thread_done(fut: concurrent.futures.Future[Any]) -> None:
+    """Wait until the worker thread running ``fut`` has finished it, through any number of
+    cancellations (re-raised once it has). Waits on the thread's own future: an asyncio wrapper
+    of it is done as soon as it is cancelled, while the thread may still read the buffers."""
+    if fut.done():
+        return
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    fut.add_done_callback(lambda _: loop.call_soon_threadsafe(finished.set))
+    cancelled: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await finished.wait()
+        except asyncio.CancelledError as e:
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
+
+
+def _drop_failed(fut: concurrent.futures.Future[Any], key: str) -> None:
+    """Retrieve the error of ``fut``, a finished checksum pass whose object's write failed, so
+    that it is not lost unseen (it is seldom news: the write's failure is what is raised)."""
+    err = fut.exception()
+    if err is not None:
+        log.debug("checksums of %r failed too, after its write did: %r", key, err)
 
 
 def _checksums(plan: ObjectPlan, block_size: int) -> list[list[int]]:

@@ -34,9 +34,11 @@ local backend's O_DIRECT bounce buffer made in-process. Such copies are
 bounded to a few objects in flight and reused as objects are written.
 
 Modules: this one is the sidecar :class:`~ckptio.writers.Writer`, maps a
-store's writer choice to a writer object (:func:`writer_for`) and drives the
-child from the trainer; :mod:`ckptio.writers` is the protocol, the in-process
+store's writer choice to a writer object (:func:`writer_for`), drives the
+child from the trainer and keeps this process's one (:func:`ensure`,
+:func:`current`); :mod:`ckptio.writers` is the protocol, the in-process
 writer and the choice's rules; :mod:`ckptio.shm` is the shared-memory pool;
+:mod:`ckptio.sidecar_export` puts a save's bytes into it;
 :mod:`ckptio.sidecar_child` is the child and the wire both ends speak.
 """
 
@@ -56,32 +58,25 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from ckptio._system import copy_bytes
 from ckptio.backends.budget import budget_of
 
 from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
 from .layout import ObjectPlan
 from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
+from .sidecar_export import EXPORT_OBJECTS, Export
 from .sidecar_child import Channel
 from .staging import StagingPool
 from .store import CheckpointStore
-from .tiling import TileCopy
 from .writers import ENV, THREAD_WRITER, WRITERS, Writer, wanted_sidecar, writer_name
 
 __all__ = [
-    "ENV", "SIDECAR_WRITER", "ShmStagingPool", "SidecarWriter", "WRITERS", "current_pid", "prestart", "shared_pool",
-    "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_for", "writer_of",
+    "ENV", "SIDECAR_WRITER", "ShmStagingPool", "Sidecar", "SidecarWriter", "WRITERS", "current", "current_pid",
+    "ensure", "prestart", "shared_pool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_for",
+    "writer_of",
 ]
 
 log = logging.getLogger("ckptio.sidecar")
-
-#: Copies in flight per save, in objects (_Export); also what the pool keeps after a JAX save: 2 x 64 MiB
-#: held 129 MiB after 256 MiB and 1 GiB saves against 257 MiB with 4, at no measured loss (issue 35).
-_EXPORT_OBJECTS = 2
-
 
 # -- choosing the writer ------------------------------------------------------
 
@@ -95,7 +90,7 @@ def prestart(config: EngineConfig | None) -> None:
     """Start this process's sidecar now if ``config`` asks for one (a manager or writer being made),
     so that its start-up (~0.5 s of imports) is not paid inside the first save."""
     if writer_name(config) == "sidecar" and hasattr(os, "memfd_create"):
-        _sidecar()
+        ensure()
 
 
 class SidecarWriter:
@@ -106,7 +101,7 @@ class SidecarWriter:
     def staging_pool(self, pool: StagingPool | None) -> StagingPool | None:
         """This process's shared pool; the sidecar is started now, so that it is up by the time
         the first object is staged."""
-        _sidecar()
+        ensure()
         return shared_pool()
 
     def write(
@@ -114,10 +109,10 @@ class SidecarWriter:
         ready: Sequence[concurrent.futures.Future[None]] | None, where: str,
     ) -> list[WrittenObject]:
         """The sidecar writes and syncs ``plans`` (``ready[i]`` still gates object ``i``); blocks."""
-        return _sidecar().write(store, plans, progress, ready, where)
+        return ensure().write(store, plans, progress, ready, where)
 
 
-#: The sidecar writer (it holds no state: the sidecar itself is this process's, see _sidecar).
+#: The sidecar writer (it holds no state: the sidecar itself is this process's, see :func:`ensure`).
 SIDECAR_WRITER = SidecarWriter()
 
 
@@ -153,125 +148,11 @@ def write_and_sync(
 # -- the trainer's side -------------------------------------------------------
 
 
-class _Export:
-    """Puts every extent of a save into shared memory: copies what is not there already.
-
-    Copies (JAX arrays, ``copy=False`` saves) are bounded to ``budget`` bytes in flight:
-    an object's copies go back to the pool once the sidecar reports it written, so a
-    JAX state needs a few objects' worth of shared memory, not a copy of itself.
-    """
-
-    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
-        self.pool = pool
-        self.budget = max(1, budget)
-        self.held = 0
-        self.over = False  # the save ended (failed): nobody waits for the budget any more
-        self._cond = threading.Condition()
-        self._users: dict[int, tuple[np.ndarray, set[int]]] = {}  # id(buffer) -> buffer, objects using it
-        self._by_object: dict[int, set[int]] = {}
-        self._shards: dict[int, tuple[np.ndarray, int, tuple[int, int]]] = {}  # id(shard) -> shard, buffer, place
-
-    def _need(self, plan: ObjectPlan) -> int:
-        """Bytes ``plan``'s extents will be copied into (0 for bytes already in shared memory)."""
-        need = 0
-        for e in plan.extents:
-            if isinstance(e.fill, TileCopy):
-                shard = e.fill.shard
-                if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
-                    need += shard.nbytes
-            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
-                need += e.length
-        return need
-
-    def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
-        buf = self.pool.take(n)
-        fill(memoryview(buf))
-        with self._cond:
-            self._users[id(buf)] = (buf, {user})
-            self._by_object.setdefault(user, set()).add(id(buf))
-        loc = self.pool.locate(memoryview(buf))
-        assert loc is not None
-        return id(buf), loc
-
-    def _place(self, view: memoryview, user: int) -> tuple[int, int]:
-        loc = self.pool.locate(view)
-        if loc is not None:
-            return loc
-        # copy_bytes releases the GIL for anything but small copies.
-        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
-
-    def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
-        """``(item, shard, shard_offset, offset, length, source, cuts, block)`` per extent of object ``i``."""
-        need = self._need(plan)
-        with self._cond:  # a copy larger than the budget waits until nothing else is held
-            self._cond.wait_for(lambda: self.over or not need or not self.held or self.held + need <= self.budget)
-            self.held += need
-        out = []
-        for e in plan.extents:
-            src: tuple[Any, ...]
-            if isinstance(e.fill, TileCopy):
-                shard = e.fill.shard
-                known = self._shards.get(id(shard))
-                if known is None:  # the shard's reference keeps its id from being reused meanwhile
-                    view = _bytes_of(shard)
-                    loc = self.pool.locate(view)
-                    bid = -1
-                    if loc is None:
-                        bid, loc = self._copy_into_slab(view.nbytes, lambda dst, v=view: copy_bytes(dst, v), i)
-                    known = self._shards[id(shard)] = (shard, bid, loc)
-                elif known[1] in self._users:
-                    with self._cond:
-                        self._users[known[1]][1].add(i)
-                        self._by_object.setdefault(i, set()).add(known[1])
-                slab, off = known[2]
-                src = ("tile", slab, off, shard.dtype.itemsize, shard.shape, e.fill.offs, e.fill.sizes)
-            elif e.fill is not None:  # some other lazy extent: fill it here, straight into a slab
-                src = ("shm", *self._copy_into_slab(e.length, e.fill, i)[1])
-            else:
-                assert e.data is not None
-                src = ("shm", *self._place(e.data, i))
-            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts, e.block))
-        return out
-
-    def written(self, i: int) -> None:
-        """Object ``i`` is written: the copies no other object still needs go back to the pool."""
-        freed = []
-        with self._cond:
-            for bid in self._by_object.pop(i, ()):
-                buf, users = self._users[bid]
-                users.discard(i)
-                if not users:
-                    del self._users[bid]
-                    freed.append(buf)
-            self._shards = {k: v for k, v in self._shards.items() if v[1] < 0 or v[1] in self._users}
-            self.held -= sum(b.nbytes for b in freed)
-            self._cond.notify_all()
-        self.pool.give_back(freed)
-
-    def abandon(self) -> None:
-        """The save has ended (its reply came, or the sidecar died): stop waiting for the budget."""
-        with self._cond:
-            self.over = True
-            self._cond.notify_all()
-
-    def release(self) -> None:
-        """Give back every copy still held (the save is over, written or not)."""
-        with self._cond:
-            bufs = [b for b, _u in self._users.values()]
-            self._users, self._by_object, self._shards, self.held = {}, {}, {}, 0
-            self._cond.notify_all()
-        self.pool.give_back(bufs)
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
-
-
 @dataclasses.dataclass(eq=False)
 class _Request:
     future: concurrent.futures.Future[list[WrittenObject]]
     progress: Progress | None
-    export: _Export
+    export: Export
 
 
 class Sidecar:
@@ -379,7 +260,7 @@ class Sidecar:
         rid = next(self._ids)
         fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
         caps, layout = store.backend.capabilities, store.backend.layout_defaults
-        export = _Export(shared_pool(), max(_EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size))
+        export = Export(shared_pool(), max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size))
         with self._lock:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")
@@ -455,8 +336,9 @@ _current: Sidecar | None = None
 _current_lock = threading.Lock()
 
 
-def _sidecar() -> Sidecar:
-    """This process's sidecar, started (again) if there is none or the last one died."""
+def ensure() -> Sidecar:
+    """This process's sidecar, started (again) if there is none or the last one died. One that
+    could not start is returned all the same: its ``pid`` is None and ``dead`` says why."""
     global _current
     with _current_lock:
         sc = _current
@@ -468,10 +350,17 @@ def _sidecar() -> Sidecar:
         return sc
 
 
+def current() -> Sidecar | None:
+    """This process's sidecar as it stands, live or dead, without starting one: None if none was
+    started in this process (a forked child included), or since :func:`shutdown`."""
+    sc = _current
+    return sc if sc is not None and sc.owner_pid == os.getpid() else None
+
+
 def current_pid() -> int | None:
     """The pid of this process's live sidecar, if one is running (for tests and tools)."""
-    sc = _current
-    return sc.pid if sc is not None and sc.dead is None and sc.owner_pid == os.getpid() else None
+    sc = current()
+    return sc.pid if sc is not None and sc.dead is None else None
 
 
 def shutdown() -> None:

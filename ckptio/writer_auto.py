@@ -48,8 +48,8 @@ AUTO_MIN_BYTES = 64 << 20
 log = logging.getLogger("ckptio.writers")
 #: Why this process's writer process could not start, once it could not: later saves stay in-process.
 _unusable: str | None = None
-#: The writer process the last default save went to (its death turns the default off).
-_used: sidecar.Sidecar | None = None
+#: Whether a default save went to the writer process (a death of it since turns the default off).
+_used: bool = False
 
 
 def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]:
@@ -91,11 +91,14 @@ def _writer_process_up() -> bool:
     not start, or that died under a default save, gives one warning, and every later default save
     stays in this process."""
     global _used
-    # Still this process's current one (not closed by shutdown(), not a forked parent's), yet dead:
-    if _unusable is None and _used is not None and _used is sidecar._current and _used.dead is not None:
-        _give_up(_used.dead)
+    # This process's writer process as it stands (not one shutdown() closed, not a forked parent's),
+    # dead: the one a default save went to, or the one that replaced it during that save (a child
+    # that died before the save reached it is replaced by the save's own request for one).
+    now = sidecar.current()
+    if _unusable is None and _used and now is not None and now.dead is not None:
+        _give_up(now.dead)
     if _unusable is None:
-        proc = _used = sidecar._sidecar()  # started (again) if none runs or the last one died
+        proc, _used = sidecar.ensure(), True  # started (again) if none runs or the last one died
         if proc.pid is None and proc.dead is not None:  # ``pid`` waits for the spawn, not the child's imports
             _give_up(proc.dead)
     return _unusable is None

@@ -246,3 +246,84 @@ def test_a_failed_write_releases_its_buffers_only_after_their_checksums(tmp_path
     released_keys = [k for e, k in events if e == "released"]
     assert released_keys  # every written object, failed or cancelled, once its checksums are done
     assert all(events.index(("summed", k)) < events.index(("released", k)) for k in released_keys)
+
+
+def test_a_failed_write_whose_checksums_fail_too_raises_the_writes_error_and_loses_none(
+    tmp_path, monkeypatch, caplog
+):
+    """Objects in flight: the first one's write fails, which cancels the others' writes; every
+    checksum pass fails too, once those writes are over. The save fails with the write's error;
+    each checksum error is retrieved (none reaches the IO loop as "never retrieved"), and each
+    object's buffers are given back only after its checksum pass ended."""
+    import gc
+    import logging
+    import threading
+
+    from ckptio import engine, layout
+
+    url = f"mem://bothfail-{tmp_path.name}"
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    failed, cancelled = threading.Event(), threading.Event()  # the first write failed / another was cancelled
+    release = layout.ObjectPlan.release
+
+    def failing_checksums(plan, block_size):  # ends after its object's write failed or was cancelled
+        failed.wait(30)
+        if plan.key != FirstFailsOthersHang.started[0]:
+            cancelled.wait(30)
+        with lock:
+            events.append(("summed", plan.key))
+        raise ValueError(f"{plan.key}: checksum failed")
+
+    def released(plan):
+        with lock:
+            events.append(("released", plan.key))
+        release(plan)
+
+    class FirstFailsOthersHang(WrapperBackend):
+        started: list[str] = []
+        another = asyncio.Event()  # another object's write is in flight, for the failure to cancel
+
+        async def write(self, key, buffers):
+            if "ckptio." in key:
+                return await super().write(key, buffers)
+            self.started.append(key)
+            if len(self.started) == 1:
+                await asyncio.wait_for(self.another.wait(), 30)
+                failed.set()
+                raise PermissionError(f"{key}: denied")
+            self.another.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    inner = MemoryBackend(url)
+    inner.layout_defaults = LayoutDefaults(object_size=1 << 20)
+    monkeypatch.setattr(engine, "_checksums", failing_checksums)
+    monkeypatch.setattr(layout.ObjectPlan, "release", released)
+    caplog.set_level(logging.DEBUG, logger="ckptio.engine")
+    # A kept log record naming the write's error holds its traceback's frames, and so its checksum
+    # future, past the gc below: the save's own report of the failure is not needed here.
+    monkeypatch.setattr(logging.getLogger("ckptio.save"), "disabled", True)
+    loop, unretrieved = engine._io_loop(), []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        cfg = ckptio.EngineConfig(**{**FAST_RETRY.__dict__, "concurrency": 4, "checksum_threads": 4})
+        h = ckptio.save(url, {"a": np.ones(1 << 18), "b": np.ones(1 << 18)}, step=1,
+                        backend=FirstFailsOthersHang(inner), engine_config=cfg)
+        with pytest.raises(PermissionError, match="denied") as failure:
+            h.result(timeout=60)
+        del h, failure  # the same: they hold the write's error
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert unretrieved == []
+    assert "never retrieved" not in caplog.text
+    summed = [k for e, k in events if e == "summed"]
+    assert len(summed) >= 2  # the failed write's object and at least one cancelled one
+    assert all(f"{k}: checksum failed" in caplog.text for k in summed)  # each error retrieved, none lost
+    assert {k for e, k in events if e == "released"} == set(summed)
+    assert all(events.index(("summed", k)) < events.index(("released", k)) for k in summed)

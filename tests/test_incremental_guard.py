@@ -7,15 +7,14 @@ This version ignores holds (pins decide), and removes each with its pin."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from previous_release import previous_release, run_previous
 
 import ckptio
 from ckptio.engine import run_sync
@@ -23,7 +22,6 @@ from ckptio.incremental.pins import PIN_DIR
 from ckptio.manifest.formats import MANIFEST_NAME, REFS_VERSION
 from ckptio.names import parse_intent, parse_object
 
-REPO = Path(__file__).resolve().parents[1]
 #: The last commit before incremental saves (format 8): the "older ckptio" of this guard.
 PREVIOUS = "40c2020d3b10b47a5b23275238c1e8339f5427e0"
 FROZEN = 1 << 19  # float32: 2 MiB
@@ -94,58 +92,27 @@ def test_every_incremental_manifest_is_format_9(tmp_path: Path) -> None:
     mngr.close()
 
 
-def _previous_release(tmp_path: Path, commit: str = PREVIOUS) -> Path:
-    """The previous release's package (``git archive`` of ``commit``), importable as ckptio."""
-    if not (REPO / ".git").exists():
-        pytest.skip("needs this repository's git history (the previous release's code)")
-    out = tmp_path / "previous"
-    out.mkdir()
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "ckptio", "backends"], capture_output=True)
-    if tar.returncode != 0:
-        pytest.skip(f"git archive {commit[:7]} failed: {tar.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(out)], input=tar.stdout, check=True)
-    (out / "backends").rename(out / "ckptio" / "backends")
-    return out
-
-
-_OLD = """
-import sys
-from ckptio.engine import run_sync
-from ckptio.manifest.formats import VERSION
-from ckptio.store import CheckpointStore
-assert VERSION == 8, VERSION
-store = CheckpointStore(sys.argv[1])
-report = run_sync(store.sweep(0))
-print("old gc deleted", report.deleted, "damaged", report.damaged)
-for step in sys.argv[2:]:
-    try:
-        run_sync(store.delete(step))
-        print("old delete", step, "done")
-    except Exception as e:
-        print("old delete", step, "refused:", repr(e))
-print("old committed", run_sync(store.committed_steps()))
-run_sync(store.close())
-if sys.argv[-1] == "1" and len(sys.argv) == 3 and sys.argv[1].endswith("standing"):
-    import numpy as np
-    import ckptio
-    m = ckptio.CheckpointManager(sys.argv[1], max_to_keep=1)  # its retention runs after each save
-    for step in (5, 6):
-        m.save(step, {"x": np.zeros(4)}, force=True)
-        m.wait_until_finished()
-    print("old retention kept", m.all_steps())
-    m.close()
+#: The format-8 release's retention with newer steps of its own (it runs after each save), on a root
+#: whose base is standing.
+_OLD_RETENTION = """
+import numpy as np
+import ckptio
+m = ckptio.CheckpointManager(sys.argv[1], max_to_keep=1)
+for step in (5, 6):
+    m.save(step, {"x": np.zeros(4)}, force=True)
+    m.wait_until_finished()
+print("old retention kept", m.all_steps())
+m.close()
 """
 
 
-def _run_previous(old: Path, root: Path, step: int, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The previous release (``old``: its sources) runs ``_OLD`` on ``root`` (gc, then ``delete`` of
-    ``step``), importing its own code, not this tree's."""
-    env = {**os.environ, "PYTHONPATH": str(old)}
-    done = subprocess.run([sys.executable, "-c", _OLD, str(root), str(step)], env=env, capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"{old}/ckptio" not in done.stderr
-    return done
+def _run_previous(
+    old: Path, root: Path, step: int, cwd: Path, after_close: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """The previous release (``old``: its sources) gcs ``root``, deletes ``step``, lists what it
+    sees committed, then runs ``after_close``, importing its own code, not this tree's."""
+    listing = 'print("old committed", run_sync(store.committed_steps()))'
+    return run_previous(old, root, [step], cwd, version=8, with_store=listing, after_close=after_close)
 
 
 @pytest.mark.slow
@@ -154,11 +121,11 @@ def test_the_previous_release_deletes_nothing_a_kept_step_references(tmp_path: P
     """The previous release's gc (grace 0), its ``delete`` of the base, and (base standing) its
     retention with newer steps of its own, on a root where kept incremental steps reference that
     base: every incremental step still restores bit-exact."""
-    old = _previous_release(tmp_path)
+    old = previous_release(tmp_path, PREVIOUS)
     root = tmp_path / base
     mngr, states = _run(root, 4 if base == "deleted" else 3, keep=2 if base == "deleted" else 3)
     mngr.close()
-    done = _run_previous(old, root, 1, tmp_path)
+    done = _run_previous(old, root, 1, tmp_path, _OLD_RETENTION if base == "standing" else "")
     mngr = ckptio.CheckpointManager(root, incremental=True)
     for step in states:
         if step in mngr.all_steps():  # the older delete took step 1's manifest (by name), not its objects
@@ -174,7 +141,7 @@ def test_the_previous_release_deleting_an_incremental_step_loses_nothing_kept(tm
     (step 3 reuses an array step 2 wrote): the older version deletes step 2 (what it was asked), but
     never the objects step 3 references there (spared through step 3's hold); steps 1 and 3 restore
     bit-exact, and this version's gc then leaves exactly the objects the kept steps reference."""
-    old = _previous_release(tmp_path)
+    old = previous_release(tmp_path, PREVIOUS)
     root = tmp_path / "steps"
     frozen = np.random.default_rng(0).standard_normal(FROZEN).astype(np.float32)
     mid = {1: 1.0, 2: 2.0, 3: 2.0}  # changes at step 2, not at step 3: step 3 references step 2's object

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import on_hosts
+from previous_release import previous_release, run_previous
 
 import ckptio
 from ckptio.cli import main
@@ -223,42 +224,16 @@ def test_a_reader_of_format_10_refuses_a_multi_host_incremental_root(tmp_path: P
 #: The release before multi-host incremental saves (format 10: pins, but a judge that reads roots only).
 PREVIOUS = "21a8b9b"
 
-_OLD = """
-import sys
-from ckptio.engine import run_sync
-from ckptio.manifest.formats import VERSION
-from ckptio.store import CheckpointStore
-assert VERSION == 10, VERSION
-store = CheckpointStore(sys.argv[1])
-run_sync(store.sweep(0))
-for step in sys.argv[2:]:
-    try:
-        run_sync(store.delete(step))
-        print("old delete", step, "done")
-    except Exception as e:
-        print("old delete", step, "refused:", repr(e))
-run_sync(store.sweep(0))
-run_sync(store.close())
-"""
-
 
 @pytest.mark.slow
 def test_the_previous_release_deletes_nothing_a_multi_host_step_references(tmp_path: Path) -> None:
     """The previous release's gc, ``delete`` of the base step 1, and gc again, on a root whose kept
     multi-host steps reference step 1: it cannot read their roots (format 11), so its judge keeps
     every object of step 1, and every step restores bit-exact with this version afterwards."""
-    import os
-    import subprocess
-    import sys
-
-    from test_incremental_guard import _previous_release
-
-    old = _previous_release(tmp_path, PREVIOUS)
+    old = previous_release(tmp_path, PREVIOUS)
     root = tmp_path / "root"
     save_steps(root, range(1, 4))
-    done = subprocess.run([sys.executable, "-c", _OLD, str(root), "1"], env={**os.environ, "PYTHONPATH": str(old)},
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 0 and f"{old}/ckptio" not in done.stderr, done.stderr
+    run_previous(old, root, [1], tmp_path, version=10, with_store="run_sync(store.sweep(0))")
     for step in (2, 3):
         assert_restores(root, step)
 

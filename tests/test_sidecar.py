@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import sidecar
+from ckptio import sidecar, sidecar_export
 from ckptio.engine import EngineConfig
 from ckptio.errors import SaveFailedError
 
@@ -133,8 +133,8 @@ def test_dcp_async_save_through_the_sidecar(tmp_path: Path, monkeypatch: pytest.
     sd = {"w": torch.arange(100_000, dtype=torch.float32).reshape(100, 1000), "h": torch.ones(7, dtype=torch.bfloat16),
           "step": 4}
     copies: list[int] = []
-    copy = sidecar.copy_bytes
-    monkeypatch.setattr(sidecar, "copy_bytes", lambda d, s: (copies.append(s.nbytes), copy(d, s)))
+    copy = sidecar_export.copy_bytes
+    monkeypatch.setattr(sidecar_export, "copy_bytes", lambda d, s: (copies.append(s.nbytes), copy(d, s)))
     dcp.async_save(sd, storage_writer=Writer(tmp_path / "a")).result()
     assert sidecar.current_pid() is not None
     # Tensors staged straight into shared memory: what is copied is byte items and the torch.save frames
@@ -260,7 +260,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
 
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
-    from ckptio import sidecar
+    from ckptio import sidecar, sidecar_export
     from ckptio.engine import EngineConfig
     mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}
@@ -313,6 +313,17 @@ def test_shutdown_stops_the_sidecar_and_frees_its_memory(tmp_path: Path) -> None
     assert _wait_gone(pid) and sidecar.current_pid() is None
     gc.collect()  # a slab's memory (and mmap's own descriptor of it) goes with the last view into it
     assert _our_shm(os.getpid(), pid) == []
+
+
+def test_current_is_the_sidecar_ensure_started_until_shutdown() -> None:
+    """``current()`` never starts one; ``ensure()`` starts one once and hands back the same while it lives."""
+    sidecar.shutdown()
+    assert sidecar.current() is None
+    sc = sidecar.ensure()
+    assert sidecar.current() is sc and sidecar.ensure() is sc
+    assert sc.pid is not None and sidecar.current_pid() == sc.pid
+    sidecar.shutdown()
+    assert sidecar.current() is None and _wait_gone(sc.pid)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import sidecar, writer_auto
+from ckptio import sidecar, sidecar_export, writer_auto
 from ckptio.engine import EngineConfig
 
 jax = pytest.importorskip("jax")
@@ -26,7 +26,7 @@ def _small_threshold(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.delenv(sidecar.ENV, raising=False)
     monkeypatch.setattr(writer_auto, "AUTO_MIN_BYTES", MIB)
     monkeypatch.setattr(writer_auto, "_unusable", None)  # each test starts with the default on
-    monkeypatch.setattr(writer_auto, "_used", None)
+    monkeypatch.setattr(writer_auto, "_used", False)
     sidecar.shutdown()
     yield
     sidecar.shutdown()
@@ -113,11 +113,11 @@ def test_jax_share_counts_the_bytes_this_host_writes() -> None:
 def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(tmp_path: Path) -> None:
     """JAX arrays are copied into shared memory object by object, and those copies are reused:
     after a save of 16 one-MiB objects the pool holds what was ever in flight, which the budget
-    (``_EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
+    (``EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
     arrays = _arrays(16)
     opts = {"object_size": MIB, "threads": 1}  # a budget of max(2 x 1 MiB, 1 x 8 MiB) = 8 MiB
     assert _save_and_check(tmp_path / "c", _jax(arrays), arrays, backend_options=opts)
-    budget = max(sidecar._EXPORT_OBJECTS * MIB, 8 * MIB)
+    budget = max(sidecar_export.EXPORT_OBJECTS * MIB, 8 * MIB)
     held = sidecar.shared_pool()._free.held_bytes()
     assert MIB <= held <= budget, (held, budget)
 
@@ -183,3 +183,38 @@ def test_a_writer_process_that_dies_turns_the_default_off_after_the_save_it_fail
         assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
     assert sum("large JAX saves stay in this process" in r.getMessage() for r in caplog.records) == 1
     assert not list((tmp_path / "a").glob("1/ckptio.manifest*"))  # the failed save committed nothing
+
+
+def test_a_writer_process_that_died_before_the_save_reached_it_turns_the_default_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The race of the test above, forced: the child is dead by the time the save hands it its objects,
+    so the save's request for the writer process starts another (which dies as well) and the save fails
+    on that one. The next default save still stays in this process."""
+    import subprocess
+    import sys
+    import time
+
+    def dying(sock: Any) -> Any:
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], pass_fds=(sock.fileno(),))
+
+    write = sidecar.SidecarWriter.write
+    reached: list[Any] = []  # the writer process the default chose, as the save reaches it
+
+    def once_it_died(self: Any, *args: Any) -> Any:
+        reached.append(sidecar.current())
+        for _ in range(3000):  # until its reader thread has seen the child exit
+            if reached[-1] is None or reached[-1].dead is not None:
+                break
+            time.sleep(0.01)
+        return write(self, *args)
+
+    monkeypatch.setattr(sidecar, "_spawn", dying)
+    monkeypatch.setattr(sidecar.SidecarWriter, "write", once_it_died)
+    with pytest.raises(Exception, match="writer process"):
+        with ckptio.CheckpointManager(tmp_path / "a") as m:
+            m.save(1, _jax(_arrays(4))).result()
+    assert reached[0] is not None and reached[0].dead is not None  # dead before the save reached it
+    assert sidecar.current() is not reached[0]  # the save failed on its replacement
+    with caplog.at_level("WARNING", logger="ckptio.writers"):
+        assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
+    assert sum("large JAX saves stay in this process" in r.getMessage() for r in caplog.records) == 1
