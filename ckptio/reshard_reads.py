@@ -74,8 +74,9 @@ class _Extents:
 
     def __init__(self, ws: list[Want]) -> None:
         tabs = [w.table for w in ws]
-        self.row_base = np.cumsum([0] + [t.n for t in tabs])
-        ext_base = np.cumsum([0] + [t.object.size for t in tabs])
+        ns = np.array([t.n for t in tabs], _I64)
+        ms = np.array([t.object.size for t in tabs], _I64)
+        self.row_base = np.concatenate([[0], np.cumsum(ns)])
         # Tables of one loaded manifest share one checksum array (ShardTable): each distinct
         # array is joined once, and every table's crc0 is moved by where its array landed.
         crc_at: dict[int, int] = {}
@@ -84,13 +85,18 @@ class _Extents:
             if id(t.crcs) not in crc_at:
                 crc_at[id(t.crcs)] = sum(len(c) for c in shared)
                 shared.append(t.crcs)
-        self.first = np.concatenate([t.first[:-1] + b for t, b in zip(tabs, ext_base.tolist())])
-        self.count = np.concatenate([np.diff(t.first) for t in tabs])
+        # Each table's ``first`` (n + 1 entries) end to end, moved by where its extents land;
+        # whole columns at once, not three array calls a table (256 tables a batch).
+        firsts = np.concatenate([t.first for t in tabs])
+        own = np.ones(len(firsts), bool)
+        own[np.cumsum(ns + 1) - 1] = False  # each table's closing entry
+        self.first = firsts[own] + np.repeat(np.cumsum(ms) - ms, ns)
+        self.count = np.diff(firsts)[own[:-1]]
         cat = np.concatenate
         self.object, self.offset = cat([t.object for t in tabs]), cat([t.offset for t in tabs])
         self.shard_offset, self.length = cat([t.shard_offset for t in tabs]), cat([t.length for t in tabs])
         self.block = cat([t.block for t in tabs])
-        self.crc0 = cat([t.crc0 + crc_at[id(t.crcs)] for t in tabs])
+        self.crc0 = cat([t.crc0 for t in tabs]) + np.repeat(np.array([crc_at[id(t.crcs)] for t in tabs], _I64), ms)
         self.crcs = shared[0] if len(shared) == 1 else cat(shared)
 
 
