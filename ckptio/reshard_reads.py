@@ -213,38 +213,39 @@ def _scattered_requests(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str
     fields = zip(cuts.tolist(), ends.tolist(), start[cuts].tolist(), (end[ends - 1] - start[cuts]).tolist(),
                  p["obj"][sel][cuts].tolist(), p["bs"][sel][cuts].tolist())
     for i, j, base, n, obj, bs in fields:
-        run = _Run(checks, i, j, ws, Scratch(n), place)
-        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [ScratchSlice(run.scratch, 0, n)],
+        run = _Run(n, checks, i, j, ws, place)
+        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [ScratchSlice(run, 0, n)],
                                 run, [run], bs))  # type: ignore[arg-type]
     return reqs
 
 
-class _Run(Sequence[tuple[int, int, list[int], str]]):
-    """One coalesced read through scratch: its checks (``(offset in the read, length, block crcs,
-    item)`` per piece) and, called once they passed, its copy-out. The checks stay columns until
-    the read asks for them: a column block of a million shards must not cost a million tuples and
-    lists at planning, only at reading, read by read. One object serves as the request's
-    ``checks`` and its ``after`` (57 k reads at 4096 x 256: each object and closure a read costs
-    is planning time)."""
+class _Run(Scratch, Sequence[tuple[int, int, list[int], str]]):
+    """One coalesced read through scratch: its scratch (``nbytes``), its checks (``(offset in
+    the read, length, block crcs, item)`` per piece) and, called once they passed, its copy-out.
+    The checks stay columns until the read asks for them: a column block of a million shards
+    must not cost a million tuples and lists at planning, only at reading, read by read. One
+    object serves as the request's scratch, ``checks`` and ``after`` (57 k reads at 4096 x 256:
+    each object and closure a read costs is planning time, and again when it is dropped)."""
 
-    __slots__ = ("_cols", "_i", "_j", "_list", "_place", "_ws", "scratch")
+    __slots__ = ("_cols", "_i", "_j", "_list", "_place", "_ws")
 
-    def __init__(self, cols: tuple[np.ndarray, ...], i: int, j: int, ws: list[Want], scratch: Scratch,
+    def __init__(self, nbytes: int, cols: tuple[np.ndarray, ...], i: int, j: int, ws: list[Want],
                  place: np.ndarray) -> None:
+        Scratch.__init__(self, nbytes)
         #: Columns ``(at, length, k0, k1, names, crcs)`` of a batch; this read's rows are ``[i, j)``
         #: of them and of ``place`` (per piece: region, block, rows, where its bytes start, length).
         self._cols: tuple[np.ndarray, ...] | None = cols
         self._i, self._j = i, j
         self._list: list[tuple[int, int, list[int], str]] = []
-        self._ws, self.scratch, self._place = ws, scratch, place
+        self._ws, self._place = ws, place
 
     def __call__(self) -> None:
         """Copy each piece out of the verified scratch into place, then give the scratch back."""
-        buf = self.scratch.array()
+        buf = self.array()
         ws = self._ws
         for wi, blk, r0, r1, at, n in self._place[self._i : self._j].tolist():
             _place(ws[wi], blk, r0, r1, buf[at : at + n])
-        self.scratch.release()
+        self.release()
 
     def _made(self) -> list[tuple[int, int, list[int], str]]:
         held = self._cols
