@@ -63,8 +63,8 @@ class ShardTable:
     crcs: np.ndarray
     #: (dimension, row order along it, sorted starts, longest shard along it): made on first use.
     _index: tuple[int, np.ndarray, np.ndarray, int] | None = None
-    #: The boxes and tiles as bytes (see :meth:`geometry`): made on first use.
-    _geometry: tuple[bytes, bytes, bytes] | None = None
+    #: The boxes and tiles as a key (see :meth:`geometry`): made on first use, or given.
+    _geometry: tuple[Any, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -109,9 +109,10 @@ class ShardTable:
                 for off, sh, h, t, a, b in zip(self.offsets.tolist(), self.shape.tolist(), self.host.tolist(),
                                                self.tile.tolist(), first, first[1:])]
 
-    def geometry(self) -> tuple[bytes, bytes, bytes]:
-        """The shards' boxes and tiles as bytes, a key for "same layout": a batched restore asks
-        it of every table twice a batch (coverage, then segments), so it is made once."""
+    def geometry(self) -> tuple[Any, ...]:
+        """The shards' boxes and tiles as a key for "same layout" (equal keys: equal boxes and
+        tiles): a batched restore asks it of every table twice a batch, so it is made once. A
+        table made from gathered rows is given its own (those rows' bytes and their width)."""
         if self._geometry is None:
             self._geometry = (self.offsets.tobytes(), self.shape.tobytes(), self.tile.tobytes())  # a benign race
         return self._geometry

@@ -342,8 +342,11 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
         cols["row_host"] = cols["hosts"][cols["frag"]]
     obj, at, so, length, ncrc, _block = cols["extents"][e].T
     # Every table shares the loaded checksums (see _by_item): crc0 indexes them.
+    # Its geometry key (ShardTable.geometry) is its rows of boxes, contiguous here: one copy, not
+    # three strided ones (every table, every batch of a batched restore, asks it).
     return ShardTable(offs, shape, cols["row_host"][rows], tile, first,
-                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"])
+                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"],
+                      _geometry=(boxes.tobytes(), width))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
