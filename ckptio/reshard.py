@@ -121,7 +121,7 @@ def plan_regions(
 def geometry_key(t: ShardTable, off: Sequence[int], shape: Sequence[int], itemsize: int) -> tuple[Any, ...]:
     """What the segments of the box ``(off, shape)`` over table ``t`` depend on: its shards'
     boxes and tiles (not their extents), the box and the item size. Equal keys, equal segments."""
-    return (itemsize, tuple(off), tuple(shape), t.offsets.tobytes(), t.shape.tobytes(), t.tile.tobytes())
+    return (itemsize, tuple(off), tuple(shape), *t.geometry())
 
 
 def _plan_batch(segs: _Segments, ws: list[Want], objects: list[str], block_size: int) -> list[ReadRequest]:

@@ -23,7 +23,7 @@ from ckptio.backends.base import ByteRange
 from ._system import unique
 from .engine import ReadRequest
 from .manifest import ArrayItem, ShardTable
-from .scratch import Scratch
+from .scratch import Scratch, ScratchSlice
 
 __all__ = ["SCRATCH_ROWS_BYTES", "Region", "Want", "requests_for"]
 
@@ -74,8 +74,9 @@ class _Extents:
 
     def __init__(self, ws: list[Want]) -> None:
         tabs = [w.table for w in ws]
-        self.row_base = np.cumsum([0] + [t.n for t in tabs])
-        ext_base = np.cumsum([0] + [t.object.size for t in tabs])
+        ns = np.array([t.n for t in tabs], _I64)
+        ms = np.array([t.object.size for t in tabs], _I64)
+        self.row_base = np.concatenate([[0], np.cumsum(ns)])
         # Tables of one loaded manifest share one checksum array (ShardTable): each distinct
         # array is joined once, and every table's crc0 is moved by where its array landed.
         crc_at: dict[int, int] = {}
@@ -84,13 +85,18 @@ class _Extents:
             if id(t.crcs) not in crc_at:
                 crc_at[id(t.crcs)] = sum(len(c) for c in shared)
                 shared.append(t.crcs)
-        self.first = np.concatenate([t.first[:-1] + b for t, b in zip(tabs, ext_base.tolist())])
-        self.count = np.concatenate([np.diff(t.first) for t in tabs])
+        # Each table's ``first`` (n + 1 entries) end to end, moved by where its extents land;
+        # whole columns at once, not three array calls a table (256 tables a batch).
+        firsts = np.concatenate([t.first for t in tabs])
+        own = np.ones(len(firsts), bool)
+        own[np.cumsum(ns + 1) - 1] = False  # each table's closing entry
+        self.first = firsts[own] + np.repeat(np.cumsum(ms) - ms, ns)
+        self.count = np.diff(firsts)[own[:-1]]
         cat = np.concatenate
         self.object, self.offset = cat([t.object for t in tabs]), cat([t.offset for t in tabs])
         self.shard_offset, self.length = cat([t.shard_offset for t in tabs]), cat([t.length for t in tabs])
         self.block = cat([t.block for t in tabs])
-        self.crc0 = cat([t.crc0 + crc_at[id(t.crcs)] for t in tabs])
+        self.crc0 = cat([t.crc0 for t in tabs]) + np.repeat(np.array([crc_at[id(t.crcs)] for t in tabs], _I64), ms)
         self.crcs = shared[0] if len(shared) == 1 else cat(shared)
 
 
@@ -207,30 +213,44 @@ def _scattered_requests(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str
     fields = zip(cuts.tolist(), ends.tolist(), start[cuts].tolist(), (end[ends - 1] - start[cuts]).tolist(),
                  p["obj"][sel][cuts].tolist(), p["bs"][sel][cuts].tolist())
     for i, j, base, n, obj, bs in fields:
-        scratch = Scratch(n)
-        mine = _Checks(checks, i, j)
-        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [scratch.slice(0, n)],
-                                mine, [_run_copier(ws, scratch, place[i:j])], bs))  # type: ignore[arg-type]
+        run = _Run(n, checks, i, j, ws, place)
+        reqs.append(ReadRequest(objects[obj], ByteRange(base, base + n), [ScratchSlice(run, 0, n)],
+                                run, [run], bs))  # type: ignore[arg-type]
     return reqs
 
 
-class _Checks(Sequence[tuple[int, int, list[int], str]]):
-    """The checks of one coalesced read (``(offset in the read, length, block crcs, item)`` per
-    piece), kept as columns until the read asks for them: a column block of a million shards
-    must not cost a million tuples and lists at planning, only at reading, read by read."""
+class _Run(Scratch, Sequence[tuple[int, int, list[int], str]]):
+    """One coalesced read through scratch: its scratch (``nbytes``), its checks (``(offset in
+    the read, length, block crcs, item)`` per piece) and, called once they passed, its copy-out.
+    The checks stay columns until the read asks for them: a column block of a million shards
+    must not cost a million tuples and lists at planning, only at reading, read by read. One
+    object serves as the request's scratch, ``checks`` and ``after`` (57 k reads at 4096 x 256:
+    each object and closure a read costs is planning time, and again when it is dropped)."""
 
-    __slots__ = ("_cols", "_list", "_n")
+    __slots__ = ("_cols", "_i", "_j", "_list", "_place", "_ws")
 
-    def __init__(self, cols: tuple[np.ndarray, ...], i: int, j: int) -> None:
-        #: Columns ``(at, length, k0, k1, names, crcs)`` of a batch and this read's rows ``[i, j)``.
-        self._cols: tuple[tuple[np.ndarray, ...], int, int] | None = (cols, i, j)
+    def __init__(self, nbytes: int, cols: tuple[np.ndarray, ...], i: int, j: int, ws: list[Want],
+                 place: np.ndarray) -> None:
+        Scratch.__init__(self, nbytes)
+        #: Columns ``(at, length, k0, k1, names, crcs)`` of a batch; this read's rows are ``[i, j)``
+        #: of them and of ``place`` (per piece: region, block, rows, where its bytes start, length).
+        self._cols: tuple[np.ndarray, ...] | None = cols
+        self._i, self._j = i, j
         self._list: list[tuple[int, int, list[int], str]] = []
-        self._n = j - i
+        self._ws, self._place = ws, place
+
+    def __call__(self) -> None:
+        """Copy each piece out of the verified scratch into place, then give the scratch back."""
+        buf = self.array()
+        ws = self._ws
+        for wi, blk, r0, r1, at, n in self._place[self._i : self._j].tolist():
+            _place(ws[wi], blk, r0, r1, buf[at : at + n])
+        self.release()
 
     def _made(self) -> list[tuple[int, int, list[int], str]]:
         held = self._cols
         if held is not None:  # a benign race: two threads make equal lists
-            (at, length, k0, k1, names, crcs), i, j = held
+            (at, length, k0, k1, names, crcs), i, j = held, self._i, self._j
             k0, k1 = k0[i:j], k1[i:j]
             lo = int(k0.min())
             flat = crcs[lo : int(k1.max())].tolist()
@@ -241,7 +261,7 @@ class _Checks(Sequence[tuple[int, int, list[int], str]]):
         return self._list
 
     def __len__(self) -> int:
-        return self._n
+        return self._j - self._i
 
     def __getitem__(self, i: Any) -> Any:
         return self._made()[i]
@@ -253,7 +273,7 @@ class _Checks(Sequence[tuple[int, int, list[int], str]]):
 def _run_checks(p: dict[str, np.ndarray], sel: np.ndarray, at: np.ndarray, wi: np.ndarray, ext: _Extents,
                 ws: list[Want]) -> tuple[np.ndarray, ...]:
     """Per piece ``sel`` (of region ``wi``, at ``at`` in its read): its check's columns (see
-    :class:`_Checks`)."""
+    :class:`_Run`)."""
     ra, rb, bs = p["ra"][sel], p["rb"][sel], p["bs"][sel]
     k0 = p["c0"][sel] + (ra - p["so"][sel]) // bs
     k1 = k0 + -(-(rb - ra) // bs)
@@ -275,16 +295,6 @@ def _place(w: Want, blk: int, r0: int, r1: int, raw: np.ndarray) -> None:
 
 def _block(w: Want, blk: int) -> tuple[list[int], list[int]]:
     return w.g_off[0][blk].tolist(), w.b_shape[0][blk].tolist()
-
-
-def _run_copier(ws: list[Want], scratch: Scratch, rows: np.ndarray) -> Callable[[], None]:
-    def copy_out() -> None:
-        buf = scratch.array()
-        for wi, blk, r0, r1, at, n in rows.tolist():
-            _place(ws[wi], blk, r0, r1, buf[at : at + n])
-        scratch.release()
-
-    return copy_out
 
 
 def _split_segments(p: dict[str, np.ndarray], sel: np.ndarray, seg: dict[str, np.ndarray], ext: _Extents,

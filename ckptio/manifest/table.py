@@ -63,6 +63,8 @@ class ShardTable:
     crcs: np.ndarray
     #: (dimension, row order along it, sorted starts, longest shard along it): made on first use.
     _index: tuple[int, np.ndarray, np.ndarray, int] | None = None
+    #: The boxes and tiles as a key (see :meth:`geometry`): made on first use, or given.
+    _geometry: tuple[Any, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -106,6 +108,14 @@ class ShardTable:
         return [ShardRecord(tuple(off), tuple(sh), h, exts[a:b], tuple(t) if t and t[0] >= 0 else None)
                 for off, sh, h, t, a, b in zip(self.offsets.tolist(), self.shape.tolist(), self.host.tolist(),
                                                self.tile.tolist(), first, first[1:])]
+
+    def geometry(self) -> tuple[Any, ...]:
+        """The shards' boxes and tiles as a key for "same layout" (equal keys: equal boxes and
+        tiles): a batched restore asks it of every table twice a batch, so it is made once. A
+        table made from gathered rows is given its own (those rows' bytes and their width)."""
+        if self._geometry is None:
+            self._geometry = (self.offsets.tobytes(), self.shape.tobytes(), self.tile.tobytes())  # a benign race
+        return self._geometry
 
     def _sorted(self) -> tuple[int, np.ndarray, np.ndarray, int]:
         # Along the dimension that separates the shards best, shards reaching into a box start

@@ -255,7 +255,10 @@ def _by_item(cols: dict[str, Any]) -> dict[str, Any]:
     cfirst = np.cumsum(ncrc) - ncrc
     item = cols["item"]
     if len(item) > 1 and (item[1:] < item[:-1]).any():
-        order = np.argsort(item, kind="stable")
+        # Item numbers below 2**16 (any real root) sort as 16-bit keys: numpy's radix sort,
+        # ~7x a stable sort of int64 at the ~50 k rows of a batch.
+        small = item.min() >= 0 and item.max() < 1 << 16
+        order = np.argsort(item.astype(np.uint16) if small else item, kind="stable")
         for k in ("item", "frag", "boxes"):
             cols[k] = cols[k][order]
         ecount = cols["ecount"]
@@ -327,15 +330,23 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
     """The shard table of ``rows`` (a slice: views of ``cols``), whose rows :func:`check_rows` checked."""
     ndim, boxes = len(item.shape), cols["boxes"][rows]
     offs, shape, tile = boxes[:, :ndim], boxes[:, width : width + ndim], boxes[:, 2 * width : 2 * width + ndim]
-    counts = cols["ecount"][rows]
-    if isinstance(rows, slice):
-        e: np.ndarray | slice = slice(int(cols["efirst"][rows.start]), int(cols["efirst"][rows.stop]))
+    if isinstance(rows, slice):  # views, and each row's first extent from efirst: 256 tables a batch
+        ef = cols["efirst"][rows.start : rows.stop + 1]
+        e: np.ndarray | slice = slice(int(ef[0]), int(ef[-1]))
+        first = ef - ef[0]
     else:
+        counts = cols["ecount"][rows]
         e = _ranges(cols["efirst"][rows], counts)
+        first = np.concatenate([[0], np.cumsum(counts)])
+    if "row_host" not in cols:  # each row's host, looked up once for every table
+        cols["row_host"] = cols["hosts"][cols["frag"]]
     obj, at, so, length, ncrc, _block = cols["extents"][e].T
     # Every table shares the loaded checksums (see _by_item): crc0 indexes them.
-    return ShardTable(offs, shape, cols["hosts"][cols["frag"][rows]], tile, np.concatenate([[0], np.cumsum(counts)]),
-                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"])
+    # Its geometry key (ShardTable.geometry) is its rows of boxes, contiguous here: one copy, not
+    # three strided ones (every table, every batch of a batched restore, asks it).
+    return ShardTable(offs, shape, cols["row_host"][rows], tile, first,
+                      obj, at, so, length, cols["cfirst"][e], ncrc, cols["bs"][e], cols["crcs"],
+                      _geometry=(boxes.tobytes(), width))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

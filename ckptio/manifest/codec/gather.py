@@ -73,13 +73,14 @@ class Gather:
         if width > self.width:
             self._widen(width)
         boxes = got.boxes if width == self.width else _widened(got.boxes, width, self.width)
-        n, m, k = len(boxes), len(got.extents), len(got.crcs)
+        n, m, k = len(boxes), len(got.extents), got.n_crcs
         self._room(n, m, k, share=len(frags))
         r, e, q = self.at
         cols = self.cols
         cols["item"][r : r + n], cols["frag"][r : r + n] = got.item, np.asarray(frags, np.int64)[got.pos]
         cols["boxes"][r : r + n], cols["ecount"][r : r + n] = boxes, got.ecount
-        cols["extents"][e : e + m], cols["crcs"][q : q + k] = got.extents, got.crcs
+        cols["extents"][e : e + m] = got.extents
+        got.crcs_into(cols["crcs"][q : q + k])
         cols["extents"][e : e + m, 0] += np.asarray(bases, np.int64)[got.ext_pos]
         self.at = [r + n, e + m, q + k]
         self.loaded.extend(frags)

@@ -31,16 +31,28 @@ _I64 = np.int64
 @dataclasses.dataclass
 class Wholes:
     """Rows of a batch of fragments: per row its item number and its fragment's position in the
-    batch; ``boxes``, ``ecount``, ``extents`` (object numbers still per fragment) and ``crcs``;
-    ``ext_pos``: each extent's fragment position in the batch."""
+    batch; ``boxes``, ``ecount``, ``extents`` (object numbers still per fragment); ``ext_pos``:
+    each extent's fragment position in the batch. The checksums are not copied out yet: they
+    are ``crc_src[crc_at]``, taken by :meth:`crcs_into` straight into the gathered column (a
+    batch has ~1.4 M of them at 4096 x 256: one copy and one index less per batch)."""
 
     item: np.ndarray
     pos: np.ndarray
     boxes: np.ndarray
     ecount: np.ndarray
     extents: np.ndarray
-    crcs: np.ndarray
     ext_pos: np.ndarray
+    crc_src: np.ndarray
+    crc_at: np.ndarray
+
+    @property
+    def n_crcs(self) -> int:
+        return len(self.crc_at)
+
+    def crcs_into(self, out: np.ndarray) -> None:
+        """The checksums, in order, into ``out`` (of length :attr:`n_crcs`)."""
+        # mode="clip": take buffers ``out`` under the default "raise"; every index is in bounds.
+        np.take(self.crc_src, self.crc_at, out=out, mode="clip")
 
 
 def take_wholes(datas: Sequence[bytes], heads: Sequence[Head], wanted: Sequence[int] | None,
@@ -115,7 +127,7 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
              else np.zeros((int(rows.sum()), 0), _I64))
     ecount = i8[_ranges(at + rows * 3 * w, rows)]
     ext = sliding_window_view(i8, 6)[_rows_at(at + rows * (3 * w + 1), n_ext, 6)]
-    crcs = u4[_ranges((goff + words * 8) // 4, n_crc)]
+    crc_at = _index((goff + words * 8) // 4, n_crc, len(u4))
     # Each section's counts add up (stricter than per fragment, as take_whole checks them).
     if (len(ecount) and ecount.min() < 0) or (len(ext) and ext[:, 4].min() < 0):
         return None
@@ -124,7 +136,18 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
     ext_pos = np.repeat(pos, n_ext)
     if len(ext) and ((ext[:, 0] < 0) | (ext[:, 0] >= n_objects[ext_pos])).any():
         return None
-    return Wholes(np.repeat(numbers, rows), np.repeat(pos, rows), boxes, ecount, ext, crcs, ext_pos)
+    return Wholes(np.repeat(numbers, rows), np.repeat(pos, rows), boxes, ecount, ext, ext_pos, u4, crc_at)
+
+
+def _index(starts: np.ndarray, counts: np.ndarray, size: int) -> np.ndarray:
+    """The indices ``starts[i] + range(counts[i])`` for every ``i`` (counts checked >= 0), as int32
+    where ``size`` (what they index) allows: half the memory traffic of int64 at a million."""
+    if size >= 1 << 31:
+        return _ranges(starts, counts)
+    first = np.cumsum(counts) - counts
+    out = np.repeat((starts - first).astype(np.int32), counts)
+    out += np.arange(len(out), dtype=np.int32)
+    return out
 
 
 def _rows_at(starts: np.ndarray, counts: np.ndarray, step: int) -> np.ndarray:
