@@ -114,6 +114,36 @@ def test_a_flattened_pin_waits_for_a_deletion_under_way_and_never_checks_during_
     assert len(list((tmp_path / PIN_DIR).glob("1.3.*"))) == 1  # the second took its pin back
 
 
+def test_a_flattened_pin_waits_for_a_deletion_that_begins_after_its_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other host's retention starts deleting step 1 a moment after this save's pin waited for
+    no deletion (the race a 2-host job lost about 1 run in 8): the pin waits for that one too and
+    pins, never checking while the tombstone stands."""
+    store, m3, m1, _two = planned(str(tmp_path))
+    pins = store.deletion.pins
+    tomb = tmp_path / "1" / "ckptio.deleting"
+    waits: list[int] = []
+    seen_during: list[bool] = []
+    real_wait, real_stands = pins._deletion_over, pins._stands
+
+    async def wait_then_a_deletion_begins(step_dir: str, limit_s: float) -> None:
+        await real_wait(step_dir, limit_s)
+        waits.append(1)
+        if len(waits) == 2:  # after the wait that follows the pin: retention begins, ends 0.3 s later
+            tomb.write_bytes(m1.checkpoint_id.encode())
+            asyncio.get_running_loop().call_later(0.3, tomb.unlink)
+
+    async def stands(step_dir: str, checkpoint_id: str) -> bool:
+        seen_during.append(tomb.exists())
+        return await real_stands(step_dir, checkpoint_id)
+
+    monkeypatch.setattr(pins, "_deletion_over", wait_then_a_deletion_begins)
+    monkeypatch.setattr(pins, "_stands", stands)
+    assert run_sync(pins.pin("1", "3", m3.checkpoint_id, m3.bases["2"], via="2"))
+    assert len(waits) == 3 and not any(seen_during)  # waited again; never judged during the deletion
+    assert list((tmp_path / PIN_DIR).glob("1.3.*"))
+
+
 def test_a_paused_referencing_save_is_revoked_and_cannot_commit(tmp_path: Path) -> None:
     """The save pins step 1, then stalls past its lease; a deleter judges it dead, revokes it and
     deletes step 1 whole. The save wakes and commits: its manifest never counts."""

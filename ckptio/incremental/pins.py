@@ -152,15 +152,21 @@ class Pins:
                "covers": sorted(set(covers)), "hold": key}
         await self.io.write(hold_key(parse_pin(key)), [memoryview(json.dumps(doc).encode())])  # type: ignore[arg-type]
         via = base if via is None else via
-        if via != base:
-            # With many hosts the coordinator's retention may be deleting this older step right now,
-            # beside this host's next save. A deletion that finished before the check below is harmless
-            # (its D2 kept what ``via``'s standing commit names; docs/incremental.md, R2): wait for it
-            # rather than fail the save -- but never check while it runs, as that D2 may yet judge
-            # ``via``'s pin after ``via`` itself went.
-            await self._deletion_over(base, DELETION_WAIT_S)
-        if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
-            return True
+        deadline = time.monotonic() + DELETION_WAIT_S
+        while True:
+            if via != base:
+                # With many hosts the coordinator's retention may be deleting this older step right
+                # now, beside this host's next save. A deletion that finished before the check below is
+                # harmless (its D2 kept what ``via``'s standing commit names; docs/incremental.md, R2):
+                # wait for it rather than fail the save -- but never check while it runs, as that D2
+                # may yet judge ``via``'s pin after ``via`` itself went.
+                await self._deletion_over(base, deadline - time.monotonic())
+            if not await self._being_deleted(base) and await self._stands(via, checkpoint_id):
+                return True
+            # A deletion of the older step that began after the wait (retention on another host, a
+            # moment later than this save): wait for it too, then check again.
+            if via == base or time.monotonic() >= deadline or not await self._being_deleted(base):
+                break
         await self.unpin([key])
         return False
 
