@@ -29,7 +29,7 @@ from .perhost import is_per_host_leaf, state_of
 from .stagingpool import StagingPool, aligned_empty
 from .tiling import tile_for
 
-__all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "TORCH_AS_INT", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -82,18 +82,19 @@ class StagedArray:
         return self.tiles[i] if self.tiles else None
 
 
-_TORCH_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
-               "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8", "float8_e8m0fnu": "uint8"}
+#: torch dtypes numpy has no name for (ml_dtypes has), by name, and the torch integer of their size to view them as.
+TORCH_AS_INT = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
+                "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8", "float8_e8m0fnu": "uint8"}
 
 
 def torch_to_numpy(t: Any) -> np.ndarray:
     """A numpy view of a CPU torch tensor, bfloat16 and float8 included (as ml_dtypes: imported for those only)."""
     name = str(t.dtype).removeprefix("torch.")
-    if name in _TORCH_VIEW:
+    if name in TORCH_AS_INT:
         import ml_dtypes  # ~1.4 s to import: not inside the first float32 save's stall
         import torch
 
-        return t.view(getattr(torch, _TORCH_VIEW[name])).numpy().view(getattr(ml_dtypes, name))
+        return t.view(getattr(torch, TORCH_AS_INT[name])).numpy().view(getattr(ml_dtypes, name))
     return t.numpy()
 
 

@@ -55,6 +55,7 @@ from ..manifest import ArrayItem, Manifest, ObjectNumbers, ShardRecord, array_js
 from ..manifest.limits import check_dims
 from ..staging import torch_to_numpy
 from ..tree import path_str
+from ._tensorbytes import plain_bytes
 
 __all__ = [
     "DCP_VERSION",
@@ -108,6 +109,9 @@ def _torch() -> Any:
 RAW_DTYPES = frozenset({"complex32", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 
 
+_NUMPY_DTYPES: dict[Any, np.dtype] = {}
+
+
 def numpy_dtype_of(torch_dtype: Any, fqn: str) -> np.dtype:
     """The numpy dtype the manifest records for ``torch_dtype``; TypeError naming ``fqn`` if ckptio cannot store it.
 
@@ -115,22 +119,30 @@ def numpy_dtype_of(torch_dtype: Any, fqn: str) -> np.dtype:
     :data:`RAW_DTYPES`, refused for quantized and sub-byte shell dtypes
     (``torch.save`` refuses those too, so no DCP checkpoint holds them).
     """
+    known = _NUMPY_DTYPES.get(torch_dtype)
+    if known is not None:
+        return known
     torch = _torch()
     name = _torch_name(torch_dtype)
     if name in RAW_DTYPES:
-        return np.dtype(f"V{torch.empty(0, dtype=torch_dtype).element_size()}")
-    try:
-        return torch_to_numpy(torch.empty(0, dtype=torch_dtype)).dtype
-    except (TypeError, RuntimeError, AttributeError) as e:
-        raise TypeError(f"{fqn!r}: ckptio cannot store tensors of dtype {torch_dtype} (neither can torch.save): {e}"
-                        ) from e
+        out = np.dtype(f"V{torch.empty(0, dtype=torch_dtype).element_size()}")
+    else:
+        try:
+            out = torch_to_numpy(torch.empty(0, dtype=torch_dtype)).dtype
+        except (TypeError, RuntimeError, AttributeError) as e:
+            raise TypeError(f"{fqn!r}: ckptio cannot store tensors of dtype {torch_dtype} (neither can torch.save): "
+                            f"{e}") from e
+    _NUMPY_DTYPES[torch_dtype] = out  # torch.empty gives the GIL away: once per dtype (ckptio.dcp._tensorbytes)
+    return out
 
 
 def numpy_view(t: Any, fqn: str) -> np.ndarray:
     """A numpy view of the contiguous CPU tensor ``t`` with its manifest dtype (shares memory)."""
     dtype = numpy_dtype_of(t.dtype, fqn)
-    torch = _torch()
-    return t.reshape(-1).view(torch.uint8).numpy().view(dtype).reshape(tuple(t.shape))
+    flat = plain_bytes(t)
+    if flat is None:
+        flat = t.reshape(-1).view(_torch().uint8).numpy()
+    return flat.view(dtype).reshape(tuple(t.shape))
 
 
 def _torch_attr(name: Any, kind: str, allowed: tuple[str, ...] | None, where: str) -> Any:

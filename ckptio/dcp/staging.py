@@ -20,12 +20,15 @@ import copy
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ckptio._system import copy_bytes
 from ckptio._system.freelists import FreeLists
 from ckptio.staging import aligned_empty
+
+from ._tensorbytes import plain_array, tensor_over
 
 __all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
 
@@ -110,6 +113,9 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
         DTensor = ()  # type: ignore[assignment,misc]
 
     def host_copy(t: Any) -> Any:
+        fast = _host_copy_plain(t, pool)
+        if fast is not None:
+            return fast
         t = t.detach()
         pinned = t.device.type != "cpu" and torch.cuda.is_available()
         nbytes = t.numel() * t.element_size()
@@ -152,6 +158,20 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
 
     with torch.no_grad():
         return walk(state_dict)
+
+
+def _host_copy_plain(t: Any, pool: HostBuffers) -> tuple[Any, tuple[Any, bool]] | None:
+    """:func:`stage_state_dict`'s copy of a plain CPU tensor, with one GIL-releasing call (the copy)
+    where the general path made six (see :mod:`ckptio.dcp._tensorbytes`; this path measured a
+    ckptio-dcp-async stall of 2-2.5 s for 32 tensors beside a training thread holding the GIL, stock
+    DCP's 0.74 s); None for any other tensor."""
+    src = plain_array(t)
+    if src is None or src.nbytes == 0:
+        return None
+    buf = pool.take(src.nbytes, False)
+    dst = buf.numpy()
+    copy_bytes(memoryview(dst), memoryview(src.reshape(-1).view(np.uint8)))
+    return tensor_over(dst, src, t.dtype), (buf, False)
 
 
 def _copy_bytes_of(t: Any, buf: Any) -> bool:
