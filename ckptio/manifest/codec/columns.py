@@ -349,20 +349,17 @@ def _table(item: ArrayItem, rows: np.ndarray | slice, cols: dict[str, Any], widt
                       _geometry=(boxes.tobytes(), width))
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated (int64).
+def _ranges(starts: np.ndarray, counts: np.ndarray, dtype: type[np.signedinteger] = np.int64) -> np.ndarray:
+    """The indices ``starts[i] + range(counts[i])`` for every ``i``, concatenated, as ``dtype``
+    (int32 where every index fits: half the memory traffic of int64 at a million indices).
 
-    Made as one running sum of steps (1 within a range, a jump at each range's first index):
-    ~10x less than repeating each start (measured, 8192 ranges of 28: 0.4-0.6 vs 4-6 ms), and
-    a batch of fragments' checksums is ~1.7 M indices."""
+    Made as each range's start less the indices before it, repeated, plus one count up: a
+    batch of fragments' checksums is ~1.4 M indices. Measured (numpy 2.4, thread_time, best of
+    7), 4096 ranges of ~340: 4.3 ms in int64 as a running sum of steps did, 1.0 ms in int32
+    where the running sum took 3.7 ms; 8192 ranges of 28: 0.3 ms, the running sum 0.7 ms."""
     if (counts < 0).any():  # refused as np.repeat refuses it
         raise ValueError(f"negative counts in {counts.tolist()[:8]}")
-    nz = counts > 0
-    s, c = np.asarray(starts, np.int64)[nz], np.asarray(counts, np.int64)[nz]
-    out = np.ones(int(c.sum()), np.int64)
-    if len(s):
-        first = np.cumsum(c) - c
-        out[0] = s[0]
-        out[first[1:]] = s[1:] - (s[:-1] + c[:-1] - 1)
-        np.cumsum(out, out=out)
+    s, c = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+    out = np.repeat((s - (np.cumsum(c) - c)).astype(dtype), c)
+    out += np.arange(len(out), dtype=dtype)
     return out
