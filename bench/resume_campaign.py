@@ -5,6 +5,9 @@ see exactly the batches, losses and states of an uninterrupted run.
     python -m ckptio.bench.resume_campaign --kind flax --sigkill 30 --sigterm 10
     python -m ckptio.bench.resume_campaign --cost      # reached_preemption's per-step cost, no notice
 
+Its work directory (checkpoints and logs, under the system's temporary directory) is removed at
+the end, unless ``--keep``.
+
 ``--kind torch``: torch + torchdata ``StatefulDataLoader`` (2 workers); ``--kind flax``: flax/optax
 (a jax pytree with a typed PRNG key) + a grain ``MapDataset`` iterator. The loop saves every
 ``--every`` steps with a ``CheckpointManager`` (state and data loader in one checkpoint, two kept),
@@ -23,6 +26,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,7 +169,17 @@ def _wait_started(p: subprocess.Popen[bytes], log: str, launches: int) -> bool:
 
 
 def drive(args: argparse.Namespace) -> int:
+    """The campaign (see the module docstring) in a work directory of its own, removed at the end
+    (whatever the outcome) unless ``args.keep``."""
     work = tempfile.mkdtemp(prefix=f"resume-campaign-{args.kind}-")
+    try:
+        return _campaign(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _campaign(args: argparse.Namespace, work: str) -> int:
     ref_log, log = os.path.join(work, "reference.log"), os.path.join(work, "campaign.log")
     t0 = time.time()
     p = _launch(args, os.path.join(work, "reference"), ref_log)
@@ -213,7 +227,8 @@ def drive(args: argparse.Namespace) -> int:
     report = {"kind": args.kind, "steps": args.steps, "launches": launches, "kills": kills,
               "preemption_saves_resumed_exactly": preempted_ok,
               "saves_refused_after_a_kill_mid_commit": sum("save_refused" in d for d in events), "step_lines_checked": checked,
-              "finished": done, "mismatches": len(problems), "seconds": round(time.time() - t0, 1), "work": work}
+              "finished": done, "mismatches": len(problems), "seconds": round(time.time() - t0, 1),
+              "work": work if args.keep else None}
     print(json.dumps(report))
     for msg in problems[:10]:
         print(msg)
@@ -255,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=1.5, help="kill within this many seconds of a launch's start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cost", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (checkpoints, logs) at the end")
     args = ap.parse_args(argv)
     return cost() if args.cost else drive(args)
 

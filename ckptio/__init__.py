@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import sys as _sys
+
 from .api import restore, save
 from .engine import EngineConfig, Progress
 from .errors import (
@@ -56,6 +58,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def _carry_submodules(fn: object, package: str) -> None:
+    """Gives the function ``fn``, bound here under the name of the subpackage ``package``, each of
+    that package's submodule names as the package holds it.
+
+    ``import ckptio.restore.batches as B`` looks ``batches`` up on the attribute ``ckptio.restore``,
+    the function that shadows the subpackage: without these it fails ("cannot import name
+    'batches' from 'restore'"). The public function keeps its name and its type; what the import
+    now finds is what it would find on the package itself. Every submodule is loaded by then
+    (tests/test_user_surface.py holds each to it)."""
+    pkg, prefix = _sys.modules[package], package + "."
+    for name in [m[len(prefix) :] for m in _sys.modules if m.startswith(prefix)]:
+        if "." not in name:
+            setattr(fn, name, getattr(pkg, name))
+
+
+_carry_submodules(restore, __name__ + ".restore")
 
 
 def zarr_store(url: str, step: int | None = None, **options: object) -> object:

@@ -119,7 +119,8 @@ def test_version_3_fragments_are_added_alone_as_before(tmp_path: Path, monkeypat
 
 def test_ranges_are_each_start_counted_up() -> None:
     """``_ranges`` (every batch's checksum and extent indices) against its definition, empty
-    and single ranges included; negative counts are refused."""
+    and single ranges included, in int64 and (the wholes' checksum indices) int32; negative
+    counts are refused."""
     from ckptio.manifest.codec.columns import _ranges
 
     rng = np.random.default_rng(7)
@@ -129,6 +130,8 @@ def test_ranges_are_each_start_counted_up() -> None:
         want = [s + k for s, c in zip(starts.tolist(), counts.tolist()) for k in range(c)]
         got = _ranges(starts, counts)
         assert got.dtype == np.int64 and got.tolist() == want
+        got = _ranges(starts, counts, np.int32)
+        assert got.dtype == np.int32 and got.tolist() == want
     with pytest.raises(ValueError):
         _ranges(np.array([0, 5]), np.array([2, -1]))
 

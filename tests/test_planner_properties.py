@@ -380,3 +380,49 @@ def test_a_columnar_fragment_that_lies_is_refused() -> None:
         load({**shard, "extents": [[0, 0, 0, 60, [1]]]})
     with pytest.raises(ManifestError, match="does not list"):
         load({**shard, "extents": [[1, 0, 0, 64, [1]]]})
+
+
+def test_a_gathered_table_and_a_parsed_one_of_one_layout_share_their_planned_segments(monkeypatch) -> None:
+    """A table gathered from columnar fragments and one parsed from shard records, of the same
+    boxes and tiles, have one geometry key, whatever the fragment's width (a 1-d array beside a
+    2-d one is padded there): planned together, their segments are found once and both restore
+    bit-exact."""
+    bs = 16
+    layouts = {"m": ((4, 6), [((0, 0), (2, 6), None), ((2, 0), (2, 6), (1, 3))]),
+               "v": ((8,), [((0,), (4,), None), ((4,), (4,), None)])}
+    blob, fulls, parsed, rows = b"", {}, {}, []
+    for name, (shape, boxes) in layouts.items():
+        full = fulls[name] = np.arange(math.prod(shape), dtype=np.float32).reshape(shape) + len(blob)
+        shards, listed = [], []
+        for off, sh, tile in boxes:
+            data = _stream(full[tuple(slice(o, o + n) for o, n in zip(off, sh))], tile)
+            crcs = block_crcs(memoryview(data), bs)
+            shards.append(ShardRecord(off, sh, 0, [Extent(0, len(blob), 0, len(data), crcs, bs)], tile))
+            listed.append({"offsets": list(off), "shape": list(sh), "extents": [[0, len(blob), 0, len(data), crcs, bs]],
+                           **({"tile": list(tile)} if tile else {})})
+            blob += data
+        parsed[name] = ArrayItem(np.dtype(np.float32), shape, shards)
+        rows.append((name, listed))
+    root_items = {}
+    for name, (shape, boxes) in layouts.items():
+        root_items[name] = ArrayItem(np.dtype(np.float32), shape, [])
+        root_items[name].locator = np.array([[0, *off, *sh] for off, sh, _t in boxes], np.int64)
+    root = Manifest(1, "c", 0.0, bs, 1, None, root_items, [], fragments=[FragmentRef("f", 0, 0, 0)], complete=False)
+    doc = {"objects": ["o"], **encode_columns(rows)}
+    assert doc["width"] == 2
+    gathered = from_columns(root, _gathered(root, [(0, 0, decode_columns(doc, "frag f"))]), "root", complete=True)
+    found = []
+    monkeypatch.setattr(reshard, "_add_segments", lambda segs, wi, w, real=reshard._add_segments: (
+        found.append(w.name), real(segs, wi, w))[1])
+    for name, (shape, _boxes) in layouts.items():
+        g, p = gathered[name], parsed[name]
+        assert g.table is not None and g.table.geometry() == reshard.table_of(p).geometry()
+        off = (1,) * len(shape)
+        box = tuple(n - 1 for n in shape)
+        dests = [np.zeros(box, np.float32), np.zeros(box, np.float32)]
+        found.clear()
+        reqs = plan_regions([("g", g, Region(off, dests[0])), ("p", p, Region(off, dests[1]))], ["o"], bs)
+        assert found == ["g"]  # the parsed table's segments were the gathered one's, repeated
+        execute(reqs, {"o": blob})
+        want = fulls[name][tuple(slice(o, o + n) for o, n in zip(off, box))]
+        assert all(d.tobytes() == want.tobytes() for d in dests)

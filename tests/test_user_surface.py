@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +60,25 @@ def test_a_plain_read_only_directory_is_not_called_hyperdisk_ml(tmp_path: Path) 
     explicit = HyperdiskMLBackend(f"hdml://{root}", mountinfo=info)
     with pytest.raises(PermissionError, match="Hyperdisk ML volume is attached read-only"):
         asyncio.run(explicit.write("x", [memoryview(b"1")]))
+
+
+def test_each_restore_submodule_imports_under_an_alias_and_the_function_still_restores(tmp_path: Path) -> None:
+    """``ckptio.restore`` the attribute is the function, which shadows the subpackage: still
+    ``import ckptio.restore.X as M`` gives what the package holds as ``X`` (the module, or the
+    function a module of that name exports), for every module of the package, in a fresh
+    interpreter; and ``ckptio.restore(...)`` restores."""
+    names = sorted(p.stem for p in Path(ckptio.__file__).parent.joinpath("restore").glob("*.py") if p.stem != "__init__")
+    assert "batches" in names
+    code = "\n".join([
+        "import sys, types",
+        "import ckptio",
+        *[f"import ckptio.restore.{n} as m_{n}" for n in names],
+        "pkg = sys.modules['ckptio.restore']",
+        *[f"assert m_{n} is getattr(pkg, {n!r}), {n!r}" for n in names],
+        "assert isinstance(m_batches, types.ModuleType) and m_batches.__name__ == 'ckptio.restore.batches'",
+        "assert isinstance(ckptio.restore, types.FunctionType)",
+        f"assert ckptio.restore({str(tmp_path)!r}, 1)['w'].tolist() == [0, 1, 2, 3]",
+    ])
+    ckptio.save(str(tmp_path), {"w": np.arange(4)}, step=1).result()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

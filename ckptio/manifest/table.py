@@ -27,7 +27,7 @@ import numpy as np
 
 from .model import ArrayItem, Extent, ShardRecord
 
-__all__ = ["ShardList", "ShardTable", "table_of"]
+__all__ = ["ShardList", "ShardTable", "box_key", "table_of"]
 
 _I64 = np.int64
 
@@ -111,10 +111,11 @@ class ShardTable:
 
     def geometry(self) -> tuple[Any, ...]:
         """The shards' boxes and tiles as a key for "same layout" (equal keys: equal boxes and
-        tiles): a batched restore asks it of every table twice a batch, so it is made once. A
-        table made from gathered rows is given its own (those rows' bytes and their width)."""
+        tiles, see :func:`box_key`): a batched restore asks it of every table twice a batch, so
+        it is made once. A table made from gathered rows is given its own, made from those rows."""
         if self._geometry is None:
-            self._geometry = (self.offsets.tobytes(), self.shape.tobytes(), self.tile.tobytes())  # a benign race
+            # A benign race: equal results.
+            self._geometry = box_key(np.concatenate([self.offsets, self.shape, self.tile], axis=1), self.ndim)
         return self._geometry
 
     def _sorted(self) -> tuple[int, np.ndarray, np.ndarray, int]:
@@ -180,6 +181,14 @@ class ShardList(Sequence[ShardRecord]):
 
     def __repr__(self) -> str:
         return repr(self._list())
+
+
+def box_key(boxes: np.ndarray, ndim: int) -> tuple[int, int, bytes]:
+    """The :meth:`ShardTable.geometry` key of shards of rank ``ndim`` whose rows of ``boxes``
+    are ``(offsets, shape, tile)`` (``(n, 3 * ndim)``): one form whatever made the table, so that
+    a table gathered from columnar fragments and one parsed from records meet in the planner's
+    caches. The count and rank make equal keys mean equal tables even where the bytes are empty."""
+    return (len(boxes), ndim, np.ascontiguousarray(boxes, _I64).tobytes())
 
 
 def table_of(item: ArrayItem) -> ShardTable:

@@ -59,43 +59,39 @@ class _Facts:
         self.size = np.array([it.dtype.itemsize for it in items], np.int64)
         for k, it in enumerate(items):
             self.limit[k, : len(it.shape)] = it.shape
-        #: Every item has the full rank (no padded dimension): the checks' common case.
-        self.full = bool(len(items)) and int(self.rank.min()) == width
 
 
 def _bad(cols: dict[str, Any], facts: _Facts, a: int, b: int) -> list[np.ndarray]:
-    """For rows ``[a, b)``: which fail each check, in the order the checks are named."""
-    width, item = cols["width"], cols["item"][a:b]
-    boxes = cols["boxes"][a:b]
-    offs, shape, tile = boxes[:, :width], boxes[:, width : 2 * width], boxes[:, 2 * width : 3 * width]
-    if facts.full:
-        return _bad_full(cols, facts, a, b, item, offs, shape, tile)
-    pad = np.arange(width) >= facts.rank[item][:, None]  # dimensions beyond the row's array's rank
-    nbytes = np.prod(np.where(pad, 1, shape), axis=1, dtype=np.int64) * facts.size[item]
-    return [
-        (((offs != 0) | (shape != 1) | (tile != -1)) & pad).any(axis=1),
-        (((offs < 0) | (shape < 0) | (offs > facts.limit[item] - shape)) & ~pad).any(axis=1),
-        ~(((tile == -1) | pad).all(axis=1) | (((tile >= 1) & (tile <= np.maximum(shape, 1))) | pad).all(axis=1)),
-        _bad_extents(cols, a, b, nbytes),
-    ]
+    """For rows ``[a, b)``: which fail each check, in the order the checks are named.
 
-
-def _bad_full(cols: dict[str, Any], facts: _Facts, a: int, b: int, item: np.ndarray, offs: np.ndarray,
-              shape: np.ndarray, tile: np.ndarray) -> list[np.ndarray]:
-    """:func:`_bad` where no row has a padded dimension: the same answers, dimension by dimension
-    over whole columns (numpy's reductions along a short row axis cost ~4x the element-wise
-    work: a batch of a column-block restore checks ~50 k rows, 20 batches a restore)."""
-    lim = facts.limit[item]
+    Dimension by dimension over whole columns: numpy's reductions along a short row axis cost
+    ~4x the element-wise work (a batch of a column-block restore checks ~50 k rows, 20 batches
+    a restore). A dimension beyond a row's array's rank (padded) is masked per column, and only
+    from the chunk's lowest rank on: below it no row is padded (the common case: none is)."""
+    width, item, boxes = cols["width"], cols["item"][a:b], cols["boxes"][a:b]
     n = b - a
-    outside, untiled, fits = np.zeros(n, bool), np.ones(n, bool), np.ones(n, bool)
+    rank, lim = facts.rank[item], facts.limit[item]
+    low = int(rank.min()) if n else width
+    wrong_rank, outside = np.zeros(n, bool), np.zeros(n, bool)
+    untiled, fits = np.ones(n, bool), np.ones(n, bool)
     nbytes = facts.size[item]
-    for d in range(offs.shape[1]):
-        o, s, t = offs[:, d], shape[:, d], tile[:, d]
-        outside |= (o < 0) | (s < 0) | (o > lim[:, d] - s)
-        untiled &= t == -1
-        fits &= (t >= 1) & (t <= np.maximum(s, 1))
+    for d in range(width):
+        o, s, t = boxes[:, d], boxes[:, width + d], boxes[:, 2 * width + d]
+        out_d = (o < 0) | (s < 0) | (o > lim[:, d] - s)
+        untiled_d = t == -1
+        fits_d = (t >= 1) & (t <= np.maximum(s, 1))
+        if d >= low:
+            pad = rank <= d
+            wrong_rank |= pad & ((o != 0) | (s != 1) | (t != -1))
+            out_d &= ~pad
+            untiled_d |= pad
+            fits_d |= pad
+            s = np.where(pad, 1, s)
+        outside |= out_d
+        untiled &= untiled_d
+        fits &= fits_d
         nbytes = nbytes * s
-    return [np.zeros(n, bool), outside, ~(untiled | fits), _bad_extents(cols, a, b, nbytes)]
+    return [wrong_rank, outside, ~(untiled | fits), _bad_extents(cols, a, b, nbytes)]
 
 
 def _bad_extents(cols: dict[str, Any], a: int, b: int, nbytes: np.ndarray) -> np.ndarray:

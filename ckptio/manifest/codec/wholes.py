@@ -127,7 +127,8 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
              else np.zeros((int(rows.sum()), 0), _I64))
     ecount = i8[_ranges(at + rows * 3 * w, rows)]
     ext = sliding_window_view(i8, 6)[_rows_at(at + rows * (3 * w + 1), n_ext, 6)]
-    crc_at = _index((goff + words * 8) // 4, n_crc, len(u4))
+    # int32 indices where the buffer allows: half the memory traffic of int64 at a million.
+    crc_at = _ranges((goff + words * 8) // 4, n_crc, np.int32 if len(u4) < 1 << 31 else _I64)
     # Each section's counts add up (stricter than per fragment, as take_whole checks them).
     if (len(ecount) and ecount.min() < 0) or (len(ext) and ext[:, 4].min() < 0):
         return None
@@ -137,17 +138,6 @@ def _columns(buf: bytes, goff: np.ndarray, length: np.ndarray, pos: np.ndarray, 
     if len(ext) and ((ext[:, 0] < 0) | (ext[:, 0] >= n_objects[ext_pos])).any():
         return None
     return Wholes(np.repeat(numbers, rows), np.repeat(pos, rows), boxes, ecount, ext, ext_pos, u4, crc_at)
-
-
-def _index(starts: np.ndarray, counts: np.ndarray, size: int) -> np.ndarray:
-    """The indices ``starts[i] + range(counts[i])`` for every ``i`` (counts checked >= 0), as int32
-    where ``size`` (what they index) allows: half the memory traffic of int64 at a million."""
-    if size >= 1 << 31:
-        return _ranges(starts, counts)
-    first = np.cumsum(counts) - counts
-    out = np.repeat((starts - first).astype(np.int32), counts)
-    out += np.arange(len(out), dtype=np.int32)
-    return out
 
 
 def _rows_at(starts: np.ndarray, counts: np.ndarray, step: int) -> np.ndarray:
