@@ -83,6 +83,9 @@ def test_tensors_that_are_not_plain_are_left_to_the_general_path() -> None:
         "quantized": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8),
         "sparse": torch.ones(2, 2).to_sparse(),
         "meta device": torch.empty(3, device="meta"),
+        "negative bit float32": torch._neg_view(torch.randn(3)),
+        "negative bit bfloat16": torch._neg_view(torch.randn(3).to(torch.bfloat16)),
+        "negative bit float8": torch._neg_view(torch.randn(3).to(torch.float8_e4m3fn)),
     }
     for why, t in not_plain.items():
         assert plain_array(t) is None, why

@@ -26,7 +26,6 @@ from ckptio.staging import TORCH_AS_INT
 __all__ = ["plain_array", "plain_bytes", "tensor_over"]
 
 
-
 def plain_array(t: Any) -> np.ndarray | None:
     """The plain tensor ``t`` as a C-contiguous numpy array sharing its memory, of ``t``'s numpy
     dtype or, for the dtypes numpy has no name for, an integer of the same size; None when ``t``

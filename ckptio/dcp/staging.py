@@ -28,7 +28,7 @@ from ckptio._system import copy_bytes
 from ckptio._system.freelists import FreeLists
 from ckptio.staging import aligned_empty
 
-from ._tensorbytes import plain_array, tensor_over
+from ._tensorbytes import plain_array, plain_bytes, tensor_over
 
 __all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
 
@@ -175,18 +175,18 @@ def _host_copy_plain(t: Any, pool: HostBuffers) -> tuple[Any, tuple[Any, bool]] 
 
 
 def _copy_bytes_of(t: Any, buf: Any) -> bool:
-    """Copy a plain, C-contiguous CPU tensor's bytes into the uint8 tensor ``buf`` with numpy; False
-    (nothing copied) for anything else (a device tensor, a view with strides, conj/neg bits, quantized).
+    """Copy ``t``'s bytes into the uint8 CPU tensor ``buf`` with numpy when ``t`` is plain (see
+    :func:`~ckptio.dcp._tensorbytes.plain_bytes`: here, a detached tensor that had autograd
+    history); False (nothing copied) for anything else.
 
     torch's ``copy_`` splits a large copy over its OpenMP threads, which then spin waiting for the
     next parallel region: staging 512 MiB cost 0.25-0.27 s of CPU that way here against 0.07 s for
     one thread (``torch.set_num_threads(1)``), ~30 % of a ckptio-dcp-async save's CPU (perf:
     ``libgomp``). numpy copies on one thread, with the GIL released.
     """
-    if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
-            or not t.is_contiguous() or buf.device.type != "cpu"):
+    src = plain_bytes(t)
+    if src is None:
         return False
-    src = t.reshape(-1).view(torch.uint8).numpy()
     copy_bytes(memoryview(buf.numpy()), memoryview(src))
     return True
 
