@@ -63,6 +63,10 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                    help="number of arrays (default 32; 100 for --incremental, so its FRACTION is met to 1 %%)")
     g.add_argument("--dtype", default="float32", help="array dtype: float32, bfloat16, float16, int8, ... ")
     g.add_argument("--rounds", type=int, default=3, help="save+restore rounds per case (default 3)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="rounds per case run before the timed ones and shown apart, out of the medians "
+                        "(default 1: a first save that allocates staging buffers or imports a library is "
+                        "not the steady state; 0: every round counts)")
     g = p.add_argument_group("where")
     g.add_argument("--backend", default=None, metavar="URL",
                    help="where to benchmark: a directory or file://DIR (a temp dir is made inside it, default: "
@@ -188,8 +192,9 @@ class _Runner:
     """Runs one case as a job on the target, with progress, and returns its summarised result."""
 
     def __init__(self, target: Target, cache_drop: str, rounds: int, verify: bool,
-                 timeout: float | None, progress: _Progress, train: bool = False, **flags: bool) -> None:
-        self.target, self.cache_drop, self.rounds = target, cache_drop, rounds
+                 timeout: float | None, progress: _Progress, train: bool = False, warmup: int = 0,
+                 **flags: bool) -> None:
+        self.target, self.cache_drop, self.rounds, self.warmup = target, cache_drop, rounds, warmup
         self.verify, self.timeout, self.progress, self.train = verify, timeout, progress, train
         self.flags = flags  # the Job's other switches: pin, equalize
 
@@ -197,13 +202,13 @@ class _Runner:
              gated: bool = False) -> tuple[Job, float, Callable[[dict[str, Any]], None], Callable[[], int]]:
         """The case's job, its timeout, its event handler (progress) and a count of its rounds done."""
         gib = spec.total_bytes / (1 << 30)
-        timeout = self.timeout or (300 + 120 * gib * rounds) * (1 + spec.count / 20_000)
+        timeout = self.timeout or (300 + 120 * gib * (rounds + self.warmup)) * (1 + spec.count / 20_000)
         job = Job(case=cls.name, root=self.target.case_root(cls.name), state=spec, rounds=rounds,
-                  cache_drop=self.cache_drop, verify=self.verify, world_size=world_size, train=self.train,
-                  gated=gated, **self.flags)
+                  warmup=self.warmup, cache_drop=self.cache_drop, verify=self.verify, world_size=world_size,
+                  train=self.train, gated=gated, **self.flags)
         label = cls.name + (f" ×{world_size}p" if world_size > 1 else "") + (
             f" n={spec.count}" if spec.count != 32 else "")
-        self.progress.add(rounds)
+        self.progress.add(job.total_rounds)
         done = 0
 
         def on_event(ev: dict[str, Any]) -> None:
@@ -214,7 +219,7 @@ class _Runner:
         return job, timeout, on_event, lambda: done
 
     def _finish(self, cls: type[Case], result: dict[str, Any], rounds: int, done: int) -> dict[str, Any]:
-        self.progress.finish_job(rounds, done)
+        self.progress.finish_job(rounds + self.warmup, done)
         result.update(case=cls.name, kind=cls.kind, framework=cls.framework, description=cls.description,
                       durability=cls.durability)
         report.summarize(result)
@@ -255,9 +260,13 @@ def _header(doc: dict[str, Any]) -> str:
     c = doc["config"]
     st = c["state"]
     return (f"ckptio bench — {format_bytes(st['total_bytes'])} as {st['count']} × {st['dtype']}, "
-            f"{c['rounds']} rounds{' interleaved' if c.get('interleave') else ''}, target {c['target'].get('dir') or c['target'].get('scheme')}, "
+            f"{c['rounds']} rounds{_warmup_note(c.get('warmup', 0))}{' interleaved' if c.get('interleave') else ''}, target {c['target'].get('dir') or c['target'].get('scheme')}, "
             f"cold reads: {doc['cache_drop']['method']}, memory {c.get('memory_state', 'as-is')}"
             + (f", step thread pinned to core {c['pin']['train']}" if c.get("pin") else ""))
+
+
+def _warmup_note(n: int) -> str:
+    return f" after {n} warm-up round{'s' if n != 1 else ''}" if n else ""
 
 
 @contextlib.contextmanager
@@ -309,6 +318,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays or 32, dtype=args.dtype)
     if args.pin and not args.train:
         raise ValueError("--pin pins the training thread of --train: add --train")
+    if args.warmup < 0 or args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1 and --warmup at least 0 (got {args.rounds}, {args.warmup})")
     pin = pinning.plan() if args.pin else None  # ValueError on one core
     target = _open_target(args)
     progress = _Progress(args.progress)
@@ -319,8 +330,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         sel = select_cases(args.cases, args.skip, target.scheme)
         base = getattr(target, "base", None)
         if base is not None:
-            # A case keeps rounds+1 steps; interleaved, every case's steps exist at once.
-            need = spec.total_bytes * (args.rounds + 1) * (len(sel.run) if args.interleave else 1)
+            # A case keeps all its rounds' steps + 1; interleaved, every case's steps exist at once.
+            need = spec.total_bytes * (args.warmup + args.rounds + 1) * (len(sel.run) if args.interleave else 1)
             free = shutil.disk_usage(base).free
             if free < need:
                 who = "the interleaved cases need" if args.interleave else "a case needs"
@@ -328,7 +339,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                       file=sys.stderr)
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
-            "config": {"state": spec.to_json(), "rounds": args.rounds, "verify": args.verify, "train": args.train,
+            "config": {"state": spec.to_json(), "rounds": args.rounds, "warmup": args.warmup, "verify": args.verify,
+                       "train": args.train,
                        "memory_state": "equalized" if args.equalize else "as-is",
                        "pin": pin.to_json() if pin else None,
                        "interleave": args.interleave, "target": target.describe(), "cases": [c.name for c in sel.run]},
@@ -336,8 +348,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             "cache_drop": {"method": method, "reason": reason},
         }
         run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train,
-                      pin=bool(pin), equalize=args.equalize)
-        progress.reserve(len(sel.run) * args.rounds)
+                      warmup=args.warmup, pin=bool(pin), equalize=args.equalize)
+        progress.reserve(len(sel.run) * (args.warmup + args.rounds))
         if args.interleave:
             _warn_if_interleaving_will_not_fit(sel.run, spec)
             doc["cases"] = run.interleaved(sel.run, spec)
@@ -348,7 +360,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             from .sweep import plan_sweep, run_sweep
 
             rounds = args.sweep_rounds or args.rounds
-            progress.reserve(len(plan_sweep(sel.run, args.sweep_counts, args.sweep_procs)) * rounds)
+            progress.reserve(len(plan_sweep(sel.run, args.sweep_counts, args.sweep_procs)) * (args.warmup + rounds))
             doc["sweep"] = run_sweep(sel.run, spec, args.sweep_counts, args.sweep_procs,
                                      lambda cls, sp, n: run(cls, sp, n, rounds))
     finally:

@@ -265,12 +265,12 @@ def run_interleaved(jobs: Sequence[Job], target: Target, timeouts: Sequence[floa
         # memory bandwidth that would otherwise land on the first rounds of the others).
         for r, deadline, on_event in zip(running, deadlines, on_events):
             r.pump(deadline, on_event, until="ready")
-        for rnd in range(max((j.rounds for j in jobs), default=0)):
+        for rnd in range(max((j.total_rounds for j in jobs), default=0)):
             for r, deadline, on_event in zip(running, deadlines, on_events):
-                if r.ended or r.expired or rnd >= r.job.rounds:
+                if r.ended or r.expired or rnd >= r.job.total_rounds:
                     continue
                 r.go()
-                if rnd + 1 < r.job.rounds:
+                if rnd + 1 < r.job.total_rounds:
                     r.pump(deadline, on_event, until="ready")  # back at its gate: idle again
                 else:
                     r.pump(deadline, on_event)  # its last round: let it close and exit first

@@ -118,9 +118,14 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """``{figure: {median, min, max, n}}`` over the result's samples; stored as ``result["summary"]``."""
+    """``{figure: {median, min, max, n}}`` over the result's timed samples; stored as ``result["summary"]``.
+
+    Warm-up samples (``"warmup": true``, ``ckptio bench --warmup``) are left out of it; their figures
+    go to ``result["warmup"]``, one dict per warm-up round, shown apart by :func:`render_main`."""
     nbytes = int(result.get("state_bytes") or 0)
-    per = [_per_sample(s, nbytes) for s in result.get("samples", [])]
+    samples = result.get("samples", [])
+    result["warmup"] = [_per_sample(s, nbytes) for s in samples if s.get("warmup")]
+    per = [_per_sample(s, nbytes) for s in samples if not s.get("warmup")]
     summary: dict[str, dict[str, float]] = {}
     for fig in sorted({k for p in per for k in p}):
         vals = [p[fig] for p in per if fig in p]
@@ -271,6 +276,12 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
         "CPU s/GiB: user + system of every thread and process of the case (its helper processes too), per GiB;",
         "×direct: over raw-direct, the device's limit (O_DIRECT, page-aligned buffers, no checksums).",
     ]
+    first = [(r["case"], r["warmup"][0]) for r in results if r.get("status") == "ok" and r.get("warmup")]
+    if first:
+        notes.append("warm-up round (first save and restore: buffers allocated, libraries imported; not in the "
+                     "medians), save GiB/s / stall s / restore GiB/s: " + ", ".join(
+                         f"{case} {fmt_num(w.get('save_gibps'))} / {fmt_num(w.get('stall_s'))} / "
+                         f"{fmt_num(w.get('restore_gibps'))}" for case, w in first))
     floor = cpu_floor(results)
     if floor:
         notes.append("CPU floor (one memcpy + one crc32c + raw-direct's O_DIRECT CPU) per GiB: save "

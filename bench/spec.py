@@ -87,17 +87,21 @@ class StateSpec:
 
 @dataclasses.dataclass
 class Job:
-    """One case run in one worker process: ``rounds`` of save + cold restore.
+    """One case run in one worker process: ``warmup`` then ``rounds`` of save + cold restore.
 
     ``root`` is the case's own fresh directory (or URL) on the target storage;
-    round ``r`` saves step ``r`` under it. ``world_size > 1`` runs the job in
-    that many gloo processes, each owning every ``world_size``-th array.
+    round ``r`` saves step ``r`` under it (the warm-up rounds come first: rounds
+    ``0 .. warmup-1``). ``world_size > 1`` runs the job in that many gloo
+    processes, each owning every ``world_size``-th array.
     """
 
     case: str
     root: str
     state: StateSpec
     rounds: int = 3
+    #: Rounds run first and left out of the medians: their samples say ``"warmup": true`` and the
+    #: report shows them apart (``ckptio bench --warmup``; see :attr:`total_rounds`).
+    warmup: int = 0
     cache_drop: str = "fadvise"  # "drop_caches" | "fadvise" | "none"
     verify: bool = True
     world_size: int = 1
@@ -113,6 +117,11 @@ class Job:
     #: lets one job's round run at a time, in turn, see :func:`bench.harness.run_interleaved`).
     gated: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total_rounds(self) -> int:
+        """The rounds the worker runs: the warm-up ones, then the timed ones."""
+        return self.warmup + self.rounds
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

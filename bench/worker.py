@@ -231,7 +231,7 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
             spec=job.state,
             rank=group.rank,
             world_size=job.world_size,
-            options={"rounds": job.rounds, **job.options},
+            options={"rounds": job.total_rounds, **job.options},
         )
         case = cls(ctx, state)
         t0 = time.perf_counter()
@@ -243,13 +243,15 @@ def run(job: Job, emit: Callable[[dict[str, Any]], None] = _emit) -> dict[str, A
             result["pinned"] = cores.to_json()
         gc.collect()
         base_rss = current_rss()
-        for r in range(job.rounds):
+        for r in range(job.total_rounds):
             if job.gated and not _my_turn(emit, r):
                 raise RuntimeError("the harness stopped this job before its round "
                                    f"{r} (its stdin closed)")
             started = time.time()
             sample = _combine(group.gather(_one_round(case, job, group, r, expected, emit, base_rss, cores)))
             sample["started_at"] = started  # wall clock: shows the order of interleaved rounds
+            if r < job.warmup:
+                sample["warmup"] = True  # kept, shown apart, out of the medians (report.summarize)
             result["samples"].append(sample)
             emit({"event": "round_done", "round": r})
             if sample.get("verified") is False:

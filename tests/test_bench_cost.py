@@ -168,3 +168,40 @@ def test_slowdown_on_core_leaves_out_waits_for_a_core_only() -> None:
     gil = {**queued, "train_busy_s": 1.45e-3}
     assert train.slowdown_on_core(gil) == pytest.approx(1.2)
     assert train.slowdown_on_core({**idle, "train_busy_s": 1e-3, "train_cpu_s": 1e-3}) is None  # no runq: older JSON
+
+
+def test_warmup_rounds_run_first_and_stay_out_of_the_medians(tmp_path: Path) -> None:
+    """``--warmup``: the first save (staging buffers allocated, libraries imported) is reported apart,
+    not as one of the rounds a median is taken over."""
+    result = _run(tmp_path, "ckptio", warmup=1)
+    assert [s["round"] for s in result["samples"]] == [0, 1, 2]
+    assert [bool(s.get("warmup")) for s in result["samples"]] == [True, False, False]
+    assert all(s["verified"] for s in result["samples"])  # the warm-up round is checked like the others
+    summary = result["summary"]
+    assert summary["save_gibps"]["n"] == 2 and summary["restore_gibps"]["n"] == 2
+    timed = sorted(ODD.total_bytes / 2**30 / s["save_s"] for s in result["samples"][1:])
+    assert summary["save_gibps"]["min"] == pytest.approx(timed[0]) and summary["save_gibps"]["max"] == pytest.approx(timed[1])
+    first = result["warmup"]
+    assert len(first) == 1 and first[0]["save_gibps"] == pytest.approx(ODD.total_bytes / 2**30 / result["samples"][0]["save_s"])
+
+
+def test_the_cli_says_how_many_warmup_rounds_ran_and_shows_them_apart(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    rc = main(["--cases", "raw-direct", "--size", "2MiB", "--rounds", "1", "--warmup", "1", "--dir",
+               str(tmp_path / "w"), "--no-progress", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "1 rounds after 1 warm-up round" in text and "warm-up round (first save and restore" in text
+    doc = json.loads(out.read_text())
+    assert doc["config"]["warmup"] == 1
+    (case,) = doc["cases"]
+    assert [s.get("warmup", False) for s in case["samples"]] == [True, False]
+    assert case["summary"]["save_gibps"]["n"] == 1
+
+
+def test_a_negative_warmup_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--cases", "raw-direct", "--size", "2MiB", "--warmup", "-1", "--dir", str(tmp_path), "--no-progress"])
+    assert rc != 0
+    err = capsys.readouterr().err.strip()
+    assert "--warmup" in err and len(err.splitlines()) == 1
