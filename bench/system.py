@@ -248,6 +248,17 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _thp_policy(name: str) -> str | None:
+    """The bracketed choice in /sys/kernel/mm/transparent_hugepage/NAME (None where unreadable)."""
+    try:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else text.strip() or None
+
+
 def environment(target_dir: str | None) -> dict[str, Any]:
     """Versions, machine and disk facts recorded with every run."""
     info: dict[str, Any] = {
@@ -260,6 +271,9 @@ def environment(target_dir: str | None) -> dict[str, Any]:
             for d in ("ckptio", "numpy", "torch", "jax", "jaxlib", "orbax-checkpoint", "tensorstore", "psutil")
         },
     }
+    # The writer process's shared-memory slabs get huge pages only where the shmem policy allows
+    # (ckptio.shm): its O_DIRECT requests, and so a JAX save's speed, depend on it.
+    info["transparent_hugepage"] = {k: _thp_policy(k) for k in ("enabled", "shmem_enabled")}
     try:
         import psutil
 

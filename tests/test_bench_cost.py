@@ -195,6 +195,8 @@ def test_the_cli_says_how_many_warmup_rounds_ran_and_shows_them_apart(tmp_path: 
     assert "1 rounds after 1 warm-up round" in text and "warm-up round (first save and restore" in text
     doc = json.loads(out.read_text())
     assert doc["config"]["warmup"] == 1
+    # The host's huge-page policies, which the writer process's request sizes depend on.
+    assert set(doc["env"]["transparent_hugepage"]) == {"enabled", "shmem_enabled"}
     (case,) = doc["cases"]
     assert [s.get("warmup", False) for s in case["samples"]] == [True, False]
     assert case["summary"]["save_gibps"]["n"] == 1
