@@ -97,8 +97,8 @@ def test_a_save_prefaults_only_its_new_buffers_and_changes_no_byte() -> None:
     assert all(np.array_equal(o, s) for o, s in zip(outs, srcs))
 
 
-def _huge_bytes(buf: np.ndarray) -> int:
-    """Bytes of the mapping holding ``buf`` that sit in transparent huge pages (/proc/self/smaps)."""
+def _smaps_field(buf: np.ndarray, field: str) -> list[str]:
+    """The values of ``field`` (e.g. ``AnonHugePages:``) for the mapping holding ``buf`` (/proc/self/smaps)."""
     addr, found = buf.ctypes.data, False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -106,9 +106,15 @@ def _huge_bytes(buf: np.ndarray) -> int:
             if "-" in head[0] and len(head) >= 5:
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
                 found = lo <= addr < hi
-            elif found and head[0] == "AnonHugePages:":
-                return int(head[1]) << 10
-    return 0
+            elif found and head[0] == field:
+                return head[1:]
+    return []
+
+
+def _huge_bytes(buf: np.ndarray) -> int:
+    """Bytes of the mapping holding ``buf`` that sit in transparent huge pages."""
+    kib = _smaps_field(buf, "AnonHugePages:")
+    return int(kib[0]) << 10 if kib else 0
 
 
 def test_collapse_keeps_every_byte_and_leaves_what_it_cannot_move() -> None:
@@ -182,20 +188,6 @@ def test_a_shared_memory_pool_is_never_collapsed() -> None:
         pool.close()
 
 
-def _vm_flags(buf: np.ndarray) -> list[str]:
-    """The VmFlags of the mapping holding ``buf`` (/proc/self/smaps)."""
-    addr, found = buf.ctypes.data, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5:
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                found = lo <= addr < hi
-            elif found and head[0] == "VmFlags:":
-                return head[1:]
-    return []
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
                     reason="reads /proc/self/smaps")
 def test_shared_memory_slabs_ask_for_huge_pages_before_their_first_touch() -> None:
@@ -206,7 +198,7 @@ def test_shared_memory_slabs_ask_for_huge_pages_before_their_first_touch() -> No
     pool = ShmStagingPool()
     try:
         buf = pool.take(4 << 20)
-        assert "hg" in _vm_flags(buf)
+        assert "hg" in _smaps_field(buf, "VmFlags:")
         data = np.random.default_rng(5).integers(0, 255, buf.nbytes, dtype=np.uint8)
         buf[:] = data
         assert np.array_equal(buf, data)
