@@ -12,7 +12,10 @@ unmapped them again. On a 512 MiB ckptio-orbax save that was ~20 % of the save's
 (perf: ``shmem_fault``, ``__munmap``, ``shmem_evict_inode``), on top of the copy itself.
 So the buffers live here, process-wide: a write takes one for as long as it runs and
 gives it back; at most :data:`KEEP` free ones are kept (one per write thread of a
-default backend), in private anonymous memory (cheaper to fault in than shmem).
+default backend), in private anonymous memory (cheaper to fault in than shmem), in huge
+pages where the kernel grants them: from 4 KiB pages each O_DIRECT request carried ~1 MiB, and
+an in-process JAX save (its arrays all bounced) of 256 MiB, alternated with the raw O_DIRECT
+write in one process, reached 0.74-0.83x of it; from huge pages, 0.92-0.94x (issue 35).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class BouncePool:
         """A buffer of :attr:`size` bytes for the duration of the block, then back to the pool."""
         buf = self._free.take(self.size)
         if buf is None:
-            buf = memoryview(fresh_pages(self.size))
+            buf = memoryview(fresh_pages(self.size, huge=True))
         try:
             yield buf
         finally:

@@ -190,17 +190,22 @@ def test_a_shared_memory_pool_is_never_collapsed() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
                     reason="reads /proc/self/smaps")
-def test_shared_memory_slabs_ask_for_huge_pages_before_their_first_touch() -> None:
-    """The writer process's O_DIRECT writes go out in larger requests from huge pages: a slab asks for
-    them (MADV_HUGEPAGE, "hg") whatever the host's shmem policy then grants, and keeps every byte."""
+def test_kept_buffers_ask_for_huge_pages_before_their_first_touch() -> None:
+    """O_DIRECT writes go out in larger requests from huge pages: the bounce buffers and the writer
+    process's shared-memory slabs ask for them (MADV_HUGEPAGE, "hg") whatever the host's policy then
+    grants; plain fresh pages (restore destinations) do not, and every byte is kept."""
+    from ckptio.backends._bounce import BouncePool
     from ckptio.shm import ShmStagingPool
 
-    pool = ShmStagingPool()
+    plain, huge = fresh_pages(4 << 20), fresh_pages(4 << 20, huge=True)
+    assert "hg" not in _smaps_field(plain, "VmFlags:") and "hg" in _smaps_field(huge, "VmFlags:")
+    shared = ShmStagingPool()
     try:
-        buf = pool.take(4 << 20)
-        assert "hg" in _smaps_field(buf, "VmFlags:")
-        data = np.random.default_rng(5).integers(0, 255, buf.nbytes, dtype=np.uint8)
-        buf[:] = data
-        assert np.array_equal(buf, data)
+        with BouncePool(size=4 << 20).lend() as bounce:
+            for buf in (np.frombuffer(bounce, np.uint8), shared.take(4 << 20)):
+                assert "hg" in _smaps_field(buf, "VmFlags:")
+                data = np.random.default_rng(6).integers(0, 255, buf.nbytes, dtype=np.uint8)
+                buf[:] = data
+                assert np.array_equal(buf, data)
     finally:
-        pool.close()
+        shared.close()

@@ -21,6 +21,7 @@ works instead of inside the copy that waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -32,7 +33,7 @@ import numpy as np
 
 from .bytes import flat_bytes
 
-__all__ = ["FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "collapse", "fresh_pages", "populate"]
+__all__ = ["FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "ask_huge_pages", "collapse", "fresh_pages", "populate"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,36 @@ HUGE_PAGE = 2 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
-def fresh_pages(nbytes: int) -> np.ndarray:
+def fresh_pages(nbytes: int, *, huge: bool = False) -> np.ndarray:
     """An uninitialised, writable uint8 buffer of ``nbytes``; page-aligned private anonymous
-    memory in 4 KiB pages when large (see the module docstring for why not ``np.empty``)."""
+    memory in 4 KiB pages when large (see the module docstring for why not ``np.empty``).
+
+    ``huge``: ask for transparent huge pages before the first touch (:func:`ask_huge_pages`), for
+    buffers kept and written from again and again, where the kernel's one-time cost of finding
+    huge pages is repaid by every O_DIRECT write (see :func:`collapse`)."""
     if nbytes < FRESH_MIN:
         return np.empty(nbytes, np.uint8)
     if not _PRIVATE:  # no mmap flags on this platform: its default mapping, page-aligned all the same
         return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=_PRIVATE), dtype=np.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=_PRIVATE)
+    if huge:
+        ask_huge_pages(mm)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def ask_huge_pages(mm: mmap.mmap) -> None:
+    """Ask for transparent huge pages for a fresh mapping, before its first touch (MADV_HUGEPAGE).
+
+    O_DIRECT from 4 KiB pages goes to the disk in requests of at most ``max_segments`` pages
+    (~1 MiB here), from huge pages in requests of up to ``max_sectors_kb`` (4 MiB). What the
+    kernel grants depends on the host's policy (``/sys/kernel/mm/transparent_hugepage/enabled``,
+    and ``shmem_enabled`` for shared memory); a refusal (no THP, an old kernel) leaves the pages
+    small: an optimisation only.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            mm.madvise(advice)
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
