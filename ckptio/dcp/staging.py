@@ -28,7 +28,7 @@ from ckptio._system import copy_bytes
 from ckptio._system.freelists import FreeLists
 from ckptio.staging import aligned_empty
 
-from ._tensorbytes import plain_array, plain_bytes, tensor_over
+from ._tensorbytes import plain_array, tensor_over
 
 __all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
 
@@ -113,18 +113,18 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
         DTensor = ()  # type: ignore[assignment,misc]
 
     def host_copy(t: Any) -> Any:
+        if t.requires_grad:  # the same bytes without autograd: a plain one then takes the fast path
+            t = t.detach()
         fast = _host_copy_plain(t, pool)
         if fast is not None:
             return fast
-        t = t.detach()
         pinned = t.device.type != "cpu" and torch.cuda.is_available()
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             return torch.empty(t.shape, dtype=t.dtype), None
         buf = pool.take(nbytes, pinned)
         out = buf.view(t.dtype).view(t.shape)
-        if not _copy_bytes_of(t, buf):
-            out.copy_(t)
+        out.copy_(t)
         return out, (buf, pinned)
 
     def walk(x: Any) -> Any:
@@ -164,7 +164,12 @@ def _host_copy_plain(t: Any, pool: HostBuffers) -> tuple[Any, tuple[Any, bool]] 
     """:func:`stage_state_dict`'s copy of a plain CPU tensor, with one GIL-releasing call (the copy)
     where the general path made six (see :mod:`ckptio.dcp._tensorbytes`; this path measured a
     ckptio-dcp-async stall of 2-2.5 s for 32 tensors beside a training thread holding the GIL, stock
-    DCP's 0.74 s); None for any other tensor."""
+    DCP's 0.74 s); None for any other tensor.
+
+    Not torch's ``copy_``: it splits a large copy over its OpenMP threads, which then spin waiting
+    for the next parallel region (staging 512 MiB cost 0.25-0.27 s of CPU that way here against
+    0.07 s on one thread, ~30 % of a ckptio-dcp-async save's CPU; perf: ``libgomp``). numpy's
+    copy runs on one thread, with the GIL released."""
     src = plain_array(t)
     if src is None or src.nbytes == 0:
         return None
@@ -172,23 +177,6 @@ def _host_copy_plain(t: Any, pool: HostBuffers) -> tuple[Any, tuple[Any, bool]] 
     dst = buf.numpy()
     copy_bytes(memoryview(dst), memoryview(src.reshape(-1).view(np.uint8)))
     return tensor_over(dst, src, t.dtype), (buf, False)
-
-
-def _copy_bytes_of(t: Any, buf: Any) -> bool:
-    """Copy ``t``'s bytes into the uint8 CPU tensor ``buf`` with numpy when ``t`` is plain (see
-    :func:`~ckptio.dcp._tensorbytes.plain_bytes`: here, a detached tensor that had autograd
-    history); False (nothing copied) for anything else.
-
-    torch's ``copy_`` splits a large copy over its OpenMP threads, which then spin waiting for the
-    next parallel region: staging 512 MiB cost 0.25-0.27 s of CPU that way here against 0.07 s for
-    one thread (``torch.set_num_threads(1)``), ~30 % of a ckptio-dcp-async save's CPU (perf:
-    ``libgomp``). numpy copies on one thread, with the GIL released.
-    """
-    src = plain_bytes(t)
-    if src is None:
-        return False
-    copy_bytes(memoryview(buf.numpy()), memoryview(src))
-    return True
 
 
 class Stager(AsyncStager):
