@@ -281,7 +281,7 @@ class Sidecar:
                 with self._send_order:
                     self._send_slabs(export.pool)
                     self._chan.send(("object", rid, i, plan.key, desc))
-            return fut.result()
+            written = fut.result()
         except BaseException as e:
             if not fut.done():
                 # The staged buffers go back to the pool after this: the child must be done with them.
@@ -295,6 +295,8 @@ class Sidecar:
             raise
         finally:
             export.release()
+        export.settle()  # off every path a step waits on: this save's thread, before its result()
+        return written
 
     def close(self, timeout: float = 5.0) -> None:
         """End the child (EOF on its socket) and wait for the reader thread to reap it."""

@@ -46,6 +46,7 @@ class Export:
         self._users: dict[int, tuple[np.ndarray, set[int]]] = {}  # id(buffer) -> buffer, objects using it
         self._by_object: dict[int, set[int]] = {}
         self._shards: dict[int, tuple[np.ndarray, int, tuple[int, int]]] = {}  # id(shard) -> shard, buffer, place
+        self.new: list[np.ndarray] = []  # copies made into buffers the pool made for this save
 
     def _need(self, plan: ObjectPlan) -> int:
         """Bytes ``plan``'s extents will be copied into (0 for bytes already in shared memory)."""
@@ -60,7 +61,9 @@ class Export:
         return need
 
     def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
-        buf = self.pool.take(n)
+        buf, fresh = self.pool.obtain(n)
+        if fresh:
+            self.new.append(buf)
         fill(memoryview(buf))
         with self._cond:
             self._users[id(buf)] = (buf, {user})
@@ -129,6 +132,12 @@ class Export:
         with self._cond:
             self.over = True
             self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Once the save is written: the buffers the pool made for it move into huge pages
+        (:meth:`ShmStagingPool.settle`), for the saves that reuse them."""
+        new, self.new = self.new, []
+        self.pool.settle(new)
 
     def release(self) -> None:
         """Give back every copy still held (the save is over, written or not)."""

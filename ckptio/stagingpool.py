@@ -36,10 +36,6 @@ class StagingPool:
     copies at ~7.7 GiB/s: reusing buffers is most of the stall.
     """
 
-    #: Whether :meth:`settle` may move this pool's new buffers into huge pages (its buffers are
-    #: private anonymous memory; a pool of shared memory says no).
-    huge_pages = True
-
     def __init__(self, max_bytes: int | None = None) -> None:
         # By size; None: keep everything given back.
         self._free: FreeLists[int, np.ndarray] = FreeLists(max_bytes)
@@ -70,8 +66,6 @@ class StagingPool:
         """Move ``new`` -- buffers this pool made for a save that is now written -- into huge
         pages, for every later save that reuses them; the bytes moved. Contents are kept, and a
         buffer some other save has taken meanwhile stays valid (``collapse``)."""
-        if not self.huge_pages:
-            return 0
         return collapse([b for b in new if b.nbytes >= HUGE_PAGE])
 
     def clear(self) -> None:

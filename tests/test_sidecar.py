@@ -25,8 +25,10 @@ import pytest
 
 import ckptio
 from ckptio import sidecar, sidecar_export
+from ckptio._system import HUGE_PAGE
 from ckptio.engine import EngineConfig
 from ckptio.errors import SaveFailedError
+from ckptio.shm import ShmStagingPool
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the sidecar needs Linux memfd")
 
@@ -120,6 +122,37 @@ def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path, 
         assert any("tile" in sh for it in items if isinstance(it, dict) for sh in it["shards"])
     assert _normalized_manifest(tmp_path / "thread" / "1") == _normalized_manifest(tmp_path / "sidecar" / "1")
     out = ckptio.restore(tmp_path / "sidecar", 1)
+    assert out["w"].tobytes() == np.asarray(state["w"]).tobytes() and out["b"].tobytes() == np.asarray(state["b"]).tobytes()
+
+
+def test_the_copies_a_jax_save_makes_in_shared_memory_are_settled_once(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared-memory copies of a JAX save stay in the pool for the saves after it, so once it is
+    written the pool moves the buffers it made into huge pages (``ShmStagingPool.settle``: the writer
+    process's O_DIRECT writes go out in larger requests), each large one starting on a huge page of
+    its slab; the next save reuses them and settles none; the bytes restore as saved."""
+    jnp = pytest.importorskip("jax.numpy")
+    settled: list[int] = []
+    real = ShmStagingPool.settle
+
+    def spy(self: ShmStagingPool, new: Any) -> int:
+        for b in new:
+            located = self.locate(memoryview(b))
+            assert located is not None and (b.nbytes < 4 * HUGE_PAGE or located[1] % HUGE_PAGE == 0)
+        settled.extend(b.nbytes for b in new if b.nbytes >= HUGE_PAGE)
+        return real(self, new)
+
+    monkeypatch.setattr(ShmStagingPool, "settle", spy)
+    state = {"w": jnp.arange(3 << 20, dtype=jnp.float32), "b": jnp.ones(33, jnp.bfloat16)}
+    mngr = ckptio.CheckpointManager(tmp_path, engine_config=SIDECAR)
+    try:
+        mngr.save(1, state).result()
+        assert settled == [12 << 20]
+        mngr.save(2, state).result()
+        assert settled == [12 << 20]
+    finally:
+        mngr.close()
+    out = ckptio.restore(tmp_path, 2)
     assert out["w"].tobytes() == np.asarray(state["w"]).tobytes() and out["b"].tobytes() == np.asarray(state["b"]).tobytes()
 
 
@@ -261,6 +294,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
     from ckptio import sidecar, sidecar_export
+from ckptio._system import HUGE_PAGE
     from ckptio.engine import EngineConfig
     mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .arrays import unique, unique_rows
 from .bytes import GIL_FREE_MIN, address, byte_views, copy_bytes, flat_bytes, gather_bytes, scatter_bytes
-from .pages import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, ask_huge_pages, collapse, fresh_pages, populate
+from .pages import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, ask_huge_pages, collapse, collapse_shared, fresh_pages, populate
 from .threads import background_pool, lower_this_thread, start_workers
 
 __all__ = [
@@ -20,12 +20,13 @@ __all__ = [
     "HUGE_PAGE",
     "POPULATE_MIN",
     "address",
+    "ask_huge_pages",
     "background_pool",
     "byte_views",
     "collapse",
+    "collapse_shared",
     "copy_bytes",
     "flat_bytes",
-    "ask_huge_pages",
     "fresh_pages",
     "gather_bytes",
     "lower_this_thread",

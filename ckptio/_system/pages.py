@@ -33,7 +33,9 @@ import numpy as np
 
 from .bytes import flat_bytes
 
-__all__ = ["FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "ask_huge_pages", "collapse", "fresh_pages", "populate"]
+__all__ = [
+    "FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "ask_huge_pages", "collapse", "collapse_shared", "fresh_pages", "populate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ _MADV_COLLAPSE = 25  # Linux 6.1+
 #: A transparent huge page (x86-64, arm64 with 4 KiB pages): what :func:`collapse` moves memory into.
 HUGE_PAGE = 2 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_MAP_FIXED, _PROT_NONE = 0x10, 0  # Linux; not in Python's mmap module
 
 
 def fresh_pages(nbytes: int, *, huge: bool = False) -> np.ndarray:
@@ -110,6 +113,26 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
 _madvise = _load_madvise()
 
 
+def _load_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]] | None:
+    """libc's mmap and munmap (Python's mmap cannot map at an address of our choosing)."""
+    if _madvise is None:
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn, un = libc.mmap, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fn.restype = ctypes.c_void_p
+    un.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    un.restype = ctypes.c_int
+    return fn, un
+
+
+_sys_mmap = _load_mmap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 def populate(buffers: Sequence[memoryview]) -> None:
     """Fault in, writable, the whole pages of each large buffer, keeping their contents.
 
@@ -161,3 +184,37 @@ def collapse(buffers: Sequence[np.ndarray]) -> int:
         if hi > lo and _madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
             done += hi - lo
     return done
+
+
+def collapse_shared(fd: int, offset: int, nbytes: int) -> int:
+    """As :func:`collapse`, for ``nbytes`` at ``offset`` of a shared-memory file (a memfd slab):
+    its whole huge pages move into transparent huge pages, contents kept; the bytes moved.
+
+    MADV_COLLAPSE moves shared memory whatever the host's shmem THP policy says (``never``
+    on this VM; only ``deny`` refuses), but only through a mapping that puts the file's 2 MiB
+    boundaries on 2 MiB addresses, and a slab's own mapping lies wherever mmap put it. So the
+    range is collapsed through a mapping of our own, at an aligned address, unmapped after:
+    the huge pages belong to the file, and every mapping of it (the trainer's, the writer
+    process's) then reads the same bytes from physically contiguous memory, which O_DIRECT
+    sends in 4 MiB requests. Measured here: a 256 MiB JAX save through the writer process
+    went from 0.82-0.84x the raw write (slabs in 4 KiB pages) to 0.89-0.92x with the slabs in
+    huge pages. An optimisation only, like :func:`collapse`: a page still being written from
+    (pinned) or any refusal leaves the range as it was.
+    """
+    lo = -(-offset // HUGE_PAGE) * HUGE_PAGE
+    hi = (offset + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if _madvise is None or _sys_mmap is None or hi <= lo:
+        return 0
+    sys_mmap, munmap = _sys_mmap
+    span = hi - lo + HUGE_PAGE  # room to slide the mapping onto a 2 MiB boundary
+    base = sys_mmap(None, span, _PROT_NONE, _PRIVATE | getattr(mmap, "MAP_NORESERVE", 0), -1, 0)
+    if base is None or base == _MAP_FAILED:
+        return 0
+    try:
+        at = -(-base // HUGE_PAGE) * HUGE_PAGE
+        fixed = sys_mmap(at, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, lo)
+        if fixed != at:
+            return 0
+        return hi - lo if _madvise(at, hi - lo, _MADV_COLLAPSE) == 0 else 0
+    finally:
+        munmap(base, span)  # the reservation and the file's mapping inside it
