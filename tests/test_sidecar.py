@@ -294,7 +294,6 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
     from ckptio import sidecar, sidecar_export
-from ckptio._system import HUGE_PAGE
     from ckptio.engine import EngineConfig
     mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}
