@@ -27,7 +27,7 @@ __all__ = ["ShmStagingPool", "close_shared_pool", "forget_shared_pool", "shared_
 _SLAB = 64 << 20  # the smallest shared-memory file: few descriptors, one per 64 MiB of staging
 _BIG = 64 << 10  # buffers this large start on a page (O_DIRECT writes them without a bounce)
 _SMALL_ALIGN = 64
-_HUGE = 4 * HUGE_PAGE  # buffers this large start on a 2 MiB boundary (at most a third of one lost)
+_HUGE = 4 * HUGE_PAGE  # buffers this large start on a 2 MiB boundary (under a quarter of one left unused)
 #: Slab ids are unique in the process, across pools: a sidecar maps each id once.
 _slab_ids = itertools.count(1)
 
