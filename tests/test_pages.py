@@ -205,23 +205,24 @@ def test_a_shared_memory_pool_settles_its_buffers_into_huge_pages_through_the_sl
         pytest.skip("this kernel or host gives no huge page to MADV_COLLAPSE")
     pool = ShmStagingPool()
     try:
-        small = pool.take((1 << 20) + 5)  # puts the next buffer off a 2 MiB boundary of its slab
-        buf = pool.take(9 << 20)
-        data = np.random.default_rng(7).integers(0, 255, buf.nbytes, dtype=np.uint8)
-        buf[:] = data
-        small[:] = 4
-        moved = pool.settle([buf, small, np.zeros(4 << 20, np.uint8)])  # the last is no slab's
+        small = pool.take((1 << 20) + 5)
+        off = pool.take(5 << 20)  # page-aligned, off a 2 MiB boundary of its slab: [1 MiB + 4 KiB, 6 MiB + 4 KiB)
+        big = pool.take(9 << 20)  # large: starts on a 2 MiB boundary (8 MiB)
+        rng = np.random.default_rng(7)
+        data = [rng.integers(0, 255, b.nbytes, dtype=np.uint8) for b in (off, big)]
+        off[:], big[:], small[:] = data[0], data[1], 4
+        located = [pool.locate(memoryview(b)) for b in (off, big)]
+        assert located[0] is not None and located[0][1] % HUGE_PAGE and located[1] == (located[0][0], 8 << 20)
+        moved = pool.settle([off, big, small, np.zeros(4 << 20, np.uint8)])  # the last is no slab's
         if moved == 0 and not _huge_pages_to_be_had():
             pytest.skip("no huge page to be had just now (memory fragmented by other tests)")
-        assert moved % HUGE_PAGE == 0 and moved >= 6 << 20  # the whole 2 MiB pages inside buf
-        assert np.array_equal(buf, data) and (small == 4).all()
-        located = pool.locate(memoryview(buf))
-        assert located is not None
-        sid, offset = located
-        fd, size = next((fd, size) for i, fd, size in pool.slabs() if i == sid)
+        assert moved == (4 << 20) + (8 << 20)  # the whole 2 MiB pages inside each: [2, 6) and [8, 16) MiB
+        assert np.array_equal(off, data[0]) and np.array_equal(big, data[1]) and (small == 4).all()
+        fd, size = next((fd, size) for i, fd, size in pool.slabs() if i == located[0][0])
         other = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         try:
-            assert np.array_equal(np.frombuffer(other, np.uint8, buf.nbytes, offset), data)
+            for b, (_sid, at), want in zip((off, big), located, data):
+                assert np.array_equal(np.frombuffer(other, np.uint8, b.nbytes, at), want)
         finally:
             other.close()
     finally:
