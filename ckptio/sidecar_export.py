@@ -46,7 +46,7 @@ class Export:
         self._users: dict[int, tuple[np.ndarray, set[int]]] = {}  # id(buffer) -> buffer, objects using it
         self._by_object: dict[int, set[int]] = {}
         self._shards: dict[int, tuple[np.ndarray, int, tuple[int, int]]] = {}  # id(shard) -> shard, buffer, place
-        self.new: list[np.ndarray] = []  # copies made into buffers the pool made for this save
+        self.new: list[np.ndarray] = []  # buffers the pool made for this save's copies (settle())
 
     def _need(self, plan: ObjectPlan) -> int:
         """Bytes ``plan``'s extents will be copied into (0 for bytes already in shared memory)."""

@@ -85,14 +85,23 @@ def ask_huge_pages(mm: mmap.mmap) -> None:
             mm.madvise(advice)
 
 
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise when the kernel has MADV_POPULATE_WRITE, else None (a no-op populate)."""
+def _load_libc() -> ctypes.CDLL | None:
+    """The C library on Linux (for madvise, mmap and munmap); None elsewhere or where it will not load."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
+_libc = _load_libc()
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise when the kernel has MADV_POPULATE_WRITE, else None (a no-op populate)."""
+    fn = getattr(_libc, "madvise", None)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -115,12 +124,8 @@ _madvise = _load_madvise()
 
 def _load_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]] | None:
     """libc's mmap and munmap (Python's mmap cannot map at an address of our choosing)."""
-    if _madvise is None:
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn, un = libc.mmap, libc.munmap
-    except (OSError, AttributeError):
+    fn, un = getattr(_libc, "mmap", None), getattr(_libc, "munmap", None)
+    if _madvise is None or fn is None or un is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     fn.restype = ctypes.c_void_p
