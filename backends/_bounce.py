@@ -1,8 +1,10 @@
 """O_DIRECT bounce buffers, shared by every local backend of the process.
 
-O_DIRECT takes only aligned memory, so unaligned caller bytes (jax CPU arrays are
-64-byte aligned; DCP and Orbax hand over the caller's arrays as they are) are
-gathered into an aligned bounce buffer before each write. Such a buffer is worth
+O_DIRECT takes only aligned memory at aligned offsets, so caller bytes out of step
+with the file (jax CPU arrays are 64-byte aligned; DCP and Orbax hand over the
+caller's arrays as they are) are gathered into an aligned bounce buffer before each
+write: all of a view laid out anywhere, only the partial pages at either end of one
+laid out in step with its memory (``ckptio.layout.direct_offset``). Such a buffer is worth
 keeping: faulting its pages in costs more than the copy into it (issue 17).
 
 They used to be kept per backend and per write thread, as shared (shmem) mappings.
@@ -21,13 +23,12 @@ write in one process, reached 0.74-0.83x of it; from huge pages, 0.92-0.94x (iss
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from ckptio._system import fresh_pages
-from ckptio._system.bytes import address, byte_views
 from ckptio._system.freelists import FreeLists
 
-__all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE", "mostly_unaligned"]
+__all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE"]
 
 #: Bytes per bounce buffer: one O_DIRECT request's worth.
 BOUNCE_BYTES = 8 << 20
@@ -76,9 +77,3 @@ class BouncePool:
 
 #: The pool every local backend's direct writes use.
 BOUNCE = BouncePool()
-
-
-def mostly_unaligned(buffers: Sequence[memoryview], align: int) -> bool:
-    """Whether most bytes of ``buffers`` would pass through a bounce buffer (unaligned memory)."""
-    views = byte_views(buffers)
-    return 2 * sum(v.nbytes for v in views if address(v) % align) >= sum(v.nbytes for v in views)

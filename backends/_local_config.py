@@ -25,12 +25,13 @@ class LocalConfig:
     #: 2-core host, copying through the page cache costs more CPU than the disk takes time.
     #: Falls back to buffered IO by itself where the file system refuses O_DIRECT.
     direct: bool = True
-    #: O_DIRECT also for an object whose bytes are mostly in unaligned memory (torch's and numpy's
-    #: own allocations, 16-64 bytes into a page), which must pass through a bounce buffer first.
-    #: False: such an object is written through the page cache and fsync'd, as stock DCP writes:
-    #: the kernel's copy replaces the bounce copy, and writeback sends large requests from a deep
-    #: queue where each direct write waits for the device. ``ckptio.dcp.Writer`` sets it False: a
-    #: sync ``dcp.save`` of torch's tensors bounced every byte (issue 35).
+    #: O_DIRECT also for an object whose bytes mostly must pass through a bounce buffer first: memory
+    #: out of step with its offset in the file (torch's and numpy's own allocations are 16-64 bytes
+    #: into a page; ``ckptio.layout.direct_offset`` lays large ones out in step, where only their
+    #: partial pages are bounced). False: such an object is written through the page cache and
+    #: fsync'd, as stock DCP writes: the kernel's copy replaces the bounce copy, and writeback sends
+    #: large requests from a deep queue where each direct write waits for the device.
+    #: ``ckptio.dcp.Writer`` sets it False (issue 35).
     direct_unaligned: bool = True
     #: fsync each file before its rename (and directories in ``sync``).
     fsync: bool = True

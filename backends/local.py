@@ -12,7 +12,6 @@ aligned bulk of each object.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import errno
 import os
@@ -23,10 +22,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
 from ckptio._system.poolshelf import PoolSlot
 
-from ._bounce import BOUNCE, BOUNCE_BYTES, mostly_unaligned
+from ._direct import mostly_unaligned, read_direct, write_direct
 from ._local_config import LocalConfig
 from ._posix import (
     TMP_MARK, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
@@ -43,8 +41,6 @@ __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 T = TypeVar("T")
 
 _DIRECT_MIN = 1 << 20
-#: The most bytes one O_DIRECT write request gathers from consecutive views (one bounce buffer's worth).
-_DIRECT_REQUEST = BOUNCE_BYTES
 #: Tries to create a temp file while concurrent deletes keep removing its empty directory.
 _MKDIR_ATTEMPTS = 20
 
@@ -179,54 +175,10 @@ class LocalBackend(Backend):
         return tmp
 
     def _write_direct(self, tmp: str, fd: int, buffers: Sequence[memoryview]) -> None:
-        """The aligned bulk through an O_DIRECT descriptor, the final partial block through ``fd``.
-
-        Aligned caller memory (ckptio's staging buffers are page-aligned) goes to the
-        device as it is: no copy at all. Unaligned memory is gathered into an aligned
-        bounce buffer first, lent by the process's pool (:mod:`ckptio.backends._bounce`).
-        Consecutive aligned views and a full bounce buffer go out as one request of up to
-        :data:`_DIRECT_REQUEST` bytes: each O_DIRECT write waits for the device, so a small
-        view written on its own (a DCP chunk's 4 KiB ``torch.save`` frame beside its 8 MiB of
-        data) cost a whole round trip behind the other streams' large writes.
-        """
-        align = self.config.alignment
-        # Empty views are dropped first: cast() refuses views with a zero in their shape.
-        views = byte_views(buffers)
-        total = sum(v.nbytes for v in views)
-        direct_end = total - total % align
+        """The aligned bulk through an O_DIRECT descriptor (:func:`write_direct`), the final partial block through ``fd``."""
         dfd = os.open(tmp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
-            with contextlib.ExitStack() as lent:
-                bounce: memoryview | None = None  # taken from the process's pool at the first unaligned byte
-                pos = filled = 0  # bytes on the device so far; bytes waiting in the bounce buffer
-                queued: list[memoryview] = []  # aligned views for the next request, before the bounce's bytes
-                nqueued = 0
-                tail: list[memoryview] = []
-                for v in views:
-                    while v.nbytes and pos + nqueued + filled < direct_end:
-                        if not filled and address(v) % align == 0:
-                            n = min(v.nbytes, direct_end - pos - nqueued)
-                            n -= n % align
-                            if n:
-                                queued.append(v[:n])
-                                nqueued, v = nqueued + n, v[n:]
-                                if nqueued >= _DIRECT_REQUEST or pos + nqueued == direct_end:
-                                    pos += pwritev_all(dfd, queued, pos)
-                                    queued, nqueued = [], 0
-                                continue
-                        if bounce is None:
-                            bounce = lent.enter_context(BOUNCE.lend())
-                            bounce = bounce[: min(bounce.nbytes - bounce.nbytes % align, direct_end)]
-                        take = min(v.nbytes, len(bounce) - filled, direct_end - pos - nqueued - filled)
-                        copy_bytes(bounce[filled : filled + take], v[:take])
-                        filled, v = filled + take, v[take:]
-                        if filled == len(bounce) or pos + nqueued + filled == direct_end:
-                            pos += pwritev_all(dfd, [*queued, bounce[:filled]], pos)
-                            queued, nqueued, filled = [], 0, 0
-                    if v.nbytes:
-                        tail.append(v)
-            if tail:
-                pwritev_all(fd, tail, direct_end)
+            write_direct(dfd, fd, buffers, self.config.alignment)
         finally:
             os.close(dfd)
 
@@ -314,20 +266,10 @@ class LocalBackend(Backend):
                 os.close(fd)
 
     def _read_direct(self, key: str, fd: int, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
-        """Aligned buffers at aligned offsets are read with O_DIRECT (no page-cache copy); the rest
-        (unaligned memory, partial blocks) through the page cache."""
-        align = self.config.alignment
+        """What :func:`read_direct` can take straight from the device, the rest through the page cache."""
         dfd = os.open(self.path(key), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         try:
-            off = rng.start
-            for b in buffers:
-                v = flat_bytes(b)
-                n = v.nbytes - v.nbytes % align if off % align == 0 and address(v) % align == 0 else 0
-                if n:
-                    preadv_all(dfd, [v[:n]], off)
-                if n < v.nbytes:
-                    preadv_all(fd, [v[n:]], off + n)
-                off += v.nbytes
+            read_direct(dfd, fd, rng.start, buffers, self.config.alignment)
         finally:
             os.close(dfd)
 

@@ -37,18 +37,22 @@ from typing import Any
 
 import numpy as np
 
+from ckptio._system.bytes import address
 from ckptio.backends.base import LayoutDefaults, join_key
 
 from .staging import LeafPack, StagedArray, StagingPool
 from .tiling import TileCopy, tile_boxes
 
+#: Unaligned memory is laid out in step with the file (:func:`direct_offset`) from this many bytes on:
+#: under it, the padding (up to a page) costs more than the bounce copy it saves.
+DIRECT_MIN = 1 << 16
 #: Write buffers of lazy (tiled) objects, reused across objects and saves: fresh memory costs
 #: page faults at a third of copy speed. Bounded: a few objects' worth in flight.
 _SCRATCH = StagingPool(max_bytes=512 << 20)
 _ROUND = 1 << 20
 
-__all__ = ["MIN_BLOCK", "MIN_BLOCKS_PER_SHARD", "FanoutNaming", "FlatNaming", "HashedNaming", "LayoutOptions", "Naming",
-           "ObjectPlan", "Piece", "PlannedExtent", "extent_block", "pack", "pieces_of"]
+__all__ = ["DIRECT_MIN", "MIN_BLOCK", "MIN_BLOCKS_PER_SHARD", "FanoutNaming", "FlatNaming", "HashedNaming", "LayoutOptions", "Naming",
+           "ObjectPlan", "Piece", "PlannedExtent", "direct_offset", "extent_block", "pack", "pieces_of"]
 
 #: A shard is checksummed in at least this many blocks (unless :data:`MIN_BLOCK` stops it): a
 #: read of part of it rounds out by less than one block in 32 at each cut end, so the half of
@@ -286,6 +290,20 @@ class HashedNaming(Naming):
         return [f"h{i:0{self.chars}x}" for i in range(16**self.chars)]
 
 
+def direct_offset(size: int, data: memoryview | None, align: int) -> int:
+    """The first offset from ``size`` where ``data`` can be written with direct IO as it lies in memory.
+
+    That is the first one congruent to ``data``'s address modulo ``align``: from its first
+    ``align``-aligned byte on, memory and file are aligned together, so only the partial
+    blocks at either end pass through a bounce buffer. ckptio's own buffers are aligned
+    (an aligned offset); a sync ``dcp.save`` hands over torch's tensors as they are, 64
+    bytes past a page, whose bytes would otherwise all be copied once more (issue 35).
+    Unaligned ``data`` under :data:`DIRECT_MIN` bytes takes the aligned offset, as before.
+    """
+    phase = address(data) % align if data is not None and data.nbytes >= DIRECT_MIN else 0
+    return size + (phase - size) % align
+
+
 def pack(
     pieces: Iterable[Piece],
     *,
@@ -300,7 +318,8 @@ def pack(
     into objects of its own; smaller ones are appended to the current object
     until it would pass the target. ``key_for(n)`` names object ``n``. With
     ``align > 1`` (direct IO), every extent of at least ``align`` bytes starts
-    at an aligned offset (zero padding before it), so it can be written and
+    at an offset congruent to its memory's address modulo ``align`` (zero
+    padding before it; see :func:`direct_offset`), so it can be written and
     read without a bounce copy.
     """
     if align > len(_ZEROS):
@@ -326,13 +345,14 @@ def pack(
             close()
             for start in range(0, n, step):
                 chunk = p.data[start : start + step]
-                plans.append(ObjectPlan(key_for(len(plans)), [PlannedExtent(p.item, p.shard, p.shard_offset + start, 0, chunk,
-                                                                            block=p.block)]))
+                at = direct_offset(0, chunk, align) if align > 1 else 0
+                plans.append(ObjectPlan(key_for(len(plans)), [PlannedExtent(p.item, p.shard, p.shard_offset + start, at,
+                                                                            chunk, block=p.block)]))
             continue
         if size and size + n > object_size:
             close()
-        if align > 1 and n >= align and size % align:
-            size += align - size % align  # small pieces stay packed tight; big ones start aligned
+        if align > 1 and n >= align:
+            size = direct_offset(size, p.data, align)  # small pieces stay packed tight; big ones go direct
         elif size % p.align:
             size += p.align - size % p.align
         current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts, p.block))

@@ -133,3 +133,106 @@ def test_unaligned_memory_goes_through_the_page_cache_when_direct_unaligned_is_o
     default = LocalBackend(str(direct_root(tmp_path) / "root2"))
     assert _write_and_read(default, "torch", torchlike) == b"".join(bytes(v) for v in torchlike)
     assert BOUNCE.lent > lent and sum(spy.direct_calls()) == sum(v.nbytes for v in torchlike)
+
+
+def _in_step(nbytes: int, at: int, seed: int) -> memoryview:
+    """``nbytes`` random bytes whose address is ``at`` past a page: in step with a file offset ``at`` mod 4096."""
+    buf = aligned_buffer(nbytes + 8192)
+    view = buf[at % 4096 : at % 4096 + nbytes]
+    view[:] = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8).tobytes()
+    return view
+
+
+@pytest.fixture
+def copied(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The byte counts direct writes copy into bounce buffers."""
+    import ckptio.backends._direct as direct
+
+    out: list[int] = []
+    real = direct.copy_bytes
+
+    def spy(dst: memoryview, src: memoryview) -> None:
+        out.append(src.nbytes)
+        real(dst, src)
+
+    monkeypatch.setattr(direct, "copy_bytes", spy)
+    return out
+
+
+def test_memory_in_step_with_the_file_goes_direct_in_place_but_for_its_partial_pages(
+        tmp_path: Path, spy: _Spy, copied: list[int]) -> None:
+    """A sync ``dcp.save`` hands over torch's tensors, 64 bytes past a page; laid out 64 bytes past an aligned
+    offset (``ckptio.layout.direct_offset``), their pages go to the device as they are: the bounce copies
+    only the partial pages at either end and the frames, not every byte (issue 35)."""
+    from ckptio.backends._direct import bounced_bytes
+
+    frame = _aligned(4096 + 64, 0)  # a frame ending 64 bytes past a page, where the tensor starts
+    views = [frame, _in_step(3 << 20, 64, 1), _frame(2)[:100], _in_step(5 << 20, 64 + (3 << 20) + 100, 3),
+             memoryview(b"tail")]
+    total = sum(v.nbytes for v in views)
+    for direct_unaligned in (True, False):  # mostly in place: direct either way
+        spy.calls.clear()
+        copied.clear()
+        backend = LocalBackend(str(direct_root(tmp_path) / f"root{direct_unaligned}"),
+                               direct_unaligned=direct_unaligned)
+        assert _write_and_read(backend, "t", views) == b"".join(bytes(v) for v in views)
+        assert sum(spy.direct_calls()) == total - total % 4096
+        assert sum(copied) == bounced_bytes(views, 4096) - total % 4096 < 5 * 4096
+        assert len(spy.direct_calls()) <= -(-total // BOUNCE_BYTES), "bounced runs go out inside the requests"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_direct_write_copies_exactly_the_bytes_out_of_step_with_the_file(
+        tmp_path: Path, seed: int, copied: list[int]) -> None:
+    """Any mix of views (aligned, in step, out of step, tiny) reads back as written, and the bounce copies
+    exactly what ``bounced_bytes`` counts (but the final partial block, which goes through the page cache)."""
+    from ckptio.backends._direct import bounced_bytes
+
+    rng = np.random.default_rng(seed)
+    views, at = [], 0
+    for i in range(int(rng.integers(3, 12))):
+        n = int(rng.choice([10, 777, 4096, 5000, 70000, 1 << 20, 3 << 20]))
+        kind = rng.integers(3)
+        v = _aligned(n, i) if kind == 0 else _in_step(n, at, i) if kind == 1 else _unaligned(n, i)
+        views.append(v)
+        at += n
+    backend = LocalBackend(str(direct_root(tmp_path) / "root"), direct=True)
+    assert _write_and_read(backend, "k", views) == b"".join(bytes(v) for v in views)
+    if at >= (1 << 16):  # smaller objects are written through the page cache, no bounce at all
+        assert sum(copied) == bounced_bytes(views, 4096) - at % 4096
+
+
+def test_a_read_into_memory_in_step_with_the_file_goes_direct_but_for_its_partial_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``direct_reads``, restoring into torch's or numpy's own allocations (not page-aligned) at offsets
+    in step with them: the pages between come straight from the device, the partial pages at either end
+    through the page cache."""
+    from ckptio.backends.base import ByteRange
+
+    backend = LocalBackend(str(direct_root(tmp_path) / "root"), direct=True, direct_reads=True)
+    data = _aligned(6 << 20, 7)
+    asyncio.run(backend.write("k", [data]))
+    direct: set[int] = set()
+    reads: list[tuple[bool, int]] = []
+    real_open, real_preadv = os.open, os.preadv
+
+    def spy_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        (direct.add if flags & os.O_DIRECT else direct.discard)(fd)
+        return fd
+
+    def spy_preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        reads.append((fd in direct, sum(memoryview(b).nbytes for b in buffers)))
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "preadv", spy_preadv)
+    start, n = 4096 + 64, (4 << 20) + 1000
+    into = _in_step(n, start, 8)
+    out_of_step = _in_step(n, start + 16, 9)
+    asyncio.run(backend.read_into("k", ByteRange(start, start + n), [into]))
+    assert bytes(into) == bytes(data[start : start + n])
+    assert sum(b for d, b in reads if d) == (4 << 20) - 4096 and sum(b for d, b in reads if not d) == n - (4 << 20) + 4096
+    reads.clear()
+    asyncio.run(backend.read_into("k", ByteRange(start, start + n), [out_of_step]))
+    assert bytes(out_of_step) == bytes(data[start : start + n]) and not any(d for d, _ in reads)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptio
+from ckptio.backends._posix import aligned_buffer
 from ckptio.dcp import Reader, Writer
 from ckptio.dcp._torchsave import Record, frame, pack_records
 from ckptio.engine import run_sync
@@ -111,10 +112,11 @@ def test_records_are_never_split_and_start_aligned():
         plan = next(p for p in plans if p.key == key)
         assert at + n <= plan.size  # the whole record lies in one object
     assert where[3][1] == 0  # larger than the object size: an object of its own, whole
-    # Direct IO: a large chunk's bytes start aligned, and the frames before them are aligned memory.
+    # Direct IO: a large chunk's bytes start aligned (staged, page-aligned memory), and the frames before
+    # them are aligned memory.
     big = 1 << 16
-    plans, where = pack_records([Record(0, memoryview(bytes(big)), b"h" * 128, b"t" * 9),
-                                 Record(1, memoryview(bytes(big)), b"h" * 128, b"t" * 9),
+    plans, where = pack_records([Record(0, aligned_buffer(big), b"h" * 128, b"t" * 9),
+                                 Record(1, aligned_buffer(big), b"h" * 128, b"t" * 9),
                                  Record(2, memoryview(bytes(4096)), b"h" * 128, b"t" * 9)], 1 << 20,
                                 lambda n: f"obj{n}", align=4096)
     (plan,) = plans
@@ -123,6 +125,16 @@ def test_records_are_never_split_and_start_aligned():
     assert where[2][1] - (where[1][1] + where[1][2]) < 64  # a small chunk is not padded to a page
     frames = [e for e in plan.extents if e.item == "frame"]
     assert frames[0].offset == 0 and frames[0].length == 4096 and frames[0].data.obj.ctypes.data % 4096 == 0
+    assert all(at % 64 == 0 for _, at, _ in where.values())
+    # A sync dcp.save's tensors, not page-aligned (torch aligns to 64): their bytes at offsets in step with
+    # their memory (only their partial pages are bounced), each record still 64-aligned.
+    tensors = [torch.arange(1 << 18, dtype=torch.float32) + i for i in range(3)]
+    assert any(t.data_ptr() % 4096 for t in tensors) and all(t.data_ptr() % 64 == 0 for t in tensors)
+    plans, where = pack_records([Record(i, memoryview(t.numpy()).cast("B"), b"h" * 128, b"t" * 9)
+                                 for i, t in enumerate(tensors)], 8 << 20, lambda n: f"obj{n}", align=4096)
+    (plan,) = plans
+    data = [e for e in plan.extents if e.item != "frame"]
+    assert [e.offset % 4096 for e in data] == [t.data_ptr() % 4096 for t in tensors]
     assert all(at % 64 == 0 for _, at, _ in where.values())
 
 

@@ -18,7 +18,9 @@ The data record's CRC-32 is then 0, exactly what ``torch.save`` writes under
 ``torch.utils.serialization.config.save.compute_crc32 = False`` (which
 ``torch.load`` reads): no checksum pass over the data is added. torch aligns
 the data to 64 bytes within the record and a record starts 64-aligned in its
-object, so the raw bytes stay aligned. ckptio's manifest points at the raw
+object, so the raw bytes stay aligned (under direct IO a large chunk's bytes
+sit at the offset congruent to their address modulo the page, which a tensor's
+64-aligned memory keeps 64-aligned). ckptio's manifest points at the raw
 bytes inside the record (its extents and checksums cover exactly them), so
 ckptio's own readers never parse the frame.
 
@@ -45,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import ObjectPlan, PlannedExtent
+from .._system.bytes import address
+from ..layout import DIRECT_MIN, ObjectPlan, PlannedExtent, direct_offset
 
 __all__ = ["COMPANIONS", "DIRECT_MIN", "FRAME", "RECORD_ALIGN", "TORCH_METADATA", "Record", "companion_entry", "frame",
            "metadata_bytes", "pack_records"]
@@ -58,9 +61,6 @@ COMPANIONS = "companions"
 FRAME = "frame"
 #: A record starts at a multiple of this in its object (torch aligns data to 64 inside the record).
 RECORD_ALIGN = 64
-#: Under direct IO, chunks of at least this many bytes start at an aligned offset: padding a smaller
-#: one (up to a page, beside a ~1.5 KB frame) would cost more bytes than its bounce copy costs time.
-DIRECT_MIN = 1 << 16
 #: An object may run ``object_size // FRAME_SLACK`` bytes past ``object_size`` (frames, padding): see pack_records.
 FRAME_SLACK = 64
 
@@ -150,8 +150,10 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     Returns the plans and, per record, ``(object key, offset, length)``. Frame bytes between two data
     extents (a tail, padding, the next head) are one extent named :data:`FRAME`: a small chunk costs the
     writer one extent more, not two. With ``align > 1`` (direct IO) a chunk of at least ``align`` bytes
-    and :data:`DIRECT_MIN` starts at an aligned offset and frames are aligned memory, so back-to-back large chunks (and the frames
-    between them) are written without a bounce copy, as :func:`ckptio.layout.pack` lays out large pieces.
+    and :data:`DIRECT_MIN` starts where direct IO takes its memory as it lies (aligned staged buffers: an
+    aligned offset, and frames are aligned memory, so back-to-back chunks and the frames between them need
+    no bounce copy; a tensor 64 bytes past a page: 64 bytes past an aligned offset, so only its partial
+    pages are bounced), as :func:`ckptio.layout.pack` lays out large pieces.
     """
     plans: list[ObjectPlan] = []
     where: dict[int, tuple[str, int, int]] = {}
@@ -190,10 +192,10 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     for r in records:
         if r.data.nbytes == 0 and not r.head:
             continue  # nothing stored (as ckptio.layout.pack): the reader makes empty chunks itself
-        start = _record_start(size, len(r.head), r.data.nbytes, align)
+        start = _record_start(size, len(r.head), r.data, align)
         if size and start + r.length > limit:
             close()
-            start = _record_start(size, len(r.head), r.data.nbytes, align)
+            start = _record_start(size, len(r.head), r.data, align)
         pad = start - size
         if frame_bytes or (align > 1 and r.head):
             add_frame(bytes(pad))  # one contiguous (with align: aligned) frame extent up to the data
@@ -210,10 +212,13 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     return plans, where
 
 
-def _record_start(size: int, head: int, nbytes: int, align: int) -> int:
-    """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's data ``align``-aligned."""
-    if align > 1 and align % RECORD_ALIGN == 0 and nbytes >= max(align, DIRECT_MIN):
-        return -(-(size + head) // align) * align - head  # head is a multiple of 64: so is the start
+def _record_start(size: int, head: int, data: memoryview, align: int) -> int:
+    """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's data where direct IO writes it
+    from memory as it lies (:func:`ckptio.layout.direct_offset`: a sync save's tensors are not staged)."""
+    # Under DIRECT_MIN, padding (up to a page, beside a ~1.5 KB frame) costs more bytes than a bounce copy time.
+    if (align > 1 and align % RECORD_ALIGN == 0 and data.nbytes >= max(align, DIRECT_MIN)
+            and address(data) % RECORD_ALIGN == 0):  # head is a multiple of 64: so is the start
+        return direct_offset(size + head, data, align) - head
     return -(-size // RECORD_ALIGN) * RECORD_ALIGN
 
 

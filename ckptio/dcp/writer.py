@@ -166,10 +166,12 @@ class Writer(Located, StorageWriter, AsyncStager):
     def _open(self) -> CheckpointStore:
         """The store, on a local path with ``direct_unaligned=False`` unless the caller chose.
 
-        ``dcp.save`` hands over the caller's tensors, whose memory torch allocates 64 bytes into a page:
-        O_DIRECT took every byte through a bounce buffer and waited on the device per request, 1.6x
-        slower than stock DCP's buffered write + fsync on the same disk (issue 35). Staged
-        (``async_save``) buffers are page-aligned and still go direct.
+        ``dcp.save`` hands over the caller's tensors, which torch aligns to 64 bytes, not to a page. Each
+        large one is laid out in step with its memory (:func:`ckptio.layout.direct_offset`), so O_DIRECT
+        writes its pages in place; an object mostly out of step (many small or oddly offset tensors)
+        would take every byte through a bounce buffer, and goes through the page cache instead (once
+        1.6x slower than stock DCP's buffered write + fsync, issue 35). Staged (``async_save``) buffers
+        are page-aligned and go direct.
         """
         options = self._options
         if self._store is None and _local(options.url) and "direct_unaligned" not in (options.backend_options or {}):
@@ -302,7 +304,8 @@ class Writer(Located, StorageWriter, AsyncStager):
                 [_record(i, item, p) for i, (item, p) in enumerate(zip(items, pieces))],
                 store.backend.layout_defaults.object_size, key_for, store.backend.capabilities.alignment)
         else:
-            plans = pack(pieces, object_size=store.backend.layout_defaults.object_size, key_for=key_for)
+            plans = pack(pieces, object_size=store.backend.layout_defaults.object_size, key_for=key_for,
+                         align=store.backend.capabilities.alignment)
         written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
         extents: dict[int, list[tuple[Any, ...]]] = {}
         for obj, w in zip(plans, written):
