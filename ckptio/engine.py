@@ -461,7 +461,9 @@ def _drop_failed(fut: concurrent.futures.Future[Any], key: str) -> None:
 
 def _checksums(plan: ObjectPlan, block_size: int) -> list[list[int]]:
     """Checksum every extent of a materialized plan: in its own blocks where the layout gave it
-    some (a small shard's), else in ``block_size``."""
-    return [block_crcs(e.data, e.block or block_size) if e.cuts is None  # type: ignore[arg-type]
+    some (a small shard's), else in ``block_size``; an extent staging already checksummed keeps
+    its sums."""
+    return [e.sums if e.sums is not None
+            else block_crcs(e.data, e.block or block_size) if e.cuts is None  # type: ignore[arg-type]
             else member_crcs(e.data, e.cuts)  # type: ignore[arg-type]
             for e in plan.extents]

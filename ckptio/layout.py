@@ -129,6 +129,9 @@ class Piece:
     align: int = 1
     #: Its shard's checksum block size (:func:`extent_block`); 0: the save's.
     block: int = 0
+    #: Its blocks' checksums where staging already computed them (``ckptio.dcp._stagedsums``);
+    #: None: the engine computes them as it writes.
+    sums: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -179,6 +182,7 @@ class PlannedExtent:
     fill: Fill | None = None
     cuts: list[int] | None = None  # see Piece.cuts
     block: int = 0  # see Piece.block
+    sums: list[int] | None = None  # see Piece.sums
 
     def __post_init__(self) -> None:
         if self.length < 0:
@@ -355,7 +359,7 @@ def pack(
             size = direct_offset(size, p.data, align)  # small pieces stay packed tight; big ones go direct
         elif size % p.align:
             size += p.align - size % p.align
-        current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts, p.block))
+        current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts, p.block, p.sums))
         size += n
     close()
     return plans

@@ -136,6 +136,7 @@ class Record:
     head: bytes = b""
     tail: bytes = b""
     block: int = 0
+    sums: list[int] | None = None  # see ckptio.layout.Piece.sums
 
     @property
     def length(self) -> int:
@@ -205,7 +206,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
         add_frame(r.head)
         if r.data.nbytes:
             flush()
-            current.append(PlannedExtent(str(r.item), 0, 0, size, r.data, block=r.block))
+            current.append(PlannedExtent(str(r.item), 0, 0, size, r.data, block=r.block, sums=r.sums))
             size += r.data.nbytes
         add_frame(r.tail)
     close()

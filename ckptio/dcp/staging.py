@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,13 +98,16 @@ DEFAULT_BUFFERS = HostBuffers()
 SHARED_BUFFERS = HostBuffers(shared=True)
 
 
-def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any:
+def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None,
+                     staged: Callable[[Any, Any], None] | None = None) -> Any:
     """A copy of ``state_dict`` that later updates of the original do not reach.
 
     Tensors and DTensor local shards are copied into pooled host buffers
     (pinned when they come from an accelerator); containers are rebuilt;
     other leaves are kept when immutable and deep-copied otherwise. A tensor
-    that appears twice stays one tensor.
+    that appears twice stays one tensor. ``staged(copy, host)`` is called with
+    each pooled copy (a tensor, or a DTensor: ``host`` is its local tensor) as
+    soon as it is made; the pool takes its buffer back once ``copy`` is garbage.
     """
     pool = buffers if buffers is not None else DEFAULT_BUFFERS
     memo: dict[int, Any] = {}
@@ -153,6 +157,8 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
             out = copy.deepcopy(x)
         if lent is not None:
             pool.lend(out, *lent)
+            if staged is not None:
+                staged(out, local if isinstance(x, DTensor) else out)
         memo[id(x)] = out
         return out
 
@@ -160,11 +166,12 @@ def stage_state_dict(state_dict: Any, buffers: HostBuffers | None = None) -> Any
         with torch.no_grad():
             return walk(state_dict)
     finally:
-        # walk calls itself through its closure: a cycle that holds ``memo``, and so every staged
-        # tensor, until the cyclic GC runs. Their buffers go back to the pool when the tensors die,
-        # so without this the next save faulted in a fresh copy of the whole state (1.2 s of stall
-        # per GiB here) and the process held two.
+        # walk calls itself through its closure: a cycle that holds what it closes over (``memo``:
+        # every staged tensor; ``staged``: a caller's checksums of them) until the cyclic GC runs.
+        # Buffers go back to the pool when their tensors die, so without this the next save faulted
+        # in a fresh copy of the whole state (1.2 s of stall per GiB here) and the process held two.
         memo.clear()
+        staged = None
 
 
 def _host_copy_plain(t: Any, pool: HostBuffers) -> tuple[Any, tuple[Any, bool]] | None:

@@ -71,6 +71,7 @@ from . import _overwrite, _torchsave, _transforms
 from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._tensorbytes import plain_array
 from ._location import Located
+from ._stagedsums import StagedSums
 from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict
 
 __all__ = ["Writer"]
@@ -95,7 +96,8 @@ class Writer(Located, StorageWriter, AsyncStager):
     ``Writer(root, step=100)`` writes ``<root>/100`` as the native API would.
     As an ``AsyncStager`` it stages ``dcp.async_save`` state dicts into host
     buffers reused across saves (``buffers``, by default one process-wide
-    pool); it pickles small for the process executor.
+    pool), checksumming each copy meanwhile so that the background write does
+    not; it pickles small for the process executor.
 
     Args:
         url: checkpoint URL or path (a ``checkpoint_id`` given to ``dcp.save`` replaces it).
@@ -162,6 +164,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         self.rank = 0
         self._save_id: str | None = None
         self._lease: Lease | None = None
+        self._staged_sums: StagedSums | None = None  # set by stage(), taken by the next write_data
 
     def _open(self) -> CheckpointStore:
         """The store, on a local path with ``direct_unaligned=False`` unless the caller chose.
@@ -203,6 +206,7 @@ class Writer(Located, StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["buffers"] = None  # the pool stays in the process that stages
+        state["_staged_sums"] = None  # so do the staged tensors' checksums
         state["_lease"] = None  # a live intent's heartbeat stays with the process that plans
         return state
 
@@ -213,11 +217,17 @@ class Writer(Located, StorageWriter, AsyncStager):
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`)."""
+        """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`), checksumming each
+        copy on a helper thread meanwhile, for the write to reuse (see :mod:`ckptio.dcp._stagedsums`)."""
         buffers = self.buffers
         if buffers is None and sidecar.writer_of(self.engine_config) == "sidecar":
-            buffers = SHARED_BUFFERS  # staged straight into memory the writer process maps
-        return stage_state_dict(state_dict, buffers)
+            # Staged straight into memory the writer process maps; it checksums as it writes.
+            return stage_state_dict(state_dict, SHARED_BUFFERS)
+        sums = StagedSums((self.engine_config or EngineConfig()).block_size)
+        staged = stage_state_dict(state_dict, buffers, sums.add)
+        sums.wait()
+        self._staged_sums = sums
+        return staged
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies synchronously."""
@@ -288,6 +298,9 @@ class Writer(Located, StorageWriter, AsyncStager):
     def _write(self, store: Any, info: _PlanInfo, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         t0 = time.perf_counter()
         pieces, sizes, descs = [], [], []
+        # What stage() checksummed, for this save only (a later stage() on this writer makes its own).
+        staged, self._staged_sums = self._staged_sums, None
+        bs = store.engine.config.block_size
         for i, item in enumerate(items):
             data, d = _transforms.apply(self.extensions, _raw_bytes(item, planner.resolve_data(item)))
             sizes.append(data.nbytes)
@@ -296,7 +309,9 @@ class Writer(Located, StorageWriter, AsyncStager):
             # A small chunk of a sharded tensor gets checksum blocks of its own (format 6); a whole or
             # transformed one is always read whole.
             whole = td is None or bool(d) or tuple(td.chunk.sizes) == tuple(td.size)
-            pieces.append(Piece(str(i), 0, data, block=extent_block(data.nbytes, whole, store.engine.config.block_size)))
+            block = extent_block(data.nbytes, whole, bs)
+            sums = staged.take(data, block or bs) if staged is not None and not d else None
+            pieces.append(Piece(str(i), 0, data, block=block, sums=sums))
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
         if self.torch_readable:
@@ -407,9 +422,9 @@ def _record(i: int, item: WriteItem, piece: Piece) -> _torchsave.Record:
     """A WriteItem's bytes as stock torch reads them: a tensor chunk framed as a torch.save record."""
     assert piece.data is not None
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return _torchsave.Record(i, piece.data, block=piece.block)
+        return _torchsave.Record(i, piece.data, block=piece.block, sums=piece.sums)
     head, tail = _torchsave.frame(item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes))
-    return _torchsave.Record(i, piece.data, head, tail, piece.block)
+    return _torchsave.Record(i, piece.data, head, tail, piece.block, piece.sums)
 
 
 def _raw_bytes(item: WriteItem, data: Any) -> memoryview:
