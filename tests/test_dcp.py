@@ -428,6 +428,11 @@ def test_sync_save_writes_torch_memory_to_the_device_as_it_lies(tmp_path, monkey
 
     root = direct_root(tmp_path)
     sd = {f"w{i}": _random((512, 1024), torch.float32, i) for i in range(4)}  # 2 MiB each: direct-sized
+    for i in range(2):  # numpy's memory through torch.from_numpy: 16 bytes past a 64-byte boundary
+        raw = np.empty((2 << 20) + 64, np.uint8)
+        at = -raw.ctypes.data % 64 + 16
+        raw[at : at + (2 << 20)] = np.random.default_rng(i).integers(0, 256, 2 << 20, np.uint8)
+        sd[f"np{i}"] = torch.from_numpy(raw[at : at + (2 << 20)].view(np.float32))
     assert any(t.data_ptr() % 4096 for t in sd.values())
     direct_opens, fsyncs, copied = [], [], []
     real_open, real_fsync, real_copy = os.open, os.fsync, direct.copy_bytes

@@ -126,16 +126,23 @@ def test_records_are_never_split_and_start_aligned():
     frames = [e for e in plan.extents if e.item == "frame"]
     assert frames[0].offset == 0 and frames[0].length == 4096 and frames[0].data.obj.ctypes.data % 4096 == 0
     assert all(at % 64 == 0 for _, at, _ in where.values())
-    # A sync dcp.save's tensors, not page-aligned (torch aligns to 64): their bytes at offsets in step with
-    # their memory (only their partial pages are bounced), each record still 64-aligned.
-    tensors = [torch.arange(1 << 18, dtype=torch.float32) + i for i in range(3)]
-    assert any(t.data_ptr() % 4096 for t in tensors) and all(t.data_ptr() % 64 == 0 for t in tensors)
+    # A sync dcp.save's tensors, not page-aligned (torch's own: 64-aligned; numpy's, shared by torch.from_numpy:
+    # 16): their bytes at offsets in step with their memory (only their partial pages are bounced).
+    tensors = [torch.arange(1 << 18, dtype=torch.float32) + i for i in range(2)]
+    for _ in range(2):
+        raw = np.empty((4 << 18) + 64, np.uint8)
+        at = -raw.ctypes.data % 64 + 16  # 16 past a 64-byte boundary, as numpy's allocations often are
+        tensors.append(torch.from_numpy(raw[at : at + (4 << 18)].view(np.float32)))
+    assert any(t.data_ptr() % 64 for t in tensors) and all(t.data_ptr() % 16 == 0 for t in tensors)
     plans, where = pack_records([Record(i, memoryview(t.numpy()).cast("B"), b"h" * 128, b"t" * 9)
                                  for i, t in enumerate(tensors)], 8 << 20, lambda n: f"obj{n}", align=4096)
     (plan,) = plans
     data = [e for e in plan.extents if e.item != "frame"]
     assert [e.offset % 4096 for e in data] == [t.data_ptr() % 4096 for t in tensors]
-    assert all(at % 64 == 0 for _, at, _ in where.values())
+    for i, (_key, at, n) in where.items():  # each record whole: its head, then its data, then its tail
+        assert at + 128 == data[i].offset and n == 128 + (1 << 20) + 9
+    spans = sorted((at, at + n) for _key, at, n in where.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def test_chunks_that_fill_an_object_by_their_data_share_it_despite_their_frames():

@@ -18,9 +18,11 @@ The data record's CRC-32 is then 0, exactly what ``torch.save`` writes under
 ``torch.utils.serialization.config.save.compute_crc32 = False`` (which
 ``torch.load`` reads): no checksum pass over the data is added. torch aligns
 the data to 64 bytes within the record and a record starts 64-aligned in its
-object, so the raw bytes stay aligned (under direct IO a large chunk's bytes
-sit at the offset congruent to their address modulo the page, which a tensor's
-64-aligned memory keeps 64-aligned). ckptio's manifest points at the raw
+object, so the raw bytes stay aligned. (Under direct IO a large chunk's bytes
+sit at the offset congruent to their address modulo the page, as aligned as
+that memory: 64 for torch's own tensors, 16 for numpy's, always enough for the
+dtype. Stock torch reads a record's byte range into memory of its own, and its
+zip offsets are relative to the record's start.) ckptio's manifest points at the raw
 bytes inside the record (its extents and checksums cover exactly them), so
 ckptio's own readers never parse the frame.
 
@@ -47,7 +49,6 @@ from typing import Any
 
 import numpy as np
 
-from .._system.bytes import address
 from ..layout import DIRECT_MIN, ObjectPlan, PlannedExtent, direct_offset
 
 __all__ = ["COMPANIONS", "DIRECT_MIN", "FRAME", "RECORD_ALIGN", "TORCH_METADATA", "Record", "companion_entry", "frame",
@@ -59,7 +60,8 @@ TORCH_METADATA = ".metadata"
 COMPANIONS = "companions"
 #: The item name of frame extents (never in the manifest: the Writer skips them).
 FRAME = "frame"
-#: A record starts at a multiple of this in its object (torch aligns data to 64 inside the record).
+#: A record starts at a multiple of this in its object (torch aligns data to 64 inside the record), but where
+#: direct IO lays a large chunk out in step with its memory (see _record_start).
 RECORD_ALIGN = 64
 #: An object may run ``object_size // FRAME_SLACK`` bytes past ``object_size`` (frames, padding): see pack_records.
 FRAME_SLACK = 64
@@ -214,11 +216,11 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
 
 
 def _record_start(size: int, head: int, data: memoryview, align: int) -> int:
-    """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's data where direct IO writes it
-    from memory as it lies (:func:`ckptio.layout.direct_offset`: a sync save's tensors are not staged)."""
+    """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's record where direct IO writes its
+    data from memory as it lies (:func:`ckptio.layout.direct_offset`: a sync save's tensors are not staged),
+    which starts the record as aligned as that memory (torch's own tensors: 64; numpy's: 16)."""
     # Under DIRECT_MIN, padding (up to a page, beside a ~1.5 KB frame) costs more bytes than a bounce copy time.
-    if (align > 1 and align % RECORD_ALIGN == 0 and data.nbytes >= max(align, DIRECT_MIN)
-            and address(data) % RECORD_ALIGN == 0):  # head is a multiple of 64: so is the start
+    if align > 1 and align % RECORD_ALIGN == 0 and data.nbytes >= max(align, DIRECT_MIN):
         return direct_offset(size + head, data, align) - head
     return -(-size // RECORD_ALIGN) * RECORD_ALIGN
 
