@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ckptio._system import copy_bytes
+from ckptio._system.bytes import address
 
-from .layout import ObjectPlan
+from .layout import DIRECT_MIN, ObjectPlan
 from .shm import ShmStagingPool
 from .tiling import TileCopy
 
@@ -37,9 +38,10 @@ class Export:
     JAX state needs a few objects' worth of shared memory, not a copy of itself.
     """
 
-    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
+    def __init__(self, pool: ShmStagingPool, budget: int, align: int = 1) -> None:
         self.pool = pool
         self.budget = max(1, budget)
+        self.align = align  # the backend's direct IO alignment (1: none)
         self.held = 0
         self.over = False  # the save ended (failed): nobody waits for the budget any more
         self._cond = threading.Condition()
@@ -56,19 +58,35 @@ class Export:
                 shard = e.fill.shard
                 if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
                     need += shard.nbytes
-            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
+            elif e.fill is not None:
                 need += e.length
+            elif e.data is not None and self.pool.locate(e.data) is None:
+                need += e.length + self._slack(e.data)
         return need
 
-    def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
-        buf, fresh = self.pool.obtain(n)
+    def _slack(self, view: memoryview) -> int:
+        """Bytes a copy of ``view`` takes beyond its own: a large one keeps its place within a page.
+
+        The layout put its bytes where direct IO takes them from its memory as it lies
+        (:func:`ckptio.layout.direct_offset`); its copy in the slab must lie in step with the file
+        the same way, or the writer process bounces all of it. One ``align`` more for every such
+        copy keeps the pool's buffer sizes, and so its reuse, the same from save to save.
+        """
+        return self.align if self.align > 1 and view.nbytes >= DIRECT_MIN else 0
+
+    def _copy_into_slab(self, n: int, fill: Any, user: int, like: memoryview | None = None) -> tuple[int, tuple[int, int]]:
+        """Copy ``n`` bytes (``fill`` writes them) into a pool buffer; a copy of ``like`` lies in step with it."""
+        slack = self._slack(like) if like is not None else 0
+        buf, fresh = self.pool.obtain(n + slack)
         if fresh:
             self.new.append(buf)
-        fill(memoryview(buf))
+        at = (address(like) - buf.ctypes.data) % self.align if slack else 0
+        dst = memoryview(buf)[at : at + n]
+        fill(dst)
         with self._cond:
             self._users[id(buf)] = (buf, {user})
             self._by_object.setdefault(user, set()).add(id(buf))
-        loc = self.pool.locate(memoryview(buf))
+        loc = self.pool.locate(dst)
         assert loc is not None
         return id(buf), loc
 
@@ -77,7 +95,7 @@ class Export:
         if loc is not None:
             return loc
         # copy_bytes releases the GIL for anything but small copies.
-        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
+        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user, like=view)[1]
 
     def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
         """``(item, shard, shard_offset, offset, length, source, cuts, block)`` per extent of object ``i``."""
