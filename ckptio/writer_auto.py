@@ -8,7 +8,7 @@ interpreter's switch interval (5 ms) to force a hand-over. A numpy or torch save
 does most of that work inside its stall, while its staging copy runs, before
 the step resumes; a JAX save stages nothing (JAX arrays are immutable, so it
 references them), so all of it -- 1024 checksum calls per 256 MiB of 8 MiB
-shards (32 blocks a shard), a bounce copy and a write per 8 MiB -- happens
+shards (32 blocks a shard), a write per 8 MiB -- happens
 under the running step. Measured with ``ckptio bench --train --pin --size
 256MiB`` on a quiet 2-core VM (notes of issue 35): the in-process JAX save ran
 at 0.070-0.079 GiB/s, the same save with the writer process at 0.159-0.182
