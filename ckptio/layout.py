@@ -315,6 +315,7 @@ def pack(
     key_for: Callable[[int], str],
     split_align: int = 1 << 20,
     align: int = 1,
+    in_place: bool = True,
 ) -> list[ObjectPlan]:
     """Pack pieces into objects of about ``object_size`` bytes, in order.
 
@@ -324,7 +325,8 @@ def pack(
     ``align > 1`` (direct IO), every extent of at least ``align`` bytes starts
     at an offset congruent to its memory's address modulo ``align`` (zero
     padding before it; see :func:`direct_offset`), so it can be written and
-    read without a bounce copy.
+    read without a bounce copy. ``in_place=False``: the writer copies the bytes into aligned
+    memory first (the writer process's shared memory), so large extents start aligned.
     """
     if align > len(_ZEROS):
         raise ValueError(f"alignment {align} exceeds {len(_ZEROS)}")
@@ -349,14 +351,14 @@ def pack(
             close()
             for start in range(0, n, step):
                 chunk = p.data[start : start + step]
-                at = direct_offset(0, chunk, align) if align > 1 else 0
+                at = direct_offset(0, chunk if in_place else None, align) if align > 1 else 0
                 plans.append(ObjectPlan(key_for(len(plans)), [PlannedExtent(p.item, p.shard, p.shard_offset + start, at,
                                                                             chunk, block=p.block)]))
             continue
         if size and size + n > object_size:
             close()
         if align > 1 and n >= align:
-            size = direct_offset(size, p.data, align)  # small pieces stay packed tight; big ones go direct
+            size = direct_offset(size, p.data if in_place else None, align)  # small pieces stay packed tight
         elif size % p.align:
             size += p.align - size % p.align
         current.append(PlannedExtent(p.item, p.shard, p.shard_offset, size, p.data, n, p.fill, p.cuts, p.block, p.sums))

@@ -286,6 +286,7 @@ class SaveJob:
             pieces,
             object_size=store.backend.layout_defaults.object_size,
             align=store.backend.capabilities.alignment,
+            in_place=self.options.writer.name != "sidecar",  # the writer process writes aligned copies
             key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, first + n),
         )
 

@@ -260,8 +260,7 @@ class Sidecar:
         rid = next(self._ids)
         fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
         caps, layout = store.backend.capabilities, store.backend.layout_defaults
-        export = Export(shared_pool(), max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size),
-                        caps.alignment)
+        export = Export(shared_pool(), max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size))
         with self._lock:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")

@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from ckptio._system import copy_bytes
-from ckptio._system.bytes import address
 
-from .layout import DIRECT_MIN, ObjectPlan
+from .layout import ObjectPlan
 from .shm import ShmStagingPool
 from .tiling import TileCopy
 
@@ -38,10 +37,9 @@ class Export:
     JAX state needs a few objects' worth of shared memory, not a copy of itself.
     """
 
-    def __init__(self, pool: ShmStagingPool, budget: int, align: int = 1) -> None:
+    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
         self.pool = pool
         self.budget = max(1, budget)
-        self.align = align  # the backend's direct IO alignment (1: none)
         self.held = 0
         self.over = False  # the save ended (failed): nobody waits for the budget any more
         self._cond = threading.Condition()
@@ -58,35 +56,19 @@ class Export:
                 shard = e.fill.shard
                 if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
                     need += shard.nbytes
-            elif e.fill is not None:
+            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
                 need += e.length
-            elif e.data is not None and self.pool.locate(e.data) is None:
-                need += e.length + self._slack(e.data)
         return need
 
-    def _slack(self, view: memoryview) -> int:
-        """Bytes a copy of ``view`` takes beyond its own: a large one keeps its place within a page.
-
-        The layout put its bytes where direct IO takes them from its memory as it lies
-        (:func:`ckptio.layout.direct_offset`); its copy in the slab must lie in step with the file
-        the same way, or the writer process bounces all of it. One ``align`` more for every such
-        copy keeps the pool's buffer sizes, and so its reuse, the same from save to save.
-        """
-        return self.align if self.align > 1 and view.nbytes >= DIRECT_MIN else 0
-
-    def _copy_into_slab(self, n: int, fill: Any, user: int, like: memoryview | None = None) -> tuple[int, tuple[int, int]]:
-        """Copy ``n`` bytes (``fill`` writes them) into a pool buffer; a copy of ``like`` lies in step with it."""
-        slack = self._slack(like) if like is not None else 0
-        buf, fresh = self.pool.obtain(n + slack)
+    def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
+        buf, fresh = self.pool.obtain(n)
         if fresh:
             self.new.append(buf)
-        at = (address(like) - buf.ctypes.data) % self.align if slack else 0
-        dst = memoryview(buf)[at : at + n]
-        fill(dst)
+        fill(memoryview(buf))
         with self._cond:
             self._users[id(buf)] = (buf, {user})
             self._by_object.setdefault(user, set()).add(id(buf))
-        loc = self.pool.locate(dst)
+        loc = self.pool.locate(memoryview(buf))
         assert loc is not None
         return id(buf), loc
 
@@ -95,7 +77,7 @@ class Export:
         if loc is not None:
             return loc
         # copy_bytes releases the GIL for anything but small copies.
-        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user, like=view)[1]
+        return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
 
     def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
         """``(item, shard, shard_offset, offset, length, source, cuts, block)`` per extent of object ``i``."""

@@ -145,8 +145,8 @@ class Record:
         return len(self.head) + self.data.nbytes + len(self.tail)
 
 
-def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[[int], str], align: int = 1
-                 ) -> tuple[list[ObjectPlan], dict[int, tuple[str, int, int]]]:
+def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[[int], str], align: int = 1,
+                 in_place: bool = True) -> tuple[list[ObjectPlan], dict[int, tuple[str, int, int]]]:
     """Whole records packed into objects of about ``object_size`` (at most 1/:data:`FRAME_SLACK` more; one larger
     record: an object of its own).
 
@@ -156,7 +156,8 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     and :data:`DIRECT_MIN` starts where direct IO takes its memory as it lies (aligned staged buffers: an
     aligned offset, and frames are aligned memory, so back-to-back chunks and the frames between them need
     no bounce copy; a tensor 64 bytes past a page: 64 bytes past an aligned offset, so only its partial
-    pages are bounced), as :func:`ckptio.layout.pack` lays out large pieces.
+    pages are bounced), as :func:`ckptio.layout.pack` lays out large pieces. ``in_place=False``: the writer
+    process writes aligned copies of the chunks, so their data starts aligned.
     """
     plans: list[ObjectPlan] = []
     where: dict[int, tuple[str, int, int]] = {}
@@ -195,10 +196,10 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     for r in records:
         if r.data.nbytes == 0 and not r.head:
             continue  # nothing stored (as ckptio.layout.pack): the reader makes empty chunks itself
-        start = _record_start(size, len(r.head), r.data, align)
+        start = _record_start(size, len(r.head), r.data, align, in_place)
         if size and start + r.length > limit:
             close()
-            start = _record_start(size, len(r.head), r.data, align)
+            start = _record_start(size, len(r.head), r.data, align, in_place)
         pad = start - size
         if frame_bytes or (align > 1 and r.head):
             add_frame(bytes(pad))  # one contiguous (with align: aligned) frame extent up to the data
@@ -215,13 +216,13 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     return plans, where
 
 
-def _record_start(size: int, head: int, data: memoryview, align: int) -> int:
+def _record_start(size: int, head: int, data: memoryview, align: int, in_place: bool = True) -> int:
     """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's record where direct IO writes its
     data from memory as it lies (:func:`ckptio.layout.direct_offset`: a sync save's tensors are not staged),
     which starts the record as aligned as that memory (torch's own tensors: 64; numpy's: 16)."""
     # Under DIRECT_MIN, padding (up to a page, beside a ~1.5 KB frame) costs more bytes than a bounce copy time.
     if align > 1 and align % RECORD_ALIGN == 0 and data.nbytes >= max(align, DIRECT_MIN):
-        return direct_offset(size + head, data, align) - head
+        return direct_offset(size + head, data if in_place else None, align) - head
     return -(-size // RECORD_ALIGN) * RECORD_ALIGN
 
 

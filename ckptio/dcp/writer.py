@@ -314,13 +314,15 @@ class Writer(Located, StorageWriter, AsyncStager):
             pieces.append(Piece(str(i), 0, data, block=block, sums=sums))
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
+        # The writer process writes aligned copies of what is not already in its shared memory.
+        in_place = sidecar.writer_for(store).name != "sidecar"
         if self.torch_readable:
             plans, records = _torchsave.pack_records(
                 [_record(i, item, p) for i, (item, p) in enumerate(zip(items, pieces))],
-                store.backend.layout_defaults.object_size, key_for, store.backend.capabilities.alignment)
+                store.backend.layout_defaults.object_size, key_for, store.backend.capabilities.alignment, in_place)
         else:
             plans = pack(pieces, object_size=store.backend.layout_defaults.object_size, key_for=key_for,
-                         align=store.backend.capabilities.alignment)
+                         align=store.backend.capabilities.alignment, in_place=in_place)
         written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
         extents: dict[int, list[tuple[Any, ...]]] = {}
         for obj, w in zip(plans, written):
