@@ -28,6 +28,23 @@ __all__ = ["REQUEST_BYTES", "bounced_bytes", "mostly_unaligned", "read_direct", 
 REQUEST_BYTES = BOUNCE_BYTES
 
 
+def _in_step(v: memoryview, at: int, align: int) -> tuple[int, int]:
+    """``(head, n)`` for ``v`` at file offset ``at``: its ``n`` bytes from ``head`` on are whole blocks that go
+    to the device as they lie (``n`` is 0 for a view out of step with the file)."""
+    if (address(v) - at) % align:
+        return v.nbytes, 0
+    head = min(v.nbytes, -at % align)
+    return head, v.nbytes - head - (v.nbytes - head) % align
+
+
+def _bounced_and_total(buffers: Sequence[memoryview], align: int) -> tuple[int, int]:
+    pos = bounced = 0
+    for v in byte_views(buffers):
+        bounced += v.nbytes - _in_step(v, pos, align)[1]
+        pos += v.nbytes
+    return bounced, pos
+
+
 def bounced_bytes(buffers: Sequence[memoryview], align: int) -> int:
     """How many bytes of ``buffers``, written back to back from offset 0, a direct write copies first.
 
@@ -35,20 +52,13 @@ def bounced_bytes(buffers: Sequence[memoryview], align: int) -> int:
     other view is bounced whole. (The object's final partial block, counted here, goes through the page
     cache instead: :func:`write_direct` copies exactly this count less ``total % align``.)
     """
-    pos = bounced = 0
-    for v in byte_views(buffers):
-        n = v.nbytes
-        if (address(v) - pos) % align == 0:
-            head = min(n, -pos % align)
-            n = head + (n - head) % align
-        bounced += n
-        pos += v.nbytes
-    return bounced
+    return _bounced_and_total(buffers, align)[0]
 
 
 def mostly_unaligned(buffers: Sequence[memoryview], align: int) -> bool:
     """Whether most bytes of ``buffers`` would pass through a bounce buffer (:func:`bounced_bytes`)."""
-    return 2 * bounced_bytes(buffers, align) >= sum(v.nbytes for v in byte_views(buffers))
+    bounced, total = _bounced_and_total(buffers, align)
+    return 2 * bounced >= total
 
 
 def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -> None:
@@ -120,10 +130,9 @@ def read_direct(dfd: int, fd: int, offset: int, buffers: Sequence[memoryview], a
     through ``fd``."""
     for b in buffers:
         v = flat_bytes(b)
-        head = min(v.nbytes, -offset % align)
-        n = v.nbytes - head - (v.nbytes - head) % align if (address(v) - offset) % align == 0 else 0
+        head, n = _in_step(v, offset, align)
         if not n:
-            head = v.nbytes
+            head = v.nbytes  # nothing in place: one read through the page cache
         if head:
             preadv_all(fd, [v[:head]], offset)
         if n:
