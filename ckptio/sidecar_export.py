@@ -61,6 +61,8 @@ class Export:
         return need
 
     def _copy_into_slab(self, n: int, fill: Any, user: int) -> tuple[int, tuple[int, int]]:
+        """Copy ``n`` bytes (``fill`` writes them) into a pool buffer, page-aligned as the layout expects
+        (``pack(in_place=False)`` put large pieces at aligned offsets); its id and its slab location."""
         buf, fresh = self.pool.obtain(n)
         if fresh:
             self.new.append(buf)
