@@ -254,7 +254,7 @@ class SaveJob:
             state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
             self.deferred, placeholders=not self.single_host)
         if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
-            self.options = self.options.with_writer(default_writer(store, self.staged, self.options.writer))
+            self.options = self.options.with_writer(default_writer(store, self.staged, self.options.writer, self.copy))
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
