@@ -219,8 +219,9 @@ _orbax = _orbax_cases()
 
 def _writer_cases() -> None:
     """Each ckptio case again with its object writes in a writer process (``CKPTIO_WRITER=sidecar``),
-    and the JAX cases again in-process (``CKPTIO_WRITER=thread``): a large JAX save on a local disk
-    goes to the writer process by default (``ckptio.writer_auto``), so ``ckptio-jax`` is that default.
+    and the native and Orbax cases again in-process (``CKPTIO_WRITER=thread``): a large save on a
+    local disk goes to the writer process by default (``ckptio.writer_auto``), so ``ckptio``,
+    ``ckptio-jax``, ``ckptio-torch`` and ``ckptio-orbax`` are that default (``ckptio-dcp*`` are not).
 
     Not in the default run: ``--cases 'ckptio*'`` puts each case beside its twins, so one
     ``--train`` run shows what the writer process buys the training thread. The variable is set in
@@ -229,13 +230,14 @@ def _writer_cases() -> None:
     import os
 
     twins = [(base, "sidecar") for base in (CkptioNumpy, CkptioJax, CkptioTorch, _dcp_async, _orbax)]
-    for base, writer in [*twins, (CkptioJax, "thread"), (_orbax, "thread")]:
+    in_process = [(base, "thread") for base in (CkptioNumpy, CkptioJax, CkptioTorch, _orbax)]
+    for base, writer in [*twins, *in_process]:
 
         def setup(self: Any, _base: type[Case] = base, _writer: str = writer) -> None:
             os.environ["CKPTIO_WRITER"] = _writer
             _base.setup(self)
 
-        where = "a sidecar process" if writer == "sidecar" else "this process (the JAX default's opt-out)"
+        where = "a sidecar process" if writer == "sidecar" else "this process (the default's opt-out)"
         register(type(f"{base.__name__}{writer.title()}", (base,), {
             "name": f"{base.name}-{writer}",
             "in_default_run": False,

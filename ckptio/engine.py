@@ -90,8 +90,8 @@ class EngineConfig:
     #: Who writes a save's objects, by name: "thread" (this process's IO loop) or "sidecar" (a
     #: writer process per host fed from shared-memory staging, so that nothing of a background
     #: save runs under the training process's GIL). None: the ``CKPTIO_WRITER`` environment
-    #: variable, else "thread" -- except a save of 64 MiB or more of JAX arrays to a local disk,
-    #: which then goes to the writer process (``ckptio.writer_auto``). The engine never reads it:
+    #: variable, else "thread" -- except a save of 64 MiB or more of arrays to a local disk, which
+    #: then goes to the writer process (``ckptio.writer_auto``). The engine never reads it:
     #: a save maps it once to a ``ckptio.writers.Writer`` (``ckptio.sidecar.writer_for``).
     writer: str | None = None
 

@@ -15,7 +15,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,12 +38,11 @@ from .layout import ObjectPlan, pack, pieces_of
 from .carried import carried_save_ids, carried_summary, own_part, write_carried
 from .manifest import (FragmentRef, Manifest, build_root, fragment_doc, fragment_key, fragment_ref, merge_records, seal,
                        summary_of)
-from .manifest.builder import PACKED
 from .manifest.builder import expanded as _expanded
 from .manifest.builder import host_record as _host_record
 from .manifest.builder import merged_doc as _merged_doc
 from .manifest.builder import validated as _validated
-from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagingArea, StagingPool, stage_leaf
+from .staging import PACK_MAX_BYTES, LeafPack, LeafPacker, StagingArea, StagingPool, stage_leaves
 from .states import SaveState
 from .store import CheckpointStore, step_dir_of
 from .tree import flatten_named
@@ -53,31 +52,6 @@ from .writer_auto import default_writer
 __all__ = ["SaveHandle", "SaveJob", "SaveOptions", "merge_records", "start_save"]
 
 log = logging.getLogger("ckptio.save")
-
-
-def _plan_staging(
-    state: Any, rank: int, area: StagingArea | None, tile_bytes: int = 0, packer: LeafPacker | None = None,
-    deferred: list[Callable[[], None]] | None = None, placeholders: bool = True,
-) -> tuple[Any, dict[str, Any], list[LeafPack]]:
-    """Flatten and validate ``state``; snapshot buffers are allocated, not yet filled.
-
-    With a ``packer``, the small whole arrays this host writes go into its packs instead, each
-    holding its place in the staged items as PACKED with ``placeholders`` (a host of many lists
-    its items in tree order, rows included). With ``deferred``, parts of the structure are left
-    to its calls (``tree.flatten_named``).
-    """
-    names, values, structure = flatten_named(state, deferred=deferred)
-    staged: dict[str, Any] = {}
-    if packer is None:
-        rest: Iterable[int] = range(len(names))
-    else:
-        rest = packer.take_many(names, values)
-        if placeholders:
-            staged = dict.fromkeys(names, PACKED)
-    for i in rest:
-        name = names[i]
-        staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes)
-    return structure, staged, packer.finish() if packer is not None else []
 
 
 async def _write_fragment(
@@ -195,7 +169,8 @@ class SaveJob:
         self.coord: Coordinator = coordinator or SingleProcess()
         self.copy, self.progress, self.on_done = copy, progress, on_done
         self.options = options or SaveOptions.of(store)
-        self._default_writer = options is None  # the writer may still follow the state (ckptio.writer_auto)
+        # Without options, the writer may still follow the state (ckptio.writer_auto), and its pool.
+        self._default_writer, self._pool = options is None, pool
         self.step_dir = step_dir_of(step)
         self.where = store.where(self.step_dir)
         self.handle = SaveHandle(self.where, step)
@@ -245,16 +220,20 @@ class SaveJob:
     def _plan(self, state: Any) -> None:
         """Check every leaf before the first byte is written (nothing to clean up on bad input)."""
         store, rank = self.store, self.coord.rank
+        names, values, self.structure = flatten_named(state, deferred=self.deferred)
+        if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
+            writer = default_writer(store, values, rank, self.options.writer)
+            if writer is not self.options.writer:  # nothing staged yet: stage where that writer reads
+                self.options = self.options.with_writer(writer)
+                self.area = StagingArea(writer.staging_pool(self._pool))
         defaults = store.backend.layout_defaults
         packer = None
         if rank == 0:  # only host 0 writes plain (replicated) arrays
             packer = LeafPacker(self.area, min(PACK_MAX_BYTES, store.engine.config.block_size, defaults.object_size),
                                 defaults.object_size)
-        self.structure, self.staged, self.packs = _plan_staging(
-            state, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults), packer,
-            self.deferred, placeholders=not self.single_host)
-        if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
-            self.options = self.options.with_writer(default_writer(store, self.staged, self.options.writer, self.copy))
+        self.staged, self.packs = stage_leaves(
+            names, values, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults),
+            packer, placeholders=not self.single_host)
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
@@ -286,7 +265,7 @@ class SaveJob:
             pieces,
             object_size=store.backend.layout_defaults.object_size,
             align=store.backend.capabilities.alignment,
-            in_place=self.options.writer.name != "sidecar",  # the writer process writes aligned copies
+            in_place=not self.options.writer.copies,
             key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, first + n),
         )
 

@@ -97,6 +97,7 @@ class SidecarWriter:
     """The :class:`~ckptio.writers.Writer` that hands a save's objects to this process's sidecar."""
 
     name = "sidecar"
+    copies = True  # into shared memory (ckptio.sidecar_export), page-aligned from 64 KiB on
 
     def staging_pool(self, pool: StagingPool | None) -> StagingPool | None:
         """This process's shared pool; the sidecar is started now, so that it is up by the time

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,12 +24,13 @@ from ckptio._system import POPULATE_MIN, populate
 from .dtypes import check_dtype
 from .errors import UnsupportedLeafError
 from .manifest import ValueItem, encode_value
+from .manifest.builder import PACKED
 from .manifest.hoststate import StagedHostState, staged_host_state
 from .perhost import is_per_host_leaf, state_of
 from .stagingpool import StagingPool, aligned_empty
 from .tiling import tile_for
 
-__all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "TORCH_AS_INT", "aligned_empty", "index_to_box", "stage_leaf", "torch_to_numpy"]
+__all__ = ["PACK_MAX_BYTES", "LeafPack", "LeafPacker", "Sharded", "StagedArray", "StagingArea", "StagingPool", "TORCH_AS_INT", "aligned_empty", "index_to_box", "is_jax_array", "is_torch_tensor", "stage_leaf", "stage_leaves", "torch_to_numpy"]
 
 
 @dataclasses.dataclass
@@ -98,12 +99,14 @@ def torch_to_numpy(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def _is_jax_array(x: Any) -> bool:
+def is_jax_array(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` (False without importing JAX where nobody has)."""
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(x, jax.Array)
 
 
-def _is_torch_tensor(x: Any) -> bool:
+def is_torch_tensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.Tensor`` (False without importing torch where nobody has)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -237,7 +240,7 @@ class LeafPack:
 def plain_cpu_tensor(x: Any) -> bool:
     """A contiguous CPU ``torch.Tensor`` or ``Parameter``, whose numpy view is its own bytes (not a
     DTensor, nor a tensor subclass with storage of its own)."""
-    return (_is_torch_tensor(x) and type(x).__name__ in ("Tensor", "Parameter") and x.device.type == "cpu"
+    return (is_torch_tensor(x) and type(x).__name__ in ("Tensor", "Parameter") and x.device.type == "cpu"
             and x.is_contiguous())
 
 
@@ -344,7 +347,7 @@ class LeafPacker:
             arr, origin = leaf, "numpy"
         elif plain_cpu_tensor(leaf):
             arr, origin = torch_to_numpy(leaf.detach()), "torch"
-        elif (self._jax_ok and _is_jax_array(leaf) and leaf.is_fully_replicated
+        elif (self._jax_ok and is_jax_array(leaf) and leaf.is_fully_replicated
               and 0 < math.prod(leaf.shape) * leaf.dtype.itemsize <= self.max_leaf):
             arr, origin = np.asarray(leaf), "jax"  # a host view on CPU; copied into the pack below
         else:
@@ -414,7 +417,7 @@ def stage_leaf(
                 )
             shards.append((offs, sizes, own(arr, area)))
         return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards, tiles)
-    if _is_jax_array(leaf):
+    if is_jax_array(leaf):
         shards = []
         for s in leaf.addressable_shards:
             if s.replica_id != 0:
@@ -424,7 +427,7 @@ def stage_leaf(
             shards.append((offs, sizes, own(np.asarray(s.data), None)))
         return StagedArray(np.dtype(leaf.dtype), tuple(leaf.shape), False, "jax", shards, tiles)
     origin = "numpy"
-    if _is_torch_tensor(leaf):
+    if is_torch_tensor(leaf):
         if type(leaf).__name__ == "DTensor":
             raise UnsupportedLeafError(f"{where}: DTensor leaves go through ckptio.dcp (torch.distributed.checkpoint)")
         t = leaf.detach()
@@ -459,3 +462,27 @@ def stage_leaf(
 
 def nbytes_of(staged: StagedArray) -> int:
     return sum(math.prod(s[1]) for s in staged.shards) * staged.dtype.itemsize
+
+
+def stage_leaves(
+    names: Sequence[str], values: Sequence[Any], rank: int, area: StagingArea | None, tile_bytes: int = 0,
+    packer: LeafPacker | None = None, placeholders: bool = True,
+) -> tuple[dict[str, Any], list[LeafPack]]:
+    """Stage a flattened state's leaves (``names``, ``values``) for host ``rank``: every leaf
+    checked, snapshot buffers in ``area`` allocated, not yet filled (None: leaves referenced).
+
+    With a ``packer``, the small whole arrays this host writes go into its packs instead, each
+    holding its place in the staged items as PACKED with ``placeholders`` (a host of many lists
+    its items in tree order, rows included).
+    """
+    staged: dict[str, Any] = {}
+    if packer is None:
+        rest: Iterable[int] = range(len(names))
+    else:
+        rest = packer.take_many(names, values)
+        if placeholders:
+            staged = dict.fromkeys(names, PACKED)
+    for i in rest:
+        name = names[i]
+        staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes)
+    return staged, packer.finish() if packer is not None else []

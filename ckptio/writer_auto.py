@@ -1,48 +1,54 @@
-"""The default writer of a save nobody chose a writer for: the writer process for large JAX saves.
+"""The default writer of a save nobody chose a writer for: the writer process for large saves.
 
 A background save's Python-level work runs under the training process's GIL. A
 GIL-bound training thread (a host loop that dispatches steps) holds the GIL
 almost all the time, so each time a save thread wants it back -- after every
 checksum block, copy or write call that released it -- it waits for the
-interpreter's switch interval (5 ms) to force a hand-over. A numpy or torch save
-does most of that work inside its stall, while its staging copy runs, before
-the step resumes; a JAX save stages nothing (JAX arrays are immutable, so it
-references them), so all of it -- 1024 checksum calls per 256 MiB of 8 MiB
-shards (32 blocks a shard), a write per 8 MiB -- happens
-under the running step. Measured with ``ckptio bench --train --pin --size
-256MiB`` on a quiet 2-core VM (notes of issue 35): the in-process JAX save ran
-at 0.070-0.079 GiB/s, the same save with the writer process at 0.159-0.182
-GiB/s, at the same step slowdown (1.02-1.03x on core).
+interpreter's switch interval (5 ms) to force a hand-over: 1024 checksum calls
+and 128 writes per GiB, most of them while the step runs again (a numpy or
+torch save's stall is its staging copy; a JAX save stages nothing, its arrays
+being immutable). Measured with ``ckptio bench --train --pin`` on a quiet 2-core
+VM (notes of issue 35): at 256 MiB the in-process JAX save ran at 0.070-0.079
+GiB/s, through the writer process at 0.159-0.182; at 1 GiB, two runs, the
+numpy save lost the step 50-62 ms in-process against 20-24 ms through the
+writer process (0.28-0.32 against 0.36-0.39 GiB/s), the torch save 57-64
+against 20-27 ms (0.29-0.31 against 0.35-0.40 GiB/s).
 
 So when neither ``EngineConfig.writer`` nor ``CKPTIO_WRITER`` names a writer, a
-save whose staged arrays are mostly JAX arrays (through the native API or the
-Orbax handler), at least :data:`AUTO_MIN_BYTES` of them, on a local POSIX
+save that writes at least :data:`AUTO_MIN_BYTES` of arrays from this host (numpy,
+torch or JAX; through the native API or the Orbax handler) to a local POSIX
 backend (:class:`ckptio.backends.local.LocalBackend` and its flavours) goes
-through the writer process (:mod:`ckptio.sidecar`).
-Everything else keeps the in-process writer: numpy and torch state (their
-checksums overlap their staging copy), small saves (a process is not worth
-it), and other backends (not measured). ``writer="thread"`` (or
+through the writer process (:mod:`ckptio.sidecar`). The choice is made from the
+leaves before anything is staged (:func:`array_bytes`), so that a snapshot is
+taken straight into the shared memory the writer process reads, not copied there
+again. Everything else keeps the in-process writer: small saves (a process is
+not worth it), incremental saves (they read shadows and views in this process)
+and other backends (not measured); ``ckptio.dcp.Writer`` follows only a named
+writer (DCP's async save gained nothing from it). ``writer="thread"`` (or
 ``CKPTIO_WRITER=thread``) opts out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from ckptio.backends.local import LocalBackend
 
 from . import sidecar
 from .sidecar import SIDECAR_WRITER
-from .staging import StagedArray, nbytes_of
+from .staging import Sharded, index_to_box, is_jax_array, is_torch_tensor
 from .store import CheckpointStore
 from .writers import Writer, sidecar_possible, writer_asked
 
-__all__ = ["AUTO_MIN_BYTES", "default_writer", "jax_share"]
+__all__ = ["AUTO_MIN_BYTES", "array_bytes", "default_writer"]
 
-#: A save needs at least this many bytes of JAX arrays (one default local object) to go to
-#: the writer process by default.
+#: A save needs at least this many bytes of arrays (one default local object) to go to the
+#: writer process by default.
 AUTO_MIN_BYTES = 64 << 20
 
 log = logging.getLogger("ckptio.writers")
@@ -52,34 +58,31 @@ _unusable: str | None = None
 _used: bool = False
 
 
-def jax_share(staged: Mapping[str, Any], copied: bool = True) -> tuple[int, int]:
-    """``(bytes of JAX arrays, bytes of all arrays)`` this host writes, of a save's staged items.
+def array_bytes(leaves: Iterable[Any], host: int) -> int:
+    """Bytes of the arrays host ``host`` writes of a save's ``leaves``, read from the leaves as
+    given: nothing copied, nothing moved off a device. As staging splits them: a JAX array's
+    addressable shards of replica 0, a :class:`~ckptio.staging.Sharded` leaf's pieces, and plain
+    numpy arrays and torch tensors on host 0 only (replicated: host 0 writes them)."""
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, Sharded):
+            total += sum(leaf.dtype.itemsize * math.prod(index_to_box(i, leaf.shape)[1]) for i, _ in leaf.pieces)
+        elif is_jax_array(leaf):
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
+        elif host == 0 and (is_torch_tensor(leaf) or isinstance(leaf, np.ndarray)):
+            total += leaf.nelement() * leaf.element_size() if is_torch_tensor(leaf) else leaf.nbytes
+    return total
 
-    ``copied=False`` (a save that references its leaves, as the Orbax handler's does): its
-    :class:`~ckptio.staging.Sharded` leaves count as JAX too -- they are the host views of JAX
-    arrays the handler made, staged without a copy all the same."""
-    jax = total = 0
-    for item in staged.values():
-        if isinstance(item, StagedArray):
-            n = nbytes_of(item)
-            total += n
-            if item.origin == "jax" or (item.origin == "sharded" and not copied):
-                jax += n
-    return jax, total
 
-
-def default_writer(
-    store: CheckpointStore, staged: Mapping[str, Any], chosen: Writer, copied: bool = True
-) -> Writer:
-    """The writer of a save of ``staged`` to ``store``: ``chosen`` (the store's), unless no writer
-    was asked for and the save is a large JAX save on a local backend (see the module): then the
-    writer process. ``copied``: whether the save snapshots its leaves (see :func:`jax_share`)."""
+def default_writer(store: CheckpointStore, leaves: Sequence[Any], host: int, chosen: Writer) -> Writer:
+    """The writer of host ``host``'s save of ``leaves`` (the state's, flattened) to ``store``:
+    ``chosen`` (the store's), unless no writer was asked for and the save is a large one on a
+    local backend (see the module): then the writer process. Called before staging."""
     if chosen is SIDECAR_WRITER or writer_asked(store.engine.config):
         return chosen
     if not isinstance(store.backend, LocalBackend) or not sidecar_possible(store):
         return chosen
-    jax, total = jax_share(staged, copied)
-    if jax < AUTO_MIN_BYTES or 2 * jax < total:
+    if array_bytes(leaves, host) < AUTO_MIN_BYTES:
         return chosen
     return SIDECAR_WRITER if _writer_process_up() else chosen
 
@@ -107,4 +110,4 @@ def _writer_process_up() -> bool:
 def _give_up(why: str) -> None:
     global _unusable
     _unusable = why
-    log.warning("%s: large JAX saves stay in this process (CKPTIO_WRITER=thread silences this)", why)
+    log.warning("%s: large saves stay in this process (CKPTIO_WRITER=thread silences this)", why)

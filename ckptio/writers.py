@@ -52,6 +52,10 @@ class Writer(Protocol):
 
     #: "thread" or "sidecar" (one of :data:`WRITERS`).
     name: str
+    #: Whether it writes its own page-aligned copies of staged memory rather than the memory as it
+    #: lies: a save then lays large pieces out aligned in their objects, not in step with their
+    #: addresses (:func:`ckptio.layout.pack`'s ``in_place``), so that direct IO needs no bounce.
+    copies: bool
 
     def staging_pool(self, pool: StagingPool | None) -> StagingPool | None:
         """The pool a save stages into, given the caller's ``pool`` (memory this writer can read)."""
@@ -69,6 +73,7 @@ class ThreadWriter:
     """The engine writing from this process, on its IO loop (the default writer)."""
 
     name = "thread"
+    copies = False
 
     def staging_pool(self, pool: StagingPool | None) -> StagingPool | None:
         """The caller's pool: the engine reads staged bytes where they are."""

@@ -314,8 +314,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             pieces.append(Piece(str(i), 0, data, block=block, sums=sums))
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
-        # The writer process writes aligned copies of what is not already in its shared memory.
-        in_place = sidecar.writer_for(store).name != "sidecar"
+        in_place = not sidecar.writer_for(store).copies  # the writer that will write (ckptio.writers.Writer)
         if self.torch_readable:
             plans, records = _torchsave.pack_records(
                 [_record(i, item, p) for i, (item, p) in enumerate(zip(items, pieces))],
