@@ -460,10 +460,6 @@ def stage_leaf(
     return ValueItem(leaf)
 
 
-def nbytes_of(staged: StagedArray) -> int:
-    return sum(math.prod(s[1]) for s in staged.shards) * staged.dtype.itemsize
-
-
 def stage_leaves(
     names: Sequence[str], values: Sequence[Any], rank: int, area: StagingArea | None, tile_bytes: int = 0,
     packer: LeafPacker | None = None, placeholders: bool = True,
