@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from ckptio import gilswitch
+
 from . import pinning, report
 from .advise import advise, render_advice
 from .cases import Case, all_cases
@@ -94,6 +96,9 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--pin", action="store_true",
                    help="with --train: the training thread alone on one core, every other thread and process "
                         "of the case on the others (what a many-core host sees; bench/pinning.py)")
+    g.add_argument("--gil-switch", type=float, default=None, metavar="S",
+                   help="the interpreter's switch interval while ckptio's saves run in the background, in seconds "
+                        "(sets CKPTIO_GIL_SWITCH_S for every case; 0: leave it; default: ckptio's, 0.0005)")
     g.add_argument("--no-equalize", dest="equalize", action="store_false",
                    help="do not touch and free the restore's worth of memory before each timed restore "
                         "(memory_state: as-is; see bench/README.md)")
@@ -262,7 +267,15 @@ def _header(doc: dict[str, Any]) -> str:
     return (f"ckptio bench — {format_bytes(st['total_bytes'])} as {st['count']} × {st['dtype']}, "
             f"{c['rounds']} rounds{_warmup_note(c.get('warmup', 0))}{' interleaved' if c.get('interleave') else ''}, target {c['target'].get('dir') or c['target'].get('scheme')}, "
             f"cold reads: {doc['cache_drop']['method']}, memory {c.get('memory_state', 'as-is')}"
-            + (f", step thread pinned to core {c['pin']['train']}" if c.get("pin") else ""))
+            + (f", step thread pinned to core {c['pin']['train']}" if c.get("pin") else "")
+            + _switch_note(doc.get("env", {}).get("gil_switch_s", "")))
+
+
+def _switch_note(seconds: float | str | None) -> str:
+    """How the JSON's env says saves ran: under a shorter switch interval (ckptio.gilswitch) or not."""
+    if seconds == "":  # a run recorded before the setting existed
+        return ""
+    return f", saves' switch interval {seconds * 1e3:g} ms" if isinstance(seconds, float) else ", switch interval untouched"
 
 
 def _warmup_note(n: int) -> str:
@@ -321,6 +334,9 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if args.warmup < 0 or args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1 and --warmup at least 0 (got {args.rounds}, {args.warmup})")
     pin = pinning.plan() if args.pin else None  # ValueError on one core
+    if args.gil_switch is not None:  # the workers inherit it; the JSON's env records it
+        os.environ[gilswitch.ENV] = repr(args.gil_switch)
+        gilswitch.interval_for(None)  # ValueError naming the setting, before any case runs
     target = _open_target(args)
     progress = _Progress(args.progress)
     try:

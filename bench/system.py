@@ -259,6 +259,15 @@ def _thp_policy(name: str) -> str | None:
     return text[start + 1:end] if 0 <= start < end else text.strip() or None
 
 
+def _gil_switch_s() -> float | str | None:
+    from ckptio import gilswitch
+
+    try:
+        return gilswitch.interval_for(None)
+    except ValueError as e:
+        return f"invalid: {e}"
+
+
 def environment(target_dir: str | None) -> dict[str, Any]:
     """Versions, machine and disk facts recorded with every run."""
     info: dict[str, Any] = {
@@ -271,6 +280,10 @@ def environment(target_dir: str | None) -> dict[str, Any]:
             for d in ("ckptio", "numpy", "torch", "jax", "jaxlib", "orbax-checkpoint", "tensorstore", "psutil")
         },
     }
+    # What ckptio's own environment variables set (the writer, the switch interval, ...), and the
+    # switch interval a save runs under with them (ckptio.gilswitch): both move the --train figures.
+    info["ckptio_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("CKPTIO_")}
+    info["gil_switch_s"] = _gil_switch_s()
     # The writer process's shared-memory slabs get huge pages only where the shmem policy allows
     # (ckptio.shm): its O_DIRECT requests, and so a JAX save's speed, depend on it.
     info["transparent_hugepage"] = {k: _thp_policy(k) for k in ("enabled", "shmem_enabled")}

@@ -94,7 +94,11 @@ class EngineConfig:
     #: then goes to the writer process (``ckptio.writer_auto``). The engine never reads it:
     #: a save maps it once to a ``ckptio.writers.Writer`` (``ckptio.sidecar.writer_for``).
     writer: str | None = None
-
+    #: The interpreter's switch interval (seconds) while a save's background work runs in this
+    #: process (``ckptio.gilswitch``): its commit is ~110 short steps that each wait for the GIL
+    #: a training step gives up only every interval. None: ``CKPTIO_GIL_SWITCH_S``, else 0.5 ms;
+    #: 0: leave the process's interval alone. The engine never reads it.
+    gil_switch_s: float | None = None
 
     @property
     def retry_policy(self) -> RetryPolicy:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptio.backends.budget import alone
 
-from . import _gc
+from . import _gc, gilswitch
 from .collective import collective_verdict, failed_record, join_as_failed
 from .distributed import Coordinator, SingleProcess
 from .handle import SaveHandle, SaveOptions
@@ -349,7 +349,12 @@ class SaveJob:
     # -- the save's thread -----------------------------------------------------
 
     def run(self) -> None:
-        """Write, record, join the verdict (committing on the coordinator), finish."""
+        """Write, record, join the verdict (committing on the coordinator), finish -- under a short
+        switch interval (``ckptio.gilswitch``: each of the chain's steps waits for the GIL)."""
+        with gilswitch.shortened(gilswitch.interval_for(self.store.engine.config)):
+            self._run()
+
+    def _run(self) -> None:
         failure: BaseException | None = None
         try:
             record = self.record(self.write())

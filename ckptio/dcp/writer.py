@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import sidecar
+from .. import gilswitch, sidecar
 from ..engine import EngineConfig, run_sync
 from ..store.intents import Lease, new_id
 from ..layout import Naming, Piece, extent_block, pack
@@ -287,7 +287,9 @@ class Writer(Located, StorageWriter, AsyncStager):
             info = _PlanInfo(new_id(), self.rank, 1)
         store = self._open()
         try:
-            results = self._write(store, info, plan.items, planner)
+            # async_save runs this on a background thread beside the step: ckptio.gilswitch says why
+            with gilswitch.shortened(gilswitch.interval_for(self.engine_config)):
+                results = self._write(store, info, plan.items, planner)
         finally:
             if not self.is_coordinator:  # the coordinator still commits in finish()
                 self._close()
@@ -343,6 +345,10 @@ class Writer(Located, StorageWriter, AsyncStager):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with gilswitch.shortened(gilswitch.interval_for(self.engine_config)):  # the commit's chain
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self._open()
         where = self.checkpoint_id
         try:
