@@ -51,16 +51,22 @@ class Sharded:
         self.dtype = np.dtype(self.dtype)
 
 
-def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A tuple of (step-1) slices into ``shape`` -> ``(offsets, sizes)``."""
+def index_to_box(
+    index: Sequence[slice], shape: Sequence[int], where: str = ""
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A tuple of (step-1) slices into ``shape`` -> ``(offsets, sizes)``; errors name ``where``
+    (the leaf's pytree path) and the index."""
+    at = f"{where}: index" if where else "index"
+    if len(tuple(index)) > len(shape):
+        raise ValueError(f"{at} {tuple(index)!r}: more slices than the {len(shape)} dimensions of {list(shape)}")
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     offs, sizes = [], []
     for sl, dim in zip(index, shape):
         if not isinstance(sl, slice):
-            raise TypeError(f"index {index!r}: only slices are supported")
+            raise TypeError(f"{at} {index!r}: only slices are supported")
         start, stop, step = sl.indices(dim)
         if step != 1:
-            raise ValueError(f"index {index!r}: strided slices cannot describe a shard")
+            raise ValueError(f"{at} {index!r}: strided slices cannot describe a shard")
         offs.append(start)
         sizes.append(max(0, stop - start))
     return tuple(offs), tuple(sizes)
@@ -409,7 +415,7 @@ def stage_leaf(
         check_dtype(leaf.dtype, where)
         shards = []
         for index, data in leaf.pieces:
-            offs, sizes = index_to_box(index, leaf.shape)
+            offs, sizes = index_to_box(index, leaf.shape, where)
             arr = np.asarray(data)
             if arr.shape != sizes or arr.dtype != leaf.dtype:
                 raise ValueError(

@@ -66,11 +66,21 @@ def array_bytes(leaves: Iterable[Any], host: int) -> int:
     total = 0
     for leaf in leaves:
         if isinstance(leaf, Sharded):
-            total += sum(leaf.dtype.itemsize * math.prod(index_to_box(i, leaf.shape)[1]) for i, _ in leaf.pieces)
+            total += _sharded_bytes(leaf)
         elif is_jax_array(leaf):
             total += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
         elif host == 0 and (is_torch_tensor(leaf) or isinstance(leaf, np.ndarray)):
             total += leaf.nelement() * leaf.element_size() if is_torch_tensor(leaf) else leaf.nbytes
+    return total
+
+
+def _sharded_bytes(leaf: Sharded) -> int:
+    total = 0
+    for index, _ in leaf.pieces:
+        try:
+            total += leaf.dtype.itemsize * math.prod(index_to_box(index, leaf.shape)[1])
+        except (TypeError, ValueError):
+            pass  # staging refuses the piece next, naming its pytree path
     return total
 
 

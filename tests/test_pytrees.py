@@ -217,3 +217,22 @@ def test_cast_core_imports_no_framework() -> None:
 def test_an_unsupported_leaf_names_its_path_and_what_is_supported(tmp_path: Path) -> None:
     with pytest.raises(ckptio.UnsupportedLeafError, match=r"opt/0/fn.*NamedTuples.*never pickle"):
         ckptio.save(str(tmp_path), {"opt": ({"fn": object()},)}, step=1)
+
+
+@pytest.mark.parametrize(
+    ("index", "error", "why"),
+    [
+        ((0, slice(0, 4)), TypeError, "only slices"),
+        ((slice(0, 8, 2), slice(None)), ValueError, "strided"),
+        ((slice(0, 4), slice(None), slice(None)), ValueError, "more slices than the 2 dimensions"),
+    ],
+)
+def test_a_sharded_piece_with_a_bad_index_names_its_path_and_commits_nothing(
+    tmp_path: Path, index: tuple[Any, ...], error: type[Exception], why: str
+) -> None:
+    big = np.zeros((4096, 4096), np.float32)  # 64 MiB: the default writer is chosen from it first
+    leaf = ckptio.Sharded((8, 4), np.float32, [(index, np.zeros((4, 4), np.float32))])
+    with pytest.raises(error, match=rf"model/w: index .*{why}"):
+        ckptio.save(str(tmp_path), {"model": {"w": leaf, "big": big}}, step=1)
+    with pytest.raises(ckptio.CheckpointNotFoundError):
+        ckptio.restore(str(tmp_path), step=1)

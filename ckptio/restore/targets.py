@@ -106,7 +106,7 @@ def _sharded_regions(name: str, item: ArrayItem, target: Sharded) -> tuple[list[
     want = check_target(name, item, target.shape, target.dtype)
     regions, pieces = [], []
     for index, data in target.pieces:
-        offs, sizes = index_to_box(index, target.shape)
+        offs, sizes = index_to_box(index, target.shape, f"item {name!r}")
         ok = isinstance(data, np.ndarray) and data.shape == sizes and data.dtype == item.dtype
         dest = data if ok and data.flags.c_contiguous and data.flags.writeable else dest_buffer(sizes, item.dtype)
         regions.append(Region(offs, dest))
