@@ -12,8 +12,8 @@ loses less per save, not more (issue 35's notes have the runs).
 The interval is one setting for the whole process, so ckptio changes it only while one of its
 saves runs in the background (:func:`shortened`), never lengthens it, and puts back the value it
 found when the last such save ends -- unless somebody else changed it meanwhile, whose value then
-stands. ``EngineConfig.gil_switch_s`` (else the ``CKPTIO_GIL_SWITCH_S`` environment variable)
-sets it; ``0`` turns it off.
+stands; a process forked meanwhile starts with the value found. ``EngineConfig.gil_switch_s``
+(else the ``CKPTIO_GIL_SWITCH_S`` environment variable) sets it; ``0`` turns it off.
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ _holders = 0
 #: the value ckptio set (None: it set none, the process's was already as short).
 _found: float | None = None
 _set: float | None = None
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a save ran has no save thread to put the interval back: do it now."""
+    global _lock, _holders, _found, _set
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _holders and _set is not None and _found is not None and sys.getswitchinterval() == _set:
+        sys.setswitchinterval(_found)
+    _holders, _found, _set = 0, None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

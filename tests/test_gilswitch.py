@@ -8,6 +8,7 @@ and a DCP save's storage calls run under it, and ``0`` leaves the process's inte
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -106,6 +107,21 @@ class TestShortened:
         with gilswitch.shortened(0.0005):
             sys.setswitchinterval(0.002)  # the trainer's own choice, made while a save runs
         assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+    def test_a_child_forked_during_a_save_starts_with_the_value_found(self) -> None:
+        read, write = os.pipe()
+        with gilswitch.shortened(0.0005):
+            pid = os.fork()
+            if pid == 0:  # the child: no save of its own runs
+                os.write(write, repr(sys.getswitchinterval()).encode())
+                os._exit(0)
+            os.close(write)
+            assert sys.getswitchinterval() == pytest.approx(0.0005)  # the parent's save still runs
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as f:
+            assert float(f.read()) == pytest.approx(ORIGINAL)
+        assert sys.getswitchinterval() == pytest.approx(ORIGINAL)
 
 
 class IntervalSpy(WrapperBackend):
