@@ -46,12 +46,12 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 #: The default run (without --full or --cases): the headline comparison alone -- ckptio natively (on
 #: numpy, jax and torch state: #35's goals name all three), under Orbax and under DCP, beside the raw
-#: disk (buffered, and O_DIRECT: the device's limit), stock Orbax, stock DCP and the memcpy floor (the
+#: disk (buffered, and O_DIRECT: the device's limit, bare and after a snapshot copy + crc32c), stock Orbax, stock DCP and the memcpy floor (the
 #: torch stall's reference; no storage, seconds) -- at :data:`QUICK_SIZE`, so that every #35 goal on
 #: those shows in each default run. ``--full`` adds the async, torch.save and tensorstore cases and
 #: every ratio table (#36: the default must finish in 3 minutes on a loaded 2-core VM).
 QUICK_CASES: tuple[str, ...] = (
-    "raw-disk", "raw-direct", "memcpy", "orbax-default", "dcp", "ckptio", "ckptio-jax", "ckptio-torch",
+    "raw-disk", "raw-direct", "raw-direct-snapshot", "memcpy", "orbax-default", "dcp", "ckptio", "ckptio-jax", "ckptio-torch",
     "ckptio-orbax", "ckptio-dcp",
 )
 

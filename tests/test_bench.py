@@ -30,7 +30,7 @@ def _have(*mods: str) -> bool:
 
 
 # Decided here, independently of the harness's own availability checks.
-EXPECTED_ANCHORS = ["raw-disk", "raw-direct"]
+EXPECTED_ANCHORS = ["raw-disk", "raw-direct", "raw-direct-snapshot"]
 if _have("jax", "orbax.checkpoint"):
     EXPECTED_ANCHORS += ["orbax-default", "orbax-nocomp"]
 if _have("tensorstore"):

@@ -66,6 +66,14 @@ def test_raw_direct_restores_bit_exact_with_cpu_cost_and_a_floor(tmp_path: Path)
     assert floor["save_cpu_s_per_gib"] == pytest.approx(staged + result["summary"]["save_cpu_s_per_gib"]["median"])
 
 
+def test_raw_direct_snapshot_writes_what_it_copied_and_restores_bit_exact(tmp_path: Path) -> None:
+    # Its buffers start empty (setup zeroes them), so a verified restore proves each save copied the state.
+    result = _run(tmp_path, "raw-direct-snapshot")
+    for s in result["samples"]:
+        assert s["verified"] is True and s["save_cpu_s"] > 0
+    assert result["info"]["streams"] == 4
+
+
 def test_no_equalize_keeps_the_memory_as_it_is(tmp_path: Path) -> None:
     result = _run(tmp_path, "raw-disk", equalize=False)
     for s in result["samples"]:
