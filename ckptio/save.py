@@ -169,6 +169,8 @@ class SaveJob:
         self.coord: Coordinator = coordinator or SingleProcess()
         self.copy, self.progress, self.on_done = copy, progress, on_done
         self.options = options or SaveOptions.of(store)
+        # Read here, on the caller's thread: a bad setting refuses the save before anything is staged.
+        self.gil_switch = gilswitch.interval_for(store.engine.config)
         # Without options, the writer may still follow the state (ckptio.writer_auto), and its pool.
         self._default_writer, self._pool = options is None, pool
         self.step_dir = step_dir_of(step)
@@ -351,7 +353,7 @@ class SaveJob:
     def run(self) -> None:
         """Write, record, join the verdict (committing on the coordinator), finish -- under a short
         switch interval (``ckptio.gilswitch``: each of the chain's steps waits for the GIL)."""
-        with gilswitch.shortened(gilswitch.interval_for(self.store.engine.config)):
+        with gilswitch.shortened(self.gil_switch):
             self._run()
 
     def _run(self) -> None:

@@ -185,3 +185,23 @@ def test_a_dcp_save_writes_and_commits_under_the_short_interval(tmp_path, monkey
     dcp.save(state, storage_writer=ckptio.dcp.Writer(str(tmp_path / "ck")))
     assert seen == {"write": pytest.approx(0.0005), "finish": pytest.approx(0.0005)}
     assert sys.getswitchinterval() == pytest.approx(ORIGINAL)
+
+
+def test_a_bad_setting_refuses_the_save_on_the_callers_thread(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read in the save's own thread it would kill that thread and leave result() waiting for good.
+    monkeypatch.setenv(gilswitch.ENV, "fast")
+    with pytest.raises(ValueError, match=f"{gilswitch.ENV}='fast'"):
+        ckptio.save(str(tmp_path), _state(), step=1)
+    monkeypatch.delenv(gilswitch.ENV)
+    with pytest.raises(ckptio.CheckpointNotFoundError):
+        ckptio.restore(str(tmp_path), step=1)
+    ckptio.save(str(tmp_path), _state(), step=1).result()  # the step is free: nothing was announced
+    np.testing.assert_array_equal(ckptio.restore(str(tmp_path), step=1)["w"], _state()["w"])
+
+
+def test_a_bad_setting_refuses_a_dcp_writer_when_made(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import ckptio.dcp
+
+    with pytest.raises(ValueError, match="EngineConfig.gil_switch_s=-1"):
+        ckptio.dcp.Writer(str(tmp_path / "ck"), engine_config=EngineConfig(gil_switch_s=-1))

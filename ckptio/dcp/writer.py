@@ -150,6 +150,7 @@ class Writer(Located, StorageWriter, AsyncStager):
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
+        self._gil_switch = gilswitch.interval_for(self.engine_config)  # a bad setting fails here, not mid-save
         if step is not None:
             self._refuse_committed_step()
         sidecar.prestart(engine_config)
@@ -288,7 +289,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         store = self._open()
         try:
             # async_save runs this on a background thread beside the step: ckptio.gilswitch says why
-            with gilswitch.shortened(gilswitch.interval_for(self.engine_config)):
+            with gilswitch.shortened(self._gil_switch):
                 results = self._write(store, info, plan.items, planner)
         finally:
             if not self.is_coordinator:  # the coordinator still commits in finish()
@@ -345,7 +346,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with gilswitch.shortened(gilswitch.interval_for(self.engine_config)):  # the commit's chain
+        with gilswitch.shortened(self._gil_switch):  # the commit's chain
             self._finish(metadata, results)
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
