@@ -96,6 +96,10 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     g.add_argument("--pin", action="store_true",
                    help="with --train: the training thread alone on one core, every other thread and process "
                         "of the case on the others (what a many-core host sees; bench/pinning.py)")
+    g.add_argument("--train-window", type=float, default=None, metavar="S",
+                   help="with --train: keep timing the step until S seconds from each save's start and report "
+                        "its slowdown over that window too (one length of training time for every case, so a "
+                        "save that ends sooner is not scored worse for the same loss)")
     g.add_argument("--gil-switch", type=float, default=None, metavar="S",
                    help="the interpreter's switch interval while ckptio's saves run in the background, in seconds "
                         "(sets CKPTIO_GIL_SWITCH_S for every case; 0: leave it; default: ckptio's, 0.0005)")
@@ -198,10 +202,10 @@ class _Runner:
 
     def __init__(self, target: Target, cache_drop: str, rounds: int, verify: bool,
                  timeout: float | None, progress: _Progress, train: bool = False, warmup: int = 0,
-                 **flags: bool) -> None:
+                 **flags: Any) -> None:
         self.target, self.cache_drop, self.rounds, self.warmup = target, cache_drop, rounds, warmup
         self.verify, self.timeout, self.progress, self.train = verify, timeout, progress, train
-        self.flags = flags  # the Job's other switches: pin, equalize
+        self.flags = flags  # the Job's other settings: pin, equalize, train_window_s
 
     def _job(self, cls: type[Case], spec: StateSpec, world_size: int, rounds: int,
              gated: bool = False) -> tuple[Job, float, Callable[[dict[str, Any]], None], Callable[[], int]]:
@@ -331,6 +335,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     spec = StateSpec(total_bytes=parse_size(args.size or "1GiB"), count=args.arrays or 32, dtype=args.dtype)
     if args.pin and not args.train:
         raise ValueError("--pin pins the training thread of --train: add --train")
+    if args.train_window is not None and not (args.train and args.train_window > 0):
+        raise ValueError(f"--train-window takes seconds > 0 and needs --train (got {args.train_window})")
     if args.warmup < 0 or args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1 and --warmup at least 0 (got {args.rounds}, {args.warmup})")
     pin = pinning.plan() if args.pin else None  # ValueError on one core
@@ -356,7 +362,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "schema": SCHEMA, "argv": list(argv),
             "config": {"state": spec.to_json(), "rounds": args.rounds, "warmup": args.warmup, "verify": args.verify,
-                       "train": args.train,
+                       "train": args.train, "train_window_s": args.train_window,
                        "memory_state": "equalized" if args.equalize else "as-is",
                        "pin": pin.to_json() if pin else None,
                        "interleave": args.interleave, "target": target.describe(), "cases": [c.name for c in sel.run]},
@@ -364,7 +370,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             "cache_drop": {"method": method, "reason": reason},
         }
         run = _Runner(target, method, args.rounds, args.verify, args.timeout, progress, args.train,
-                      warmup=args.warmup, pin=bool(pin), equalize=args.equalize)
+                      warmup=args.warmup, pin=bool(pin), equalize=args.equalize,
+                      train_window_s=args.train_window)
         progress.reserve(len(sel.run) * (args.warmup + args.rounds))
         if args.interleave:
             _warn_if_interleaving_will_not_fit(sel.run, spec)

@@ -89,6 +89,8 @@ _LABELS = {
     "train_slowdown_on_core": "train step × on core",
     "train_blocked_ms": "train blocked ms",
     "train_lost_ms": "train lost ms/save",
+    "train_window_slowdown": "train step × window",
+    "train_window_slowdown_on_core": "train step × window on core",
     "save_cpu_s_per_gib": "save CPU s/GiB",
     "restore_cpu_s_per_gib": "restore CPU s/GiB",
 }
@@ -112,6 +114,11 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
         out["train_slowdown_on_core"] = x
     if sample.get("train_blocked_s") is not None:
         out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
+    if (window := train.windowed(dict(sample))) is not None and (x := train.slowdown(window)) is not None:
+        out["train_window_slowdown"] = x
+        out["train_window_lost_ms"] = train.lost_s(window) * 1e3  # type: ignore[operator]
+        if (x := train.slowdown_on_core(window)) is not None:
+            out["train_window_slowdown_on_core"] = x
     gib = nbytes / GIB
     for key, fig in (("save_cpu_s", "save_cpu_s_per_gib"), ("restore_cpu_s", "restore_cpu_s_per_gib")):
         if sample.get(key) is not None and gib:
@@ -257,7 +264,9 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
     """One row per case: every figure as median (min–max), plus save/restore × raw disk."""
     raw = next((r for r in results if r["case"] == RAW and r.get("status") == "ok"), None)
     direct = next((r for r in results if r["case"] == DIRECT and r.get("status") == "ok"), None)
-    extra = [f for f in ("train_slowdown", "train_slowdown_on_core", "train_lost_ms", "train_blocked_ms") if any(f in r.get("summary", {}) for r in results)]
+    extra = [f for f in ("train_slowdown", "train_slowdown_on_core", "train_lost_ms", "train_blocked_ms",
+                         "train_window_slowdown", "train_window_slowdown_on_core")
+             if any(f in r.get("summary", {}) for r in results)]
     headers = ["case", *(_LABELS[f] for f, _, _ in FIGURES), *(_LABELS[f] for f in extra),
                "held MiB", "save ×raw", "restore ×raw", "save ×direct", "restore ×direct"]
     rows = []
@@ -300,6 +309,10 @@ def render_main(results: Sequence[dict[str, Any]], skipped: Mapping[str, str], h
                      "the time that thread neither ran nor waited for a core (the GIL, mostly: the save's own share "
                      "of the slowdown on a loaded host); train step × on core: the same without the step's waits "
                      "for a core (with --pin, other processes' doing, not the save's)")
+    if "train_window_slowdown" in extra:
+        notes.append("train step × window (--train-window): the same over a fixed window from each save's start "
+                     "(or to its end, if later), steps after the save included: every case's loss over one "
+                     "length of training time, what goodput counts")
     print_table(header, headers, rows, notes, out)
 
 

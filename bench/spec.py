@@ -110,6 +110,9 @@ class Job:
     #: With ``train``: the stepping thread alone on one core, the rest of the case on the others
     #: (``--pin``, see bench/pinning.py).
     pin: bool = False
+    #: With ``train``: keep stepping until this many seconds from each save's start, and report the
+    #: step's figures over that window too (``--train-window``, see bench/train.py ``during``).
+    train_window_s: float | None = None
     #: Touch and free as much memory as a restore will fill before each timed restore, so every
     #: case starts from the same memory state (``--no-equalize``: off; see system.equalize_memory).
     equalize: bool = True

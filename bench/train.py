@@ -31,7 +31,7 @@ from typing import Any
 
 from .pinning import Cores, training_core
 
-__all__ = ["during", "idle", "lost_s", "slowdown", "slowdown_on_core", "step"]
+__all__ = ["during", "idle", "lost_s", "slowdown", "slowdown_on_core", "step", "windowed"]
 
 _STEP_ITERS = 20_000  # ~1 ms of bytecode on a current x86 core
 
@@ -110,11 +110,15 @@ def lost_s(sample: dict[str, Any]) -> float | None:
     return sample["train_steps"] * (sample["train_busy_s"] - sample["train_cpu_s"] * per_cpu_idle)
 
 
-def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any]:
+def during(wait: Callable[[], Any], cores: Cores | None = None, window_s: float | None = None,
+           on_done: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run ``wait`` (a save's ``result``) in a thread and training steps here until it returns.
 
     With ``cores`` (``--pin``) the steps run alone on ``cores.train`` and everything else,
     the waiting thread included, on ``cores.rest`` (see :mod:`ckptio.bench.pinning`).
+    ``on_done`` runs in the waiting thread the moment ``wait`` returns (the worker reads its
+    clock there, so a window that outlasts the save is not billed to it); keep it to a few
+    bytecodes: that thread must win the GIL from the steps for each.
 
     Returns ``{"train_busy_s": mean step time, "train_cpu_s": its mean CPU time,
     "train_max_s": the longest step, "train_steps": n, "train_blocked_s": ...}``; re-raises what ``wait`` raised. The mean, not
@@ -122,6 +126,11 @@ def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any
     cost to see. ``train_blocked_s`` is the mean per step of the time the thread neither ran
     nor waited for a core: waiting for the GIL, mostly. That part is the save's own doing
     even on a loaded host, where the rest of a slowdown is other processes' CPU.
+
+    With ``window_s`` the steps go on until ``window_s`` seconds from the save's start (or its
+    end, if later), and the same figures over that whole window come back as
+    ``train_window_*``: every case's loss spread over one length of training time, so a save
+    that finishes sooner is not scored worse for packing the same loss into less time.
     """
     failure: list[BaseException] = []
 
@@ -130,7 +139,11 @@ def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any
             wait()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             failure.append(e)
+        finally:
+            if on_done is not None:
+                on_done()
 
+    t0 = time.perf_counter()
     thread = threading.Thread(target=waiter, name="bench-save-wait", daemon=True)
     thread.start()  # before the pin: it inherits this thread's (the rest's) cores
     with training_core(cores):
@@ -138,10 +151,32 @@ def during(wait: Callable[[], Any], cores: Cores | None = None) -> dict[str, Any
         times = [_timed_step()]  # at least one: the step the save's background work started under
         while thread.is_alive():
             times.append(_timed_step())
-        cpu, runq = time.thread_time() - cpu0, _runq_s() - runq0
+        saving = _step_figures(times, time.thread_time() - cpu0, _runq_s() - runq0, "train")
+        if window_s is not None:
+            end = t0 + window_s
+            while time.perf_counter() < end:
+                times.append(_timed_step())
+            window = _step_figures(times, time.thread_time() - cpu0, _runq_s() - runq0, "train_window")
+            saving.update(window, train_window_s=time.perf_counter() - t0)
     thread.join()
     if failure:
         raise failure[0]
+    return saving
+
+
+def _step_figures(times: list[float], cpu: float, runq: float, prefix: str) -> dict[str, Any]:
     blocked = max(0.0, sum(times) - cpu - runq) / len(times)
-    return {"train_busy_s": statistics.fmean(times), "train_cpu_s": cpu / len(times), "train_max_s": max(times),
-            "train_steps": len(times), "train_blocked_s": blocked, "train_runq_s": runq / len(times)}
+    return {f"{prefix}_busy_s": statistics.fmean(times), f"{prefix}_cpu_s": cpu / len(times),
+            f"{prefix}_max_s": max(times), f"{prefix}_steps": len(times), f"{prefix}_blocked_s": blocked,
+            f"{prefix}_runq_s": runq / len(times)}
+
+
+def windowed(sample: dict[str, Any]) -> dict[str, Any] | None:
+    """``sample`` with its ``train_window_*`` figures in place of the in-save ones (None without
+    a window), for :func:`slowdown`, :func:`lost_s` and :func:`slowdown_on_core` to read."""
+    if "train_window_busy_s" not in sample:
+        return None
+    out = dict(sample)
+    for k in ("busy_s", "cpu_s", "max_s", "steps", "blocked_s", "runq_s"):
+        out[f"train_{k}"] = sample[f"train_window_{k}"]
+    return out

@@ -141,15 +141,18 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
         t0 = time.perf_counter()
         pending = case.save(r)
         t1 = time.perf_counter()
+        done: list[float] = []  # the save's end, read as it returns (a --train-window goes on past it)
         if pending is not None:
             if job.train:  # the training thread keeps stepping while the save finishes
-                sample.update(train.during(pending.result, cores))
+                sample.update(train.during(pending.result, cores, job.train_window_s,
+                                           on_done=lambda: done.append(time.perf_counter())))
             else:
                 pending.result()
-        t2 = time.perf_counter()
+        t2 = done[0] if done else time.perf_counter()
         cpu1 = cpu.snapshot()
     # The save's CPU, all threads and processes; the training steps' own CPU is not the save's.
-    steps_cpu = sample.get("train_cpu_s", 0.0) * sample.get("train_steps", 0)
+    steps = "train_window" if "train_window_steps" in sample else "train"
+    steps_cpu = sample.get(f"{steps}_cpu_s", 0.0) * sample.get(f"{steps}_steps", 0)
     sample["save_cpu_s"] = max(0.0, cpu.spent(cpu0, cpu1) - steps_cpu)
     now = current_rss()
     # "held": what the process keeps after the save, over its RSS before the first one

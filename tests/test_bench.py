@@ -258,6 +258,33 @@ def test_train_during_reraises_the_save_failure() -> None:
     assert train.during(lambda: None)["train_steps"] >= 1
 
 
+def test_train_window_keeps_stepping_past_the_save_and_bills_the_save_only_its_own_time(tmp_path: Path) -> None:
+    """--train-window: the step is timed until the window's end, the in-save figures stay the
+    save's own, and the save's time and CPU are read the moment it returns, not at the window's end."""
+    from ckptio.bench import report, train
+
+    ended: list[float] = []
+    got = train.during(lambda: None, window_s=0.2, on_done=lambda: ended.append(time.perf_counter()))
+    assert len(ended) == 1
+    assert got["train_window_s"] >= 0.2 and got["train_window_steps"] > got["train_steps"] >= 1
+    assert train.windowed({"train_idle_s": 1e-3, "train_idle_cpu_s": 1e-3, **got})["train_steps"] == \
+        got["train_window_steps"]
+    assert train.windowed({"train_busy_s": 1.0}) is None  # no window: nothing to read
+
+    target = LocalTarget(str(tmp_path))
+    job = Job(case="ckptio", root=target.case_root("ckptio"), state=StateSpec(4 << 20, 4), rounds=2, train=True,
+              train_window_s=3.0, cache_drop="none")
+    result = run_job(job, target, timeout_s=120)
+    target.close()
+    assert result["status"] == "ok", result.get("error")
+    for sample in result["samples"]:
+        assert sample["train_window_s"] >= 3.0
+        assert sample["save_s"] < sample["train_window_s"]  # a 4 MiB save is not billed the window
+        assert sample["train_window_steps"] > sample["train_steps"]
+    summary = report.summarize(result)
+    assert "train_window_slowdown" in summary and "train_slowdown" in summary
+
+
 def test_parse_size_and_duration() -> None:
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("4M") == 4 << 20

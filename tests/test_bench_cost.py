@@ -149,6 +149,10 @@ def test_train_pin_reports_the_step_figures_and_the_cores(tmp_path: Path) -> Non
 def test_pin_needs_train(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--pin", "--cases", "raw-disk", "--no-progress"]) == 2
     assert "--train" in capsys.readouterr().err
+    assert main(["--train-window", "2", "--cases", "raw-disk", "--no-progress"]) == 2
+    assert "--train-window" in capsys.readouterr().err
+    assert main(["--train", "--train-window", "0", "--cases", "raw-disk", "--no-progress"]) == 2
+    assert "--train-window" in capsys.readouterr().err
 
 
 def test_the_json_says_memory_state_and_pinning(tmp_path: Path) -> None:
