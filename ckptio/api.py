@@ -14,6 +14,7 @@ from .progress import progress_callback
 from .restore import restore_step
 from .save import SaveHandle, start_save
 from .staging import StagingPool
+from .stagingpool import process_pool
 from .store import CheckpointStore, StoreOptions
 from .urls import file_in_the_way
 
@@ -49,6 +50,9 @@ def save(
     overrides the backend ``url`` would pick (e.g. a wrapped one).
     ``progress=True`` shows a tqdm bar of the bytes written; a callable
     ``(event, nbytes)`` is called as bytes go out (``event``: ``"written"``).
+    ``pool``: the host buffers the state is staged into, kept for the next save; without one,
+    a save staged in this process uses :func:`ckptio.stagingpool.process_pool` (at most 1 GiB
+    kept between saves; the writer process keeps its own).
     """
     problem = file_in_the_way(url) if backend is None else None
     if problem:
@@ -66,7 +70,7 @@ def save(
     try:
         return start_save(
             store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
-            copy=copy, progress=callback, pool=pool, on_done=done,
+            copy=copy, progress=callback, pool=process_pool() if pool is None else pool, on_done=done,
         )
     except BaseException:
         close_bar()

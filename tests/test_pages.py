@@ -7,6 +7,7 @@ import mmap
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,3 +251,51 @@ def test_kept_buffers_ask_for_huge_pages_before_their_first_touch() -> None:
                 assert np.array_equal(buf, data)
     finally:
         shared.close()
+
+
+def _fresh_process_pool(monkeypatch: pytest.MonkeyPatch, max_bytes: int) -> StagingPool:
+    import ckptio.stagingpool as sp
+
+    monkeypatch.setattr(sp, "_process_pool", None)
+    monkeypatch.setattr(sp, "PROCESS_POOL_BYTES", max_bytes)
+    return sp.process_pool()
+
+
+def test_saves_without_a_pool_reuse_the_process_pool_and_save_what_they_were_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ckptio.save`` staging in this process with no pool: the second save stages into the first
+    one's buffers (no fresh pages), and each step restores exactly the state it was given."""
+    import ckptio
+    from ckptio.engine import EngineConfig
+
+    pool = _fresh_process_pool(monkeypatch, 64 << 20)
+    config = EngineConfig(writer="thread")
+    state = {"a": np.arange(1 << 20, dtype=np.float32), "b": np.full((512, 1024), 3, np.float64)}
+    ckptio.save(tmp_path, state, step=1, engine_config=config).result()
+    assert pool._free.misses >= 2 and pool._free.held_bytes() > 0
+    misses = pool._free.misses
+    state["a"] += 1  # the caller's arrays change between saves; the buffers are reused
+    ckptio.save(tmp_path, state, step=2, engine_config=config).result()
+    assert pool._free.misses == misses and pool._free.hits >= 2
+    assert pool._free.held_bytes() <= 64 << 20
+    first = ckptio.restore(tmp_path, step=1)
+    second = ckptio.restore(tmp_path, step=2)
+    assert np.array_equal(first["a"], np.arange(1 << 20, dtype=np.float32))
+    assert np.array_equal(second["a"], np.arange(1 << 20, dtype=np.float32) + 1)
+    assert np.array_equal(second["b"], state["b"])
+
+
+def test_the_process_pool_keeps_within_its_bound_and_a_pool_of_nothing_keeps_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptio
+    from ckptio.engine import EngineConfig
+
+    pool = _fresh_process_pool(monkeypatch, 5 << 20)
+    config = EngineConfig(writer="thread")
+    state = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(3)}  # 3 x 4 MiB
+    ckptio.save(tmp_path, state, step=1, engine_config=config).result()
+    assert 0 < pool._free.held_bytes() <= 5 << 20
+    nothing = StagingPool(max_bytes=0)
+    ckptio.save(tmp_path, state, step=2, engine_config=config, pool=nothing).result()
+    assert nothing._free.held_bytes() == 0 and nothing._free.count() == 0
+    assert all(np.array_equal(ckptio.restore(tmp_path, step=2)[k], v) for k, v in state.items())
