@@ -302,6 +302,8 @@ class CheckpointManager:
         their manifests being read, and the rest are deleted if intact.
         """
         dirs = await self.store.step_dirs()
+        if len(dirs) <= keep:  # the newest `keep` would be all of them: nothing is older (no manifest read)
+            return []
         # A kept step must be whole (a listing per step): a newer step that lost an object must not
         # count, or retention would delete the older step a restore then needs.
         kept = await self.store.intact_steps(newest=keep, among=dirs, whole=True)

@@ -177,3 +177,27 @@ def test_retention_deletes_intact_older_steps_and_leaves_damaged_ones(tmp_path):
         assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [2, 3, 4, 5]
         assert mngr.all_steps() == [2, 3, 4, 5]
         assert (mngr.restore(3)["w"] == 3).all()
+
+
+def test_retention_reads_no_manifest_while_the_root_holds_no_more_steps_than_it_keeps(tmp_path, monkeypatch):
+    """Nothing can be deleted while there are at most ``max_to_keep`` step directories, so no
+    save validates a step (manifests read, objects listed) for retention then; the first save
+    past it deletes the oldest step as before."""
+    state = {"w": np.arange(64, dtype=np.float32)}
+    with ckptio.CheckpointManager(str(tmp_path), max_to_keep=3) as mngr:
+        checked: list[object] = []
+        real = mngr.store.intact_steps
+
+        async def counting(*args, **kwargs):
+            if kwargs.get("whole") or kwargs.get("among") is not None:  # retention's questions
+                checked.append(kwargs.get("among"))
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(mngr.store, "intact_steps", counting)
+        for step in range(3):
+            mngr.save(step, state)
+            mngr.wait_until_finished()
+        assert checked == []
+        mngr.save(3, state)
+        mngr.wait_until_finished()
+        assert checked and mngr.all_steps() == [1, 2, 3]
