@@ -342,7 +342,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     pin = pinning.plan() if args.pin else None  # ValueError on one core
     if args.gil_switch is not None:  # the workers inherit it; the JSON's env records it
         os.environ[gilswitch.ENV] = repr(args.gil_switch)
-        gilswitch.interval_for(None)  # ValueError naming the setting, before any case runs
+    gilswitch.interval_for(None)  # a bad flag or CKPTIO_GIL_SWITCH_S: one error naming it, before any case runs
     target = _open_target(args)
     progress = _Progress(args.progress)
     try:

@@ -219,3 +219,18 @@ def test_a_negative_warmup_is_a_one_line_error(tmp_path: Path, capsys: pytest.Ca
     assert rc != 0
     err = capsys.readouterr().err.strip()
     assert "--warmup" in err and len(err.splitlines()) == 1
+
+
+def test_a_bad_switch_interval_setting_stops_the_bench_before_any_case(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the flag or from the environment: one line naming it, no case run (every save would refuse)."""
+    monkeypatch.setenv("CKPTIO_GIL_SWITCH_S", "fast")
+    assert main(["--cases", "ckptio", "--size", "1MiB", "--rounds", "1", "--dir", str(tmp_path),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "CKPTIO_GIL_SWITCH_S" in err and "fast" in err
+    monkeypatch.delenv("CKPTIO_GIL_SWITCH_S")
+    assert main(["--cases", "ckptio", "--gil-switch", "-1", "--size", "1MiB", "--rounds", "1",
+                 "--dir", str(tmp_path), "--no-progress"]) == 2
+    assert "CKPTIO_GIL_SWITCH_S" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no case made its directory
