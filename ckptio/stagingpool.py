@@ -8,6 +8,7 @@ they are filled and written again at every save (``ckptio._system.pages.collapse
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -97,3 +98,14 @@ def process_pool() -> StagingPool:
         if _process_pool is None:
             _process_pool = StagingPool(max_bytes=PROCESS_POOL_BYTES)
         return _process_pool
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a data-loader worker) starts with no pool of its own: the parent's buffers are
+    # copy-on-write views it never saves from, and another thread may have held the lock at the fork.
+    global _process_pool, _process_pool_lock
+    _process_pool, _process_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

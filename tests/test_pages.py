@@ -299,3 +299,24 @@ def test_the_process_pool_keeps_within_its_bound_and_a_pool_of_nothing_keeps_not
     ckptio.save(tmp_path, state, step=2, engine_config=config, pool=nothing).result()
     assert nothing._free.held_bytes() == 0 and nothing._free.count() == 0
     assert all(np.array_equal(ckptio.restore(tmp_path, step=2)[k], v) for k, v in state.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_starts_without_the_parents_process_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptio.stagingpool as sp
+
+    parent = _fresh_process_pool(monkeypatch, 8 << 20)
+    parent.give_back([aligned_empty(4 << 20)])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a pool of its own, empty
+        try:
+            child = sp.process_pool()
+            os.write(w, b"ok" if child is not parent and child._free.held_bytes() == 0 else b"no")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 2)
+    os.waitpid(pid, 0)
+    assert got == b"ok"
+    assert sp.process_pool() is parent and parent._free.held_bytes() == 4 << 20
