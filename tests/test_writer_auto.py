@@ -240,3 +240,37 @@ def test_a_writer_process_that_died_before_the_save_reached_it_turns_the_default
     with caplog.at_level("WARNING", logger="ckptio.writers"):
         assert not _save_and_check(tmp_path / "b", _jax(_arrays(4, seed=1)), _arrays(4, seed=1))
     assert sum("large saves stay in this process" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("size_mib, named, expected", [(4, None, True), (4, "thread", False), (0, None, False)])
+def test_a_dcp_async_save_of_cpu_tensors_follows_the_same_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size_mib: int, named: str | None, expected: bool
+) -> None:
+    """``ckptio.dcp.Writer`` under ``async_save``: a large save of CPU tensors to a local disk is
+    staged into shared memory and written by the writer process, unless a writer is named; a small
+    one stays in-process. Either way it restores bit-exact, and a later synchronous save on the same
+    Writer writes in-process."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio.dcp
+
+    if named:
+        monkeypatch.setenv(sidecar.ENV, named)
+    arrays = _arrays(size_mib) if size_mib else {"w0": np.arange(1000, dtype=np.float32)}
+    state = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
+    writes: list[str] = []
+    for cls in (type(sidecar.SIDECAR_WRITER), type(ckptio.writers.THREAD_WRITER)):
+        real = cls.write
+        monkeypatch.setattr(cls, "write", lambda self, *a, _real=real, **k: (writes.append(self.name), _real(self, *a, **k))[1])
+    writer = ckptio.dcp.Writer(str(tmp_path / "a"))
+    dcp.async_save(state, storage_writer=writer).result()
+    assert writes == (["sidecar"] if expected else ["thread"])
+    assert (sidecar.current_pid() is not None) == expected
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=ckptio.dcp.Reader(str(tmp_path / "a")))
+    assert all(back[k].numpy().tobytes() == v.tobytes() for k, v in arrays.items())
+    writes.clear()
+    writer.reset(str(tmp_path / "b"))
+    dcp.save(state, storage_writer=writer)  # synchronous: no staging copy, in-process
+    assert writes == ["thread"]

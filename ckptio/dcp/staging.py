@@ -31,7 +31,7 @@ from ckptio.staging import aligned_empty
 
 from ._tensorbytes import plain_array, tensor_over
 
-__all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict"]
+__all__ = ["DEFAULT_BUFFERS", "SHARED_BUFFERS", "HostBuffers", "Stager", "stage_state_dict", "state_tensors"]
 
 
 class HostBuffers:
@@ -218,3 +218,18 @@ class Stager(AsyncStager):
     def close(self) -> None:
         """Buffers stay in the pool for the next save; ``HostBuffers.clear`` frees them."""
 
+
+def state_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a state dict (DTensors as their local shards), containers walked."""
+    out: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            local = getattr(x, "to_local", None)
+            out.append(local() if callable(local) else x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out

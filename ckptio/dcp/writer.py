@@ -60,6 +60,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import gilswitch, sidecar
+from ..writer_auto import default_writer_for
+from ..writers import THREAD_WRITER, Writer as ObjectWriter, writer_asked
 from ..engine import EngineConfig, run_sync
 from ..store.intents import Lease, new_id
 from ..layout import Naming, Piece, extent_block, pack
@@ -72,7 +74,7 @@ from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
 from ._tensorbytes import plain_array
 from ._location import Located
 from ._stagedsums import StagedSums
-from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict
+from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict, state_tensors
 
 __all__ = ["Writer"]
 
@@ -166,6 +168,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         self._save_id: str | None = None
         self._lease: Lease | None = None
         self._staged_sums: StagedSums | None = None  # set by stage(), taken by the next write_data
+        self._writer: ObjectWriter | None = None  # the default stage() chose, taken by the next write_data
 
     def _open(self) -> CheckpointStore:
         """The store, on a local path with ``direct_unaligned=False`` unless the caller chose.
@@ -209,6 +212,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         state["buffers"] = None  # the pool stays in the process that stages
         state["_staged_sums"] = None  # so do the staged tensors' checksums
         state["_lease"] = None  # a live intent's heartbeat stays with the process that plans
+        state["_writer"] = None  # this process's writer process: another process writes in-process
         return state
 
     # -- AsyncStager -------------------------------------------------------
@@ -221,7 +225,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`), checksumming each
         copy on a helper thread meanwhile, for the write to reuse (see :mod:`ckptio.dcp._stagedsums`)."""
         buffers = self.buffers
-        if buffers is None and sidecar.writer_of(self.engine_config) == "sidecar":
+        if buffers is None and self._for_writer_process(state_dict):
             # Staged straight into memory the writer process maps; it checksums as it writes.
             return stage_state_dict(state_dict, SHARED_BUFFERS)
         sums = StagedSums((self.engine_config or EngineConfig()).block_size)
@@ -229,6 +233,26 @@ class Writer(Located, StorageWriter, AsyncStager):
         sums.wait()
         self._staged_sums = sums
         return staged
+
+    def _for_writer_process(self, state_dict: dict[str, Any]) -> bool:
+        """Whether this async save stages for the writer process: one asked for (``writer="sidecar"``),
+        or, with no writer asked for, the default's rule (:mod:`ckptio.writer_auto`: a save of at
+        least 64 MiB to a local disk) for a state of CPU tensors (accelerator tensors stage into
+        pinned memory, in-process). The choice holds for the write that follows."""
+        self._writer = None
+        if sidecar.writer_of(self.engine_config) == "sidecar":
+            return True
+        if writer_asked(self.engine_config):
+            return False
+        tensors = state_tensors(state_dict)
+        if any(t.device.type != "cpu" for t in tensors):
+            return False
+        chosen = default_writer_for(self._open(), lambda: sum(t.numel() * t.element_size() for t in tensors),
+                                    THREAD_WRITER)
+        if chosen is THREAD_WRITER:
+            return False
+        self._writer = chosen
+        return True
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` copies synchronously."""
@@ -317,7 +341,9 @@ class Writer(Located, StorageWriter, AsyncStager):
             pieces.append(Piece(str(i), 0, data, block=block, sums=sums))
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
-        in_place = not sidecar.writer_for(store).copies  # the writer that will write (ckptio.writers.Writer)
+        # The writer that will write: the one stage() chose by default, else the store's (ckptio.writers).
+        writer, self._writer = self._writer or sidecar.writer_for(store), None
+        in_place = not writer.copies
         if self.torch_readable:
             plans, records = _torchsave.pack_records(
                 [_record(i, item, p) for i, (item, p) in enumerate(zip(items, pieces))],
@@ -325,7 +351,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         else:
             plans = pack(pieces, object_size=store.backend.layout_defaults.object_size, key_for=key_for,
                          align=store.backend.capabilities.alignment, in_place=in_place)
-        written = sidecar.write_and_sync(store, plans, where=self.checkpoint_id)
+        written = writer.write(store, plans, None, None, self.checkpoint_id)
         extents: dict[int, list[tuple[Any, ...]]] = {}
         for obj, w in zip(plans, written):
             for e, crcs in zip(obj.extents, w.crcs):
