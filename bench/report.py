@@ -114,7 +114,7 @@ def _per_sample(sample: Mapping[str, Any], nbytes: int) -> dict[str, float]:
         out["train_slowdown_on_core"] = x
     if sample.get("train_blocked_s") is not None:
         out["train_blocked_ms"] = sample["train_blocked_s"] * 1e3
-    if (window := train.windowed(dict(sample))) is not None and (x := train.slowdown(window)) is not None:
+    if (window := train.windowed(sample)) is not None and (x := train.slowdown(window)) is not None:
         out["train_window_slowdown"] = x
         out["train_window_lost_ms"] = train.lost_s(window) * 1e3  # type: ignore[operator]
         if (x := train.slowdown_on_core(window)) is not None:

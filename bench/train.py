@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .pinning import Cores, training_core
@@ -171,7 +171,7 @@ def _step_figures(times: list[float], cpu: float, runq: float, prefix: str) -> d
             f"{prefix}_runq_s": runq / len(times)}
 
 
-def windowed(sample: dict[str, Any]) -> dict[str, Any] | None:
+def windowed(sample: Mapping[str, Any]) -> dict[str, Any] | None:
     """``sample`` with its ``train_window_*`` figures in place of the in-save ones (None without
     a window), for :func:`slowdown`, :func:`lost_s` and :func:`slowdown_on_core` to read."""
     if "train_window_busy_s" not in sample:

@@ -151,8 +151,8 @@ def _one_round(case: Case, job: Job, group: _Group, r: int, expected: dict[str, 
         t2 = done[0] if done else time.perf_counter()
         cpu1 = cpu.snapshot()
     # The save's CPU, all threads and processes; the training steps' own CPU is not the save's.
-    steps = "train_window" if "train_window_steps" in sample else "train"
-    steps_cpu = sample.get(f"{steps}_cpu_s", 0.0) * sample.get(f"{steps}_steps", 0)
+    steps = train.windowed(sample) or sample  # with a --train-window, every step it timed
+    steps_cpu = steps.get("train_cpu_s", 0.0) * steps.get("train_steps", 0)
     sample["save_cpu_s"] = max(0.0, cpu.spent(cpu0, cpu1) - steps_cpu)
     now = current_rss()
     # "held": what the process keeps after the save, over its RSS before the first one
