@@ -244,11 +244,14 @@ class Writer(Located, StorageWriter, AsyncStager):
             return True
         if writer_asked(self.engine_config):
             return False
-        tensors = state_tensors(state_dict)
-        if any(t.device.type != "cpu" for t in tensors):
-            return False
-        chosen = default_writer_for(self._open(), lambda: sum(t.numel() * t.element_size() for t in tensors),
-                                    THREAD_WRITER)
+
+        def nbytes() -> int:  # walked only where the writer process could write (a local disk)
+            tensors = state_tensors(state_dict)
+            if any(t.device.type != "cpu" for t in tensors):
+                return 0  # accelerator tensors: pinned staging, in-process
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        chosen = default_writer_for(self._open(), nbytes, THREAD_WRITER)
         if chosen is THREAD_WRITER:
             return False
         self._writer = chosen
