@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
-from ckptio._system import flat_bytes
+from ckptio._system import copy_bytes, flat_bytes
 
 from .errors import IntegrityError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "block_crcs", "crc32c", "member_crcs", "verify_blocks"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "FUSED_CHUNK", "block_crcs", "copy_summed", "crc32c", "member_crcs", "verify_blocks"]
 
 #: 1 MiB: a partial read (a row block of column-saved shards, a slice) rounds out to at most a
 #: MiB on either side, at 4 bytes of checksum per MiB (11 bytes of manifest JSON).
@@ -28,6 +28,31 @@ def block_crcs(view: memoryview, block_size: int) -> list[int]:
     """crc32c of each consecutive ``block_size`` block of ``view`` (the last may be shorter)."""
     view = flat_bytes(view)
     return [_crc32c.crc32c(view[i : i + block_size]) for i in range(0, view.nbytes, block_size)]
+
+
+#: :func:`copy_summed` copies this many bytes (rounded to whole blocks), then checksums them: half
+#: of a core's L2 here (2 MiB), so the checksum reads the copy from cache, not from memory.
+FUSED_CHUNK = 1 << 20
+
+
+def copy_summed(dst: memoryview, src: memoryview, block_size: int) -> list[int]:
+    """``dst[:] = src`` and :func:`block_crcs` of ``dst``, in one pass over memory.
+
+    Each chunk is checksummed right after it is copied, while it is still in cache. Copying
+    everything and then checksumming it reads the copy back from memory: on 256 MiB (2 threads,
+    this 2-core VM) the fused pass took 37-41 ms of CPU against 51-55 for the two (issue 35).
+    The checksums are of ``dst``: the bytes that will be written, whatever ``src`` does meanwhile.
+    """
+    dst, src = flat_bytes(dst), flat_bytes(src)
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+    step = block_size * max(1, FUSED_CHUNK // block_size)
+    out: list[int] = []
+    for i in range(0, dst.nbytes, step):
+        chunk = dst[i : i + step]
+        copy_bytes(chunk, src[i : i + step])
+        out += [_crc32c.crc32c(chunk[j : j + block_size]) for j in range(0, chunk.nbytes, block_size)]
+    return out
 
 
 def member_crcs(view: memoryview, ends: list[int]) -> list[int]:

@@ -149,11 +149,12 @@ class _Writer:
 
     def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
         extents = []
-        for item, shard, shard_offset, offset, length, src, cuts, block in desc:
+        for item, shard, shard_offset, offset, length, src, cuts, block, sums in desc:
             slab = self.slabs[src[1]]
             if src[0] == "shm":
                 view = memoryview(slab)[src[2] : src[2] + length]
-                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length, cuts=cuts, block=block))
+                extents.append(PlannedExtent(item, shard, shard_offset, offset, view, length, cuts=cuts, block=block,
+                                             sums=sums))
             else:
                 _s, _id, off, itemsize, shape, offs, sizes = src
                 n = int(np.prod(shape, dtype=np.int64)) * itemsize

@@ -78,11 +78,15 @@ class Export:
         loc = self.pool.locate(view)
         if loc is not None:
             return loc
-        # copy_bytes releases the GIL for anything but small copies.
+        # copy_bytes releases the GIL for anything but small copies. Not checksummed on the way
+        # (ckptio.checksum.copy_summed): this runs beside the training step, and a checksum per
+        # chunk is a GIL round trip each -- a pinned JAX save took 2.2x as long and cost the step
+        # 1.04-1.05x against 1.02-1.03x (issue 35). The writer process checksums these bytes.
         return self._copy_into_slab(view.nbytes, lambda dst: copy_bytes(dst, view), user)[1]
 
     def describe(self, i: int, plan: ObjectPlan) -> list[tuple[Any, ...]]:
-        """``(item, shard, shard_offset, offset, length, source, cuts, block)`` per extent of object ``i``."""
+        """``(item, shard, shard_offset, offset, length, source, cuts, block, sums)`` per extent of object ``i``
+        (``sums``: its block checksums where staging computed them, else None)."""
         need = self._need(plan)
         with self._cond:  # a copy larger than the budget waits until nothing else is held
             self._cond.wait_for(lambda: self.over or not need or not self.held or self.held + need <= self.budget)
@@ -111,7 +115,7 @@ class Export:
             else:
                 assert e.data is not None
                 src = ("shm", *self._place(e.data, i))
-            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts, e.block))
+            out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts, e.block, e.sums))
         return out
 
     def written(self, i: int) -> None:

@@ -178,9 +178,17 @@ class StagingArea:
 
     def fill(self, out: np.ndarray) -> None:
         """Run the copy into ``out`` if it has not run yet."""
-        job = self._pending.pop(id(out), None)
-        if job is None:
-            return
+        job = self.take(out)
+        if job is not None:
+            self.run(job)
+
+    def take(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | list[np.ndarray]] | None:
+        """The copy still pending into ``out`` as ``(dest, source)``, now the caller's to run."""
+        return self._pending.pop(id(out), None)
+
+    @staticmethod
+    def run(job: tuple[np.ndarray, np.ndarray | list[np.ndarray]]) -> None:
+        """Run a copy :meth:`take` handed out."""
         dest, src = job
         if isinstance(src, list):  # a pack (one dtype): one call for all its members, in C order
             np.concatenate(src, axis=None, out=dest.view(src[0].dtype), casting="no")

@@ -99,6 +99,46 @@ def test_a_helper_process_cpu_is_counted() -> None:
         proc.communicate("")
 
 
+_BURNER = textwrap.dedent("""
+    import queue, sys, threading, time
+    jobs, done = queue.Queue(), queue.Queue()
+    def worker():  # one thread that lives on, as a writer process's IO threads do
+        while True:
+            seconds = jobs.get()
+            t = time.thread_time()
+            while time.thread_time() - t < seconds:
+                pass
+            done.put(time.thread_time() - t)
+    threading.Thread(target=worker, daemon=True).start()
+    for line in sys.stdin:
+        jobs.put(float(line))
+        print(done.get(), flush=True)
+""")
+
+
+def test_a_live_helpers_cpu_is_counted_to_the_millisecond_not_the_tick() -> None:
+    """A writer process spends ~10 ms on a 256 MiB save: its own clock ticks (10 ms) cannot count that;
+    its threads' exact run times can."""
+    proc = subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("0.001\n")
+        proc.stdin.flush()
+        proc.stdout.readline()  # started and settled
+        cpu.snapshot()  # psutil imported: not in the windows below
+        for seconds in (0.013, 0.027):
+            before = cpu.snapshot()
+            proc.stdin.write(f"{seconds}\n")
+            proc.stdin.flush()
+            burnt = float(proc.stdout.readline())
+            after = cpu.snapshot()
+            assert after.live and all(u.threads is not None for u in after.live.values())
+            # Plus this process's look at its children (~2 ms) and the burner's main loop: under a tick.
+            assert burnt <= cpu.spent(before, after) <= burnt + 0.006
+    finally:
+        proc.communicate("")
+
+
 _PIN_PROBE = textwrap.dedent("""
     import json, os, subprocess, sys, threading
     from ckptio.bench import pinning
