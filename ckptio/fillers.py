@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HELPER_MIN_BYTES", "MAX_FILLERS", "fill_objects", "fillers_for"]
+__all__ = ["HELPER_MIN_BYTES", "MAX_FILLERS", "fill_objects", "fillers_for", "usable_cores"]
 
 #: At most this many threads copy at once (the caller included): past a few, memory bandwidth,
 #: not threads, bounds a copy.
@@ -32,7 +32,8 @@ MAX_FILLERS = 4
 HELPER_MIN_BYTES = 32 << 20
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores the calling thread may run on."""
     try:
         return len(os.sched_getaffinity(0))  # the calling thread's own cores
     except (AttributeError, OSError):
@@ -41,7 +42,7 @@ def _usable_cores() -> int:
 
 def fillers_for(nbytes: int) -> int:
     """How many threads (the caller included) should copy ``nbytes`` of staged state."""
-    return max(1, min(MAX_FILLERS, _usable_cores(), nbytes // HELPER_MIN_BYTES))
+    return max(1, min(MAX_FILLERS, usable_cores(), nbytes // HELPER_MIN_BYTES))
 
 
 def fill_objects(

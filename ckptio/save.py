@@ -33,6 +33,7 @@ from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .fillers import fill_objects, fillers_for
 from .summedfill import SummedFill
+from .summedfill import wanted as summed_fill_wanted
 from .store.intents import Lease, new_id
 from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
@@ -336,11 +337,12 @@ class SaveJob:
             # the objects still waiting for theirs); large states are copied by helpers too. Taken
             # before the save's thread starts: it may lay out more objects (an incremental save's views).
             objects, arrays = [[(e.item, e.shard) for e in plan.extents] for plan in self.plans], self.arrays
-            fill = SummedFill(area, self.plans, arrays, self.store.engine.config.block_size)
-            thread.start()
             copies = (arrays[k] for k in {k for keys in objects for k in keys})
-            nbytes = sum(a.nbytes for a in copies if area.source_of(a) is not a)  # copy=False: none
-            fill_objects(fill, objects, arrays, ready, fillers_for(nbytes))
+            threads = fillers_for(sum(a.nbytes for a in copies if area.source_of(a) is not a))  # copy=False: none
+            block_size = self.store.engine.config.block_size
+            fill = SummedFill(area, self.plans, arrays, block_size) if summed_fill_wanted(threads) else area.fill
+            thread.start()
+            fill_objects(fill, objects, arrays, ready, threads)
             area.fill_all()  # zero-byte pieces belong to no object
         except BaseException as e:
             for fut in ready:

@@ -91,17 +91,17 @@ def test_an_object_with_nothing_to_copy_is_released() -> None:
 
 
 def test_helpers_only_for_large_states_and_never_past_the_callers_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fillers, "_usable_cores", lambda: 16)
+    monkeypatch.setattr(fillers, "usable_cores", lambda: 16)
     assert fillers_for(0) == 1
     assert fillers_for(HELPER_MIN_BYTES - 1) == 1
     assert fillers_for(2 * HELPER_MIN_BYTES) == 2
     assert fillers_for(1 << 40) == MAX_FILLERS
-    monkeypatch.setattr(fillers, "_usable_cores", lambda: 1)  # a training thread pinned to one core
+    monkeypatch.setattr(fillers, "usable_cores", lambda: 1)  # a training thread pinned to one core
     assert fillers_for(1 << 40) == 1
 
 
 def test_a_save_copied_by_helpers_restores_bit_exact_and_is_a_snapshot(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(fillers, "_usable_cores", lambda: 4)
+    monkeypatch.setattr(fillers, "usable_cores", lambda: 4)
     monkeypatch.setattr(fillers, "HELPER_MIN_BYTES", 1 << 20)
     rng = np.random.default_rng(1)
     state = {f"w{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(12)}

@@ -14,7 +14,9 @@ import pytest
 import ckptio
 from ckptio import EngineConfig
 from ckptio import engine as engine_mod
+from ckptio import fillers
 from ckptio.checksum import FUSED_CHUNK, block_crcs, copy_summed
+from ckptio.summedfill import wanted
 
 
 @pytest.mark.parametrize("block", [4096, 12 << 10, 256 << 10, FUSED_CHUNK, 3 * FUSED_CHUNK])
@@ -56,8 +58,11 @@ def _rows(step_dir: Path) -> list[tuple[str, list[Any], int]]:
     return out
 
 
+@pytest.mark.parametrize("cores", [1, 16])
 @pytest.mark.parametrize("writer", ["thread", "sidecar"])
-def test_every_manifest_row_is_the_checksum_of_the_bytes_on_disk(tmp_path: Path, writer: str) -> None:
+def test_every_manifest_row_is_the_checksum_of_the_bytes_on_disk(tmp_path: Path, writer: str, cores: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fillers, "usable_cores", lambda: cores)
     state = _state()
     opts = {"object_size": 8 << 20}  # "big" spans three objects
     ckptio.save(tmp_path, state, step=1, engine_config=EngineConfig(writer=writer), backend_options=opts).result()
@@ -71,18 +76,40 @@ def test_every_manifest_row_is_the_checksum_of_the_bytes_on_disk(tmp_path: Path,
         assert out[k].tobytes() == np.ascontiguousarray(v).tobytes(), k
 
 
-def test_the_engine_sums_only_what_staging_could_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    summed: list[int] = []
+@pytest.fixture
+def no_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a 2-core host, or under a training thread pinned to its core: the copy sums as it goes."""
+    monkeypatch.setattr(fillers, "usable_cores", lambda: 1)
+
+
+@pytest.fixture
+def summed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of every extent the engine checksums itself."""
+    out: list[int] = []
     real = engine_mod.block_crcs
 
     def spy(view: memoryview, block: int) -> list[int]:
-        summed.append(view.nbytes)
+        out.append(view.nbytes)
         return real(view, block)
 
     monkeypatch.setattr(engine_mod, "block_crcs", spy)
+    return out
+
+
+def test_the_engine_sums_only_what_staging_could_not(tmp_path: Path, no_spare_core: None, summed: list[int]) -> None:
     state = _state()
     ckptio.save(tmp_path, state, step=1, engine_config=EngineConfig(writer="thread")).result()
     assert sorted(summed) == [state["strided"].nbytes]  # the plain copies came with their sums
     summed.clear()
     ckptio.save(tmp_path, state, step=2, engine_config=EngineConfig(writer="thread"), copy=False).result()
     assert sorted(summed) == sorted(v.nbytes for k, v in state.items() if k not in ("small", "small2"))  # no copy
+
+
+def test_with_a_core_to_spare_the_stall_is_the_copy_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         summed: list[int]) -> None:
+    """A host with idle cores: the engine checksums later, beside the step, not inside its stall."""
+    monkeypatch.setattr(fillers, "usable_cores", lambda: 16)
+    state = _state()
+    ckptio.save(tmp_path, state, step=1, engine_config=EngineConfig(writer="thread")).result()
+    assert sorted(summed) == sorted(v.nbytes for k, v in state.items() if k not in ("small", "small2"))
+    assert wanted(4) is False and wanted(16) is True
