@@ -12,7 +12,8 @@ from ckptio._system import copy_bytes, flat_bytes
 
 from .errors import IntegrityError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "FUSED_CHUNK", "block_crcs", "copy_summed", "crc32c", "member_crcs", "verify_blocks"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "FUSED_CHUNK", "block_crcs", "copy_summed", "crc32c", "member_crcs",
+           "verify_blocks"]
 
 #: 1 MiB: a partial read (a row block of column-saved shards, a slice) rounds out to at most a
 #: MiB on either side, at 4 bytes of checksum per MiB (11 bytes of manifest JSON).

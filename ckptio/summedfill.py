@@ -27,8 +27,8 @@ import numpy as np
 
 from ckptio._system import address
 
-from .checksum import copy_summed
 from . import fillers
+from .checksum import copy_summed
 from .layout import ObjectPlan, PlannedExtent
 from .staging import StagingArea
 
@@ -57,7 +57,8 @@ class SummedFill:
         for plan in plans:
             for e in plan.extents:
                 arr = arrays.get((e.item, e.shard))
-                if arr is not None and e.data is not None and e.cuts is None and e.fill is None and e.sums is None:
+                plain = e.data is not None and e.cuts is None and e.fill is None and e.sums is None
+                if arr is not None and plain:
                     self._extents.setdefault(id(arr), []).append(e)
 
     def __call__(self, out: np.ndarray) -> None:
@@ -70,12 +71,15 @@ class SummedFill:
             self._area.run(job)
             return
         block = extents[0].block or self._block_size
-        sums = copy_summed(memoryview(dest.reshape(-1).view(np.uint8)), memoryview(src.reshape(-1).view(np.uint8)), block)
-        base, total = address(memoryview(dest.reshape(-1).view(np.uint8))), dest.nbytes
+        staged = memoryview(dest.reshape(-1).view(np.uint8))
+        sums = copy_summed(staged, memoryview(src.reshape(-1).view(np.uint8)), block)
+        base, total = address(staged), dest.nbytes
         for e in extents:
             assert e.data is not None
-            start, end = address(e.data) - base, address(e.data) - base + e.length
-            if (e.block or self._block_size) == block and start % block == 0 and (end % block == 0 or end == total):
+            start = address(e.data) - base
+            end = start + e.length
+            lined_up = start % block == 0 and (end % block == 0 or end == total)
+            if (e.block or self._block_size) == block and lined_up:
                 e.sums = sums[start // block : -(-end // block)]
 
 
