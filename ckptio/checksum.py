@@ -52,7 +52,7 @@ def copy_summed(dst: memoryview, src: memoryview, block_size: int) -> list[int]:
     for i in range(0, dst.nbytes, step):
         chunk = dst[i : i + step]
         copy_bytes(chunk, src[i : i + step])
-        out += [_crc32c.crc32c(chunk[j : j + block_size]) for j in range(0, chunk.nbytes, block_size)]
+        out += block_crcs(chunk, block_size)
     return out
 
 

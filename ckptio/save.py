@@ -32,8 +32,7 @@ from .incremental.shadow import Shadows
 from .engine import Progress, WrittenObject, gather_or_cancel, run_sync, submit
 from .errors import SaveFailedError
 from .fillers import fill_objects, fillers_for
-from .summedfill import SummedFill
-from .summedfill import wanted as summed_fill_wanted
+from .summedfill import staging_fill
 from .store.intents import Lease, new_id
 from .store.resave import wait_bound
 from .layout import ObjectPlan, pack, pieces_of
@@ -339,8 +338,7 @@ class SaveJob:
             objects, arrays = [[(e.item, e.shard) for e in plan.extents] for plan in self.plans], self.arrays
             copies = (arrays[k] for k in {k for keys in objects for k in keys})
             threads = fillers_for(sum(a.nbytes for a in copies if area.source_of(a) is not a))  # copy=False: none
-            block_size = self.store.engine.config.block_size
-            fill = SummedFill(area, self.plans, arrays, block_size) if summed_fill_wanted(threads) else area.fill
+            fill = staging_fill(area, self.plans, arrays, self.store.engine.config.block_size, threads)
             thread.start()
             fill_objects(fill, objects, arrays, ready, threads)
             area.fill_all()  # zero-byte pieces belong to no object

@@ -21,7 +21,7 @@ nothing and the stall stays the copy alone; where it takes every core the step m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,13 +32,20 @@ from .checksum import copy_summed
 from .layout import ObjectPlan, PlannedExtent
 from .staging import StagingArea
 
-__all__ = ["SummedFill", "wanted"]
+__all__ = ["SummedFill", "staging_fill", "wanted"]
 
 
 def wanted(threads: int) -> bool:
     """True if a staging copy on ``threads`` threads (the caller's included) should checksum as it
     copies: it already runs on every core the calling thread may use."""
     return threads >= fillers.usable_cores()
+
+
+def staging_fill(area: StagingArea, plans: Sequence[ObjectPlan], arrays: dict[object, np.ndarray],
+                 block_size: int, threads: int) -> Callable[[np.ndarray], None]:
+    """The ``fill`` a save's staging copy on ``threads`` threads runs: a :class:`SummedFill` where
+    :func:`wanted`, else ``area``'s plain copy."""
+    return SummedFill(area, plans, arrays, block_size) if wanted(threads) else area.fill
 
 
 class SummedFill:
