@@ -6,14 +6,16 @@ releases the GIL while it hashes (~9 GiB/s a thread).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import crc32c as _crc32c
 
 from ckptio._system import copy_bytes, flat_bytes
 
 from .errors import IntegrityError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "FUSED_CHUNK", "block_crcs", "copy_summed", "crc32c", "member_crcs",
-           "verify_blocks"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "FUSED_CHUNK", "block_crcs", "copy_summed", "crc32c", "fill_summed",
+           "member_crcs", "verify_blocks"]
 
 #: 1 MiB: a partial read (a row block of column-saved shards, a slice) rounds out to at most a
 #: MiB on either side, at 4 bytes of checksum per MiB (11 bytes of manifest JSON).
@@ -47,11 +49,20 @@ def copy_summed(dst: memoryview, src: memoryview, block_size: int) -> list[int]:
     dst, src = flat_bytes(dst), flat_bytes(src)
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
-    step = block_size * max(1, FUSED_CHUNK // block_size)
+    return fill_summed(dst, lambda chunk, at: copy_bytes(chunk, src[at : at + chunk.nbytes]), block_size)
+
+
+def fill_summed(dst: memoryview, fill: Callable[[memoryview, int], None], block_size: int,
+                chunk_size: int = FUSED_CHUNK) -> list[int]:
+    """Fill ``dst`` chunk by chunk (``fill(chunk, offset)`` writes ``dst[offset:offset + len]``)
+    and return :func:`block_crcs` of it, each chunk checksummed right after it is filled (whole
+    blocks of about ``chunk_size``), while it is still in cache."""
+    dst = flat_bytes(dst)
+    step = block_size * max(1, chunk_size // block_size)
     out: list[int] = []
     for i in range(0, dst.nbytes, step):
         chunk = dst[i : i + step]
-        copy_bytes(chunk, src[i : i + step])
+        fill(chunk, i)
         out += block_crcs(chunk, block_size)
     return out
 

@@ -232,6 +232,10 @@ class Engine:
             self._state[loop] = (asyncio.Semaphore(self.concurrency), ByteBudget(self.config.byte_budget))
         return self._state[loop]
 
+    def save_pool(self) -> concurrent.futures.Executor:
+        """The threads a save's CPU work runs on here (its checksums, its tile cuts)."""
+        return self._cpu_save.get()
+
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu.get(), fn, *args)
 

@@ -27,11 +27,13 @@ Contracts:
   how. So there is nothing to reclaim after a SIGKILL.
 
 Data not already in shared memory (JAX arrays, which are staged without a
-copy; ``copy=False`` saves; tensors DCP staged in its own buffers) is copied
-into a slab by the trainer's background thread, object by object, with a
-copy that releases the GIL. For unaligned sources this is the copy that the
-local backend's O_DIRECT bounce buffer made in-process. Such copies are
-bounded to a few objects in flight and reused as objects are written.
+copy; ``copy=False`` saves; tensors DCP staged in its own buffers) is read by
+the child straight out of the trainer's memory where the kernel allows it
+(:mod:`ckptio.remoteread`; the child's first message says whether it can),
+else copied into a slab by the trainer's background thread, object by
+object, with a copy that releases the GIL. For unaligned sources this is the
+copy that the local backend's O_DIRECT bounce buffer made in-process. Either
+way at most a few objects are held at a time, and their memory is reused.
 
 Modules: this one is the sidecar :class:`~ckptio.writers.Writer`, maps a
 store's writer choice to a writer object (:func:`writer_for`), drives the
@@ -63,6 +65,7 @@ from ckptio.backends.budget import budget_of
 from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
 from .layout import ObjectPlan
+from .remoteread import remote_wanted, token
 from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
 from .sidecar_export import EXPORT_OBJECTS, Export
 from .sidecar_child import Channel
@@ -175,6 +178,10 @@ class Sidecar:
         self._ids = itertools.count(1)
         self._sent: set[int] = set()  # slabs the child has mapped
         self.dead: str | None = None  # why, once the child is gone
+        #: The child can read this process's memory (its first message says): JAX arrays and other
+        #: unstaged bytes are then read by it, not copied into shared memory here (ckptio.remoteread).
+        self.reads_remote = False
+        self._hello = threading.Event()  # the child's first message came (or it is gone)
         self.proc: subprocess.Popen[bytes] | None = None
         self._spawned = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptio-sidecar", daemon=True)
@@ -217,6 +224,10 @@ class Sidecar:
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
         kind, rid = msg[0], msg[1]
+        if kind == "hello":
+            self.reads_remote = bool(msg[2])
+            self._hello.set()
+            return
         with self._lock:
             req = self._pending.get(rid) if kind == "wrote" else self._pending.pop(rid, None)
         if req is None:
@@ -239,6 +250,7 @@ class Sidecar:
         with self._lock:
             self.dead = self.dead or why
             pending, self._pending = self._pending, {}
+        self._hello.set()
         for req in pending.values():
             req.export.abandon()
             req.future.set_exception(SaveFailedError(f"{why}; the save's objects were not all confirmed"))
@@ -261,7 +273,11 @@ class Sidecar:
         rid = next(self._ids)
         fut: concurrent.futures.Future[list[WrittenObject]] = concurrent.futures.Future()
         caps, layout = store.backend.capabilities, store.backend.layout_defaults
-        export = Export(shared_pool(), max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size))
+        # Its first reply says whether it can read this process's memory; it comes as soon as the
+        # child has started, which the first save's objects would have waited for anyway.
+        self._hello.wait()
+        budget_bytes = max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size)
+        export = Export(shared_pool(), budget_bytes, remote=self.reads_remote and remote_wanted())
         with self._lock:
             if self.dead is not None:
                 raise SaveFailedError(f"{where}: {self.dead}")
@@ -328,9 +344,11 @@ def _spawn(sock: socket.socket) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     env[ENV] = "thread"
+    at, expected = token()  # the child reads it back to learn whether it can read our memory
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from ckptio.sidecar_child import child_main; child_main(*map(int, sys.argv[1:]))",
-         str(sock.fileno()), str(os.getpid())],
+        [sys.executable, "-c",
+         "import sys; from ckptio.sidecar_child import child_main; child_main(*sys.argv[1:])",
+         str(sock.fileno()), str(os.getpid()), str(at), expected.hex()],
         pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, env=env,
     )
 

@@ -27,6 +27,7 @@ import numpy as np
 from .engine import Engine, WrittenObject, gather_or_cancel, submit
 from .errors import SaveFailedError
 from .layout import ObjectPlan, PlannedExtent
+from .remoteread import RemoteObject, RemoteReads, readable
 from .tiling import TileCopy
 
 __all__ = ["Channel", "child_main"]
@@ -76,8 +77,9 @@ class Channel:
 class _Writer:
     """The child: maps the trainer's slabs and runs each request on ckptio's IO loop."""
 
-    def __init__(self, chan: Channel) -> None:
+    def __init__(self, chan: Channel, reads: RemoteReads | None = None) -> None:
         self.chan = chan
+        self.reads = reads  # None: every extent is in a slab (the trainer's memory is closed to us)
         self.slabs: dict[int, mmap.mmap] = {}
         self.engines: dict[bytes, Engine] = {}
         self.requests: dict[int, tuple[list[concurrent.futures.Future[Any]], concurrent.futures.Future[Any]]] = {}
@@ -147,9 +149,16 @@ class _Writer:
         else:
             budget.join(fd)
 
-    def _plan(self, key: str, desc: list[tuple[Any, ...]]) -> ObjectPlan:
-        extents = []
+    def _plan(self, key: str, desc: list[tuple[Any, ...]],
+              block_size: int) -> tuple[ObjectPlan, RemoteObject | None]:
+        """The object's plan, and its extents still to read from the trainer's memory (or None)."""
+        extents, remote = [], []
         for item, shard, shard_offset, offset, length, src, cuts, block, sums in desc:
+            if src[0] == "mem":  # data: once read (RemoteObject.read)
+                e = PlannedExtent(item, shard, shard_offset, offset, None, length, cuts=cuts, block=block)
+                remote.append((e, src[1]))
+                extents.append(e)
+                continue
             slab = self.slabs[src[1]]
             if src[0] == "shm":
                 view = memoryview(slab)[src[2] : src[2] + length]
@@ -162,7 +171,20 @@ class _Writer:
                 arr = np.frombuffer(slab, np.dtype(f"V{itemsize}"), count=n // itemsize, offset=off).reshape(shape)
                 extents.append(PlannedExtent(item, shard, shard_offset, offset, None, length, TileCopy(arr, offs, sizes),
                                              block=block))
-        return ObjectPlan(key, extents)
+        if not remote:
+            return ObjectPlan(key, extents), None
+        if self.reads is None:
+            raise SaveFailedError(f"{key}: extents in the trainer's memory, which this process cannot read")
+        return ObjectPlan(key, extents), RemoteObject(self.reads.pid, remote, block_size)
+
+    async def _write(self, eng: Engine, key: str, desc: list[tuple[Any, ...]]) -> WrittenObject:
+        plan, remote = self._plan(key, desc, eng.config.block_size)
+        if remote is None:
+            return await eng.write_object(plan)
+        assert self.reads is not None
+        self.reads.limit(eng.backend.layout_defaults.object_size)
+        return await self.reads.run(remote, eng.save_pool(), eng.config.checksum_threads,
+                                    lambda: eng.write_object(plan))
 
     async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:
         try:
@@ -170,7 +192,7 @@ class _Writer:
 
             async def one(i: int) -> WrittenObject:
                 key, desc = await asyncio.wrap_future(objects[i])
-                done = await eng.write_object(self._plan(key, desc))
+                done = await self._write(eng, key, desc)
                 # Each object reported as written: its copies in shared memory can be reused.
                 self.chan.send(("wrote", rid, i, sum(d[4] for d in desc)))
                 return done
@@ -186,12 +208,18 @@ class _Writer:
             self.chan.send(("failed", rid, blob, f"{type(e).__name__}: {e}"))
 
 
-def child_main(fd: int, parent: int) -> None:
+def child_main(fd: str, parent: str, token_at: str = "0", token: str = "") -> None:
+    """The writer process's body: ``fd`` its socket, ``parent`` the trainer's pid, ``token_at`` and
+    ``token`` (hex) the trainer's probe bytes (:func:`ckptio.remoteread.readable`)."""
+    pid = int(parent)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the trainer died before the signal was armed
+    if os.getppid() != pid:  # the trainer died before the signal was armed
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when a save stops
     logging.basicConfig(level=logging.WARNING, format="ckptio-sidecar %(levelname)s %(name)s: %(message)s")
-    _Writer(Channel(socket.socket(fileno=fd))).serve()
+    chan = Channel(socket.socket(fileno=int(fd)))
+    ok = bool(token) and readable(pid, int(token_at), bytes.fromhex(token))
+    chan.send(("hello", 0, ok))  # before any reply: the trainer learns it before its first save's objects
+    _Writer(chan, RemoteReads(pid) if ok else None).serve()
 

@@ -1,11 +1,11 @@
-"""A save's bytes put into shared memory for the writer process (:mod:`ckptio.sidecar`).
+"""A save's bytes put where the writer process (:mod:`ckptio.sidecar`) can read them.
 
-The writer process reads every extent of a save from shared-memory slabs. Extents staged
-there already are only located; the rest (JAX arrays, which are staged without a copy;
-``copy=False`` saves; tiles still to be cut from their shards) are copied into slabs by
-the trainer's background thread, object by object, with a copy that releases the GIL,
-within a byte budget, and those copies are reused as the writer process reports objects
-written.
+Extents staged in shared-memory slabs already are only located. Plain extents elsewhere (JAX
+arrays, which are staged without a copy; ``copy=False`` saves) are located in this process's
+memory where the writer process can read it (:mod:`ckptio.remoteread`). The rest (those, where
+it cannot; tiles still to be cut from their shards) are copied into slabs by the trainer's
+background thread, object by object, with a copy that releases the GIL, within a byte budget,
+and those copies are reused as the writer process reports objects written.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio._system import copy_bytes
+from ckptio._system import address, copy_bytes
 
 from .layout import ObjectPlan
 from .shm import ShmStagingPool
@@ -37,8 +37,11 @@ class Export:
     JAX state needs a few objects' worth of shared memory, not a copy of itself.
     """
 
-    def __init__(self, pool: ShmStagingPool, budget: int) -> None:
+    def __init__(self, pool: ShmStagingPool, budget: int, remote: bool = False) -> None:
         self.pool = pool
+        #: The writer process reads bytes outside shared memory straight from this process
+        #: (ckptio.remoteread): a plain extent's bytes are located, not copied.
+        self.remote = remote
         self.budget = max(1, budget)
         self.held = 0
         self.over = False  # the save ended (failed): nobody waits for the budget any more
@@ -56,7 +59,7 @@ class Export:
                 shard = e.fill.shard
                 if id(shard) not in self._shards and self.pool.locate(_bytes_of(shard)) is None:
                     need += shard.nbytes
-            elif e.fill is not None or (e.data is not None and self.pool.locate(e.data) is None):
+            elif e.fill is not None or (e.data is not None and self._copied(e.data)):
                 need += e.length
         return need
 
@@ -74,10 +77,22 @@ class Export:
         assert loc is not None
         return id(buf), loc
 
-    def _place(self, view: memoryview, user: int) -> tuple[int, int]:
+    def _copied(self, view: memoryview) -> bool:
+        """Whether a plain extent over ``view`` is copied into a slab (not in one, not read remotely)."""
+        return self.pool.locate(view) is None and not self._readable(view)
+
+    def _readable(self, view: memoryview) -> bool:
+        return self.remote and view.c_contiguous and view.nbytes > 0
+
+    def _source(self, view: memoryview, user: int) -> tuple[Any, ...]:
+        """Where the writer process finds a plain extent's bytes: ``("shm", slab, offset)`` (copied
+        there first if need be) or ``("mem", address)`` in this process."""
         loc = self.pool.locate(view)
-        if loc is not None:
-            return loc
+        if loc is None and self._readable(view):
+            return ("mem", address(view))
+        return ("shm", *(loc or self._place(view, user)))
+
+    def _place(self, view: memoryview, user: int) -> tuple[int, int]:
         # copy_bytes releases the GIL for anything but small copies. Not checksummed on the way
         # (ckptio.checksum.copy_summed): this runs beside the training step, and a checksum per
         # chunk is a GIL round trip each -- a pinned JAX save took 2.2x as long and cost the step
@@ -114,7 +129,7 @@ class Export:
                 src = ("shm", *self._copy_into_slab(e.length, e.fill, i)[1])
             else:
                 assert e.data is not None
-                src = ("shm", *self._place(e.data, i))
+                src = self._source(e.data, i)
             out.append((e.item, e.shard, e.shard_offset, e.offset, e.length, src, e.cuts, e.block, e.sums))
         return out
 

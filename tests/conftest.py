@@ -7,6 +7,7 @@ from __future__ import annotations
 # ============================================================================
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fake_gcs import FakeGCS, PreconditionProxy, binary_path
@@ -106,3 +107,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(f"disk: {_FREE_AT_START:.1f} GiB free under {tmp} at the start, {free_gib(tmp):.1f} GiB now")
 
 # ============================ end of the disk block ============================
+
+# ============================================================================
+# The writer process: what the trainer sends it (owner: ckptio.sidecar*, ckptio.remoteread)
+# ============================================================================
+
+
+@pytest.fixture
+def described(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Every extent the writer process is sent (:meth:`ckptio.sidecar_export.Export.describe`'s rows)."""
+    from ckptio.sidecar_export import Export
+
+    rows: list[tuple[Any, ...]] = []
+    real = Export.describe
+
+    def spy(self: Export, i: int, plan: Any) -> list[tuple[Any, ...]]:
+        out = real(self, i, plan)
+        rows.extend(out)
+        return out
+
+    monkeypatch.setattr(Export, "describe", spy)
+    return rows

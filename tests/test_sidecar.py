@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import sidecar, sidecar_export
+from ckptio import remoteread, sidecar, sidecar_export
 from ckptio._system import HUGE_PAGE
 from ckptio.engine import EngineConfig
 from ckptio.errors import SaveFailedError
@@ -136,29 +136,36 @@ def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path, 
     assert out["w"].tobytes() == np.asarray(state["w"]).tobytes() and out["b"].tobytes() == np.asarray(state["b"]).tobytes()
 
 
-@pytest.fixture
-def described(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """Every extent the writer process is sent (:meth:`ckptio.sidecar_export.Export.describe`'s rows)."""
-    from ckptio.sidecar_export import Export
-
-    rows: list[tuple[Any, ...]] = []
-    real = Export.describe
-
-    def spy(self: Export, i: int, plan: Any) -> list[tuple[Any, ...]]:
-        out = real(self, i, plan)
-        rows.extend(out)
-        return out
-
-    monkeypatch.setattr(Export, "describe", spy)
-    return rows
+@pytest.fixture(params=["copied", "read"])
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Unstaged bytes copied into shared memory by the trainer, or read by the writer process
+    (ckptio.remoteread) where this host lets it."""
+    if request.param == "copied":
+        monkeypatch.setenv(remoteread.ENV, "0")
+    else:
+        at, expected = remoteread.token()
+        if not remoteread.readable(os.getpid(), at, expected):
+            pytest.skip("process_vm_readv is not allowed here")
+        monkeypatch.delenv(remoteread.ENV, raising=False)
+    return str(request.param)
 
 
-def test_a_jax_arrays_copy_and_its_place_in_the_file_are_both_aligned(tmp_path: Path,
+def _copy_aligned(row: tuple[Any, ...], reads: str) -> bool:
+    """A described extent's place in the file is aligned, and so is its copy in shared memory (copied)
+    or the writer process reads it (read: its buffer mirrors the file's offsets)."""
+    src = row[5]
+    if reads == "copied":
+        return row[3] % 4096 == 0 and src[0] == "shm" and src[2] % 4096 == 0
+    return row[3] % 4096 == 0 and src[0] == "mem"
+
+
+def test_a_jax_arrays_copy_and_its_place_in_the_file_are_both_aligned(tmp_path: Path, reads: str,
                                                                    described: list[tuple[Any, ...]]) -> None:
-    """JAX's arrays lie 64 bytes past a page, but the writer process writes their copies in shared memory: the
-    layout must put those at aligned offsets, as the copies are, not in step with the arrays (then the writer
-    process bounced every byte: a JAX save's CPU rose from 0.36 to 0.52 s/GiB; copies kept in step with the
-    arrays still cost 5 % against the raw write)."""
+    """JAX's arrays lie 64 bytes past a page, but the writer process writes their copies in shared memory
+    (or in its own memory, where it reads them from the trainer): the layout must put those at aligned
+    offsets, as the copies are, not in step with the arrays (then the writer process bounced every byte: a
+    JAX save's CPU rose from 0.36 to 0.52 s/GiB; copies kept in step with the arrays still cost 5 % against
+    the raw write)."""
     jnp = pytest.importorskip("jax.numpy")
     state = {"w": jnp.arange(3 << 20, dtype=jnp.float32), "v": jnp.arange(1 << 18, dtype=jnp.int32) + 1}
     assert any(np.asarray(a).ctypes.data % 4096 for a in state.values())
@@ -168,13 +175,14 @@ def test_a_jax_arrays_copy_and_its_place_in_the_file_are_both_aligned(tmp_path: 
     finally:
         mngr.close()
     large = [d for d in described if d[4] >= (1 << 20)]
-    assert len(large) == 2 and all(d[5][0] == "shm" and d[5][2] % 4096 == 0 == d[3] % 4096 for d in large)
+    assert len(large) == 2 and all(_copy_aligned(d, reads) for d in large)
     out = ckptio.restore(tmp_path, 1)
     assert all(out[k].tobytes() == np.asarray(v).tobytes() for k, v in state.items())
 
 
 @pytest.mark.parametrize("torch_readable", [True, False])
 def test_a_sync_dcp_saves_tensors_are_laid_out_aligned_for_their_copies(tmp_path: Path, torch_readable: bool,
+                                                                        reads: str,
                                                                         described: list[tuple[Any, ...]]) -> None:
     """A sync ``dcp.save`` hands over torch's tensors as they lie (64 bytes past a page); the writer process
     writes aligned copies of them, so their records and extents must start aligned, as for JAX arrays."""
@@ -186,7 +194,7 @@ def test_a_sync_dcp_saves_tensors_are_laid_out_aligned_for_their_copies(tmp_path
     assert any(t.data_ptr() % 4096 for t in sd.values())
     dcp.save(sd, storage_writer=Writer(tmp_path / "ck", engine_config=SIDECAR, torch_readable=torch_readable))
     large = [d for d in described if d[4] >= (1 << 20)]
-    assert len(large) == 2 and all(d[5][0] == "shm" and d[5][2] % 4096 == 0 == d[3] % 4096 for d in large)
+    assert len(large) == 2 and all(_copy_aligned(d, reads) for d in large)
     readers = [Reader(tmp_path / "ck")] + ([dcp.FileSystemReader(str(tmp_path / "ck"))] if torch_readable else [])
     for reader in readers:
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -196,11 +204,13 @@ def test_a_sync_dcp_saves_tensors_are_laid_out_aligned_for_their_copies(tmp_path
 
 def test_the_copies_a_jax_save_makes_in_shared_memory_are_settled_once(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shared-memory copies of a JAX save stay in the pool for the saves after it, so once it is
-    written the pool moves the buffers it made into huge pages (``ShmStagingPool.settle``: the writer
-    process's O_DIRECT writes go out in larger requests), each large one starting on a huge page of
-    its slab; the next save reuses them and settles none; the bytes restore as saved."""
+    """The shared-memory copies of a JAX save (where the writer process does not read the trainer's
+    memory) stay in the pool for the saves after it, so once it is written the pool moves the buffers
+    it made into huge pages (``ShmStagingPool.settle``: the writer process's O_DIRECT writes go out in
+    larger requests), each large one starting on a huge page of its slab; the next save reuses them and
+    settles none; the bytes restore as saved."""
     jnp = pytest.importorskip("jax.numpy")
+    monkeypatch.setenv(remoteread.ENV, "0")
     settled: list[int] = []
     real = ShmStagingPool.settle
 
@@ -362,7 +372,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
 
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
-    from ckptio import sidecar, sidecar_export
+    from ckptio import remoteread, sidecar, sidecar_export
     from ckptio.engine import EngineConfig
     mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}

@@ -1,0 +1,235 @@
+"""The writer process reads a save's unstaged arrays straight out of the trainer's memory.
+
+JAX arrays (immutable) and ``copy=False`` saves are staged without a copy, so their bytes are
+in the trainer's private memory, which the writer process (:mod:`ckptio.sidecar`) cannot map.
+Without this module the trainer's background thread copies them into shared memory, object by
+object within a two-object budget: a copy, and its GIL round trips, beside the training step
+(issue 35: a JAX save's objects 2 and 3 waited there until 0 and 1 were written, with the device
+idle between). Here the writer process reads them itself with ``process_vm_readv(2)`` (one
+system call per chunk into its own memory, no trainer thread involved) and checksums each
+chunk as it arrives, while it is still in cache (:func:`ckptio.checksum.fill_summed`).
+
+Contracts:
+
+- **Only where the kernel allows it**, which the child learns once, at its start
+  (:func:`readable`): it reads a token of random bytes the trainer keeps (:func:`token`) and
+  compares. Yama's ``ptrace_scope`` >= 1 without a ``PR_SET_PTRACER``, a seccomp filter or a
+  kernel without the call each make it fail; the trainer then copies, as before.
+- **The trainer keeps the bytes alive and unchanged until the object is written**: its save
+  holds the plans (whose extents reference the arrays) until the child's final reply, on
+  failure and abort too (:meth:`ckptio.sidecar.Sidecar.write`); these are the same arrays an
+  in-process save writes from directly.
+- **Bounded memory**: the child reads into buffers of its own pool, at most
+  :data:`REMOTE_OBJECTS` objects' worth in flight (:class:`RemoteReads`), which is also what
+  it keeps between saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ckptio._system import HUGE_PAGE, address, fresh_pages
+
+from .checksum import fill_summed
+from .engine import ByteBudget, _thread_done
+from .layout import PlannedExtent
+from .stagingpool import StagingPool
+
+__all__ = ["ENV", "REMOTE_OBJECTS", "RemoteObject", "RemoteReads", "readable", "remote_wanted", "token",
+           "vm_read"]
+
+#: ``CKPTIO_REMOTE_READS=0``: the trainer copies into shared memory even where the writer
+#: process could read its memory (the behaviour before; for comparison, or a host that forbids it).
+ENV = "CKPTIO_REMOTE_READS"
+
+#: Objects whose bytes the child holds at once (read, being written); also what its pool keeps.
+REMOTE_OBJECTS = 2
+
+#: Bytes per process_vm_readv call: whole checksum blocks, small enough that each chunk is
+#: checksummed from cache right after it arrived (as checksum.FUSED_CHUNK).
+_CHUNK = 1 << 20
+#: Bytes a thread reads at a time (whole checksum blocks): the unit threads share an object in.
+_PIECE = 8 << 20
+_TOKEN_BYTES = 32
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _load() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    iov = ctypes.POINTER(_IoVec)
+    fn.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_READV = _load()
+
+
+def vm_read(pid: int, dst: memoryview, remote: int) -> None:
+    """Fill ``dst`` with the bytes at address ``remote`` of process ``pid`` (ctypes drops the GIL
+    for the call). OSError (EPERM, ESRCH, EFAULT, ...) if the kernel refuses or the range is gone."""
+    if _READV is None:
+        raise OSError(38, "process_vm_readv is not available here")  # ENOSYS
+    done, n = 0, dst.nbytes
+    base = address(dst)
+    while done < n:
+        local = _IoVec(base + done, n - done)
+        far = _IoVec(remote + done, n - done)
+        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else 5  # EIO: nothing read, no error given
+            where = f"reading {n} bytes of process {pid} at {remote + done:#x}"
+            raise OSError(err, f"{where}: {os.strerror(err)}")
+        done += got
+
+
+def remote_wanted() -> bool:
+    """Whether this process lets its writer process read its memory (:data:`ENV`), where it can."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_token: np.ndarray | None = None
+
+
+def token() -> tuple[int, bytes]:
+    """The trainer's side of the probe: the address and value of bytes this process keeps."""
+    global _token
+    if _token is None:
+        _token = np.frombuffer(secrets.token_bytes(_TOKEN_BYTES), np.uint8).copy()
+    return int(_token.ctypes.data), _token.tobytes()
+
+
+def readable(pid: int, at: int, expected: bytes) -> bool:
+    """The child's side of the probe: whether it can read ``expected`` at ``at`` in ``pid``."""
+    got = bytearray(len(expected))
+    try:
+        vm_read(pid, memoryview(got), at)
+    except OSError:
+        return False
+    return bytes(got) == expected
+
+
+class _HugePool(StagingPool):
+    """Buffers in transparent huge pages from the first touch: O_DIRECT writes from 4 KiB pages
+    cost ~1.2x in time here (ckptio._system.pages.collapse)."""
+
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        return fresh_pages(nbytes, huge=True)
+
+
+class RemoteObject:
+    """One object's extents whose bytes are in the trainer: read into one buffer of the pool.
+
+    The reads are cut into pieces of whole checksum blocks (at most :data:`_PIECE` bytes) that
+    several threads take in order, so that one object is read by all of them before the next
+    (its write starts sooner) and an object of one large array is read in parallel too.
+    """
+
+    def __init__(self, pid: int, parts: Sequence[tuple[PlannedExtent, int]], block_size: int) -> None:
+        self.pid = pid
+        self.parts = list(parts)  # (extent, its address in the trainer)
+        # Each extent at its offset in the object, as in the file: in step with it for O_DIRECT
+        # (an extent at an aligned offset starts on an aligned address, and is written unbounced).
+        self.nbytes = max((e.offset + e.length for e, _a in self.parts), default=0)
+        self.buffer: np.ndarray | None = None
+        self._pieces: list[tuple[int, int, int, int]] = []  # (part, start, end, block) in read order
+        for k, (e, _a) in enumerate(self.parts):
+            block = e.block or block_size
+            step = block * max(1, _PIECE // block)
+            self._pieces += [(k, lo, min(e.length, lo + step), block) for lo in range(0, e.length, step)]
+        self._sums: list[list[int] | None] = [None] * len(self._pieces)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> None:
+        """Read pieces until none is left (one of several threads; the buffer is already taken)."""
+        assert self.buffer is not None
+        view = memoryview(self.buffer)
+        while True:
+            with self._lock:
+                i, self._next = self._next, self._next + 1
+            if i >= len(self._pieces):
+                return
+            k, lo, hi, block = self._pieces[i]
+            e, at = self.parts[k]
+            dst = view[e.offset + lo : e.offset + hi]
+            if e.cuts is None:
+                self._sums[i] = fill_summed(
+                    dst, lambda part, off: vm_read(self.pid, part, at + lo + off), block, _CHUNK)
+            else:  # a pack's members have checksums of their own: the engine computes them
+                vm_read(self.pid, dst, at + lo)
+
+    def finish(self) -> None:
+        """Once every :meth:`read` returned: each extent gets its bytes and, unless it has cuts,
+        its block checksums (its pieces' in order)."""
+        assert self.buffer is not None
+        view = memoryview(self.buffer)
+        sums: list[list[int]] = [[] for _ in self.parts]
+        for (k, _lo, _hi, _b), got in zip(self._pieces, self._sums):
+            if got is not None:
+                sums[k] += got
+        for k, (e, _a) in enumerate(self.parts):
+            e.data = view[e.offset : e.offset + e.length]
+            if e.cuts is None:
+                e.sums = sums[k]
+
+
+class RemoteReads:
+    """The child's reads of the trainer's memory: a pool of buffers and a byte budget over it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pool = _HugePool(max_bytes=0)
+        self._budgets: dict[asyncio.AbstractEventLoop, ByteBudget] = {}
+        self._limit = 0
+
+    def limit(self, object_size: int) -> None:
+        """Hold at most :data:`REMOTE_OBJECTS` objects of ``object_size`` (the largest asked so far)."""
+        want = REMOTE_OBJECTS * object_size
+        if want > self._limit:
+            self._limit = want
+            self._pool = _HugePool(max_bytes=want)
+            self._budgets.clear()
+
+    async def run(self, obj: RemoteObject, pool: Any, threads: int, then: Any) -> Any:
+        """Read ``obj`` on ``threads`` threads of ``pool`` (an executor), then await ``then()`` (its
+        write) while holding its buffer, and give the buffer back once neither the reading threads nor
+        the write use it."""
+        loop = asyncio.get_running_loop()
+        budget = self._budgets.get(loop)
+        if budget is None:
+            budget = self._budgets[loop] = ByteBudget(max(1, self._limit))
+        held = await budget.acquire(obj.nbytes)
+        try:
+            obj.buffer = self._pool.take(-(-obj.nbytes // HUGE_PAGE) * HUGE_PAGE)  # whole pages: more reuse
+            readers = [pool.submit(obj.read) for _ in range(threads)]
+            try:
+                for r in readers:
+                    await asyncio.wrap_future(r)
+            finally:
+                for r in readers:
+                    await _thread_done(r)  # a cancelled wait: the thread may still fill the buffer
+            obj.finish()
+            return await then()
+        finally:
+            if obj.buffer is not None:
+                for e, _a in obj.parts:
+                    e.data = None
+                self._pool.give_back([obj.buffer])
+                obj.buffer = None
+            await budget.release(held)

@@ -1,0 +1,179 @@
+"""The writer process reads unstaged arrays out of the trainer's memory (ckptio.remoteread).
+
+Properties: what it reads is the trainer's bytes, checksummed in each extent's own blocks; every
+manifest row of such a save matches the bytes on disk and restores; the trainer copies nothing
+into shared memory for them; where the child cannot read the trainer (the probe fails) or
+``CKPTIO_REMOTE_READS=0``, the trainer copies as before; a read that fails fails the save, commits
+nothing, and the next save commits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptio
+from ckptio import EngineConfig, remoteread, sidecar
+from ckptio._system import fresh_pages
+from ckptio.checksum import block_crcs
+from ckptio.layout import PlannedExtent
+from ckptio.remoteread import RemoteObject, readable, token, vm_read
+from ckptio.sidecar_export import Export
+from test_summedfill import _rows
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
+
+SIDECAR = EngineConfig(writer="sidecar")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sidecar(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.delenv(sidecar.ENV, raising=False)
+    monkeypatch.delenv(remoteread.ENV, raising=False)
+    sidecar.shutdown()
+    yield
+    sidecar.shutdown()
+
+
+def _readable_here() -> bool:
+    at, expected = token()
+    return readable(os.getpid(), at, expected)
+
+
+needs_reads = pytest.mark.skipif(not _readable_here(), reason="process_vm_readv is not allowed here")
+
+
+@needs_reads
+def test_vm_read_reads_this_process_and_names_what_it_could_not_read() -> None:
+    src = np.random.default_rng(0).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    vm_read(os.getpid(), memoryview(dst), int(src.ctypes.data))
+    assert dst.tobytes() == src.tobytes()
+    with pytest.raises(OSError, match=f"process {os.getpid()} at 0x10"):
+        vm_read(os.getpid(), memoryview(dst)[:4096], 16)  # nothing is mapped there
+
+
+def test_the_probe_fails_on_other_bytes_and_on_a_process_that_is_gone() -> None:
+    at, expected = token()
+    assert not readable(os.getpid(), at, bytes(b ^ 1 for b in expected))
+    assert not readable(2**22 + 12345, at, expected)  # no such pid (above the default pid_max)
+
+
+@needs_reads
+@pytest.mark.parametrize("block", [4096, 1 << 20, 3 << 20])
+def test_a_remote_object_reads_every_extent_at_its_offset_with_its_block_sums(block: int) -> None:
+    """Extents of odd lengths and offsets; one (20 MiB) cut into pieces two threads share; one with
+    cuts (a pack: its members' checksums are the engine's, so it gets none here)."""
+    rng = np.random.default_rng(block)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (20 << 20, 4097, 1 << 20, 333)]
+    extents, parts, pos = [], [], 0
+    for i, a in enumerate(arrays):
+        pos = -(-pos // 4096) * 4096
+        e = PlannedExtent(f"a{i}", 0, 0, pos, None, a.nbytes, cuts=[100, a.nbytes] if i == 3 else None)
+        extents.append(e)
+        parts.append((e, int(a.ctypes.data)))
+        pos += a.nbytes
+    obj = RemoteObject(os.getpid(), parts, block)
+    obj.buffer = fresh_pages(obj.nbytes)  # page-aligned, as the pool's buffers are
+    readers = [threading.Thread(target=obj.read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    obj.finish()
+    for e, a in zip(extents, arrays):
+        assert e.data is not None and bytes(e.data) == a.tobytes()
+        assert e.sums == (None if e.cuts else block_crcs(memoryview(a), block))
+        assert np.frombuffer(e.data, np.uint8).ctypes.data % 4096 == e.offset % 4096  # in step with the file
+
+
+def _state() -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    return {
+        "big": rng.standard_normal(5 << 20, dtype=np.float32),  # 20 MiB: across objects
+        "ragged": rng.standard_normal((1 << 18) + 37, dtype=np.float32),
+        "matrix": rng.standard_normal((300, 1000)).astype(np.float32),
+        "small": np.arange(100, dtype=np.int32),  # packed: staged, in shared memory
+    }
+
+
+def _check_rows_and_restore(root: Path, state: dict[str, Any]) -> None:
+    rows = _rows(root / "1")
+    for key, (offset, _shard_offset, length, crcs, *_), block in rows:
+        data = (root / "1" / key.rsplit("/", 1)[-1]).read_bytes()[offset : offset + length]
+        assert crcs == block_crcs(memoryview(data), block), key
+    out = ckptio.restore(root, 1)  # every block verified on the way
+    for k, v in state.items():
+        assert np.asarray(out[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
+@needs_reads
+def test_a_copy_false_save_is_read_from_the_trainer_not_copied(tmp_path: Path,
+                                                               described: list[tuple[Any, ...]]) -> None:
+    state = _state()
+    ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR,
+                backend_options={"object_size": 8 << 20}).result()
+    large = [d for d in described if d[4] >= (1 << 20)]
+    assert large and all(d[5][0] == "mem" and d[3] % 4096 == 0 for d in large)
+    _check_rows_and_restore(tmp_path, state)
+
+
+@needs_reads
+def test_a_jax_save_is_read_from_the_trainer(tmp_path: Path, described: list[tuple[Any, ...]]) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    state = {k: jnp.asarray(v) for k, v in _state().items()}
+    mngr = ckptio.CheckpointManager(tmp_path, engine_config=SIDECAR, backend_options={"object_size": 8 << 20})
+    try:
+        mngr.save(1, state).result()
+    finally:
+        mngr.close()
+    assert sidecar.current() is not None and sidecar.current().reads_remote  # type: ignore[union-attr]
+    assert [d for d in described if d[5][0] == "mem"]
+    _check_rows_and_restore(tmp_path, state)
+
+
+@pytest.mark.parametrize("how", ["env", "probe"])
+def test_without_reads_the_trainer_copies_into_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             described: list[tuple[Any, ...]],
+                                                             how: str) -> None:
+    if how == "env":
+        monkeypatch.setenv(remoteread.ENV, "0")
+    else:  # the child reads other bytes than the trainer's token: as if the kernel refused it
+        at, expected = token()
+        monkeypatch.setattr(sidecar, "token", lambda: (at, bytes(b ^ 1 for b in expected)))
+    state = _state()
+    ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR,
+                backend_options={"object_size": 8 << 20}).result()
+    assert described and all(d[5][0] != "mem" for d in described)
+    if how == "probe":
+        assert not sidecar.current().reads_remote  # type: ignore[union-attr]
+    _check_rows_and_restore(tmp_path, state)
+
+
+@needs_reads
+def test_a_read_that_fails_fails_the_save_and_the_next_save_commits(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child is sent an address nothing is mapped at (as if the trainer's array were gone): its
+    read fails, so does the save, nothing is committed, and the same writer process saves the next step."""
+    real = Export._source
+
+    def bad(self: Export, view: memoryview, user: int) -> tuple[Any, ...]:
+        src = real(self, view, user)
+        return ("mem", 16) if src[0] == "mem" else src
+
+    monkeypatch.setattr(Export, "_source", bad)
+    state = _state()
+    with pytest.raises(Exception, match="reading .* bytes of process"):
+        ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR).result()
+    pid = sidecar.current_pid()
+    assert pid is not None and not (tmp_path / "1" / "ckptio.manifest.json").exists()
+    monkeypatch.setattr(Export, "_source", real)
+    ckptio.save(tmp_path, state, step=2, copy=False, engine_config=SIDECAR).result()
+    assert sidecar.current_pid() == pid
+    out = ckptio.restore(tmp_path, 2)
+    assert all(out[k].tobytes() == v.tobytes() for k, v in state.items())
