@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import sidecar, sidecar_export, writer_auto
+from ckptio import remoteread, sidecar, sidecar_export, writer_auto
 from ckptio.engine import EngineConfig
 
 jax = pytest.importorskip("jax")
@@ -138,20 +138,32 @@ def test_a_default_save_snapshots_straight_into_the_writer_process_memory(
     monkeypatch.setattr(sidecar_export.Export, "_copy_into_slab", spy)
     assert _save_and_check(tmp_path / "c", state, arrays)
     assert copied == []
+    monkeypatch.setenv(remoteread.ENV, "0")  # JAX arrays copied, not read by the writer process
     assert _save_and_check(tmp_path / "d", _jax(arrays), arrays)
     assert sum(copied) >= sum(v.nbytes for v in arrays.values())  # the spy sees copies where there are some
 
 
-def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reads", ["copied", "read"])
+def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str) -> None:
     """JAX arrays are copied into shared memory object by object, and those copies are reused:
     after a save of 16 one-MiB objects the pool holds what was ever in flight, which the budget
-    (``EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state."""
+    (``EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state. Where
+    the writer process reads them from the trainer (ckptio.remoteread), nothing is copied at all."""
+    if reads == "copied":
+        monkeypatch.setenv(remoteread.ENV, "0")
+    else:
+        monkeypatch.delenv(remoteread.ENV, raising=False)
     arrays = _arrays(16)
     opts = {"object_size": MIB, "threads": 1}  # a budget of max(2 x 1 MiB, 1 x 8 MiB) = 8 MiB
     assert _save_and_check(tmp_path / "c", _jax(arrays), arrays, backend_options=opts)
     budget = max(sidecar_export.EXPORT_OBJECTS * MIB, 8 * MIB)
     held = sidecar.shared_pool()._free.held_bytes()
-    assert MIB <= held <= budget, (held, budget)
+    current = sidecar.current()
+    if reads == "read" and current is not None and current.reads_remote:
+        assert held == 0, held
+    else:
+        assert MIB <= held <= budget, (held, budget)
 
 
 @pytest.mark.parametrize("copy", [False, True])
