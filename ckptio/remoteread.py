@@ -27,6 +27,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import os
 import secrets
@@ -165,14 +166,22 @@ class RemoteObject:
                 i, self._next = self._next, self._next + 1
             if i >= len(self._pieces):
                 return
-            k, lo, hi, block = self._pieces[i]
-            e, at = self.parts[k]
-            dst = view[e.offset + lo : e.offset + hi]
-            if e.cuts is None:
-                self._sums[i] = fill_summed(
-                    dst, lambda part, off: vm_read(self.pid, part, at + lo + off), block, _CHUNK)
-            else:  # a pack's members have checksums of their own: the engine computes them
-                vm_read(self.pid, dst, at + lo)
+            try:
+                self._read_piece(view, i)
+            except BaseException:
+                with self._lock:  # the other threads stop too: the object fails as a whole
+                    self._next = len(self._pieces)
+                raise
+
+    def _read_piece(self, view: memoryview, i: int) -> None:
+        k, lo, hi, block = self._pieces[i]
+        e, at = self.parts[k]
+        dst = view[e.offset + lo : e.offset + hi]
+        if e.cuts is None:
+            self._sums[i] = fill_summed(dst, lambda part, off: vm_read(self.pid, part, at + lo + off), block,
+                                        _CHUNK)
+        else:  # a pack's members have checksums of their own: the engine computes them
+            vm_read(self.pid, dst, at + lo)
 
     def finish(self) -> None:
         """Once every :meth:`read` returned: each extent gets its bytes and, unless it has cuts,
@@ -187,6 +196,19 @@ class RemoteObject:
             e.data = view[e.offset : e.offset + e.length]
             if e.cuts is None:
                 e.sums = sums[k]
+
+
+async def _threads_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+    """Wait until every worker thread running one of ``futures`` has finished, through any number
+    of cancellations (re-raised once all have): the buffer they fill is given back after this."""
+    cancelled: asyncio.CancelledError | None = None
+    for f in futures:
+        try:
+            await _thread_done(f)
+        except asyncio.CancelledError as e:
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
 
 
 class RemoteReads:
@@ -217,13 +239,12 @@ class RemoteReads:
         held = await budget.acquire(obj.nbytes)
         try:
             obj.buffer = self._pool.take(-(-obj.nbytes // HUGE_PAGE) * HUGE_PAGE)  # whole pages: more reuse
-            readers = [pool.submit(obj.read) for _ in range(threads)]
+            readers = [pool.submit(obj.read) for _ in range(max(1, threads))]
             try:
                 for r in readers:
                     await asyncio.wrap_future(r)
             finally:
-                for r in readers:
-                    await _thread_done(r)  # a cancelled wait: the thread may still fill the buffer
+                await _threads_done(readers)  # a cancelled wait: they may still fill the buffer
             obj.finish()
             return await then()
         finally:

@@ -177,3 +177,63 @@ def test_a_read_that_fails_fails_the_save_and_the_next_save_commits(tmp_path: Pa
     assert sidecar.current_pid() == pid
     out = ckptio.restore(tmp_path, 2)
     assert all(out[k].tobytes() == v.tobytes() for k, v in state.items())
+
+
+@needs_reads
+def test_a_failed_piece_stops_the_other_readers_of_its_object() -> None:
+    good = np.ones(32 << 20, np.uint8)
+    parts = [(PlannedExtent("good", 0, 0, 0, None, good.nbytes), int(good.ctypes.data)),
+             (PlannedExtent("gone", 0, 0, good.nbytes, None, 1 << 20), 16)]
+    obj = RemoteObject(os.getpid(), parts, 1 << 20)
+    obj.buffer = fresh_pages(obj.nbytes)
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            obj.read()
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 1 and "reading 1048576 bytes of process" in str(errors[0])
+
+
+def test_a_cancelled_read_gives_its_buffer_back_only_once_every_reader_is_done() -> None:
+    """The buffer goes back to the pool (for the next object) only after the threads filling it
+    have returned, however often the waiting task is cancelled meanwhile."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    started = threading.Barrier(3)
+    given_back: list[bool] = []
+
+    class Blocking(RemoteObject):
+        def read(self) -> None:
+            started.wait()
+            release.wait()
+
+    reads = remoteread.RemoteReads(os.getpid())
+    reads.limit(1 << 20)
+    real_give_back = reads._pool.give_back
+    reads._pool.give_back = lambda bufs: (given_back.append(release.is_set()), real_give_back(bufs))  # type: ignore
+
+    async def scenario() -> None:
+        obj = Blocking(os.getpid(), [(PlannedExtent("x", 0, 0, 0, None, 4096), 0)], 4096)
+        with ThreadPoolExecutor(2) as pool:
+            task = asyncio.ensure_future(reads.run(obj, pool, 2, lambda: asyncio.sleep(0)))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait)
+            for _ in range(3):
+                task.cancel()
+                await asyncio.sleep(0.05)
+                assert not task.done() and given_back == []
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert given_back == [True]
+
+    asyncio.run(scenario())
