@@ -42,13 +42,14 @@ CHILD = r"""
 import sys, numpy as np, ckptio
 from ckptio import sidecar
 sys.path.insert(0, {here!r})
-from crash_campaign import state_for
+from crash_campaign import state_for, as_jax
+made = as_jax if {jax} else (lambda state: state)
 mngr = ckptio.CheckpointManager({root!r}, max_to_keep=2, keep_period=7, incremental={incremental})
 step = (mngr.latest_step() or 0) + 1
 print("ready", sidecar.current_pid() or 0, flush=True)  # the writer process, with CKPTIO_WRITER=sidecar
 while True:
     try:
-        mngr.save(step, state_for(step))
+        mngr.save(step, made(state_for(step)))
     except Exception as e:  # a save refused by its commit check (e.g. a stalled heartbeat) is not data loss
         print("save failed:", repr(e), file=sys.stderr, flush=True)
         mngr._pending = None
@@ -105,6 +106,15 @@ def state_for(step: int) -> dict:
         "step": step,
         "note": f"step {step}",
     }
+
+
+def as_jax(state: dict) -> dict:
+    """``state`` with its arrays as JAX arrays: the writer process then reads them out of the saver's
+    memory (ckptio.remoteread) instead of from shared memory."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, state)
 
 
 def _digest(state: Any) -> str:
@@ -291,10 +301,12 @@ def _stopped(pid: int, seconds: float = 5.0) -> bool:
 
 
 def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, writer: str = "thread", *,
-                 pauses: bool = True, keep_going: bool = False, log: Any = None, incremental: bool = False) -> dict:
+                 pauses: bool = True, keep_going: bool = False, log: Any = None, incremental: bool = False,
+                 jax: bool = False) -> dict:
     """``incremental``: the saver's manager saves incrementally (its state has an array that never
-    changes). ``writer="sidecar"``: the saver writes through its writer process, which is one more
-    thing to kill (and pause) -- and which must never outlive its saver.
+    changes). ``jax``: the saver saves JAX arrays (which the writer process reads from its memory).
+    ``writer="sidecar"``: the saver writes through its writer process, which is one more thing to
+    kill (and pause) -- and which must never outlive its saver.
 
     ``pauses``: each trial first pauses a random subset of its processes past the lease, up to
     twice, at random moments. ``keep_going``: a broken invariant is recorded in the result's
@@ -304,7 +316,8 @@ def run_campaign(trials: int, root: str, seed: int = 0, max_delay: float = 1.5, 
     rnd = random.Random(seed)
     here = os.path.dirname(os.path.abspath(__file__))
     dst = root.rstrip("/") + "-copy"
-    codes = {"saver": CHILD.format(here=here, root=root, incremental=incremental), "gc": GC_CHILD.format(root=root),
+    codes = {"saver": CHILD.format(here=here, root=root, incremental=incremental, jax=jax),
+             "gc": GC_CHILD.format(root=root),
              "cp": CP_CHILD.format(root=root, dst=dst), "restorer": RESTORER_CHILD.format(here=here, root=root)}
     newest_seen: list[int | None] = []
     periodic: set[int] = set()
@@ -414,11 +427,14 @@ def main() -> int:
     ap.add_argument("--no-pauses", action="store_true", help="kills only, as before issue #30")
     ap.add_argument("--incremental", action="store_true", help="the saver's manager saves incrementally (#37)")
     ap.add_argument("--keep-going", action="store_true", help="count broken invariants instead of stopping")
+    ap.add_argument("--jax", action="store_true",
+                    help="the saver saves JAX arrays (the writer process reads them)")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="ckptio-crash-")
     t0 = time.time()
     result = run_campaign(args.trials, root, args.seed, writer=args.writer, pauses=not args.no_pauses,
-                          keep_going=args.keep_going, incremental=args.incremental, log=lambda line: print(line, flush=True))
+                          keep_going=args.keep_going, incremental=args.incremental, jax=args.jax,
+                          log=lambda line: print(line, flush=True))
     print(result, f"{time.time() - t0:.0f}s", root, flush=True)
     return 1 if result["violations"] else 0
 
