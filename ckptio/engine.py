@@ -36,7 +36,8 @@ from .readpieces import ConcatView, ReadRequest, split_request
 from .scratch import ScratchPool
 from .waits import UNLABELLED_S
 
-__all__ = ["Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel", "run_sync", "split_request"]
+__all__ = ["ByteBudget", "Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel",
+           "run_sync", "split_request", "thread_done"]
 
 log = logging.getLogger("ckptio.engine")
 T = TypeVar("T")
@@ -273,10 +274,10 @@ class Engine:
                 try:
                     await self.retrying(f"write {plan.key!r}", lambda: self.backend.write(plan.key, plan.buffers))
                 except BaseException:
-                    await _thread_done(summing)  # its thread reads the buffers that release() gives back
+                    await thread_done(summing)  # its thread reads the buffers that release() gives back
                     _drop_failed(summing, plan.key)  # the write's error is the one to raise
                     raise
-                await _thread_done(summing)
+                await thread_done(summing)
                 crcs = summing.result()
             finally:
                 plan.release()
@@ -440,7 +441,7 @@ class Engine:
 _PIECE = 16 << 20
 
 
-async def _thread_done(fut: concurrent.futures.Future[Any]) -> None:
+async def thread_done(fut: concurrent.futures.Future[Any]) -> None:
     """Wait until the worker thread running ``fut`` has finished it, through any number of
     cancellations (re-raised once it has). Waits on the thread's own future: an asyncio wrapper
     of it is done as soon as it is cancelled, while the thread may still read the buffers."""
