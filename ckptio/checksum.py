@@ -52,13 +52,12 @@ def copy_summed(dst: memoryview, src: memoryview, block_size: int) -> list[int]:
     return fill_summed(dst, lambda chunk, at: copy_bytes(chunk, src[at : at + chunk.nbytes]), block_size)
 
 
-def fill_summed(dst: memoryview, fill: Callable[[memoryview, int], None], block_size: int,
-                chunk_size: int = FUSED_CHUNK) -> list[int]:
+def fill_summed(dst: memoryview, fill: Callable[[memoryview, int], None], block_size: int) -> list[int]:
     """Fill ``dst`` chunk by chunk (``fill(chunk, offset)`` writes ``dst[offset:offset + len]``)
     and return :func:`block_crcs` of it, each chunk checksummed right after it is filled (whole
-    blocks of about ``chunk_size``), while it is still in cache."""
+    blocks of about :data:`FUSED_CHUNK`), while it is still in cache."""
     dst = flat_bytes(dst)
-    step = block_size * max(1, chunk_size // block_size)
+    step = block_size * max(1, FUSED_CHUNK // block_size)
     out: list[int] = []
     for i in range(0, dst.nbytes, step):
         chunk = dst[i : i + step]

@@ -37,7 +37,7 @@ from .scratch import ScratchPool
 from .waits import UNLABELLED_S
 
 __all__ = ["ByteBudget", "Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject", "gather_or_cancel",
-           "run_sync", "split_request", "thread_done"]
+           "run_sync", "split_request", "thread_done", "threads_done"]
 
 log = logging.getLogger("ckptio.engine")
 T = TypeVar("T")
@@ -454,6 +454,19 @@ async def thread_done(fut: concurrent.futures.Future[Any]) -> None:
     while not fut.done():
         try:
             await finished.wait()
+        except asyncio.CancelledError as e:
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
+
+
+async def threads_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+    """:func:`thread_done` for each of ``futures``: returns once every one of their threads has
+    finished, however often it is cancelled meanwhile (re-raised once they all have)."""
+    cancelled: asyncio.CancelledError | None = None
+    for f in futures:
+        try:
+            await thread_done(f)
         except asyncio.CancelledError as e:
             cancelled = e
     if cancelled is not None:

@@ -32,7 +32,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ctypes
 import os
 import secrets
@@ -42,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from ckptio._system import HUGE_PAGE, address, fresh_pages
+from ckptio._system import HUGE_PAGE, address, fresh_pages, libc
 
 from .checksum import fill_summed
-from .engine import ByteBudget, thread_done
+from .engine import ByteBudget, threads_done
 from .layout import PlannedExtent
 from .stagingpool import StagingPool
 
@@ -59,9 +58,6 @@ ENV = "CKPTIO_REMOTE_READS"
 #: Objects whose bytes the child holds at once (read, being written); also what its pool keeps.
 REMOTE_OBJECTS = 2
 
-#: Bytes per process_vm_readv call: whole checksum blocks, small enough that each chunk is
-#: checksummed from cache right after it arrived (as checksum.FUSED_CHUNK).
-_CHUNK = 1 << 20
 #: Bytes a thread reads at a time (whole checksum blocks): the unit threads share an object in.
 _PIECE = 8 << 20
 _TOKEN_BYTES = 32
@@ -72,10 +68,8 @@ class _IoVec(ctypes.Structure):
 
 
 def _load() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
-    except (OSError, AttributeError):
+    fn = getattr(libc(), "process_vm_readv", None)
+    if fn is None:
         return None
     fn.restype = ctypes.c_ssize_t
     iov = ctypes.POINTER(_IoVec)
@@ -183,8 +177,8 @@ class RemoteObject:
         e, at = self.parts[k]
         dst = view[e.offset + lo : e.offset + hi]
         if e.cuts is None:
-            self._sums[i] = fill_summed(dst, lambda part, off: vm_read(self.pid, part, at + lo + off), block,
-                                        _CHUNK)
+            # One process_vm_readv per checksum.FUSED_CHUNK: each chunk checksummed from cache.
+            self._sums[i] = fill_summed(dst, lambda part, off: vm_read(self.pid, part, at + lo + off), block)
         else:  # a pack's members have checksums of their own: the engine computes them
             vm_read(self.pid, dst, at + lo)
 
@@ -201,19 +195,6 @@ class RemoteObject:
             e.data = view[e.offset : e.offset + e.length]
             if e.cuts is None:
                 e.sums = sums[k]
-
-
-async def _threads_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
-    """Wait until every worker thread running one of ``futures`` has finished, through any number
-    of cancellations (re-raised once all have): the buffer they fill is given back after this."""
-    cancelled: asyncio.CancelledError | None = None
-    for f in futures:
-        try:
-            await thread_done(f)
-        except asyncio.CancelledError as e:
-            cancelled = e
-    if cancelled is not None:
-        raise cancelled
 
 
 class RemoteReads:
@@ -245,11 +226,9 @@ class RemoteReads:
         try:
             obj.buffer = self._pool.take(-(-obj.nbytes // HUGE_PAGE) * HUGE_PAGE)  # whole pages: more reuse
             readers = [pool.submit(obj.read) for _ in range(max(1, threads))]
-            try:
-                for r in readers:
-                    await asyncio.wrap_future(r)
-            finally:
-                await _threads_done(readers)  # a cancelled wait: they may still fill the buffer
+            await threads_done(readers)  # through cancellations: they fill the buffer given back below
+            for r in readers:
+                r.result()  # a failed read fails the object
             obj.finish()
             return await then()
         finally:

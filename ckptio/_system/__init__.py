@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .arrays import unique, unique_rows
 from .bytes import GIL_FREE_MIN, address, byte_views, copy_bytes, flat_bytes, gather_bytes, scatter_bytes
-from .pages import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, ask_huge_pages, collapse, collapse_shared, fresh_pages, populate
+from .pages import (FRESH_MIN, HUGE_PAGE, POPULATE_MIN, ask_huge_pages, collapse, collapse_shared,
+                    fresh_pages, libc, populate)
 from .threads import background_pool, lower_this_thread, start_workers
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "flat_bytes",
     "fresh_pages",
     "gather_bytes",
+    "libc",
     "lower_this_thread",
     "populate",
     "scatter_bytes",

@@ -34,7 +34,8 @@ import numpy as np
 from .bytes import flat_bytes
 
 __all__ = [
-    "FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "ask_huge_pages", "collapse", "collapse_shared", "fresh_pages", "populate",
+    "FRESH_MIN", "HUGE_PAGE", "POPULATE_MIN", "ask_huge_pages", "collapse", "collapse_shared", "fresh_pages",
+    "libc", "populate",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def ask_huge_pages(mm: mmap.mmap) -> None:
 
 
 def _load_libc() -> ctypes.CDLL | None:
-    """The C library on Linux (for madvise, mmap and munmap); None elsewhere or where it will not load."""
+    """The C library on Linux (madvise, mmap, munmap; process_vm_readv for ckptio.remoteread); None
+    elsewhere or where it will not load."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -96,6 +98,11 @@ def _load_libc() -> ctypes.CDLL | None:
 
 
 _libc = _load_libc()
+
+
+def libc() -> ctypes.CDLL | None:
+    """This process's C library (:func:`_load_libc`), loaded once; None where there is none."""
+    return _libc
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
