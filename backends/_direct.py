@@ -15,7 +15,7 @@ the page cache for objects that are mostly out of step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
 
@@ -61,7 +61,8 @@ def mostly_unaligned(buffers: Sequence[memoryview], align: int) -> bool:
     return 2 * bounced >= total
 
 
-def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -> None:
+def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int,
+                 gate: Callable[[int], None] | None = None) -> None:
     """``buffers`` back to back from offset 0: the aligned bulk through the O_DIRECT descriptor ``dfd``,
     the final partial block through ``fd`` (the same file, opened without O_DIRECT).
 
@@ -71,6 +72,11 @@ def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -
     waits for the device, so a small view written on its own (a DCP chunk's 4 KiB ``torch.save``
     frame beside its 8 MiB of data) cost a whole round trip behind the other streams' large writes.
     A bounced run starts and ends on aligned file offsets, so every request is whole blocks.
+
+    ``gate(end)``, when given, is called before any byte below ``end`` is read (a write that starts
+    while its buffers are still being filled, :meth:`ckptio.backends.base.Backend.write_filling`);
+    requests then hold at most :data:`REQUEST_BYTES`, so that the first goes out as soon as its
+    bytes are in.
     """
     views = byte_views(buffers)  # empty views dropped: cast() refuses views with a zero in their shape
     total = sum(v.nbytes for v in views)
@@ -92,6 +98,8 @@ def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -
         def send() -> None:
             nonlocal pos, request, nrequest, seg, filled
             close_run()
+            if gate is not None:
+                gate(pos + nrequest)
             pos += pwritev_all(dfd, request, pos)
             request, nrequest, seg, filled = [], 0, 0, 0
 
@@ -100,6 +108,8 @@ def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -
                 at = pos + nrequest + filled - seg  # v's first byte in the file
                 if at % align == 0 and address(v) % align == 0:
                     n = min(v.nbytes, direct_end - at)
+                    if gate is not None:  # whole requests from whatever is in already
+                        n = min(n, REQUEST_BYTES - nrequest)
                     n -= n % align
                     if n:
                         close_run()  # it ends here, on an aligned offset: whole blocks
@@ -114,6 +124,8 @@ def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -
                 take = min(v.nbytes, len(bounce) - filled, direct_end - at)
                 if (address(v) - at) % align == 0:  # in step: bounce only up to its next aligned byte
                     take = min(take, -address(v) % align or take)
+                if gate is not None:
+                    gate(at + take)
                 copy_bytes(bounce[filled : filled + take], v[:take])
                 filled, v = filled + take, v[take:]
                 if filled == len(bounce) or at + take == direct_end:
@@ -121,6 +133,8 @@ def write_direct(dfd: int, fd: int, buffers: Sequence[memoryview], align: int) -
             if v.nbytes:
                 tail.append(v)
     if tail:
+        if gate is not None:
+            gate(total)
         pwritev_all(fd, tail, direct_end)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, Read, own_read_into
+from .base import Backend, ByteRange, Capabilities, Filling, LayoutDefaults, ObjectInfo, Read, own_read_into
 
 __all__ = ["METHODS", "WrapperBackend"]
 
@@ -45,6 +45,10 @@ class WrapperBackend(Backend):
     #: ``read_into`` after the one that last defined ``read_many`` (per class). Else each read of a
     #: batch goes through this wrapper's own ``read_into`` (its faults, counts, budget).
     _passes_read_many: ClassVar[bool] = True
+    #: Whether this class passes a :meth:`write_filling` on to ``inner``: no class changed ``write``
+    #: after the one that last defined ``write_filling``. Else it waits for the fill, then goes
+    #: through this wrapper's own ``write`` (its faults, counts, budget).
+    _passes_write_filling: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -53,6 +57,9 @@ class WrapperBackend(Backend):
         cls._wraps_delete_if = owner["delete"] in owner["delete_if"].__mro__
         reads = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("read_into", "read_many")}
         cls._passes_read_many = reads["read_into"] in reads["read_many"].__mro__
+        writes = {name: next(c for c in cls.__mro__ if name in vars(c))
+                  for name in ("write", "write_filling")}
+        cls._passes_write_filling = writes["write"] in writes["write_filling"].__mro__
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -76,6 +83,12 @@ class WrapperBackend(Backend):
 
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         await self.inner.write(key, buffers)
+
+    async def write_filling(self, key: str, buffers: Sequence[memoryview], filling: Filling) -> None:
+        if self._passes_write_filling:
+            await self.inner.write_filling(key, buffers, filling)
+        else:
+            await super().write_filling(key, buffers, filling)
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self.inner.read_into(key, rng, buffers)

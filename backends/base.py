@@ -16,6 +16,9 @@ Contract every backend keeps (the conformance suite shipped as
 * :meth:`Backend.write` creates or replaces a whole object from one or more
   buffers, in order, without concatenating them first. A reader never sees a
   partially written object under ``key``: either the old state or the new one.
+* :meth:`Backend.write_filling` is a write that may start while its buffers are still being filled,
+  front to back: it reads no byte before :meth:`Filling.wait` said it is in. Backends that cannot
+  stream keep the default (wait for every byte, then :meth:`Backend.write`).
 * :meth:`Backend.read_into` fills caller-owned buffers from a half-open
   :class:`ByteRange`; reading past the end is an error, never a short read.
   :meth:`Backend.read_many` is many such reads in one call (the default: one
@@ -43,11 +46,13 @@ import abc
 import asyncio
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 __all__ = [
     "Backend",
     "ByteRange",
     "Capabilities",
+    "Filling",
     "LayoutDefaults",
     "ObjectInfo",
     "Read",
@@ -243,6 +248,20 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
+class Filling(Protocol):
+    """The buffers of a write that are still being filled, front to back (:meth:`Backend.write_filling`).
+
+    Offsets are in the object: byte ``n`` is byte ``n`` of the buffers' concatenation.
+    """
+
+    def wait(self, end: int) -> None:
+        """Block until bytes ``[0, end)`` are in the buffers; raise if they never will be (the fill
+        failed or was abandoned). Called from a backend's IO thread."""
+
+    async def complete(self) -> None:
+        """Return once every byte is in; raise as :meth:`wait` does."""
+
+
 class Backend(abc.ABC):
     """Moves bytes for one kind of storage. Knows nothing about arrays.
 
@@ -268,6 +287,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         """Create or replace object ``key`` with the concatenation of ``buffers``."""
+
+    async def write_filling(self, key: str, buffers: Sequence[memoryview], filling: Filling) -> None:
+        """:meth:`write` of ``buffers`` that ``filling`` is still filling, front to back.
+
+        A backend that streams (the local one, request by request) starts before the last byte is in
+        and reads no byte before ``filling.wait`` passed it; if ``filling`` fails, the write fails and
+        leaves no object. This default waits for every byte, then writes.
+        """
+        await filling.complete()
+        await self.write(key, buffers)
 
     @abc.abstractmethod
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:

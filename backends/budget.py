@@ -57,7 +57,7 @@ from typing import TypeVar
 
 from ._budget_slots import STARTED, TAKEN, Slots, SlotState
 from ._budget_slots import discard as discard_shared_state
-from .base import Backend, ByteRange, ObjectInfo, ThrottledError
+from .base import Backend, ByteRange, Filling, ObjectInfo, ThrottledError
 from .wrappers import WrapperBackend
 
 __all__ = [
@@ -283,6 +283,9 @@ class BudgetedBackend(WrapperBackend):
 
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         await self._call(WRITE, lambda: self.inner.write(key, buffers))
+
+    async def write_filling(self, key: str, buffers: Sequence[memoryview], filling: Filling) -> None:
+        await self._call(WRITE, lambda: self.inner.write_filling(key, buffers, filling))
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._call(READ, lambda: self.inner.read_into(key, rng, buffers))

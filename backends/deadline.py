@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from .base import Backend, ByteRange, ObjectInfo, Read, RetryableError
+from .base import Backend, ByteRange, Filling, ObjectInfo, Read, RetryableError
 from .wrappers import WrapperBackend
 
 __all__ = ["DeadlineBackend", "DeadlineExceeded", "Deadlines", "with_deadlines"]
@@ -118,6 +118,10 @@ class DeadlineBackend(WrapperBackend):
     async def write(self, key: str, buffers: Sequence[memoryview]) -> None:
         n = sum(b.nbytes for b in buffers)
         await self._run("writing", key, n, lambda: self.inner.write(key, buffers))
+
+    async def write_filling(self, key: str, buffers: Sequence[memoryview], filling: Filling) -> None:
+        n = sum(b.nbytes for b in buffers)
+        await self._run("writing", key, n, lambda: self.inner.write_filling(key, buffers, filling))
 
     async def read_into(self, key: str, rng: ByteRange, buffers: Sequence[memoryview]) -> None:
         await self._run(f"reading bytes [{rng.start}, {rng.end}) of", key, rng.length,

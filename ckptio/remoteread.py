@@ -32,19 +32,22 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import os
 import secrets
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ckptio._system import HUGE_PAGE, address, fresh_pages, libc
 
 from .checksum import fill_summed
-from .engine import ByteBudget, threads_done
+from .engine import ByteBudget
+from .errors import SaveFailedError
+from .threadwait import threads_done
 from .layout import PlannedExtent
 from .stagingpool import StagingPool
 
@@ -61,6 +64,8 @@ REMOTE_OBJECTS = 2
 #: Bytes a thread reads at a time (whole checksum blocks): the unit threads share an object in.
 _PIECE = 8 << 20
 _TOKEN_BYTES = 32
+
+T = TypeVar("T")
 
 
 class _IoVec(ctypes.Structure):
@@ -136,18 +141,19 @@ class RemoteObject:
     """One object's extents whose bytes are in the trainer: read into one buffer of the pool.
 
     The reads are cut into pieces of whole checksum blocks (at most :data:`_PIECE` bytes) that
-    several threads take in order, so that one object is read by all of them before the next
-    (its write starts sooner) and an object of one large array is read in parallel too.
+    several threads take in order, so that one object is read by all of them before the next and
+    an object of one large array is read in parallel too. It is its write's
+    :class:`~ckptio.backends.base.Filling`: the write follows the pieces as they arrive.
     """
 
     def __init__(self, pid: int, parts: Sequence[tuple[PlannedExtent, int]], block_size: int) -> None:
         self.pid = pid
-        self.parts = list(parts)  # (extent, its address in the trainer)
+        self.parts = sorted(parts, key=lambda p: p[0].offset)  # (extent, its address in the trainer)
         # Each extent at its offset in the object, as in the file: in step with it for O_DIRECT
         # (an extent at an aligned offset starts on an aligned address, and is written unbounced).
         self.nbytes = max((e.offset + e.length for e, _a in self.parts), default=0)
         self.buffer: np.ndarray | None = None
-        self._pieces: list[tuple[int, int, int, int]] = []  # (part, start, end, block) in read order
+        self._pieces: list[tuple[int, int, int, int]] = []  # (part, start, end, block) in object order
         for k, (e, _a) in enumerate(self.parts):
             block = e.block or block_size
             step = block * max(1, _PIECE // block)
@@ -155,6 +161,13 @@ class RemoteObject:
         self._sums: list[list[int] | None] = [None] * len(self._pieces)
         self._next = 0
         self._lock = threading.Lock()
+        # What the write may read: every byte below the first piece not read yet (padding between
+        # extents is the plan's, not ours).
+        self._arrived = threading.Condition(self._lock)
+        self._read = [False] * len(self._pieces)
+        self._front = 0  # the first piece not read yet
+        self._stop: BaseException | None = None  # a piece failed, or the object was abandoned
+        self.settled: asyncio.Future[None] | None = None  # every piece read and summed (RemoteReads.run)
 
     def read(self) -> None:
         """Read pieces until none is left (one of several threads; the buffer is already taken)."""
@@ -167,10 +180,43 @@ class RemoteObject:
                 return
             try:
                 self._read_piece(view, i)
-            except BaseException:
-                with self._lock:  # the other threads stop too: the object fails as a whole
-                    self._next = len(self._pieces)
+            except BaseException as e:
+                self._halt(e)  # the other threads stop too: the object fails as a whole
                 raise
+            with self._arrived:
+                self._read[i] = True
+                while self._front < len(self._read) and self._read[self._front]:
+                    self._front += 1
+                self._arrived.notify_all()
+
+    def _halt(self, why: BaseException) -> None:
+        with self._arrived:
+            self._next = len(self._pieces)
+            if self._stop is None:
+                self._stop = why
+            self._arrived.notify_all()
+
+    def abandon(self) -> None:
+        """Stop the readers and fail the write's waits (its write ended, or was given up)."""
+        self._halt(SaveFailedError(f"the write of {self.nbytes} bytes from process {self.pid} was given up"))
+
+    def wait(self, end: int) -> None:
+        """:meth:`Filling.wait <ckptio.backends.base.Filling.wait>`: until bytes ``[0, end)`` are read."""
+        with self._arrived:
+            while self._stop is None and self._front < len(self._pieces) and self._start(self._front) < end:
+                self._arrived.wait()
+            if self._stop is not None:
+                why = self._stop
+                raise SaveFailedError(f"reading the object's bytes from process {self.pid} failed: {why}")
+
+    async def complete(self) -> None:
+        """:meth:`Filling.complete <ckptio.backends.base.Filling.complete>`: every piece read and summed."""
+        assert self.settled is not None
+        await asyncio.shield(self.settled)
+
+    def _start(self, i: int) -> int:
+        k, lo, _hi, _b = self._pieces[i]
+        return self.parts[k][0].offset + lo
 
     def _read_piece(self, view: memoryview, i: int) -> None:
         k, lo, hi, block = self._pieces[i]
@@ -182,17 +228,22 @@ class RemoteObject:
         else:  # a pack's members have checksums of their own: the engine computes them
             vm_read(self.pid, dst, at + lo)
 
+    def expose(self) -> None:
+        """Each extent's view of the buffer, for the write that follows the reads."""
+        assert self.buffer is not None
+        view = memoryview(self.buffer)
+        for e, _a in self.parts:
+            e.data = view[e.offset : e.offset + e.length]
+
     def finish(self) -> None:
         """Once every :meth:`read` returned: each extent gets its bytes and, unless it has cuts,
         its block checksums (its pieces' in order)."""
-        assert self.buffer is not None
-        view = memoryview(self.buffer)
+        self.expose()
         sums: list[list[int]] = [[] for _ in self.parts]
         for (k, _lo, _hi, _b), got in zip(self._pieces, self._sums):
             if got is not None:
                 sums[k] += got
         for k, (e, _a) in enumerate(self.parts):
-            e.data = view[e.offset : e.offset + e.length]
             if e.cuts is None:
                 e.sums = sums[k]
 
@@ -214,27 +265,52 @@ class RemoteReads:
             self._pool = _HugePool(max_bytes=want)
             self._budgets.clear()
 
-    async def run(self, obj: RemoteObject, pool: Any, threads: int, then: Any) -> Any:
-        """Read ``obj`` on ``threads`` threads of ``pool`` (an executor), then await ``then()`` (its
-        write) while holding its buffer, and give the buffer back once neither the reading threads nor
-        the write use it."""
+    async def run(self, obj: RemoteObject, pool: Any, threads: int,
+                  then: Callable[[RemoteObject], Awaitable[T]]) -> T:
+        """Read ``obj`` on ``threads`` threads of ``pool`` (an executor) while ``then(obj)`` writes it
+        (``obj`` is the write's :class:`~ckptio.backends.base.Filling`: it follows the pieces as they
+        arrive), holding its buffer; give the buffer back once neither the reading threads nor the
+        write use it."""
         loop = asyncio.get_running_loop()
         budget = self._budgets.get(loop)
         if budget is None:
             budget = self._budgets[loop] = ByteBudget(max(1, self._limit))
         held = await budget.acquire(obj.nbytes)
+        readers: list[concurrent.futures.Future[None]] = []
         try:
             obj.buffer = self._pool.take(-(-obj.nbytes // HUGE_PAGE) * HUGE_PAGE)  # whole pages: more reuse
+            obj.expose()
             readers = [pool.submit(obj.read) for _ in range(max(1, threads))]
-            await threads_done(readers)  # through cancellations: they fill the buffer given back below
-            for r in readers:
-                r.result()  # a failed read fails the object
-            obj.finish()
-            return await then()
+            obj.settled = asyncio.ensure_future(_settle(obj, readers))
+            return await then(obj)
         finally:
-            if obj.buffer is not None:
-                for e, _a in obj.parts:
-                    e.data = None
-                self._pool.give_back([obj.buffer])
-                obj.buffer = None
-            await budget.release(held)
+            obj.abandon()  # a write that ended early leaves no reader or waiting thread behind
+            try:
+                await threads_done(readers)  # through cancellations: they fill the buffer given back below
+            finally:
+                _forget(obj.settled)
+                if obj.buffer is not None:
+                    for e, _a in obj.parts:
+                        e.data = None
+                    self._pool.give_back([obj.buffer])
+                    obj.buffer = None
+                await budget.release(held)
+
+
+def _forget(settled: asyncio.Future[None] | None) -> None:
+    """The settling of an object whose write is over: its error was the write's (raised through
+    :meth:`RemoteObject.complete`), or nobody waits for it any more."""
+    if settled is None:
+        return
+    if not settled.done():
+        settled.cancel()
+    elif not settled.cancelled():
+        settled.exception()
+
+
+async def _settle(obj: RemoteObject, readers: Sequence[concurrent.futures.Future[None]]) -> None:
+    """Once every reader returned: the first read's error, else the object's block sums."""
+    await threads_done(readers)
+    for r in readers:
+        r.result()  # a failed read fails the object
+    obj.finish()

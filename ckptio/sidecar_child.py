@@ -183,8 +183,9 @@ class _Writer:
             return await eng.write_object(plan)
         assert self.reads is not None
         self.reads.limit(eng.backend.layout_defaults.object_size)
+        # The write follows the reads, piece by piece (the object is its write's Filling).
         return await self.reads.run(remote, eng.save_pool(), eng.config.checksum_threads,
-                                    lambda: eng.write_object(plan))
+                                    lambda filling: eng.write_object(plan, filling=filling))
 
     async def _run(self, rid: int, spec: Any, objects: list[concurrent.futures.Future[Any]]) -> None:
         try:

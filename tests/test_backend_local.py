@@ -144,6 +144,25 @@ class TestLocalBackendDirect(BackendConformance):
         self.run_with_backend(tmp_path, body)
         assert any(f & os.O_DIRECT for f in flags), "no file was opened with O_DIRECT"
 
+    def test_a_filling_write_goes_out_request_by_request_as_its_bytes_arrive(self, tmp_path: Path) -> None:
+        """The direct path streams: requests leave while the fill is still going, none larger than
+        one bounce buffer, each after its bytes are in (the conformance check: none read early)."""
+        from ckptio.backends._direct import REQUEST_BYTES
+        from ckptio.testing._filling_checks import PieceFilling, filling_object
+
+        async def body(b: Backend) -> None:
+            src, buf, views = filling_object((20 << 20) + 99, 3)
+            filling = PieceFilling(src, memoryview(buf), 1 << 20).start()
+            await b.write_filling("streamed", views, filling)
+            assert await b.read("streamed") == src
+            ends = [end for end, _in in filling.waits]
+            assert ends == sorted(ends) and ends[-1] == len(src)
+            early = [arrived for _end, arrived in filling.waits if arrived < len(src)]
+            assert early, "no request left before the fill ended"
+            assert all(b - a <= REQUEST_BYTES for a, b in zip([0, *ends], ends) if b < len(src) - 4096)
+
+        self.run_with_backend(tmp_path, body)
+
 
 # -- POSIX-only behaviour --------------------------------------------------
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -193,9 +194,9 @@ def test_local_writes_run_on_lowered_threads_and_reuse_bounce_buffers_across_bac
     async def go(backend: LocalBackend, n: int) -> None:
         real = backend._write_direct
 
-        def spy(tmp: str, fd: int, bufs: list[memoryview]) -> None:
+        def spy(tmp: str, fd: int, bufs: list[memoryview], filling: Any) -> None:
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            real(tmp, fd, bufs)
+            real(tmp, fd, bufs, filling)
 
         backend._write_direct = spy  # type: ignore[method-assign]
         for i in range(3):

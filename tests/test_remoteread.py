@@ -202,6 +202,42 @@ def test_a_failed_piece_stops_the_other_readers_of_its_object() -> None:
     assert len(errors) == 1 and "reading 1048576 bytes of process" in str(errors[0])
 
 
+@needs_reads
+def test_the_write_may_read_a_byte_only_once_every_piece_before_it_is_in() -> None:
+    """The object is its write's Filling: a wait returns once the bytes below its end (padding
+    between extents included) are the trainer's; after a failed piece every wait fails."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (30 << 20, 5000, 9 << 20)]
+    parts, pos = [], 0
+    for i, a in enumerate(arrays):
+        pos = -(-pos // 4096) * 4096
+        parts.append((PlannedExtent(f"a{i}", 0, 0, pos, None, a.nbytes), int(a.ctypes.data)))
+        pos += a.nbytes
+    obj = RemoteObject(os.getpid(), parts, 1 << 20)
+    obj.buffer = fresh_pages(obj.nbytes)
+    obj.buffer[:] = 0xAA
+    readers = [threading.Thread(target=obj.read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for end in (1, 8 << 20, (30 << 20) + 4096, obj.nbytes):
+        obj.wait(end)
+        for (e, _a), a in zip(obj.parts, arrays):
+            n = min(e.length, end - e.offset)
+            if n > 0:
+                assert bytes(obj.buffer[e.offset : e.offset + n]) == a[:n].tobytes(), (end, e.item)
+    for t in readers:
+        t.join()
+
+    unmapped = (PlannedExtent("gone", 0, 0, 31 << 20, None, 1 << 20), 16)
+    gone = RemoteObject(os.getpid(), [parts[0], unmapped], 1 << 20)
+    gone.buffer = fresh_pages(gone.nbytes)
+    with pytest.raises(OSError, match="Bad address"):
+        gone.read()
+    for end in (1, gone.nbytes):  # a failed object is failed as a whole: its write stops at once
+        with pytest.raises(ckptio.SaveFailedError, match=f"bytes from process {os.getpid()} failed"):
+            gone.wait(end)
+
+
 def test_a_cancelled_read_gives_its_buffer_back_only_once_every_reader_is_done() -> None:
     """The buffer goes back to the pool (for the next object) only after the threads filling it
     have returned, however often the waiting task is cancelled meanwhile."""
@@ -225,7 +261,7 @@ def test_a_cancelled_read_gives_its_buffer_back_only_once_every_reader_is_done()
     async def scenario() -> None:
         obj = Blocking(os.getpid(), [(PlannedExtent("x", 0, 0, 0, None, 4096), 0)], 4096)
         with ThreadPoolExecutor(2) as pool:
-            task = asyncio.ensure_future(reads.run(obj, pool, 2, lambda: asyncio.sleep(0)))
+            task = asyncio.ensure_future(reads.run(obj, pool, 2, lambda _filling: asyncio.sleep(0)))
             await asyncio.get_running_loop().run_in_executor(None, started.wait)
             for _ in range(3):
                 task.cancel()

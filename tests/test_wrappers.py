@@ -434,3 +434,31 @@ def test_read_only_refuses_mutations_and_checks_keys_first(mem: MemoryBackend) -
         assert await ro.read("k") == b"data"
 
     run(main())
+
+
+def test_a_filling_write_passes_through_a_wrapper_only_if_it_leaves_write_alone(mem: MemoryBackend) -> None:
+    """A wrapper that changes ``write`` (counts it, injects faults) sees a filling write as a write of
+    its own, once every byte is in; one that does not passes it on, so the backend below streams."""
+    from ckptio.testing._filling_checks import PieceFilling, filling_object
+
+    calls: list[str] = []
+
+    class Streaming(MemoryBackend):
+        async def write_filling(self, key: str, buffers: Any, filling: Any) -> None:
+            calls.append("write_filling")
+            await super().write_filling(key, buffers, filling)
+
+    inner = Streaming(mem.url)
+
+    async def main() -> None:
+        for wrapper, expected, writes in [(WrapperBackend(inner), "write_filling", 0),
+                                          (CountingBackend(inner), "write", 1)]:
+            calls.clear()
+            src, buf, views = filling_object(3 << 20, 4)
+            await wrapper.write_filling("k", views, PieceFilling(src, memoryview(buf), 1 << 20).start())
+            assert calls == ([expected] if expected == "write_filling" else [])
+            assert await inner.read("k") == src
+            if isinstance(wrapper, CountingBackend):
+                assert wrapper.calls("write") == writes
+
+    run(main())

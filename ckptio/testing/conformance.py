@@ -1,6 +1,6 @@
 """The backend conformance suite: one base test class that every backend's test file subclasses.
 
-The checks live in groups (:mod:`._io_checks`, :mod:`._namespace_checks`,
+The checks live in groups (:mod:`._io_checks`, :mod:`._filling_checks`, :mod:`._namespace_checks`,
 :mod:`._lifecycle_checks`, :mod:`._conditional_checks`) on one harness
 (:mod:`._harness`); this class joins them.
 
@@ -43,6 +43,7 @@ same name (``a`` and ``a/b``) at once. No test stores both.
 from __future__ import annotations
 
 from ._conditional_checks import ConditionalDeleteChecks
+from ._filling_checks import FillingChecks
 from ._harness import backend_test
 from ._io_checks import ByteChecks
 from ._lifecycle_checks import LifecycleChecks
@@ -52,5 +53,6 @@ from .model import split_views
 __all__ = ["BackendConformance", "backend_test", "split_views"]
 
 
-class BackendConformance(ByteChecks, NamespaceChecks, LifecycleChecks, ConditionalDeleteChecks):
+class BackendConformance(ByteChecks, FillingChecks, NamespaceChecks, LifecycleChecks,
+                         ConditionalDeleteChecks):
     """The shared conformance tests. Subclass it and implement :meth:`make_backend`."""
