@@ -24,6 +24,12 @@ Contracts:
   holds the plans (whose extents reference the arrays) until the child's final reply, on
   failure and abort too (:meth:`ckptio.sidecar.Sidecar.write`); these are the same arrays an
   in-process save writes from directly.
+- **The write follows the reads**: an object's write starts with its first piece and sends each
+  request once the pieces under it are in (:meth:`RemoteObject.wait`, the object being its write's
+  :class:`~ckptio.backends.base.Filling`); its checksums once all are. A read that fails fails the
+  write at its next request, which leaves no object. (Before, each object was read whole before its
+  write began: with two objects in flight the disk idled while the next two were read, ~15 ms of a
+  256 MiB save's ~180 here.)
 - **Bounded memory**: the child reads into buffers of its own pool, at most
   :data:`REMOTE_OBJECTS` objects' worth in flight (:class:`RemoteReads`), which is also what
   it keeps between saves.
