@@ -53,9 +53,9 @@ from ckptio._system import HUGE_PAGE, address, fresh_pages, libc
 from .checksum import fill_summed
 from .engine import ByteBudget
 from .errors import SaveFailedError
-from .threadwait import threads_done
 from .layout import PlannedExtent
 from .stagingpool import StagingPool
+from .threadwait import threads_done
 
 __all__ = ["ENV", "REMOTE_OBJECTS", "RemoteObject", "RemoteReads", "readable", "remote_wanted", "token",
            "vm_read"]
