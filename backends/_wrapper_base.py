@@ -30,6 +30,15 @@ METHODS: tuple[str, ...] = (
 )
 
 
+def _passes(cls: type, changed: str, passer: str) -> bool:
+    """Whether no class in ``cls``'s MRO changed ``changed`` after the one that last defined ``passer``.
+
+    By MRO, not issubclass(): ABCMeta has not set ``cls`` up yet while ``__init_subclass__`` runs.
+    """
+    owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in (changed, passer)}
+    return owner[changed] in owner[passer].__mro__
+
+
 class WrapperBackend(Backend):
     """Delegates every call to ``inner``; subclasses override the calls they change.
 
@@ -52,14 +61,9 @@ class WrapperBackend(Backend):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        owner = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("delete", "delete_if")}
-        # By MRO, not issubclass(): ABCMeta has not set this class up yet while this runs.
-        cls._wraps_delete_if = owner["delete"] in owner["delete_if"].__mro__
-        reads = {name: next(c for c in cls.__mro__ if name in vars(c)) for name in ("read_into", "read_many")}
-        cls._passes_read_many = reads["read_into"] in reads["read_many"].__mro__
-        writes = {name: next(c for c in cls.__mro__ if name in vars(c))
-                  for name in ("write", "write_filling")}
-        cls._passes_write_filling = writes["write"] in writes["write_filling"].__mro__
+        cls._wraps_delete_if = _passes(cls, "delete", "delete_if")
+        cls._passes_read_many = _passes(cls, "read_into", "read_many")
+        cls._passes_write_filling = _passes(cls, "write", "write_filling")
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner

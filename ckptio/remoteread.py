@@ -242,9 +242,8 @@ class RemoteObject:
             e.data = view[e.offset : e.offset + e.length]
 
     def finish(self) -> None:
-        """Once every :meth:`read` returned: each extent gets its bytes and, unless it has cuts,
-        its block checksums (its pieces' in order)."""
-        self.expose()
+        """Once every :meth:`read` returned: each extent without cuts gets its block checksums (its
+        pieces' in order). Its bytes are its view from :meth:`expose`."""
         sums: list[list[int]] = [[] for _ in self.parts]
         for (k, _lo, _hi, _b), got in zip(self._pieces, self._sums):
             if got is not None:

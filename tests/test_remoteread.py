@@ -80,6 +80,7 @@ def test_a_remote_object_reads_every_extent_at_its_offset_with_its_block_sums(bl
         pos += a.nbytes
     obj = RemoteObject(os.getpid(), parts, block)
     obj.buffer = fresh_pages(obj.nbytes)  # page-aligned, as the pool's buffers are
+    obj.expose()
     readers = [threading.Thread(target=obj.read) for _ in range(2)]
     for t in readers:
         t.start()
