@@ -18,8 +18,10 @@ Contracts:
 
 - **Only where the kernel allows it**, which the child learns once, at its start
   (:func:`readable`): it reads a token of random bytes the trainer keeps (:func:`token`) and
-  compares. Yama's ``ptrace_scope`` >= 1 without a ``PR_SET_PTRACER``, a seccomp filter or a
-  kernel without the call each make it fail; the trainer then copies, as before.
+  compares -- only once the trainer has named it as the one process that may read it
+  (:func:`allow_reads`: ``PR_SET_PTRACER``, which Yama's ``ptrace_scope`` 1 needs to let a child
+  read its parent). Yama's scope 2 (``CAP_SYS_PTRACE`` only) or 3, a seccomp filter or a kernel
+  without the call each make it fail; the trainer then copies, as before.
 - **The trainer keeps the bytes alive and unchanged until the object is written**: its save
   holds the plans (whose extents reference the arrays) until the child's final reply, on
   failure and abort too (:meth:`ckptio.sidecar.Sidecar.write`); these are the same arrays an
@@ -57,8 +59,8 @@ from .layout import PlannedExtent
 from .stagingpool import StagingPool
 from .threadwait import threads_done
 
-__all__ = ["ENV", "REMOTE_OBJECTS", "RemoteObject", "RemoteReads", "readable", "remote_wanted", "token",
-           "vm_read"]
+__all__ = ["ENV", "REMOTE_OBJECTS", "RemoteObject", "RemoteReads", "allow_reads", "readable", "remote_wanted",
+           "token", "vm_read"]
 
 #: ``CKPTIO_REMOTE_READS=0``: the trainer copies into shared memory even where the writer
 #: process could read its memory (the behaviour before; for comparison, or a host that forbids it).
@@ -70,6 +72,8 @@ REMOTE_OBJECTS = 2
 #: Bytes a thread reads at a time (whole checksum blocks): the unit threads share an object in.
 _PIECE = 8 << 20
 _TOKEN_BYTES = 32
+#: Yama's prctl(2) option ("Yama"): name the one process (with its descendants) that may trace this one.
+_PR_SET_PTRACER = 0x59616D61
 
 T = TypeVar("T")
 
@@ -112,6 +116,29 @@ def vm_read(pid: int, dst: memoryview, remote: int) -> None:
 def remote_wanted() -> bool:
     """Whether this process lets its writer process read its memory (:data:`ENV`), where it can."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def allow_reads(pid: int, lib: Any = None) -> bool:
+    """The trainer's side, before the child probes: let process ``pid`` (its writer process) read
+    this process's memory where Yama's ``ptrace_scope`` is 1 -- Ubuntu's default, under which a
+    process may otherwise read only its own descendants, never its parent.
+
+    True if the kernel took it; False where there is nothing to allow (no Yama: EINVAL) or it
+    refused; never raises. The permission ends when ``pid`` exits. Yama keeps one such process per
+    traced process: this replaces one named before (a crash handler's, say), which
+    ``CKPTIO_REMOTE_READS=0`` (:data:`ENV`) avoids. Scope 2 (``CAP_SYS_PTRACE`` only) or 3 and a
+    seccomp filter still refuse the reads: the probe then fails and the trainer copies. ``lib``: the
+    C library to call (tests), else this process's.
+    """
+    lib = lib if lib is not None else libc()
+    prctl = getattr(lib, "prctl", None)
+    if prctl is None:
+        return False
+    try:
+        return prctl(ctypes.c_int(_PR_SET_PTRACER), ctypes.c_ulong(pid), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                     ctypes.c_ulong(0)) == 0
+    except (OSError, ctypes.ArgumentError):
+        return False
 
 
 _token: np.ndarray | None = None

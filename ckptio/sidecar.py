@@ -65,7 +65,7 @@ from ckptio.backends.budget import budget_of
 from .engine import EngineConfig, Progress, WrittenObject
 from .errors import SaveFailedError
 from .layout import ObjectPlan
-from .remoteread import remote_wanted, token
+from .remoteread import allow_reads, remote_wanted, token
 from .shm import ShmStagingPool, close_shared_pool, forget_shared_pool, shared_pool
 from .sidecar_export import EXPORT_OBJECTS, Export
 from .sidecar_child import Channel
@@ -204,6 +204,9 @@ class Sidecar:
         log.info("ckptio writer process started (pid %d)", self.proc.pid)
         reason = ""
         try:
+            # Named as the process that may read ours before it probes (the probe waits for this).
+            allowed = remote_wanted() and allow_reads(self.proc.pid)
+            self._chan.send(("probe", 0, allowed))
             while True:
                 got = self._chan.recv()
                 if got is None:

@@ -220,6 +220,9 @@ def child_main(fd: str, parent: str, token_at: str = "0", token: str = "") -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when a save stops
     logging.basicConfig(level=logging.WARNING, format="ckptio-sidecar %(levelname)s %(name)s: %(message)s")
     chan = Channel(socket.socket(fileno=int(fd)))
+    # The trainer first names this process as the one that may read its memory (Yama), then says so.
+    if chan.recv() is None:
+        return
     ok = bool(token) and readable(pid, int(token_at), bytes.fromhex(token))
     chan.send(("hello", 0, ok))  # before any reply: the trainer learns it before its first save's objects
     _Writer(chan, RemoteReads(pid) if ok else None).serve()

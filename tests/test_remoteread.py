@@ -10,7 +10,9 @@ nothing, and the next save commits.
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from ckptio import EngineConfig, remoteread, sidecar
 from ckptio._system import fresh_pages
 from ckptio.checksum import block_crcs
 from ckptio.layout import PlannedExtent
-from ckptio.remoteread import RemoteObject, readable, token, vm_read
+from ckptio.remoteread import RemoteObject, allow_reads, readable, token, vm_read
 from ckptio.sidecar_export import Export
 from test_summedfill import _rows
 
@@ -62,6 +64,54 @@ def test_the_probe_fails_on_other_bytes_and_on_a_process_that_is_gone() -> None:
     at, expected = token()
     assert not readable(os.getpid(), at, bytes(b ^ 1 for b in expected))
     assert not readable(2**22 + 12345, at, expected)  # no such pid (above the default pid_max)
+
+
+class _Libc:
+    """A C library whose prctl returns ``rc`` and records its arguments."""
+
+    def __init__(self, rc: int) -> None:
+        self.rc, self.calls = rc, []
+
+    def prctl(self, *args: Any) -> int:
+        self.calls.append(tuple(a.value for a in args))
+        return self.rc
+
+
+def test_the_trainer_names_its_writer_as_the_one_reader_yama_lets_read_it() -> None:
+    took, refused = _Libc(0), _Libc(-1)
+    assert allow_reads(4321, took) and not allow_reads(4321, refused)
+    assert took.calls == [(0x59616D61, 4321, 0, 0, 0)]  # PR_SET_PTRACER, the child's pid
+    assert not allow_reads(4321, object())  # a C library without prctl: nothing to allow
+    allow_reads(os.getpid())  # this kernel's answer (EINVAL without Yama): never an error
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_the_child_probes_only_once_the_trainer_let_it_read(monkeypatch: pytest.MonkeyPatch,
+                                                             wanted: bool) -> None:
+    """Named first, probed after: a child probing first would find Yama's scope 1 closed for good."""
+    if not wanted:
+        monkeypatch.setenv(remoteread.ENV, "0")
+    named: list[tuple[int, bool]] = []
+
+    def slow_allow(pid: int) -> bool:
+        with sidecar._current_lock:  # ensure() holds it until the sidecar is current
+            sc = sidecar.current()
+        assert sc is not None
+        spoke = False
+        for _ in range(20):  # the child starts meanwhile; a probe before this call would say hello
+            time.sleep(0.05)
+            try:
+                spoke = spoke or bool(sc._chan.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                pass
+        named.append((pid, spoke))
+        return False
+
+    monkeypatch.setattr(sidecar, "allow_reads", slow_allow)
+    sc = sidecar.ensure()
+    assert sc._hello.wait(60) and sc.dead is None
+    assert named == ([(sc.pid, False)] if wanted else [])  # the hello came after, not before
+    assert sc.reads_remote == _readable_here()  # no Yama here: the probe's answer is the kernel's
 
 
 @needs_reads
