@@ -81,6 +81,11 @@ __all__ = [
 
 log = logging.getLogger("ckptio.sidecar")
 
+#: Seconds a save waits for a new writer process's first message (its imports take ~0.5 s; a
+#: loaded host or a slow filesystem, much more). Past it the child is killed and the save fails
+#: (SaveFailedError): a save never hangs on a writer process that never came up; the next starts another.
+START_S = 120.0
+
 # -- choosing the writer ------------------------------------------------------
 
 
@@ -249,6 +254,14 @@ class Sidecar:
         else:
             req.future.set_exception(_error_from(msg[2], msg[3]))
 
+    def _give_up(self, why: str) -> None:
+        """Kill a child that went silent: its thread then reaps it and fails whatever was pending
+        (with ``why``), and :func:`ensure` starts another for the next save."""
+        with self._lock:
+            self.dead = self.dead or why
+        if self.proc is not None:
+            self.proc.kill()
+
     def _die(self, why: str) -> None:
         with self._lock:
             self.dead = self.dead or why
@@ -278,7 +291,8 @@ class Sidecar:
         caps, layout = store.backend.capabilities, store.backend.layout_defaults
         # Its first reply says whether it can read this process's memory; it comes as soon as the
         # child has started, which the first save's objects would have waited for anyway.
-        self._hello.wait()
+        if not self._hello.wait(START_S):
+            self._give_up(f"the ckptio writer process (pid {self.pid}) did not start within {START_S:g} s")
         budget_bytes = max(EXPORT_OBJECTS * layout.object_size, caps.concurrency * caps.preferred_io_size)
         export = Export(shared_pool(), budget_bytes, remote=self.reads_remote and remote_wanted())
         with self._lock:

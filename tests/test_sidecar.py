@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,33 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
     assert second is not None and second != first
     assert not list(root.rglob(f"*{TMP_MARK}*"))
     _assert_same_tree(ckptio.restore(root, 2), state)
+
+
+def test_a_writer_process_that_never_starts_fails_the_save_and_the_next_starts_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child silent past ``START_S`` (here: never told to probe, so it never says hello) is
+    killed and the save fails, naming it; it does not hang. The next save's child starts."""
+    sidecar.shutdown()
+    release = threading.Event()
+    stuck: list[int] = []
+
+    def never(pid: int) -> bool:
+        stuck.append(pid)
+        release.wait(60)
+        return False
+
+    monkeypatch.setattr(sidecar, "START_S", 1.0)
+    monkeypatch.setattr(sidecar, "allow_reads", never)
+    handle = ckptio.save(tmp_path, _state(), step=1, engine_config=SIDECAR)
+    with pytest.raises(SaveFailedError, match=r"writer process \(pid \d+\) did not start within 1 s"):
+        handle.result()
+    assert stuck and _wait_gone(stuck[0])
+    assert not (tmp_path / "1" / "ckptio.manifest.json").exists()
+    monkeypatch.setattr(sidecar, "allow_reads", lambda pid: False)
+    release.set()
+    ckptio.save(tmp_path, _state(), step=1, engine_config=SIDECAR).result()
+    assert sidecar.current_pid() not in (None, stuck[0])
+    _assert_same_tree(ckptio.restore(tmp_path, 1), _state())
 
 
 TRAINER = textwrap.dedent("""
