@@ -210,8 +210,9 @@ class Sidecar:
         reason = ""
         try:
             # Named as the process that may read ours before it probes (the probe waits for this).
-            allowed = remote_wanted() and allow_reads(self.proc.pid)
-            self._chan.send(("probe", 0, allowed))
+            if remote_wanted():
+                allow_reads(self.proc.pid)
+            self._chan.send(("probe", 0))
             while True:
                 got = self._chan.recv()
                 if got is None:
