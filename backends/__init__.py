@@ -12,7 +12,7 @@ import os
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from .base import (
+from ckptio.backends.base import (
     Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, ThrottledError, check_key,
     join_key,
 )
@@ -88,8 +88,8 @@ def backend_class(scheme: str) -> type[Backend]:
 def detect_scheme(path: str, mountinfo: str | None = None) -> str:
     """The POSIX flavour a plain path's mount calls for: ``pstore`` on dfuse, ``hdml`` on a
     read-only mount (a many-readers attachment), else ``file``."""
-    from ._mounts import MOUNTINFO, find_mount
-    from .parallelstore import is_dfuse
+    from ckptio.backends._mounts import MOUNTINFO, find_mount
+    from ckptio.backends.parallelstore import is_dfuse
 
     mount = find_mount(path, mountinfo or MOUNTINFO)
     if is_dfuse(mount):

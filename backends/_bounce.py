@@ -4,7 +4,7 @@ O_DIRECT takes only aligned memory at aligned offsets, so caller bytes out of st
 with the file (jax CPU arrays are 64-byte aligned; DCP and Orbax hand over the
 caller's arrays as they are) are gathered into an aligned bounce buffer before each
 write: all of a view laid out anywhere, only the partial pages at either end of one
-laid out in step with its memory (``ckptio.layout.direct_offset``). Such a buffer is worth
+laid out in step with its memory (``ckptio.engine.layout.direct_offset``). Such a buffer is worth
 keeping: faulting its pages in costs more than the copy into it (issue 17).
 
 They used to be kept per backend and per write thread, as shared (shmem) mappings.
@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ckptio._system import fresh_pages
-from ckptio._system.freelists import FreeLists
+from ckptio.system import fresh_pages
+from ckptio.system.freelists import FreeLists
 
 __all__ = ["BOUNCE_BYTES", "KEEP", "BouncePool", "BOUNCE"]
 

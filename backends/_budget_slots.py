@@ -2,7 +2,7 @@
 the host's processes can share.
 
 A host is one share of the job's request rate, however many processes it sends from: the trainer
-hands its block (an anonymous ``memfd``) to its sidecar writer (:mod:`ckptio.sidecar`), and both
+hands its block (an anonymous ``memfd``) to its sidecar writer (:mod:`ckptio.saving.writers.sidecar`), and both
 reserve slots from the same state under one lock -- a ``threading.Lock`` within a process and a
 POSIX record lock (``lockf``, held per process) on the memfd between them. So trainer and sidecar
 together keep the host's share, rather than one share each.

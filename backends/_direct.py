@@ -7,7 +7,7 @@ its whole blocks go to the device in place and only its partial blocks at either
 are copied through a bounce buffer (:mod:`ckptio.backends._bounce`). ckptio's staging
 buffers are page-aligned at aligned offsets (wholly in place); a sync ``dcp.save``
 hands over torch's tensors as they are, 64 bytes past a page, and
-``ckptio.layout.direct_offset`` lays them out in step. A view out of step is bounced
+``ckptio.engine.layout.direct_offset`` lays them out in step. A view out of step is bounced
 whole. :func:`bounced_bytes` counts what a write would copy, so a backend can choose
 the page cache for objects that are mostly out of step.
 """
@@ -17,10 +17,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from ckptio._system.bytes import address, byte_views, copy_bytes, flat_bytes
-
-from ._bounce import BOUNCE, BOUNCE_BYTES
-from ._posix import preadv_all, pwritev_all
+from ckptio.backends._bounce import BOUNCE, BOUNCE_BYTES
+from ckptio.backends._posix import preadv_all, pwritev_all
+from ckptio.system.bytes import address, byte_views, copy_bytes, flat_bytes
 
 __all__ = ["REQUEST_BYTES", "bounced_bytes", "mostly_unaligned", "read_direct", "write_direct"]
 

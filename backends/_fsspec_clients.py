@@ -13,7 +13,7 @@ import errno
 import inspect
 from typing import Any
 
-from .base import RetryableError, ThrottledError
+from ckptio.backends.base import RetryableError, ThrottledError
 
 __all__ = ["close_filesystem", "http_status", "translate_error"]
 

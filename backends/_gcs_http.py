@@ -59,10 +59,9 @@ import aiohttp
 import crc32c as _crc32c
 from aiohttp.abc import AbstractStreamWriter
 
-from ckptio._system.bytes import copy_bytes
-
-from ._perloop import PerLoop
-from .base import ByteRange, RetryableError, ThrottledError
+from ckptio.backends._perloop import PerLoop
+from ckptio.backends.base import ByteRange, RetryableError, ThrottledError
+from ckptio.system.bytes import copy_bytes
 
 __all__ = [
     "BuffersPayload",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._bounce import BOUNCE_BYTES
+from ckptio.backends._bounce import BOUNCE_BYTES
 
 __all__ = ["LocalConfig"]
 
@@ -27,7 +27,7 @@ class LocalConfig:
     direct: bool = True
     #: O_DIRECT also for an object whose bytes mostly must pass through a bounce buffer first: memory
     #: out of step with its offset in the file (torch's and numpy's own allocations are 16-64 bytes
-    #: into a page; ``ckptio.layout.direct_offset`` lays large ones out in step, where only their
+    #: into a page; ``ckptio.engine.layout.direct_offset`` lays large ones out in step, where only their
     #: partial pages are bounced). False: such an object is written through the page cache and
     #: fsync'd, as stock DCP writes: the kernel's copy replaces the bounce copy, and writeback sends
     #: large requests from a deep queue where each direct write waits for the device.
@@ -68,7 +68,7 @@ class LocalConfig:
     tile_bytes: int = 0
     #: Object writes run on threads this many nice steps below the caller's priority, so
     #: that a background save's copies and system calls yield the CPU to the training
-    #: step (see :mod:`ckptio._system.threads`). Off by default: on a CPU-saturated 2-core host
+    #: step (see :mod:`ckptio.system.threads`). Off by default: on a CPU-saturated 2-core host
     #: nice 10 cut the step's run-queue wait but also the save's throughput (~1.1 -> ~0.75 GiB/s).
     write_nice: int = 0
 

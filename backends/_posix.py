@@ -12,9 +12,8 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ckptio._system.bytes import byte_views
-
-from .base import RetryableError
+from ckptio.backends.base import RetryableError
+from ckptio.system.bytes import byte_views
 
 __all__ = [
     "TMP_MARK", "aligned_buffer", "fsync_dir", "iov_batches", "preadv_all", "pwritev_all", "translate_os_errors",

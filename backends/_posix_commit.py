@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 
-from ._posix import TMP_MARK, unlink_quietly
+from ckptio.backends._posix import TMP_MARK, unlink_quietly
 
 __all__ = ["LOCK_PREFIX", "lock_path", "rename_exclusive", "take_over_stale_lock"]
 

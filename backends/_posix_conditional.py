@@ -34,7 +34,7 @@ import os
 import stat as stat_mod
 import uuid
 
-from ._posix import TMP_MARK, fsync_dir
+from ckptio.backends._posix import TMP_MARK, fsync_dir
 
 __all__ = ["TAKEN_MARK", "file_version", "take_if"]
 

@@ -11,7 +11,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, ByteRange, Capabilities, Filling, LayoutDefaults, ObjectInfo, Read, own_read_into
+from ckptio.backends.base import (
+    Backend, ByteRange, Capabilities, Filling, LayoutDefaults, ObjectInfo, Read, own_read_into,
+)
 
 __all__ = ["METHODS", "WrapperBackend"]
 

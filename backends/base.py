@@ -4,7 +4,7 @@ Everything else lives once, above this layer: retries in
 :class:`ckptio.backends.retrying.RetryingBackend` (the store wraps its backend
 in it; the engine retries its own data reads and writes with the same loop),
 concurrency and checksums in :mod:`ckptio.engine`, packing in
-:mod:`ckptio.layout`, commit order in :mod:`ckptio.store`.
+:mod:`ckptio.engine.layout`, commit order in :mod:`ckptio.store`.
 
 Contract every backend keeps (the conformance suite shipped as
 :mod:`ckptio.testing` checks each point):
@@ -163,7 +163,7 @@ class Capabilities:
     concurrency: int = 8
     #: A listing right after a write shows it.
     list_consistent: bool = True
-    #: The storage lives in this process's memory: another process (a ckptio.sidecar writer)
+    #: The storage lives in this process's memory: another process (a ckptio.saving.writers.sidecar writer)
     #: opening the same URL would see other objects, so writes stay in this process.
     process_local: bool = False
     #: :meth:`Backend.sweep_temporaries` also takes a keyword ``prefix: str`` and then sweeps
@@ -181,7 +181,7 @@ class Capabilities:
 class LayoutDefaults:
     """How a checkpoint's objects are best laid out on this storage: policy, not a storage fact.
 
-    The layout (:mod:`ckptio.layout`) and the save read these where the user chose nothing
+    The layout (:mod:`ckptio.engine.layout`) and the save read these where the user chose nothing
     else; a backend's options (``object_size=...``) set them per URL.
     """
 
@@ -191,7 +191,7 @@ class LayoutDefaults:
     hashed_names: bool = False
     #: Spread a checkpoint's objects over this many sub-directories (parallel file systems).
     dir_fanout: int = 0
-    #: Store shards of 2+ dimensions as tiles of about this many bytes (ckptio.tiling), so that
+    #: Store shards of 2+ dimensions as tiles of about this many bytes (ckptio.engine.tiling), so that
     #: a restore onto another sharding reads only what it needs. Shared storage that jobs
     #: restart from on new topologies (object stores, parallel file systems) sets it; 0 keeps
     #: plain C order, for host-local disks, where the restore is nearly always the same layout

@@ -55,10 +55,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
-from ._budget_slots import STARTED, TAKEN, Slots, SlotState
-from ._budget_slots import discard as discard_shared_state
-from .base import Backend, ByteRange, Filling, ObjectInfo, ThrottledError
-from .wrappers import WrapperBackend
+from ckptio.backends._budget_slots import STARTED, TAKEN, Slots, SlotState
+from ckptio.backends._budget_slots import discard as discard_shared_state
+from ckptio.backends.base import Backend, ByteRange, Filling, ObjectInfo, ThrottledError
+from ckptio.backends.wrappers import WrapperBackend
 
 __all__ = [
     "BudgetedBackend", "RequestBudget", "RequestRate", "alone", "budget_of", "budgeted", "discard_shared_state",

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from .base import Backend, ByteRange, Filling, ObjectInfo, Read, RetryableError
-from .wrappers import WrapperBackend
+from ckptio.backends.base import Backend, ByteRange, Filling, ObjectInfo, Read, RetryableError
+from ckptio.backends.wrappers import WrapperBackend
 
 __all__ = ["DeadlineBackend", "DeadlineExceeded", "Deadlines", "with_deadlines"]
 

@@ -67,21 +67,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from ckptio._system.bytes import scatter_bytes
-
-from ._fsspec_clients import close_filesystem, http_status, translate_error
-from ._perloop import PerLoop
-from .base import (
-    Backend,
-    ByteRange,
-    Capabilities,
-    LayoutDefaults,
-    ObjectInfo,
-    RetryableError,
-    check_fill,
-    check_key,
+from ckptio.backends._fsspec_clients import close_filesystem, http_status, translate_error
+from ckptio.backends._perloop import PerLoop
+from ckptio.backends.base import (
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_fill, check_key,
     check_prefix,
 )
+from ckptio.system.bytes import scatter_bytes
 
 __all__ = ["FsspecBackend", "FsspecConfig", "translate_error"]
 

@@ -72,19 +72,18 @@ from urllib.parse import quote, urlencode
 import aiohttp
 from yarl import URL
 
-from ckptio._system.bytes import byte_views
-
-from ._gcs_config import GCSConfig, RampConfig, resolve_endpoint
-from ._gcs_http import (
-    BuffersPayload, Damaged, SessionGone, RateRamp, TokenSource, confirmation, crc32c_b64, drain,
+from ckptio.backends._gcs_config import GCSConfig, RampConfig, resolve_endpoint
+from ckptio.backends._gcs_http import (
+    BuffersPayload, Damaged, RateRamp, SessionGone, TokenSource, confirmation, crc32c_b64, drain,
     fill_from_response, parse_rfc3339, persisted_offset, raise_for_status, read_json, session_pool,
     slice_views, translating, whole_body,
 )
-from .base import (
+from ckptio.backends.base import (
     Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, RetryableError, check_fill, check_key,
     check_prefix,
 )
-from .budget import each_request
+from ckptio.backends.budget import each_request
+from ckptio.system.bytes import byte_views
 
 __all__ = ["GCSBackend", "GCSConfig", "RampConfig"]  # the configs live in _gcs_config
 

@@ -11,7 +11,7 @@ Why these defaults:
   /proc/self/mountinfo, or ``ST_RDONLY`` from statvfs) and declared in the
   capabilities; every write is refused with an error that explains the
   single-writer phase, instead of failing with EROFS deep in a save.
-* The writer phase ends with :func:`ckptio.publish.publish`: re-read and
+* The writer phase ends with :func:`ckptio.manage.hdml_publish.publish`: re-read and
   verify every checksum, fsync everything, and mark the checkpoint published,
   before the volume is re-attached read-only to the readers. It lives above
   the backends (it verifies through the manifest and the store); this module
@@ -24,9 +24,9 @@ import dataclasses
 import os
 from typing import Any
 
-from ._mounts import MOUNTINFO, find_mount
-from .base import Capabilities, LayoutDefaults
-from .local import LocalBackend, LocalConfig
+from ckptio.backends._mounts import MOUNTINFO, find_mount
+from ckptio.backends.base import Capabilities, LayoutDefaults
+from ckptio.backends.local import LocalBackend, LocalConfig
 
 __all__ = ["PUBLISHED_NAME", "HyperdiskMLBackend", "is_published", "published_key"]
 
@@ -73,7 +73,7 @@ class HyperdiskMLBackend(LocalBackend):
         return (
             f"{self.url}: cannot modify {key!r}: this Hyperdisk ML volume is attached read-only. "
             "Hyperdisk ML is written in a single-writer phase (one host, read-write attachment; "
-            "finish with ckptio.publish.publish), then attached read-only to many readers."
+            "finish with ckptio.manage.hdml_publish.publish), then attached read-only to many readers."
         )
 
 
@@ -83,7 +83,7 @@ def published_key(step_dir: str) -> str:
 
 
 async def is_published(backend: LocalBackend, step_dir: str) -> bool:
-    """Whether the writer phase of ``step_dir`` ended with :func:`ckptio.publish.publish`."""
+    """Whether the writer phase of ``step_dir`` ended with :func:`ckptio.manage.hdml_publish.publish`."""
     try:
         await backend.stat(published_key(step_dir))
         return True

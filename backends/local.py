@@ -22,19 +22,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ckptio._system.poolshelf import PoolSlot
-
-from ._direct import mostly_unaligned, read_direct, write_direct
-from ._local_config import LocalConfig
-from ._posix import (
+from ckptio.backends._direct import mostly_unaligned, read_direct, write_direct
+from ckptio.backends._local_config import LocalConfig
+from ckptio.backends._posix import (
     TMP_MARK, fsync_dir, preadv_all, pwritev_all, translate_os_errors, unlink_quietly,
 )
-from ._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
-from ._posix_conditional import TAKEN_MARK, file_version, take_if
-from .base import (
+from ckptio.backends._posix_commit import LOCK_PREFIX, lock_path, rename_exclusive
+from ckptio.backends._posix_conditional import TAKEN_MARK, file_version, take_if
+from ckptio.backends.base import (
     Backend, ByteRange, Capabilities, Filling, LayoutDefaults, ObjectInfo, Read, check_fill, check_key,
     check_prefix, own_read_into,
 )
+from ckptio.system.poolshelf import PoolSlot
 
 __all__ = ["TMP_MARK", "LocalBackend", "LocalConfig"]
 
@@ -63,7 +62,7 @@ class LocalBackend(Backend):
         self.root = os.path.abspath(path)
         self._url = url
         # Taken on first use (threads started at once, not one per submit inside a burst of reads), again
-        # after close(); closing parks them for the next backend (ckptio._system.poolshelf).
+        # after close(); closing parks them for the next backend (ckptio.system.poolshelf).
         self._pool = PoolSlot("ckptio-posix", self.config.threads, started=True)
         self._write_pool = PoolSlot("ckptio-posix-w", self.config.threads, nice=self.config.write_nice)  # bulk writes
         self._dirty_dirs: set[str] = set()

@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ckptio._system.bytes import gather_bytes, scatter_bytes
-
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix
+from ckptio.backends.base import (
+    Backend, ByteRange, Capabilities, ObjectInfo, check_fill, check_key, check_prefix,
+)
+from ckptio.system.bytes import gather_bytes, scatter_bytes
 
 __all__ = ["MemoryBackend"]
 

@@ -26,8 +26,8 @@ import logging
 import os
 from typing import Any
 
-from ._mounts import MOUNTINFO, MountInfo, find_mount
-from .local import LocalBackend, LocalConfig
+from ckptio.backends._mounts import MOUNTINFO, MountInfo, find_mount
+from ckptio.backends.local import LocalBackend, LocalConfig
 
 __all__ = ["ParallelstoreBackend", "interception_library", "is_dfuse"]
 

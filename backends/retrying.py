@@ -18,8 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .base import Backend, ByteRange, ObjectInfo, Read, RetryableError, ThrottledError
-from .wrappers import WrapperBackend
+from ckptio.backends.base import Backend, ByteRange, ObjectInfo, Read, RetryableError, ThrottledError
+from ckptio.backends.wrappers import WrapperBackend
 
 __all__ = ["RetryPolicy", "RetryingBackend", "retry_call"]
 

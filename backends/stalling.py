@@ -13,8 +13,8 @@ import asyncio
 import threading
 from collections.abc import Callable, Sequence
 
-from .base import Backend, ByteRange, ObjectInfo
-from .wrappers import WrapperBackend
+from ckptio.backends.base import Backend, ByteRange, ObjectInfo
+from ckptio.backends.wrappers import WrapperBackend
 
 __all__ = ["StallingBackend"]
 

@@ -33,10 +33,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
-from ckptio._system.bytes import byte_views
-
-from ._wrapper_base import METHODS, WrapperBackend
-from .base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
+from ckptio.backends._wrapper_base import METHODS, WrapperBackend
+from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, RetryableError, check_key
+from ckptio.system.bytes import byte_views
 
 __all__ = [
     "CountingBackend",

@@ -16,13 +16,13 @@ __all__ = ["build_parser", "main"]
 
 def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
     """The ``ckptio bench`` argument parser."""
-    from .cli import build_parser as _build_parser
+    from ckptio.bench.cli import build_parser as _build_parser
 
     return _build_parser(prog)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ckptio bench`` with ``argv`` (without the program name); returns the exit code."""
-    from .cli import main as _main
+    from ckptio.bench.cli import main as _main
 
     return _main(argv)

@@ -2,7 +2,7 @@
 
 import sys
 
-from . import main
+from ckptio.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from .report import fmt_num, print_table
+from ckptio.bench.report import fmt_num, print_table
 
 __all__ = ["advise", "render_advice", "young_daly"]
 

@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ckptio._system import collapse, fresh_pages
-
-from .anchors_raw import RawDisk
-from .cases import register
+from ckptio.bench.anchors_raw import RawDisk
+from ckptio.bench.cases import register
+from ckptio.system import collapse, fresh_pages
 
 __all__ = ["ALIGN", "RawDirect", "RawDirectSnapshot", "aligned_layout"]
 
@@ -105,7 +104,7 @@ class RawDirect(RawDisk):
                 buf[off:off + self._sizes[name]] = _bytes(self.state[name])
         # In huge pages where the kernel gives them, as ckptio's reused staging buffers are: from
         # 4 KiB pages a request carries at most max_segments pages (~1 MiB here, against 4 MiB),
-        # which cost this ceiling ~1.4x in time and 4x in kernel CPU (ckptio._system.pages.collapse).
+        # which cost this ceiling ~1.4x in time and 4x in kernel CPU (ckptio.system.pages.collapse).
         self._huge_bytes = collapse(self._staged)
         self._pool = ThreadPoolExecutor(len(self._plan), thread_name_prefix="raw-direct")
 
@@ -150,7 +149,7 @@ class RawDirect(RawDisk):
 def floor_parts(state: Mapping[str, Any], repeats: int = 3) -> dict[str, float]:
     """CPU seconds per GiB of one memcpy into touched memory and one crc32c, on ``state``
     (the fastest of ``repeats``: what the work costs, not what a neighbour took from it)."""
-    from ckptio.checksum import crc32c
+    from ckptio.system.checksum import crc32c
 
     views = [_bytes(v) for v in state.values()]
     gib = sum(v.nbytes for v in views) / _GIB
@@ -193,7 +192,7 @@ class RawDirectSnapshot(RawDirect):
             buf[:] = 0
 
     def _write_one(self, step: int, i: int) -> None:
-        from ckptio.checksum import crc32c
+        from ckptio.system.checksum import crc32c
 
         buf = self._staged[i]
         view = memoryview(buf)

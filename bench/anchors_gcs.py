@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from .cases import Case, Pending, register
+from ckptio.bench.cases import Case, Pending, register
 
 __all__ = ["RawAiohttp", "RawAiohttpMultipart", "gcs_endpoint"]
 

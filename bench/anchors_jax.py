@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .cases import Case, Pending, register
+from ckptio.bench.cases import Case, Pending, register
 
 __all__ = ["OrbaxDefault", "OrbaxNoCompression", "TensorstoreZarr3"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .cases import Case, Pending, register
+from ckptio.bench.cases import Case, Pending, register
 
 __all__ = ["MemcpyFloor", "RawDisk", "RawDisk1"]
 

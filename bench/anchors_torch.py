@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .cases import Case, Pending, register
+from ckptio.bench.cases import Case, Pending, register
 
 __all__ = ["DCPAsyncSave", "DCPSave", "TorchSave"]
 

@@ -14,7 +14,7 @@ import asyncio
 import threading
 from typing import Any, TypeVar
 
-from .fakegcs import free_port
+from ckptio.bench.fakegcs import free_port
 
 __all__ = ["AppServer", "ProxyServer", "Upstream"]
 

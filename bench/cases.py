@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Protocol
 
-from .spec import StateSpec
+from ckptio.bench.spec import StateSpec
 
 __all__ = ["CASE_MODULES", "Case", "CaseContext", "Pending", "all_cases", "get_case", "register"]
 

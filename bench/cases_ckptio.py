@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .cases import Case, Pending, register
-from .state import describe
+from ckptio.bench.cases import Case, Pending, register
+from ckptio.bench.state import describe
 
 __all__ = ["CkptioJax", "CkptioNumpy", "CkptioTorch"]
 
@@ -133,7 +133,7 @@ class CkptioTorch(CkptioNumpy):
 
 def _dcp_cases() -> type[Case]:
     """ckptio under DCP: the same DCP calls as the ``dcp`` anchors, with ckptio's Writer/Reader."""
-    from .anchors_torch import DCPAsyncProcessSave, DCPAsyncSave, DCPSave
+    from ckptio.bench.anchors_torch import DCPAsyncProcessSave, DCPAsyncSave, DCPSave
 
     class _CkptioDCP:
         requires = ("ckptio", "torch")
@@ -182,7 +182,7 @@ _dcp_async = _dcp_cases()
 
 def _orbax_cases() -> type[Case]:
     """ckptio under Orbax: the same ``ocp.CheckpointManager`` as the anchors, with ckptio's handler."""
-    from .anchors_jax import _OrbaxBase
+    from ckptio.bench.anchors_jax import _OrbaxBase
 
     @register
     class CkptioOrbax(_OrbaxBase):
@@ -220,7 +220,7 @@ _orbax = _orbax_cases()
 def _writer_cases() -> None:
     """Each ckptio case again with its object writes in a writer process (``CKPTIO_WRITER=sidecar``),
     and the native and Orbax cases again in-process (``CKPTIO_WRITER=thread``): a large save on a
-    local disk goes to the writer process by default (``ckptio.writer_auto``), so ``ckptio``,
+    local disk goes to the writer process by default (``ckptio.saving.writers.auto``), so ``ckptio``,
     ``ckptio-jax``, ``ckptio-torch`` and ``ckptio-orbax`` are that default (``ckptio-dcp*`` are not).
 
     Not in the default run: ``--cases 'ckptio*'`` puts each case beside its twins, so one

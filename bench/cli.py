@@ -15,16 +15,15 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from ckptio import gilswitch
-
-from . import pinning, report
-from .advise import advise, render_advice
-from .cases import Case, all_cases
-from .cli_ratelimit import add_rate_limit_options, main_rate_limit_args
-from .harness import QUICK_CASES, QUICK_SIZE, quick_note, run_interleaved, run_job, select_cases
-from .spec import Job, StateSpec, format_bytes, parse_duration, parse_size
-from .system import environment
-from .targets import GCSTarget, Target, open_target
+from ckptio.bench import pinning, report
+from ckptio.bench.advise import advise, render_advice
+from ckptio.bench.cases import Case, all_cases
+from ckptio.bench.cli_ratelimit import add_rate_limit_options, main_rate_limit_args
+from ckptio.bench.harness import QUICK_CASES, QUICK_SIZE, quick_note, run_interleaved, run_job, select_cases
+from ckptio.bench.spec import Job, StateSpec, format_bytes, parse_duration, parse_size
+from ckptio.bench.system import environment
+from ckptio.bench.targets import GCSTarget, Target, open_target
+from ckptio.engine import gilswitch
 
 __all__ = ["build_parser", "main"]
 
@@ -276,7 +275,7 @@ def _header(doc: dict[str, Any]) -> str:
 
 
 def _switch_note(seconds: float | str | None) -> str:
-    """How the JSON's env says saves ran: under a shorter switch interval (ckptio.gilswitch) or not."""
+    """How the JSON's env says saves ran: under a shorter switch interval (ckptio.engine.gilswitch) or not."""
     if seconds == "":  # a run recorded before the setting existed
         return ""
     return f", saves' switch interval {seconds * 1e3:g} ms" if isinstance(seconds, float) else ", switch interval untouched"
@@ -380,7 +379,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             doc["cases"] = [run(cls, spec) for cls in sel.run]
         doc["cases"] += [{"case": n, "status": "skipped", "reason": why} for n, why in sel.skipped.items()]
         if args.sweep:
-            from .sweep import plan_sweep, run_sweep
+            from ckptio.bench.sweep import plan_sweep, run_sweep
 
             rounds = args.sweep_rounds or args.rounds
             progress.reserve(len(plan_sweep(sel.run, args.sweep_counts, args.sweep_procs)) * (args.warmup + rounds))
@@ -395,7 +394,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from .scale import parse_scale, render, run_scale
+    from ckptio.bench.scale import parse_scale, render, run_scale
 
     try:
         sizes = [parse_scale(x) for x in args.scale]
@@ -419,7 +418,7 @@ def _each(args: argparse.Namespace, key: str, runs: Sequence[Callable[[], dict[s
 
 
 def _tiers(args: argparse.Namespace) -> int:
-    from .tiers import render_tiers, run_tiers
+    from ckptio.bench.tiers import render_tiers, run_tiers
 
     try:
         res = run_tiers(args.tiers, args.tiers_mib, args.rounds, args.dir)
@@ -433,7 +432,7 @@ def _tiers(args: argparse.Namespace) -> int:
 
 
 def _tiers_scale(args: argparse.Namespace) -> int:
-    from .tiers_scale import parse_tiers_scale, render_tiers_scale, run_tiers_scale
+    from ckptio.bench.tiers_scale import parse_tiers_scale, render_tiers_scale, run_tiers_scale
 
     try:
         hosts = parse_tiers_scale(args.tiers_scale)
@@ -446,7 +445,7 @@ def _tiers_scale(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from .reshard import render_reshard, run_reshard
+    from ckptio.bench.reshard import render_reshard, run_reshard
 
     res = run_reshard(parse_size(args.size or "1GiB"), args.dir, args.cache_drop, args.rounds)
     print(render_reshard(res), flush=True)
@@ -469,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reshard:
         return _reshard(args)
     if args.incremental is not None:
-        from .incremental import main_incremental
+        from ckptio.bench.incremental import main_incremental
 
         return main_incremental(args.incremental, parse_size(args.size or "1GiB"), args.arrays or 100,
                                 args.incremental_steps, args.dir, args.keep)
@@ -514,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(quick_note())
     missed = report.verdict_line(doc["goals"], check=args.check)
     if doc.get("sweep"):
-        from .sweep import render_sweep
+        from ckptio.bench.sweep import render_sweep
 
         render_sweep(doc["sweep"])
     if args.advise:
@@ -525,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:
-        from .plot import plot
+        from ckptio.bench.plot import plot
 
         plot(args.plot, results, _header(doc))
     failed = [r["case"] for r in results if r.get("status") != "ok"]

@@ -26,7 +26,7 @@ def add_rate_limit_options(p: argparse.ArgumentParser) -> None:
 
 def main_rate_limit_args(args: argparse.Namespace, error: Callable[[str], int]) -> int:
     """Run ``--rate-limit`` from the parsed ``args``; ``error(message) -> int`` reports a bad option."""
-    from .throttled import main_rate_limit
+    from ckptio.bench.throttled import main_rate_limit
 
     if not args.fake_gcs:
         return error("--rate-limit runs against the local fake GCS: add --fake-gcs")

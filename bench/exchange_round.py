@@ -1,4 +1,4 @@
-"""One round of a restore exchange (:mod:`ckptio.restore.boxexchange`) on host 0 of a large job: CPU.
+"""One round of a restore exchange (:mod:`ckptio.restoring.boxexchange`) on host 0 of a large job: CPU.
 
 Rows -> columns at HOSTS hosts: an array of ``(HOSTS*R, HOSTS*C)`` float32 saved as HOSTS row
 shards of R rows; host ``h`` restores the column block ``[C*h, C*h + C)`` of every row. Host 0
@@ -35,7 +35,7 @@ class _Loopback:
 
     def exchange_into(self, out: dict[int, list[memoryview]], sizes: dict[int, list[int]],
                       into: dict[int, list[memoryview]]) -> None:
-        from ckptio.checksum import crc32c
+        from ckptio.system.checksum import crc32c
 
         t = time.process_time()
         for views in into.values():
@@ -51,9 +51,9 @@ class _Loopback:
 def run_round(hosts: int = 4096, rows: int = 64, cols: int = 4, repeats: int = 5) -> dict[str, Any]:
     """CPU seconds of host 0's round (min and median of ``repeats``) and its page faults, as a
     restore's first round and as a later one; the bytes and buffers it sends."""
-    from ckptio.reshard_reads import Region
-    from ckptio.restore import boxexchange as bx
-    from ckptio.restore.boxroute import Pieces, TargetTable
+    from ckptio.restoring import boxexchange as bx
+    from ckptio.restoring.boxroute import Pieces, TargetTable
+    from ckptio.restoring.reshard_reads import Region
 
     i64, dtype = np.int64, np.dtype(np.float32)
     hs = np.arange(hosts, dtype=i64)

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from .cases import Case, all_cases
-from .spec import Job
-from .targets import Target
-from .worker import EVENT_PREFIX
+from ckptio.bench.cases import Case, all_cases
+from ckptio.bench.spec import Job
+from ckptio.bench.targets import Target
+from ckptio.bench.worker import EVENT_PREFIX
 
 __all__ = ["QUICK_CASES", "QUICK_SIZE", "Selection", "quick_note", "run_interleaved", "run_job", "select_cases"]
 

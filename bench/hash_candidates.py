@@ -1,6 +1,6 @@
 """How an incremental save tells an unchanged shard (docs/incremental.md): speed, and whether it lets Python run.
 
-The digests, against the byte compare with a held copy (``memcmp``, ckptio.incremental.shadow) and
+The digests, against the byte compare with a held copy (``memcmp``, ckptio.saving.incremental.shadow) and
 the staging copy a full save makes of the same bytes (``copy``).
 
 ``python -m ckptio.bench.hash_candidates [MiB]``: each candidate over one buffer (best of 3), its
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ckptio.checksum import crc32c
-from ckptio.incremental.shadow import same_bytes
+from ckptio.saving.incremental.shadow import same_bytes
+from ckptio.system.checksum import crc32c
 
 
 def _rate(fn: Callable[[], object], nbytes: int, n: int = 3) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import ckptio
-from ckptio.names import parse_object
+from ckptio.manifest.names import parse_object
 
 __all__ = ["main_incremental"]
 

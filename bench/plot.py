@@ -6,7 +6,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from .spec import FIGURES
+from ckptio.bench.spec import FIGURES
 
 __all__ = ["figure", "plot"]
 

@@ -25,7 +25,7 @@ import urllib.parse
 from collections import Counter
 from typing import Any
 
-from .appserver import ProxyServer
+from ckptio.bench.appserver import ProxyServer
 
 __all__ = ["RateLimitProxy", "request_prefix"]
 

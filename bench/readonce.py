@@ -4,7 +4,7 @@
 row shards; an 8 MiB vector and a small int64 vector, whole), then restores
 each in ``hosts`` real processes (torch.distributed, gloo) twice per case --
 plain, then ``read_once=True``, then by logical-box exchange
-(:mod:`ckptio.restore.boxexchange`) -- each process reading through a counting
+(:mod:`ckptio.restoring.boxexchange`) -- each process reading through a counting
 backend wrapper. Cases: ``replicated`` (every process restores the
 replicated arrays whole) and ``columns`` (each restores a column block of
 the row-sharded matrix). Reported per case and mode: total storage bytes
@@ -96,7 +96,7 @@ def warm_up(default_group: bool = False) -> None:
     import importlib
 
     importlib.import_module("ckptio")
-    from ckptio.distributed import default_coordinator
+    from ckptio.coord.distributed import default_coordinator
 
     base = _reset_peak()
     coord: Any = default_coordinator()
@@ -133,7 +133,7 @@ def measured(run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
 def restore_counted(root: str, step: int | None, target: Any, read_once: bool | str) -> tuple[Any, dict[str, Any]]:
     """``ckptio.restore`` through a counting backend: the tree, storage bytes read, and
     :func:`measured`'s figures. ``read_once="exchange"``: by logical-box exchange
-    (:mod:`ckptio.restore.boxexchange`)."""
+    (:mod:`ckptio.restoring.boxexchange`)."""
     import ckptio
     from ckptio.backends import open_backend
     from ckptio.backends.wrappers import CountingBackend
@@ -148,7 +148,7 @@ def restore_counted(root: str, step: int | None, target: Any, read_once: bool | 
 def counted_sends() -> Iterator[list[int]]:
     """The bytes this process sends other processes in exchanges of ckptio's default coordinator
     meanwhile (``[n]``, filled on exit; 0 where it has no exchange)."""
-    from ckptio.distributed import default_coordinator
+    from ckptio.coord.distributed import default_coordinator
 
     coord: Any = default_coordinator()
     sent = [0]

@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckptio.bench.readonce import (COLS, ROWS, expected, launch, make_checkpoints, measured, print_rows,
-                                   stored_bytes, summary, worker_main)
+from ckptio.bench.readonce import (
+    COLS, ROWS, expected, launch, make_checkpoints, measured, print_rows, stored_bytes, summary, worker_main,
+)
 
 __all__ = ["dcp_columns", "dcp_replicated", "run_readonce_dcp"]
 

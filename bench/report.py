@@ -12,8 +12,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from . import train
-from .spec import FIGURES
+from ckptio.bench import train
+from ckptio.bench.spec import FIGURES
 
 __all__ = [
     "GOALS",

@@ -2,7 +2,7 @@
 
 One square float32 array of ``--size`` bytes is saved as 16 row blocks (data
 parallel) and, separately, as 16 column blocks (tensor parallel), once tiled
-(1 MiB tiles, ckptio.tiling: the default on shared storage -- GCS,
+(1 MiB tiles, ckptio.engine.tiling: the default on shared storage -- GCS,
 Parallelstore, Hyperdisk ML) and once in plain C order (``tile_bytes=0``: the
 default on a local disk). Each checkpoint is then restored cold as one block of
 each kind -- the same layout as saved, and the other one -- plus a column
@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.tiling import DEFAULT_TILE_BYTES
-
-from .report import print_table
-from .scale import _in_child
-from .system import PeakRSS, detect_cache_drop, drop_cache
+from ckptio.bench.report import print_table
+from ckptio.bench.simhost import in_child
+from ckptio.bench.system import PeakRSS, detect_cache_drop, drop_cache
+from ckptio.engine.tiling import DEFAULT_TILE_BYTES
 
 __all__ = ["render_reshard", "reshard_summary", "run_reshard"]
 
@@ -102,14 +101,14 @@ def run_reshard(size: int, parent: str | None = None, cache: str = "auto", round
     for layout, tile_bytes in (("tiled", DEFAULT_TILE_BYTES), ("C order", 0)):
         for saved in ("rows", "cols"):
             with tempfile.TemporaryDirectory(prefix="ckptio-reshard-", dir=parent) as root:
-                saved_s = _in_child(_save, root, n, saved, tile_bytes)["save_s"]
+                saved_s = in_child(_save, root, n, saved, tile_bytes)["save_s"]
                 asks = {"row block": _blocks(n, "rows")[5], "column block": _blocks(n, "cols")[5], "odd column block": odd}
                 # Rounds outermost: the disk's speed drifts by more than the differences measured
                 # here (two identical C-order reads differed 1.7x), so each round takes every ask once.
                 runs: dict[str, list[dict[str, Any]]] = {ask: [] for ask in asks}
                 for _ in range(rounds):
                     for ask, index in asks.items():
-                        runs[ask].append(_in_child(_restore, root, n, index, cache))
+                        runs[ask].append(in_child(_restore, root, n, index, cache))
                 same = statistics.median(r["restore_s"] for r in runs["row block" if saved == "rows" else "column block"])
                 for ask, got in runs.items():
                     median = statistics.median(r["restore_s"] for r in got)
@@ -126,15 +125,15 @@ def run_reshard(size: int, parent: str | None = None, cache: str = "auto", round
 def _n_to_2n(n: int, parent: str | None, cache: str, rounds: int) -> dict[str, Any]:
     """A job twice as large: the array saved as :data:`SMALL_BLOCKS` row blocks (C order, 4 MiB
     checksum blocks), one host restoring half of one of them. Each small shard is checksummed in
-    blocks of its own (``ckptio.layout.extent_block``), so this reads about what it needs (a whole
+    blocks of its own (``ckptio.engine.layout.extent_block``), so this reads about what it needs (a whole
     4 MiB block per half shard before)."""
     count = min(SMALL_BLOCKS, n)
     with tempfile.TemporaryDirectory(prefix="ckptio-reshard-", dir=parent) as root:
-        saved_s = _in_child(_save_small, root, n, count)["save_s"]
+        saved_s = in_child(_save_small, root, n, count)["save_s"]
         block = _blocks(n, "rows", count)[5]
         half = (slice(block[0].start, block[0].start + (block[0].stop - block[0].start) // 2), slice(None))
-        same = [_in_child(_restore, root, n, block, cache) for _ in range(rounds)]
-        got = [_in_child(_restore, root, n, half, cache) for _ in range(rounds)]
+        same = [in_child(_restore, root, n, block, cache) for _ in range(rounds)]
+        got = [in_child(_restore, root, n, half, cache) for _ in range(rounds)]
     median = statistics.median(r["restore_s"] for r in got)
     return {"layout": "C order", "saved": f"{count} row blocks", "restored": "half a row block (N -> 2N)",
             "save_s": saved_s, **got[0], "restore_s": median, "restore_runs_s": [r["restore_s"] for r in got],

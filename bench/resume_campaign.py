@@ -38,7 +38,7 @@ import numpy as np
 
 
 def _digest(tree: Any) -> str:
-    from ckptio.tree import flatten_named
+    from ckptio.state.tree import flatten_named
 
     h = hashlib.sha256()
     names, leaves, _ = flatten_named(tree)

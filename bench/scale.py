@@ -18,17 +18,15 @@ and 8 processes over gloo and jax.distributed.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import queue
-import resource
 import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
-from .scale_exchange import plan_exchange, render_rows
+from ckptio.bench.scale_exchange import plan_exchange, render_rows
+from ckptio.bench.simhost import counted_store, in_child, preload, rss_mb
 
 __all__ = ["run_scale"]
 
@@ -43,9 +41,9 @@ def host_record(hosts: int, shards: int, rank: int, step_dir: str = "1", cols: i
     import importlib
 
     from ckptio.engine import WrittenObject
-    from ckptio.layout import FlatNaming, Piece, extent_block, pack
+    from ckptio.engine.layout import FlatNaming, Piece, extent_block, pack
     from ckptio.manifest import host_record as _host_record
-    from ckptio.staging import StagedArray
+    from ckptio.state.leaves import StagedArray
 
     importlib.import_module("ml_dtypes")  # bfloat16 by name
     params = max(1, shards // len(KINDS))
@@ -86,8 +84,7 @@ def _host_files(root: str, hosts: int, shards: int, rank: int) -> dict[str, Any]
 
 def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
     from ckptio.engine import run_sync
-    from ckptio.manifest import build_root
-    from ckptio.manifest import Manifest, seal
+    from ckptio.manifest import Manifest, build_root, seal
     from ckptio.store import CheckpointStore
 
     with open(summaries_path) as f:
@@ -100,7 +97,7 @@ def _commit(root: str, summaries_path: str, hosts: int, out: Any) -> None:
     manifest = Manifest.from_json(data, root)
     store = CheckpointStore(root)
     run_sync(store.commit("1", manifest, data))
-    out.put({"commit_s": time.perf_counter() - t0, "commit_rss_mb": _rss_mb(), "root_bytes": len(data)})
+    out.put({"commit_s": time.perf_counter() - t0, "commit_rss_mb": rss_mb(), "root_bytes": len(data)})
 
 
 #: The topology changes a host's restore is planned for: name -> what it shows.
@@ -131,9 +128,9 @@ def _boxes(case: str, rank: int, hosts: int, name: str, shape: tuple[int, ...]) 
 
 
 def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
-    from ckptio import _gc
+    from ckptio.system import gcpause as _gc
 
-    # As ckptio.restore plans (ckptio.restore.step): with the cyclic collector held off for the
+    # As ckptio.restore plans (ckptio.restoring.step): with the cyclic collector held off for the
     # burst, whose full collections walking every request made were a third of this plan's CPU.
     with _gc.paused():
         _plan_paused(root, rank, hosts, case, out)
@@ -142,9 +139,9 @@ def _plan(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
 def _plan_paused(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.reshard import Region, plan_regions
+    from ckptio.restoring.reshard import Region, plan_regions
 
-    _preload()
+    preload()
     t0, c0 = time.perf_counter(), time.process_time()
     store, stored = counted_store(root)
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
@@ -158,7 +155,7 @@ def _plan_paused(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
         return
     m = run_sync(store.load_fragments(step_dir, root_m, boxes))
     t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
-    load_rss = _rss_mb()
+    load_rss = rss_mb()
     wants, needed = [], 0
     for name, [(off, shape)] in boxes.items():
         item = m.items[name]
@@ -167,18 +164,18 @@ def _plan_paused(root: str, rank: int, hosts: int, case: str, out: Any) -> None:
     reqs = plan_regions(wants, m.objects, m.block_size)  # every region at once, as restore.plan does
     out.put({"load_s": t_load, "plan_s": time.perf_counter() - t0 - t_load, "requests": len(reqs),
              "load_cpu_s": c_load, "plan_cpu_s": time.process_time() - c0 - c_load,
-             "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
+             "bytes_read": stored[0], "rss_mb": rss_mb(), "storage_read": sum(r.rng.length for r in reqs),
              "storage_needed": needed, "load_rss_mb": load_rss})
 
 
 def _streamed(store: Any, step_dir: str, root_m: Any, boxes: dict[str, list[Any]], stored: list[int],
               t0: float, c0: float) -> dict[str, Any] | None:
     """A host's load + plan as ``ckptio.restore`` does it where the fragments' metadata does not
-    fit its budget (:mod:`ckptio.restore.batches`): batch by batch, each batch's requests dropped
+    fit its budget (:mod:`ckptio.restoring.batches`): batch by batch, each batch's requests dropped
     (here unread: no data) before the next batch is loaded. None where the restore plans at once."""
-    from ckptio.restore import Selection
-    from ckptio.restore.batches import METADATA_BUDGET, Batched, fragment_cut
-    from ckptio.staging import Sharded
+    from ckptio.restoring import Selection
+    from ckptio.restoring.batches import METADATA_BUDGET, Batched, fragment_cut
+    from ckptio.state.leaves import Sharded
 
     wanted = {}
     for name, [(off, shape)] in boxes.items():
@@ -208,62 +205,8 @@ def _streamed(store: Any, step_dir: str, root_m: Any, boxes: dict[str, list[Any]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     needed = sum(r.dest.nbytes for _n, r in plan.regions)
     return {"load_s": load[0], "plan_s": wall - load[0], "requests": n_reqs, "load_cpu_s": load[1],
-            "plan_cpu_s": cpu - load[1], "bytes_read": stored[0], "rss_mb": _rss_mb(), "storage_read": read,
+            "plan_cpu_s": cpu - load[1], "bytes_read": stored[0], "rss_mb": rss_mb(), "storage_read": read,
             "storage_needed": needed, "load_rss_mb": None, "batches": n_batches}
-
-
-def _preload() -> None:
-    """Import what a training process has imported anyway before it restores: ml_dtypes (jax and
-    torch users have it; bfloat16 items need it), whose first import alone costs ~0.5-1.5 s
-    here and would otherwise be counted as "load"."""
-    import importlib
-
-    importlib.import_module("ml_dtypes")
-
-
-def counted_store(root: str) -> tuple[Any, list[int]]:
-    """A store of ``root`` and a one-element list counting the bytes it reads."""
-    from ckptio.store import CheckpointStore
-
-    store = CheckpointStore(root)
-    count = [0]
-    read_into = store.backend.read_into
-
-    # Counted where every read lands (whole-object reads are a stat + read_into in any wrapper,
-    # the store's deadline layer included): planning reads only manifests and fragments.
-    async def counting_read_into(key: str, rng: Any, buffers: Any) -> None:
-        await read_into(key, rng, buffers)
-        count[0] += rng.length
-
-    read_many = store.backend.read_many
-
-    async def counting_read_many(reads: Any) -> None:  # many small reads in one call, counted as one each
-        await read_many(reads)
-        count[0] += sum(rng.length for _key, rng, _buffers in reads)
-
-    store.backend.read_into = counting_read_into  # type: ignore[method-assign]
-    store.backend.read_many = counting_read_many  # type: ignore[method-assign]
-    return store, count
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _in_child(target: Any, *args: Any) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    while True:  # a child that dies (an exception, the OOM killer) must not leave us waiting
-        try:
-            res: dict[str, Any] = q.get(timeout=1)
-            break
-        except queue.Empty:
-            if not p.is_alive():
-                raise RuntimeError(f"the {target.__name__} simulation died (exit {p.exitcode}); see its traceback above")
-    p.join()
-    return res
 
 
 def run_scale(hosts: int, shards: int, parent: str | None = None) -> dict[str, Any]:
@@ -282,15 +225,15 @@ def run_scale(hosts: int, shards: int, parent: str | None = None) -> dict[str, A
                                "summary_bytes_per_host": int(np.mean(sizes)),
                                "gathered_bytes_at_coordinator": sum(sizes),
                                "received_per_non_coordinator": len(json.dumps(VERDICT))}
-        res.update(_in_child(_commit, root, path, hosts))
+        res.update(in_child(_commit, root, path, hosts))
         frag_dir = os.path.join(root, "1")
         frags = [os.path.getsize(os.path.join(frag_dir, n)) for n in os.listdir(frag_dir) if "fragment" in n]
         res["fragment_bytes_mean"] = int(np.mean(frags))
         rank = hosts // 2
         for case in CASES:
-            got = _in_child(_plan, root, rank, hosts, case)
+            got = in_child(_plan, root, rank, hosts, case)
             res.update({f"{case}_{k}": v for k, v in got.items() if v is not None})
-            got = _in_child(plan_exchange, root, hosts, case)
+            got = in_child(plan_exchange, root, hosts, case)
             res.update({f"x_{case}_{k}": v for k, v in got.items() if v is not None})
         return res
 

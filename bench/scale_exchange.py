@@ -2,7 +2,7 @@
 
 Beside :mod:`bench.scale`'s plain restore (each host reads the fragments its
 target meets and the stored bytes it needs), this plans the same topology
-changes as :mod:`ckptio.restore.boxroute` does: the host reads the root and
+changes as :mod:`ckptio.restoring.boxroute` does: the host reads the root and
 the fragments it is responsible for, intersects their shards with every
 host's target boxes (a :class:`TargetTable` per array layout, built on the
 host, nothing gathered), plans the verified reads of the stored bytes it
@@ -38,7 +38,7 @@ def _new_job(case: str, hosts: int) -> tuple[int, int]:
 def targets_of(case: str, hosts: int, items: dict[str, Any]) -> dict[str, Any]:
     """Every host's target tables in ``case`` (as :func:`bench.scale._boxes` gives one host's),
     one table per array shape, shared."""
-    from ckptio.restore.boxroute import TargetTable
+    from ckptio.restoring.boxroute import TargetTable
 
     new, _rank = _new_job(case, hosts)
     made: dict[tuple[int, ...], TargetTable] = {}
@@ -54,7 +54,7 @@ def targets_of(case: str, hosts: int, items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(case: str, new: int, shape: tuple[int, ...]) -> Any:
-    from ckptio.restore.boxroute import TargetTable
+    from ckptio.restoring.boxroute import TargetTable
 
     rows, cols = shape
     h = np.arange(new, dtype=np.int64)
@@ -71,15 +71,14 @@ def _table(case: str, new: int, shape: tuple[int, ...]) -> Any:
 
 def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     """One host's exchange planning in ``case`` (run in a fresh process by :mod:`bench.scale`)."""
+    from ckptio.bench.simhost import counted_store, preload, rss_mb
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.reshard import Region, plan_regions
-    from ckptio.restore.boxroute import apart, incoming, outgoing, responsible
-
-    from .scale import _preload, _rss_mb, counted_store
+    from ckptio.restoring.boxroute import apart, incoming, outgoing, responsible
+    from ckptio.restoring.reshard import Region, plan_regions
 
     new, rank = _new_job(case, hosts)
-    _preload()
+    preload()
     t0, c0 = time.perf_counter(), time.process_time()
     store, meta = counted_store(root)
     step_dir, root_m = run_sync(store.resolve_manifest(1, shards=False))
@@ -116,7 +115,7 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
     needed = sum(int(np.prod(s)) * root_m.items[n].dtype.itemsize for n, tt in every.items()
                  for _o, s in tt.of_host(rank))
     out.put({"load_s": t_load, "plan_s": t_plan, "send_plan_s": t_send, "load_cpu_s": c_load, "plan_cpu_s": c_plan,
-             "bytes_read": meta[0], "rss_mb": _rss_mb(), "fragments": len(mine), "requests": len(reqs),
+             "bytes_read": meta[0], "rss_mb": rss_mb(), "fragments": len(mine), "requests": len(reqs),
              "storage_read": sum(r.rng.length for r in reqs), "sent": sent_bytes, "pieces_out": pieces_out,
              "pieces_in": sum(len(p) for p in gets.values()), "received": received, "storage_needed": needed,
              "hosts_new": new, "job_read": _job_read(root_m, every), "own": len(own), "sent_arrays": len(targets)})
@@ -125,7 +124,7 @@ def plan_exchange(root: str, hosts: int, case: str, out: Any) -> None:
 def _job_read(root_m: Any, targets: dict[str, Any]) -> int:
     """Stored bytes the whole job reads with the exchange: per stored shard some target meets, the
     bounding box of what the targets need of it (from the root's locators)."""
-    from ckptio.restore.boxroute import meet
+    from ckptio.restoring.boxroute import meet
 
     total = 0
     done: dict[tuple[int, int], int] = {}

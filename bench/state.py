@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import StateSpec
+from ckptio.bench.spec import StateSpec
 
 __all__ = ["array_names", "describe", "generate", "rank_subset", "state_nbytes", "to_jax", "to_numpy", "to_torch", "verify"]
 

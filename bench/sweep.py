@@ -21,9 +21,9 @@ import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from .cases import Case
-from .report import fmt_cell, fmt_num, print_table
-from .spec import StateSpec, format_bytes
+from ckptio.bench.cases import Case
+from ckptio.bench.report import fmt_cell, fmt_num, print_table
+from ckptio.bench.spec import StateSpec, format_bytes
 
 __all__ = ["plan_sweep", "render_sweep", "run_sweep"]
 

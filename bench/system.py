@@ -260,7 +260,7 @@ def _thp_policy(name: str) -> str | None:
 
 
 def _gil_switch_s() -> float | str | None:
-    from ckptio import gilswitch
+    from ckptio.engine import gilswitch
 
     try:
         return gilswitch.interval_for(None)
@@ -281,11 +281,11 @@ def environment(target_dir: str | None) -> dict[str, Any]:
         },
     }
     # What ckptio's own environment variables set (the writer, the switch interval, ...), and the
-    # switch interval a save runs under with them (ckptio.gilswitch): both move the --train figures.
+    # switch interval a save runs under with them (ckptio.engine.gilswitch): both move the --train figures.
     info["ckptio_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("CKPTIO_")}
     info["gil_switch_s"] = _gil_switch_s()
     # The writer process's shared-memory slabs get huge pages only where the shmem policy allows
-    # (ckptio.shm): its O_DIRECT requests, and so a JAX save's speed, depend on it.
+    # (ckptio.saving.writers.shm): its O_DIRECT requests, and so a JAX save's speed, depend on it.
     info["transparent_hugepage"] = {k: _thp_policy(k) for k in ("enabled", "shmem_enabled")}
     try:
         import psutil

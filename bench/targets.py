@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from .system import detect_cache_drop
+from ckptio.bench.system import detect_cache_drop
 
 __all__ = ["GCSTarget", "LocalTarget", "Target", "open_target"]
 
@@ -129,7 +129,7 @@ class GCSTarget(Target):
             if self.emulated:
                 _create_bucket(self.endpoint, bucket)
         else:
-            from .fakegcs import binary_path
+            from ckptio.bench.fakegcs import binary_path
 
             if binary_path() is None:
                 raise ValueError(
@@ -158,7 +158,7 @@ class GCSTarget(Target):
         return f"gs://{self.bucket}/{self.prefix}/{case}-{next(self._n)}"
 
     def _start_server(self) -> None:
-        from .fakegcs import FakeGCS
+        from ckptio.bench.fakegcs import FakeGCS
 
         self._stop_server()
         self._server = FakeGCS(backend=self.fake_backend).start()  # filesystem: its own temp dir

@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from ckptio.backends.budget import RequestRate
-
-from .ratelimit import RateLimitProxy
-from .threadhosts import on_hosts
+from ckptio.bench.ratelimit import RateLimitProxy
+from ckptio.bench.threadhosts import on_hosts
 
 __all__ = ["BODIES", "Phase", "ThrottledRun", "main_rate_limit", "run_throttled", "thread_hosts"]
 
@@ -163,7 +162,7 @@ def _phase(name: str, proxy: RateLimitProxy, run: HostRunner, kwargs: dict[str, 
 
 
 #: What a host imports on its first save or restore (with aiohttp): the parent imports it before forking.
-_HOST_MODULES = ("ckptio.backends.gcs", "ckptio.manager")
+_HOST_MODULES = ("ckptio.backends.gcs", "ckptio.manage.manager")
 
 
 def main_rate_limit(limit: float, hosts: int, budget: str, *, processes: bool = False,
@@ -180,7 +179,7 @@ def main_rate_limit(limit: float, hosts: int, budget: str, *, processes: bool = 
         if processes:
             import importlib
 
-            from .hostprocs import HostProcesses
+            from ckptio.bench.hostprocs import HostProcesses
 
             for name in _HOST_MODULES:  # imported once, shared copy-on-write by the forked hosts
                 importlib.import_module(name)
@@ -199,7 +198,7 @@ def _serve_and_run(limit: float, hosts: int, budget: float | None, procs: Any) -
     import os
     import uuid
 
-    from .fakegcs import FakeGCS
+    from ckptio.bench.fakegcs import FakeGCS
 
     server = FakeGCS().start()
     saved = os.environ.get("STORAGE_EMULATOR_HOST")

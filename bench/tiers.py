@@ -129,7 +129,7 @@ def _launch(hosts: int, mode: str, root: str, durable_url: str, mib: int, repeat
 def run_tiers(hosts: int = 2, mib: int = 256, repeat: int = 3, parent: str | None = None,
               timeout: float = 900.0) -> dict[str, Any]:
     """Measure the tiers' restore and whole-restart times (see the module docstring)."""
-    from .fakegcs import FakeGCS, binary_path
+    from ckptio.bench.fakegcs import FakeGCS, binary_path
 
     if not 2 <= hosts <= 4:
         raise ValueError(f"--tiers runs 2 to 4 processes, not {hosts}")
@@ -190,7 +190,8 @@ def _main() -> int:
         _worker(args)
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench.tiers import render_tiers as render, run_tiers as run
+    from bench.tiers import render_tiers as render
+    from bench.tiers import run_tiers as run
 
     res = run(args.hosts, args.mib, args.repeat)
     print(render(res))

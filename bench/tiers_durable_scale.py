@@ -26,7 +26,8 @@ import shutil
 import time
 from typing import Any
 
-from .tiers_scale import NEWEST, SimGroup, _objects_of, _rss_mb
+from ckptio.bench.simhost import rss_mb
+from ckptio.bench.tiers_sim import NEWEST, SimGroup, objects_of
 
 __all__ = ["durable_side", "peer_side", "prepare_durable"]
 
@@ -60,7 +61,7 @@ def prepare_durable(root: str, records_path: str, hosts: int) -> None:
     with open(records_path) as f:  # one pass: each record is one host's line
         for r, line in enumerate(f):
             if 0 < r < hosts:
-                _objects_of(durable, json.loads(line))
+                objects_of(durable, json.loads(line))
     step = os.path.join(fast0, str(NEWEST))
     os.makedirs(os.path.join(durable, str(NEWEST)), exist_ok=True)
     for name in os.listdir(step):
@@ -71,8 +72,8 @@ def prepare_durable(root: str, records_path: str, hosts: int) -> None:
 def durable_side(root: str, hosts: int, out: Any) -> None:
     """Host 0's durable round of step NEWEST (see the module's docstring)."""
     import ckptio.tiers.durable as durable_mod
-    from ckptio.copy import CopyStats
     from ckptio.engine import run_sync
+    from ckptio.manage.copying import CopyStats
     from ckptio.store import CheckpointStore
     from ckptio.tiers import TierPolicy
 
@@ -98,7 +99,7 @@ def durable_side(root: str, hosts: int, out: Any) -> None:
     durable_mod.durable_round(sim, fast, durable, NEWEST, TierPolicy())
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     step = os.path.join(root, "durable", str(NEWEST))
-    out.put({"wall_s": wall, "cpu_s": cpu, "rss_mb": _rss_mb(), "received": sim.received,
+    out.put({"wall_s": wall, "cpu_s": cpu, "rss_mb": rss_mb(), "received": sim.received,
              "to_host": sum(len(b) for b in sim.broadcasts), "sent": sim.sent,
              "manifest_bytes": os.path.getsize(os.path.join(step, "ckptio.manifest.json")),
              "format": 2 if not run_sync(durable.read_manifest(str(NEWEST), shards=False)).complete else 1})
@@ -120,5 +121,5 @@ def peer_side(root: str, out: Any) -> None:
         sent = len(json.dumps(head)) + sum(len(run_sync(fast.io.read(f.key))) for f in m.fragments or [])
     else:  # the whole manifest, once
         sent = len(json.dumps({"record": mine.to_json().decode(), "manifest": m.to_json().decode()}))
-    out.put({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "rss_mb": _rss_mb(),
+    out.put({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "rss_mb": rss_mb(),
              "sent": sent})

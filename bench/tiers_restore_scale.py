@@ -17,7 +17,8 @@ import os
 import time
 from typing import Any
 
-from .tiers_scale import COLS, NEWEST, SimGroup, _rss_mb
+from ckptio.bench.simhost import rss_mb
+from ckptio.bench.tiers_sim import COLS, NEWEST, SimGroup
 
 __all__ = ["restore_side"]
 
@@ -50,7 +51,7 @@ def _target(items: dict[str, Any], rank: int) -> dict[str, Any]:
     buffers: the plan allocates)."""
     import importlib
 
-    from ckptio.staging import Sharded
+    from ckptio.state.leaves import Sharded
 
     importlib.import_module("ml_dtypes")  # bfloat16 by name
     tree: dict[str, Any] = {}
@@ -68,7 +69,7 @@ def restore_side(root: str, hosts: int, rank: int, replay_path: str, out: Any) -
     import ckptio.tiers.restore as tr
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.restore.plan import select
+    from ckptio.restoring.plan import select
     from ckptio.store import CheckpointStore
     from ckptio.tiers.peer import RoutedBackend
     from ckptio.tiers.policy import RestorePlan
@@ -92,7 +93,7 @@ def restore_side(root: str, hosts: int, rank: int, replay_path: str, out: Any) -
     store = CheckpointStore(routed.url, backend=routed, host_local=True)
     fresh = CheckpointStore(fast.url, host_local=True)  # nothing cached from the read above
     t = tr.HostTiers(sim, fresh, fresh, None)  # type: ignore[arg-type]
-    rss0 = _rss_mb()
+    rss0 = rss_mb()
     c0, t0 = time.process_time(), time.perf_counter()
     holding = lambda w: fresh  # noqa: E731 -- host 0's own fast tier holds host 0's part
     if hasattr(tr, "manifest_for"):  # this tree: the root, then the fragments this host's target needs
@@ -105,5 +106,5 @@ def restore_side(root: str, hosts: int, rank: int, replay_path: str, out: Any) -
     if rank == 0:
         with open(replay_path, "w") as f:
             json.dump({"cid": cid, "items": items, "replay": [b.hex() for b in sim.broadcasts]}, f)
-    out.put({"cpu_s": cpu, "wall_s": wall, "received": sim.received, "sent": sim.sent, "rss_mb": _rss_mb(),
+    out.put({"cpu_s": cpu, "wall_s": wall, "received": sim.received, "sent": sim.sent, "rss_mb": rss_mb(),
              "rss0_mb": rss0, "shards_at_hand": len(loaded.items[first].shards), "objects": len(loaded.objects)})

@@ -31,115 +31,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .scale import _in_child, host_record
+from ckptio.bench.scale import host_record
+from ckptio.bench.simhost import in_child, rss_mb
+from ckptio.bench.tiers_sim import COLS, DURABLE_STEP, NEWEST, OLDER, SimGroup, objects_of
 
 __all__ = ["SimGroup", "parse_tiers_scale", "render_tiers_scale", "run_tiers_scale"]
 
-#: The two newest steps every surviving host holds; the lost host's shards of NEWEST are on its partner.
-OLDER, NEWEST, DURABLE_STEP = 9, 10, 8
-#: Columns of every array (bench/scale.py's state, narrower: the records' size is in the shards, not the bytes).
-COLS = 1024
 #: The restarts planned: replicas of the newest step (it is restored), or of the one before (the newest
 #: lacks the lost host's shards: the plan falls back one step).
 RESTARTS = {"restart": False, "behind": True}
 RESTART_TITLES = {"restart": "replicas of the newest step:", "behind": "replicas one step behind (falls back one):"}
-
-
-def _rss_mb() -> float:
-    """This process's own peak RSS (VmHWM: its memory's, which starts afresh at exec; ``ru_maxrss`` would
-    carry the launching process's peak into a spawned child)."""
-    import resource
-
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class SimGroup:
-    """Host ``rank`` of a job of ``size`` hosts; the others are played from ``others`` and ``replay``.
-
-    ``others[r]`` is what host ``r`` contributes to a gather or all-gather; ``replay`` holds, in order,
-    what the coordinator broadcast in its own run (a non-coordinator receives them); on the coordinator,
-    :attr:`broadcasts` records them. :attr:`received` counts the bytes this host receives (JSON, as
-    the real groups send them; framing not counted), :attr:`sent` what it sends.
-    """
-
-    def __init__(self, rank: int, size: int, others: Sequence[Any], replay: Sequence[bytes] = ()) -> None:
-        self.rank, self.size = rank, size
-        self._others = others
-        self._replay = list(replay)
-        self.broadcasts: list[bytes] = []
-        self.received = 0
-        self.sent = 0
-
-    def _everyone(self, obj: Any) -> list[Any]:
-        out = []
-        for r in range(self.size):
-            if r == self.rank:
-                out.append(json.loads(json.dumps(obj)))
-            else:
-                data = json.dumps(self._others[r])
-                self.received += len(data)
-                out.append(json.loads(data))
-        return out
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        self.sent += len(json.dumps(obj)) * (self.size - 1)
-        return self._everyone(obj)
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        if self.rank != 0:
-            self.sent += len(json.dumps(obj))
-            return None
-        return self._everyone(obj)
-
-    def broadcast(self, obj: Any) -> Any:
-        return json.loads(self.broadcast_bytes(json.dumps(obj).encode() if self.rank == 0 else None, 0))
-
-    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
-        if src != 0:
-            raise NotImplementedError("the simulation replays the coordinator's broadcasts only")
-        if self.rank == 0:
-            if data is None:
-                raise ValueError("broadcast_bytes: the source host has no data")
-            self.broadcasts.append(bytes(data))
-            self.sent += len(data) * (self.size - 1)
-            return bytes(data)
-        got = self._replay.pop(0)
-        self.received += len(got)
-        return got
-
-    #: The host whose messages from the coordinator the coordinator's run records for replay.
-    WATCHED = 1
-
-    def exchange(self, sends: dict[int, list[memoryview]], sizes: dict[int, list[int]] | None = None
-                 ) -> dict[int, bytearray]:
-        """Host-to-host messages: only those from the coordinator are played (what the fast tier's commit
-        sends); the coordinator records its message to :attr:`WATCHED` for that host's replay."""
-        if self.rank == 0:
-            for dst, bufs in sends.items():
-                data = b"".join(bytes(b) for b in bufs)
-                if dst != 0:
-                    self.sent += len(data)
-                if dst == self.WATCHED and data:
-                    self.broadcasts.append(data)
-            return {0: bytearray(b"".join(bytes(b) for b in sends[0]))} if sends.get(0) else {}
-        if sizes is None or set(sizes) - {0} or sends:
-            raise NotImplementedError("the simulation plays only messages from the coordinator, of known sizes")
-        if not sizes.get(0) or not sum(sizes[0]):
-            return {}
-        got = self._replay.pop(0)
-        assert len(got) == sum(sizes[0]), (len(got), sizes)
-        self.received += len(got)
-        return {0: bytearray(got)}
-
-    def transfer(self, messages: Any, provide: Any, deliver: Any) -> None:
-        raise NotImplementedError("the simulation moves no bytes between hosts")
 
 
 # -- save: the fast tier's commit ----------------------------------------------------------------------------
@@ -173,12 +74,12 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     """Host ``rank``'s side of one fast-tier save after its writes: the verdict (+ commit), ``_after_save``.
 
     What each host sends the gather is what a save by many hosts to a host-local store sends
-    (``ckptio.carried``: its summary and its sealed fragment), read from ``<records_path>.gather``."""
-    from ckptio.carried import own_part
-    from ckptio.collective import collective_verdict
+    (``ckptio.saving.carried_fragments``: its summary and its sealed fragment), read from ``<records_path>.gather``."""
+    from ckptio.coord.collective import collective_verdict
     from ckptio.manifest.builder import expanded
-    from ckptio.save import SaveJob
-    from ckptio.states import SaveState
+    from ckptio.saving.carried_fragments import own_part
+    from ckptio.saving.job import SaveJob
+    from ckptio.saving.savestate import SaveState
     from ckptio.store.intents import Lease
 
     with open(records_path + ".gather") as f:
@@ -198,7 +99,7 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
                 "tree": {"dict": {m: {"leaf": m} for m in record["items"]}}, "metadata": {}}
     job.lease = Lease(mngr.fast, step_dir, job.save_id, rank).start()
     job.handle.part = own_part(expanded(record), 4 << 20)
-    _objects_of(mngr.fast.url, record)  # the part's commit checks its objects are there (no data)
+    objects_of(mngr.fast.url, record)  # the part's commit checks its objects are there (no data)
     t0 = time.perf_counter()
     verdict = collective_verdict(sim, gathered[rank], job.commit if rank == 0 else None)
     assert verdict.ok, verdict.error
@@ -225,29 +126,15 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     manifest_bytes = sum(os.path.getsize(os.path.join(dp, n)) for dp, _d, ns in os.walk(root) for n in ns
                          if n.startswith("ckptio.manifest") and dp.startswith(os.path.join(root, f"fast{rank}")))
     out.put({"commit_s": t_commit, "save_s": t_all, "holdings_s": t_held, "received": sim.received, "sent": sim.sent,
-             "rss_mb": _rss_mb(), "manifest_bytes": manifest_bytes})
+             "rss_mb": rss_mb(), "manifest_bytes": manifest_bytes})
 
 
 def _sent(record: dict[str, Any], rank: int) -> dict[str, Any]:
-    """What host ``rank`` sends the save's gather (``ckptio.carried``): its summary and sealed fragment."""
-    from ckptio.carried import carried_summary
+    """What host ``rank`` sends the save's gather (``ckptio.saving.carried_fragments``): its summary and sealed fragment."""
     from ckptio.manifest.builder import expanded
+    from ckptio.saving.carried_fragments import carried_summary
 
     return {"ok": True, **carried_summary(expanded(record), str(NEWEST), NEWEST, f"{rank:012x}", rank)}
-
-
-def _objects_of(root: str, record: dict[str, Any]) -> None:
-    """Host ``record``'s objects in its fast tier at ``root``, sparse files of the bytes its extents need."""
-    need = [0] * len(record["objects"])
-    for item in record["items"].values():
-        for shard in item.get("shards") or ():
-            for obj, offset, _shard_offset, length, *_crcs in shard["extents"]:  # manifest.extent_json's rows
-                need[obj] = max(need[obj], offset + length)
-    for key, n in zip(record["objects"], need):
-        path = os.path.join(root, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.truncate(n)
 
 
 # -- restart: the plan after a host loss ----------------------------------------------------------------------
@@ -291,7 +178,7 @@ def _plan_side(hosts: int, rank: int, behind: bool, replay_path: str, out: Any) 
     mine = [Holding.from_json(h) for h in recs[rank]["holdings"]]
     tr.holdings = lambda fast, replica, r: list(mine)  # type: ignore[assignment,attr-defined]  (IO stubbed)
     t = tr.HostTiers(sim, None, None, _Durable())  # type: ignore[arg-type]
-    rss0 = _rss_mb()
+    rss0 = rss_mb()
     t0 = time.perf_counter()
     plan, _ = tr._agree_on_plan(t, None, TIERS)
     dt = time.perf_counter() - t0
@@ -308,7 +195,7 @@ def _plan_side(hosts: int, rank: int, behind: bool, replay_path: str, out: Any) 
         with open(replay_path, "w") as f:
             json.dump([b.hex() for b in sim.broadcasts], f)
     out.put({"plan_s": dt, "sources_s": t_sources, "received": sim.received, "sent": sim.sent,
-             "rss_mb": _rss_mb(), "rss0_mb": rss0})
+             "rss_mb": rss_mb(), "rss0_mb": rss0})
 
 
 # -- the driver ---------------------------------------------------------------------------------------------
@@ -334,8 +221,8 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
                 json.dump(gathered, f)
             sizes = [len(json.dumps(g)) for g in gathered]
             del gathered
-            coord = _in_child(_save_side, root, path, hosts, 0, replay)
-            other = _in_child(_save_side, root, path, hosts, min(1, hosts - 1), replay) if hosts > 1 else coord
+            coord = in_child(_save_side, root, path, hosts, 0, replay)
+            other = in_child(_save_side, root, path, hosts, min(1, hosts - 1), replay) if hosts > 1 else coord
             res.update({
                 "manifest_bytes": coord["manifest_bytes"], "gathered_at_coordinator": sum(sizes[1:]),
                 "save_commit_s": coord["commit_s"], "save_coordinator_s": coord["save_s"],
@@ -344,21 +231,21 @@ def run_tiers_scale(hosts: int, shards: int = 16, parent: str | None = None, sav
                 "holdings_scan_s": other["holdings_s"],
                 "save_total": sum(sizes[1:]) + other["received"] * (hosts - 1),
             })
-            from .tiers_restore_scale import restore_side
+            from ckptio.bench.tiers_restore_scale import restore_side
 
             for who, rank in (("coordinator", 0), ("host", 1)):
-                got = _in_child(restore_side, root, hosts, rank, f"{replay}.restore")
+                got = in_child(restore_side, root, hosts, rank, f"{replay}.restore")
                 res.update({f"restore_{who}_{k}": v for k, v in got.items()})
-            from .tiers_durable_scale import durable_side, peer_side, prepare_durable
+            from ckptio.bench.tiers_durable_scale import durable_side, peer_side, prepare_durable
 
-            res.update({f"peer_{k}": v for k, v in _in_child(peer_side, root).items()})
+            res.update({f"peer_{k}": v for k, v in in_child(peer_side, root).items()})
             prepare_durable(root, path, hosts)
-            res.update({f"durable_{k}": v for k, v in _in_child(durable_side, root, hosts).items()})
+            res.update({f"durable_{k}": v for k, v in in_child(durable_side, root, hosts).items()})
         lost = hosts // 2
         for case in restarts:
             behind = RESTARTS[case]
             for who, rank in (("coordinator", 0), ("lost", lost), ("host", (lost + 1) % hosts)):
-                got = _in_child(_plan_side, hosts, rank, behind, f"{replay}.{case}")
+                got = in_child(_plan_side, hosts, rank, behind, f"{replay}.{case}")
                 res.update({f"{case}_{who}_{k}": v for k, v in got.items()})
     return res
 

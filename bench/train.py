@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .pinning import Cores, training_core
+from ckptio.bench.pinning import Cores, training_core
 
 __all__ = ["during", "idle", "lost_s", "slowdown", "slowdown_on_core", "step", "windowed"]
 

@@ -24,11 +24,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import cpu, pinning, train
-from . import state as state_mod
-from .cases import Case, CaseContext, get_case
-from .spec import Job
-from .system import PeakRSS, current_rss, drop_cache, equalize_memory, resident_fraction
+from ckptio.bench import cpu, pinning, train
+from ckptio.bench import state as state_mod
+from ckptio.bench.cases import Case, CaseContext, get_case
+from ckptio.bench.spec import Job
+from ckptio.bench.system import PeakRSS, current_rss, drop_cache, equalize_memory, resident_fraction
 
 __all__ = ["EVENT_PREFIX", "main", "run"]
 

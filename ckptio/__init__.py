@@ -8,27 +8,21 @@
 
 from __future__ import annotations
 
-import sys as _sys
-
-from .api import restore, save
-from .engine import EngineConfig, Progress
-from .errors import (
-    CheckpointNotFoundError,
-    CkptioError,
-    IntegrityError,
-    ManifestError,
-    SaveFailedError,
-    StepBusyError,
+from ckptio.api import restore, save
+from ckptio.coord.waits import CollectiveTimeout
+from ckptio.engine import EngineConfig, Progress
+from ckptio.engine.layout import FanoutNaming, FlatNaming, HashedNaming, Naming
+from ckptio.errors import (
+    CheckpointNotFoundError, CkptioError, IntegrityError, ManifestError, SaveFailedError, StepBusyError,
     UnsupportedLeafError,
 )
-from .layout import FanoutNaming, FlatNaming, HashedNaming, Naming
-from .manager import CheckpointManager
-from .perhost import PerHost
-from .save import SaveHandle
-from .staging import Sharded, StagingPool
-from .states import SaveState
-from .targets import restore_target
-from .waits import CollectiveTimeout
+from ckptio.manage.manager import CheckpointManager
+from ckptio.restoring.from_state import restore_target
+from ckptio.saving.job import SaveHandle
+from ckptio.saving.savestate import SaveState
+from ckptio.state.leaves import Sharded
+from ckptio.state.perhost import PerHost
+from ckptio.system.bufferpool import StagingPool
 
 __all__ = [
     "CheckpointManager",
@@ -60,29 +54,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def _carry_submodules(fn: object, package: str) -> None:
-    """Gives the function ``fn``, bound here under the name of the subpackage ``package``, each of
-    that package's submodule names as the package holds it.
-
-    ``import ckptio.restore.batches as B`` looks ``batches`` up on the attribute ``ckptio.restore``,
-    the function that shadows the subpackage: without these it fails ("cannot import name
-    'batches' from 'restore'"). The public function keeps its name and its type; what the import
-    now finds is what it would find on the package itself. Every submodule is loaded by then
-    (tests/test_user_surface.py holds each to it)."""
-    pkg, prefix = _sys.modules[package], package + "."
-    for name in [m[len(prefix) :] for m in _sys.modules if m.startswith(prefix)]:
-        if "." not in name:
-            setattr(fn, name, getattr(pkg, name))
-
-
-_carry_submodules(restore, __name__ + ".restore")
-
-
 def zarr_store(url: str, step: int | None = None, **options: object) -> object:
     """A read-only zarr v3 store over a committed checkpoint (needs the ``zarr`` extra).
 
-    See :mod:`ckptio.zarr_view`.
+    See :mod:`ckptio.convert.zarr_view`.
     """
-    from .zarr_view import zarr_store as _zarr_store
+    from ckptio.convert.zarr_view import zarr_store as _zarr_store
 
     return _zarr_store(url, step, **options)

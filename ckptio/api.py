@@ -6,17 +6,15 @@ import os
 from typing import Any
 
 from ckptio.backends import Backend
-
-from .distributed import Coordinator, config_for_host, default_coordinator
-from .engine import EngineConfig, Progress, run_sync
-from .layout import Naming
-from .progress import progress_callback
-from .restore import restore_step
-from .save import SaveHandle, start_save
-from .staging import StagingPool
-from .stagingpool import process_pool
-from .store import CheckpointStore, StoreOptions
-from .urls import file_in_the_way
+from ckptio.coord.distributed import Coordinator, config_for_host, default_coordinator
+from ckptio.engine import EngineConfig, Progress, run_sync
+from ckptio.engine.layout import Naming
+from ckptio.engine.progressbar import progress_callback
+from ckptio.restoring import restore_step
+from ckptio.saving.job import SaveHandle, start_save
+from ckptio.store import CheckpointStore, StoreOptions
+from ckptio.store.urls import file_in_the_way
+from ckptio.system.bufferpool import StagingPool, process_pool
 
 __all__ = ["restore", "save"]
 
@@ -36,7 +34,7 @@ def save(
     pool: StagingPool | None = None,
     backend: Backend | None = None,
 ) -> SaveHandle:
-    """Save ``state`` (a pytree: see :mod:`ckptio.tree`) as step ``step`` under ``url``.
+    """Save ``state`` (a pytree: see :mod:`ckptio.state.tree`) as step ``step`` under ``url``.
 
     Returns once the state is staged (the training step may go on and mutate
     its arrays); ``.result()`` waits until every host's objects are written
@@ -51,7 +49,7 @@ def save(
     ``progress=True`` shows a tqdm bar of the bytes written; a callable
     ``(event, nbytes)`` is called as bytes go out (``event``: ``"written"``).
     ``pool``: the host buffers the state is staged into, kept for the next save; without one,
-    a save staged in this process uses :func:`ckptio.stagingpool.process_pool` (at most 1 GiB
+    a save staged in this process uses :func:`ckptio.system.bufferpool.process_pool` (at most 1 GiB
     kept between saves; the writer process keeps its own).
     """
     problem = file_in_the_way(url) if backend is None else None
@@ -102,9 +100,9 @@ def restore(
     ``read_once=True`` (a multi-process job; every process passes it; ``"exchange"`` is the
     same): each stored byte some process needs is read from storage by one process and sent to
     the others that need it over ``coordinator`` (default: torch.distributed's or
-    jax.distributed's, see :func:`ckptio.distributed.default_coordinator`), by logical-box
+    jax.distributed's, see :func:`ckptio.coord.distributed.default_coordinator`), by logical-box
     exchange (each process reads the manifest's root and the fragments it sends from;
-    :mod:`ckptio.restore.boxexchange`); arrays no two processes share (same layout, fewer or
+    :mod:`ckptio.restoring.boxexchange`); arrays no two processes share (same layout, fewer or
     more processes along the rows) each process reads itself. Every byte is verified against
     its checksum by the process that reads it. With a coordinator that cannot exchange bytes,
     every process reads what it needs.

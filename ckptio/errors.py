@@ -47,7 +47,7 @@ class SaveFailedError(CkptioError):
 
 
 class SaveRevokedError(SaveFailedError):
-    """A save stalled past its lease and a deleter revoked it: it rolled its commit back (ckptio.fence)."""
+    """A save stalled past its lease and a deleter revoked it: it rolled its commit back (ckptio.store.fence)."""
 
 
 class UnconfirmedCommitError(CheckpointNotFoundError):

@@ -15,9 +15,9 @@ def main(root: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     import ckptio
-    from ckptio.distributed import SingleProcess
+    from ckptio.coord.distributed import SingleProcess
     from ckptio.engine import run_sync
-    from ckptio.restore import boxexchange
+    from ckptio.restoring import boxexchange
     from ckptio.store import CheckpointStore
 
     full = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)

@@ -13,21 +13,20 @@ usage: collective_wait_worker.py save|pick|outcome|readonce ROOT [torch|jax]
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
-import os
-
 import numpy as np
 
 import ckptio
-from ckptio.restore import boxexchange
-from ckptio.restore import step as restore_step
 from ckptio.backends.deadline import Deadlines
-from ckptio.save import SaveJob
+from ckptio.coord.waits import CollectiveTimeout
+from ckptio.restoring import boxexchange
+from ckptio.restoring import step as restore_step
+from ckptio.saving.job import SaveJob
 from ckptio.store import CheckpointStore
-from ckptio.waits import CollectiveTimeout
 
 SHAPE = (8, 64)
 DEADLINE_S = 4.0

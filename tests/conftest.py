@@ -5,7 +5,6 @@ from __future__ import annotations
 # ============================================================================
 # GCS: fake-gcs-server fixtures (owner: the GCS backend; see tests/fake_gcs.py)
 # ============================================================================
-
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,14 +108,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # ============================ end of the disk block ============================
 
 # ============================================================================
-# The writer process: what the trainer sends it (owner: ckptio.sidecar*, ckptio.remoteread)
+# The writer process: what the trainer sends it (owner: ckptio.saving.writers.sidecar*, ckptio.saving.writers.remoteread)
 # ============================================================================
 
 
 @pytest.fixture
 def described(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """Every extent the writer process is sent (:meth:`ckptio.sidecar_export.Export.describe`'s rows)."""
-    from ckptio.sidecar_export import Export
+    """Every extent the writer process is sent (:meth:`ckptio.saving.writers.sidecar_export.Export.describe`'s rows)."""
+    from ckptio.saving.writers.sidecar_export import Export
 
     rows: list[tuple[Any, ...]] = []
     real = Export.describe

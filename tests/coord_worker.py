@@ -10,7 +10,7 @@ measures what this process receives:
   verdict, straight on the coordinator;
 * ``save``: one real ``ckptio.save`` (after a first, warm-up save: the group's
   connections are set up once per job, not per save), through a
-  :class:`ckptio.distributed.CountingCoordinator`.
+  :class:`ckptio.coord.distributed.CountingCoordinator`.
 
 Each is counted twice: the payload the coordinator hands back from other
 hosts (the counting wrapper), and the TCP payload bytes the kernel counted
@@ -116,7 +116,7 @@ def main() -> int:
             client.wait_at_barrier(f"coord_worker/{next(n_barrier)}", 120_000)
 
     import ckptio
-    from ckptio.distributed import CountingCoordinator, default_coordinator
+    from ckptio.coord.distributed import CountingCoordinator, default_coordinator
 
     if sys.argv[4:] == ["restore"]:
         check_restore(root, rank, world)

@@ -110,7 +110,7 @@ def state_for(step: int) -> dict:
 
 def as_jax(state: dict) -> dict:
     """``state`` with its arrays as JAX arrays: the writer process then reads them out of the saver's
-    memory (ckptio.remoteread) instead of from shared memory."""
+    memory (ckptio.saving.writers.remoteread) instead of from shared memory."""
     import jax
     import jax.numpy as jnp
 
@@ -244,9 +244,9 @@ def account(root: str) -> dict[str, int]:
     """Bytes on disk under ``root`` against the bytes its kept checkpoints account for."""
     import ckptio
     from ckptio.manifest import MANIFEST_NAME
-    from ckptio.incremental.pins import hold_key, parse_pin, pin_key
-    from ckptio.fence import writers_of
-    from ckptio.names import REVOKED_DIR, fence_key
+    from ckptio.manifest.names import REVOKED_DIR, fence_key
+    from ckptio.store.fence import writers_of
+    from ckptio.store.pins import hold_key, parse_pin, pin_key
 
     mngr = ckptio.CheckpointManager(root)
     owned: set[str] = set()
@@ -263,7 +263,7 @@ def account(root: str) -> dict[str, int]:
                     if os.path.exists(os.path.join(root, k := pin_key(b, str(step), x)))]
         owned.update(os.path.join(root, k) for k in pins)
         owned.update(os.path.join(root, hold_key(parse_pin(k))) for k in pins)  # and each pin's hold
-        if m.fence:  # the commit's fence goes with its step (ckptio.fence)
+        if m.fence:  # the commit's fence goes with its step (ckptio.store.fence)
             owned.add(os.path.join(root, fence_key(str(step), m.fence)))
     mngr.close()
     # Revocations are kept forever by design (a revoked save may wake at any time): counted apart.

@@ -203,7 +203,7 @@ def logging_backend(inner: Any, log: EventLog, kill: tuple[str, int] | None, rnd
     (a phase, and which occurrence of it), the process kills itself there."""
     from ckptio.backends.wrappers import WrapperBackend
     from ckptio.manifest import MANIFEST_NAME
-    from ckptio.names import INTENT_PREFIX, parse_revoked
+    from ckptio.manifest.names import INTENT_PREFIX, parse_revoked
 
     seen: dict[str, int] = {}
 
@@ -327,9 +327,10 @@ def threading_kill_soon(log: EventLog, rnd: random.Random) -> None:
 def threads_main(a: argparse.Namespace) -> int:
     """A job of ``--hosts`` hosts as threads of this one process (tests/hosts.py), saving step
     ``--step``; host ``--rank`` kills the whole process at ``--kill-phase`` (all hosts die at once)."""
+    from hosts import on_hosts
+
     import ckptio
     from ckptio.backends import open_backend
-    from hosts import on_hosts
 
     log = EventLog(a.log, a.name)
     rnd = random.Random(a.seed)
@@ -498,11 +499,11 @@ def check_deletions(events: list[dict[str, Any]], deaths: dict[str, float]) -> d
 
     Alive at ``t`` for a deleting pass that started at ``s``: its intent was announced before
     ``s`` and not ended (retired, marked dead, or revoked -- a revoked save can no longer commit,
-    see ckptio.fence) by ``t``, its process was not dead by ``t``, and
+    see ckptio.store.fence) by ``t``, its process was not dead by ``t``, and
     its heartbeats never left a gap of 90 % of the lease in ``[s - lease, t]`` -- so every
     liveness check of the pass saw a fresh intent. ``deaths``: process -> when it stopped.
     """
-    from ckptio.names import parse_intent, parse_object, parse_revoked
+    from ckptio.manifest.names import parse_intent, parse_object, parse_revoked
 
     deaths = dict(deaths)
     for e in events:  # a process that killed itself, or gave its job up, died before its parent saw it

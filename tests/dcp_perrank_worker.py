@@ -19,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ckptio.dcp import Reader, Writer
 from ckptio.dcp.perrank import PerRank
-from ckptio.perhost import take_modulo
+from ckptio.state.perhost import take_modulo
 
 
 def loader(rank: int) -> StatefulDataLoader:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import ckptio
 from ckptio.dcp import DEFAULT_BUFFERS, Reader, Writer
-from ckptio.dcp.staging import HostBuffers
+from ckptio.dcp.stager import HostBuffers
 
 warnings.filterwarnings("ignore")  # DCP warns about no_dist / deprecated paths; not under test here
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
-from pathlib import Path
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from ckptio.bench.appserver import AppServer, ProxyServer

@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -98,7 +98,7 @@ def check(work: str, fmt: str, path: str) -> None:
             import torch
             import torch.distributed.checkpoint as dcp
 
-            from ckptio.staging import torch_to_numpy
+            from ckptio.state.leaves import torch_to_numpy
 
             sd = {name: torch.zeros(made["shape"], dtype=torch.float32)}
             dcp.load(sd, checkpoint_id=path, no_dist=True)

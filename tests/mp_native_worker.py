@@ -26,7 +26,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     full = expected()
-    if mode == "incremental":  # each process references its own unchanged shard (ckptio.incremental.hosts)
+    if mode == "incremental":  # each process references its own unchanged shard (ckptio.saving.incremental.hosts)
         rows = SHAPE[0] // world
         ix = (slice(rank * rows, (rank + 1) * rows), slice(None))
         frozen = full["w"][ix].copy()
@@ -41,7 +41,7 @@ def main() -> int:
         out = ckptio.restore(root, step=3)
         assert out["frozen"].tobytes() == full["w"].tobytes() and out["moving"].tobytes() == (full["w"] * 3).tobytes()
         from ckptio.engine import run_sync
-        from ckptio.names import step_of_key
+        from ckptio.manifest.names import step_of_key
 
         store = ckptio.CheckpointManager(root).store
         assert run_sync(store.committed_steps()) == [2, 3]

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptio.orbax  # noqa: E402
-from ckptio.layout import HashedNaming  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
+from ckptio.engine.layout import HashedNaming  # noqa: E402
 from ckptio.manifest import MANIFEST_NAME  # noqa: E402
 from ckptio.store import CheckpointStore  # noqa: E402
 

@@ -26,19 +26,22 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from ckptio.backends import open_backend  # noqa: E402
-from ckptio.backends.memory import MemoryBackend  # noqa: E402
 from hosts import on_hosts  # noqa: E402
 from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptio  # noqa: E402
 import ckptio.orbax  # noqa: E402
+from ckptio.backends import open_backend  # noqa: E402
+from ckptio.backends.memory import MemoryBackend  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
-from ckptio.manifest import FRAGMENT_PREFIX  # noqa: E402
-from ckptio.layout import HashedNaming  # noqa: E402
-from ckptio.manifest import MANIFEST_NAME, Manifest  # noqa: E402
-from ckptio.names import is_fencing  # noqa: E402
+from ckptio.engine.layout import HashedNaming  # noqa: E402
+from ckptio.manifest import (  # noqa: E402
+    FRAGMENT_PREFIX,  # noqa: E402
+    MANIFEST_NAME,
+    Manifest,
+)
+from ckptio.manifest.names import is_fencing  # noqa: E402
 
 WORK = sys.argv[1]
 SCENARIOS: dict[str, Callable[[str], None]] = {}

@@ -134,8 +134,8 @@ def manager_columns(root: str, read_once: bool) -> dict[str, Any]:
 def exchange(root: str, read_once: bool) -> dict[str, Any]:
     """TorchCoordinator.exchange (and exchange_into): empty and self messages, several buffers a message, read-only
     buffers, pieces cut finer than a message (the piece size made tiny), lengths known or not."""
-    import ckptio._exchange as ex
-    from ckptio.distributed import default_coordinator
+    import ckptio.coord.exchange as ex
+    from ckptio.coord.distributed import default_coordinator
 
     ex._PIECE = 1000  # so that messages and buffers are cut in several pieces
     coord: Any = default_coordinator()

@@ -3,7 +3,7 @@
 It commits step ``--good`` through a ``CheckpointManager``, then saves step ``--step`` (the
 state of ``crash_campaign.state_for(--step + STATE_OFFSET)``: not the state a re-save of the
 step writes, so a restore tells whose commit stands). That commit creates its manifest, then
-stops before claiming its fence (:mod:`ckptio.fence`, step 4) until the file ``--go`` exists,
+stops before claiming its fence (:mod:`ckptio.store.fence`, step 4) until the file ``--go`` exists,
 with its event loop free: its heartbeat goes on, as a live but slow save's would. It prints one
 JSON line per event: ``ready`` (the good step committed), ``stalled`` (the manifest is created,
 the fence not claimed), then ``ok`` or ``failed`` (with ``error``) once released.
@@ -35,10 +35,10 @@ def _emit(event: str, **fields: Any) -> None:
 def stall_before_fence(inner: Any, step: int, go: str, at: str) -> Any:
     """``inner``, whose commit of ``step`` waits (without blocking the loop) until the file ``go``
     exists: before its fence claim (``at="claim"``) or before it lists the step's revocations
-    (``at="revocations"``, ckptio.fence step 3), once its manifest is created either way."""
+    (``at="revocations"``, ckptio.store.fence step 3), once its manifest is created either way."""
     from ckptio.backends.wrappers import WrapperBackend
     from ckptio.manifest import MANIFEST_NAME
-    from ckptio.names import FENCE_PREFIX, revoked_prefix
+    from ckptio.manifest.names import FENCE_PREFIX, revoked_prefix
 
     async def stall(key: str) -> None:
         _emit("stalled", key=key)
@@ -74,9 +74,10 @@ def main() -> int:
     ap.add_argument("--stall-at", choices=["claim", "revocations"], default="claim")
     a = ap.parse_args()
 
+    from crash_campaign import state_for
+
     import ckptio
     from ckptio.backends import open_backend
-    from crash_campaign import state_for
 
     backend = stall_before_fence(open_backend(a.root, object_size=1 << 20), a.step, a.go, a.stall_at)
     mngr = ckptio.CheckpointManager(a.root, backend=backend)

@@ -1,21 +1,23 @@
-"""The shape of the code, checked: imports point down (no cycles) and nothing grows past its size limits.
+"""The shape of the code, checked: imports follow the layer table of docs/architecture.md (none
+runs up a layer, none crosses to a package beside it), no cycle, and nothing past its size limits.
 
-Issue #31 gave every concern one home; these tests keep it that way. They read the source with
-``ast`` (nothing is imported), so they are fast and see imports hidden inside functions too: an
-import moved into a function to dodge a cycle is still a cycle.
+The table in docs/architecture.md is the one source of truth: these tests parse it. They read the
+source with ``ast`` (nothing is imported), so they see imports hidden inside functions and
+``TYPE_CHECKING`` blocks too: an import moved into a function to dodge a layer is still an edge.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Library trees and the package each installs as (``backends/`` installs as ``ckptio.backends``).
-TREES = {ROOT / "ckptio": "ckptio", ROOT / "backends": "ckptio.backends"}
+#: Trees and the package each installs as (``backends/`` installs as ``ckptio.backends``).
+TREES = {ROOT / "ckptio": "ckptio", ROOT / "backends": "ckptio.backends", ROOT / "bench": "ckptio.bench"}
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
@@ -113,17 +115,69 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert _cycles() == []
 
 
-def test_backends_import_nothing_above_them() -> None:
-    """Backends only move bytes: they may import each other and the bottom-layer helpers, never the core."""
-    allowed = ("ckptio.backends", "ckptio._system", "ckptio.errors")
-    wrong = {
-        (m, t) for m in MODULES if m.startswith("ckptio.backends")
-        for t in _imports(m) if not t.startswith(allowed) and t != "ckptio"
-    }
-    assert wrong == set()
+def layer_table(text: str | None = None) -> list[list[str]]:
+    """docs/architecture.md's layer table, bottom to top: each row's packages."""
+    text = (ROOT / "docs" / "architecture.md").read_text() if text is None else text
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 3 and cells[1].startswith("`ckptio"):
+            rows.append(re.findall(r"`(ckptio[\w.]*)`", cells[1]))
+    return rows
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
+def _home(module: str, rows: list[list[str]]) -> tuple[int, str] | None:
+    """The row and package of ``module``: the longest package of the table that holds it (``ckptio``
+    itself holds only the package's ``__init__``)."""
+    best: tuple[int, str] | None = None
+    for i, packages in enumerate(rows):
+        for p in packages:
+            holds = module == p or (p != "ckptio" and module.startswith(p + "."))
+            if holds and (best is None or len(p) > len(best[1])):
+                best = (i, p)
+    return best
+
+
+def upward_imports(graph: dict[str, list[str]], rows: list[list[str]]) -> list[str]:
+    """Every import that runs up a layer or across to a package beside it, and every module no row holds."""
+    wrong = [f"{m}: in no row of the layer table" for m in graph if _home(m, rows) is None]
+    for m, targets in graph.items():
+        here = _home(m, rows)
+        for t in targets:
+            there = _home(t, rows)
+            if here is None or there is None or there[1] == here[1] or there[0] < here[0]:
+                continue
+            where = "up a layer" if there[0] > here[0] else "across its layer"
+            wrong.append(f"{m} imports {t} ({where}: {here[1]} -> {there[1]})")
+    return sorted(wrong)
+
+
+def test_every_import_follows_the_layer_table() -> None:
+    rows = layer_table()
+    assert len(rows) >= 10, rows  # the table parsed
+    assert upward_imports({m: sorted(set(_imports(m))) for m in MODULES}, rows) == []
+
+
+def test_the_layer_check_fails_on_a_planted_upward_import() -> None:
+    """The check is not vacuous: the engine importing the store, or the store a package beside it,
+    is caught; so is a module the table has no row for."""
+    rows = layer_table()
+    graph = {"ckptio.engine.core": ["ckptio.store.facade"], "ckptio.store.facade": ["ckptio.engine.core"],
+             "ckptio.saving.job": ["ckptio.restoring.plan"], "ckptio.stray": []}
+    assert upward_imports(graph, rows) == [
+        "ckptio.engine.core imports ckptio.store.facade (up a layer: ckptio.engine -> ckptio.store)",
+        "ckptio.saving.job imports ckptio.restoring.plan (across its layer: ckptio.saving -> ckptio.restoring)",
+        "ckptio.stray: in no row of the layer table",
+    ]
+
+
+def test_the_top_of_ckptio_is_only_its_public_face() -> None:
+    """ckptio/ holds packages by layer; the only modules at its top are ``__init__``, ``api`` and ``errors``."""
+    top = {p.name for p in (ROOT / "ckptio").glob("*.py")}
+    assert top == {"__init__.py", "api.py", "errors.py"}
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith("ckptio.bench")))
 def test_module_and_function_sizes(name: str) -> None:
     source = MODULES[name].read_text()
     assert source.count("\n") <= MAX_MODULE_LINES, f"{name}: {source.count(chr(10))} lines"
@@ -160,7 +214,7 @@ def test_import_ckptio_loads_no_framework_and_no_ml_dtypes() -> None:
         "import sys, ckptio, ckptio.cli\n"
         "heavy = [m for m in ('torch', 'jax', 'ml_dtypes') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "from ckptio.dtypes import decode_dtype\n"
+        "from ckptio.state.dtypes import decode_dtype\n"
         "assert str(decode_dtype('bfloat16')) == 'bfloat16'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -31,7 +31,6 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 import fsspec
 import numpy as np
 import pytest
-from ckptio.testing import BackendConformance
 from conftest import GCS_TEST_BUCKET
 from fake_gcs import FakeGCS, free_port
 from fsspec.implementations.memory import MemoryFileSystem
@@ -40,6 +39,7 @@ import ckptio
 from ckptio.backends import ByteRange, RetryableError, ThrottledError, backend_class, open_backend
 from ckptio.backends.fsspec_backend import FsspecBackend, FsspecConfig, _one_bytes, translate_error
 from ckptio.backends.gcs import GCSBackend
+from ckptio.testing import BackendConformance
 
 T = TypeVar("T")
 

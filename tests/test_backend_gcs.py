@@ -22,14 +22,13 @@ from typing import Any, TypeVar
 import crc32c
 import pytest
 from aiohttp import web
-from ckptio.testing import BackendConformance
-from ckptio.testing import split_views
 from conftest import GCS_TEST_BUCKET
 from fake_gcs import AppServer, FakeGCS, FaultProxy, free_port, unique_prefix
 
 from ckptio.backends import ByteRange, RetryableError, open_backend
 from ckptio.backends._gcs_http import RateRamp, parse_retry_after, parse_rfc3339
 from ckptio.backends.gcs import GCSBackend, GCSConfig, RampConfig
+from ckptio.testing import BackendConformance, split_views
 
 pytestmark = pytest.mark.gcs
 T = TypeVar("T")

@@ -1,8 +1,8 @@
 """The backends sit at the bottom: they import only each other and ckptio's system helpers.
 
-``ckptio._system`` (byte views, fresh pages, background threads) is below them and
+``ckptio.system`` (byte views, fresh pages, background threads) is below them and
 imports nothing of ckptio; the backends import nothing above themselves (no manifest,
-store, engine: Hyperdisk ML's ``publish`` lives in :mod:`ckptio.publish` for that),
+store, engine: Hyperdisk ML's ``publish`` lives in :mod:`ckptio.manage.hdml_publish` for that),
 not even inside a function. Read from the source, so no import order can hide an edge.
 """
 
@@ -36,18 +36,18 @@ def _ckptio_imports(path: Path, package: str) -> set[str]:
 @pytest.mark.parametrize("path", BACKENDS, ids=lambda p: p.name)
 def test_a_backend_imports_nothing_above_the_backends(path: Path) -> None:
     above = {m for m in _ckptio_imports(path, "ckptio.backends")
-             if not m.startswith(("ckptio.backends", "ckptio._system"))}
+             if not m.startswith(("ckptio.backends", "ckptio.system"))}
     assert not above, f"backends/{path.name} reaches up into {sorted(above)}"
 
 
 @pytest.mark.parametrize("path", SYSTEM, ids=lambda p: p.name)
 def test_the_system_helpers_import_nothing_of_ckptio(path: Path) -> None:
-    outside = {m for m in _ckptio_imports(path, "ckptio._system") if not m.startswith("ckptio._system")}
+    outside = {m for m in _ckptio_imports(path, "ckptio.system") if not m.startswith("ckptio.system")}
     assert not outside, f"ckptio/_system/{path.name} imports {sorted(outside)}"
 
 
 def test_core_modules_import_no_private_backend_helper() -> None:
-    """Core modules share the system helpers through ckptio._system, not through the backends' privates."""
+    """Core modules share the system helpers through ckptio.system, not through the backends' privates."""
     private = "ckptio.backends._"
     users = {
         str(path.relative_to(ROOT)): hits

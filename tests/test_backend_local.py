@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ckptio.testing import BackendConformance
 
 from ckptio.backends import RetryableError, open_backend
 from ckptio.backends._posix import aligned_buffer
 from ckptio.backends.base import Backend, ByteRange
 from ckptio.backends.local import TMP_MARK, LocalBackend, LocalConfig
+from ckptio.testing import BackendConformance
 
 # -- O_DIRECT: find a file system that takes it ------------------------------
 

@@ -11,15 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ckptio.testing import BackendConformance
+import test_backend_local
+from test_backend_local import direct_root
 
 from ckptio.backends._bounce import BOUNCE, BOUNCE_BYTES
 from ckptio.backends._posix import aligned_buffer
 from ckptio.backends.base import Backend
 from ckptio.backends.local import LocalBackend
-
-import test_backend_local
-from test_backend_local import direct_root
+from ckptio.testing import BackendConformance
 
 direct_cleanup = test_backend_local.direct_cleanup  # the fixture, here too
 
@@ -162,7 +161,7 @@ def copied(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_memory_in_step_with_the_file_goes_direct_in_place_but_for_its_partial_pages(
         tmp_path: Path, spy: _Spy, copied: list[int]) -> None:
     """A sync ``dcp.save`` hands over torch's tensors, 64 bytes past a page; laid out 64 bytes past an aligned
-    offset (``ckptio.layout.direct_offset``), their pages go to the device as they are: the bounce copies
+    offset (``ckptio.engine.layout.direct_offset``), their pages go to the device as they are: the bounce copies
     only the partial pages at either end and the frames, not every byte (issue 35)."""
     from ckptio.backends._direct import bounced_bytes
 

@@ -7,11 +7,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from ckptio.testing import BackendConformance
 
 from ckptio.backends import memory
 from ckptio.backends.base import ByteRange, ObjectInfo
 from ckptio.backends.memory import MemoryBackend
+from ckptio.testing import BackendConformance
 
 
 def memory_url(tmp_path: Path) -> str:

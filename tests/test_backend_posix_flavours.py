@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ckptio.testing import BackendConformance
 from test_backend_local import read_only_mount  # noqa: F401  (a fixture)
 
 import ckptio
@@ -19,7 +18,8 @@ from ckptio.backends._posix_commit import lock_path
 from ckptio.backends.base import Backend
 from ckptio.backends.hyperdisk_ml import HyperdiskMLBackend
 from ckptio.backends.parallelstore import ParallelstoreBackend
-from ckptio.publish import is_published, publish
+from ckptio.manage.hdml_publish import is_published, publish
+from ckptio.testing import BackendConformance
 
 
 class TestHyperdiskML(BackendConformance):

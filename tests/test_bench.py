@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ckptio.bench.advise import young_daly
 from ckptio.bench.harness import run_interleaved, run_job
 from ckptio.bench.spec import FIGURES, Job, StateSpec, parse_duration, parse_size

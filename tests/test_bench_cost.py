@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ckptio.bench import cpu, report
 from ckptio.bench.anchors_direct import ALIGN, aligned_layout
 from ckptio.bench.cli import main

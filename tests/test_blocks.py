@@ -15,7 +15,7 @@ from hosts import on_hosts
 import ckptio
 from ckptio.backends.wrappers import CountingBackend
 from ckptio.engine import run_sync
-from ckptio.layout import MIN_BLOCK, extent_block
+from ckptio.engine.layout import MIN_BLOCK, extent_block
 from ckptio.manifest import BLOCKS_VERSION, MANIFEST_NAME, formats, unseal
 from ckptio.store import CheckpointStore
 
@@ -115,7 +115,7 @@ def test_n_to_2n_and_odd_splits_read_at_most_1_1x_bit_exact(tmp_path: Path) -> N
 def test_without_per_extent_blocks_the_same_split_reads_about_2x(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
     """What the issue measured (1.9x): the old layout, one 1 MiB block per small shard, still reads."""
-    monkeypatch.setattr(ckptio.layout, "extent_block", lambda *a: 0)
+    monkeypatch.setattr(ckptio.engine.layout, "extent_block", lambda *a: 0)
     url = str(tmp_path)
     save_rows(url)
     doc = root_doc(tmp_path)
@@ -126,7 +126,7 @@ def test_without_per_extent_blocks_the_same_split_reads_about_2x(tmp_path: Path,
 
 
 def test_an_old_format_1_manifest_still_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ckptio.layout, "extent_block", lambda *a: 0)
+    monkeypatch.setattr(ckptio.engine.layout, "extent_block", lambda *a: 0)
     url = str(tmp_path)
     state = {name: full(name) for name in NAMES}
     ckptio.save(url, state, step=1).result()

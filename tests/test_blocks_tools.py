@@ -18,10 +18,10 @@ from test_blocks import COLS, NAMES, ROWS, check_split, full, manifest, rows, sa
 import ckptio
 from ckptio.backends.wrappers import CountingBackend
 from ckptio.cli import main as cli
-from ckptio.layout import extent_block
 from ckptio.engine import run_sync
-from ckptio.store import CheckpointStore
+from ckptio.engine.layout import extent_block
 from ckptio.manifest import BLOCKS_VERSION, MANIFEST_NAME, unseal
+from ckptio.store import CheckpointStore
 
 KIB = 1 << 10
 CFG = ckptio.EngineConfig(block_size=64 * KIB)  # 4 MiB shards keep it, 0.4-1.6 MB ones get 12-48 KiB blocks
@@ -180,9 +180,8 @@ def test_the_dcp_writer_gives_chunks_blocks_of_their_own(tmp_path: Path) -> None
 
 @pytest.mark.gcs
 def test_n_to_2n_on_the_fake_gcs_server_reads_at_most_1_1x(gcs_emulator_env: str, tmp_path: Path) -> None:
-    from fake_gcs import unique_prefix
-
     from conftest import GCS_TEST_BUCKET
+    from fake_gcs import unique_prefix
 
     url = f"gs://{GCS_TEST_BUCKET}/{unique_prefix(tmp_path)}"
     save_rows(url, hosts=4, cfg=ckptio.EngineConfig(tile_bytes=0))

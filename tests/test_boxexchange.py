@@ -1,4 +1,4 @@
-"""Logical-box exchange (ckptio.restore.boxroute plans, ckptio.restore.boxexchange moves bytes).
+"""Logical-box exchange (ckptio.restoring.boxroute plans, ckptio.restoring.boxexchange moves bytes).
 
 Properties of the routing over random saved grids x target grids x host counts (both ends list
 the same pieces in the same order, every round's bands too; each host's pieces tile exactly its
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import ml_dtypes
-import pytest
 import numpy as np
+import pytest
+from hosts import on_hosts as saving_hosts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hosts import on_hosts as saving_hosts
 from test_planner_properties import _cuts
 from test_planner_properties import _grid as _cells
 from test_readonce import on_hosts as exchanging_hosts
@@ -33,9 +33,9 @@ from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.errors import IntegrityError
 from ckptio.manifest import ArrayItem, ShardRecord
-from ckptio.restore import packing
-from ckptio.restore.boxexchange import restore_exchange
-from ckptio.restore.boxroute import TargetTable, incoming, outgoing, responsible
+from ckptio.restoring import packing
+from ckptio.restoring.boxexchange import restore_exchange
+from ckptio.restoring.boxroute import TargetTable, incoming, outgoing, responsible
 from ckptio.store import CheckpointStore, StoreOptions
 
 PROFILE = settings(max_examples=60, derandomize=True, deadline=None)

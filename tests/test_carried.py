@@ -1,4 +1,4 @@
-"""A save by many hosts to host-local stores commits format 2 with carried fragments (ckptio.carried, #33).
+"""A save by many hosts to host-local stores commits format 2 with carried fragments (ckptio.saving.carried_fragments, #33).
 
 Host 0 commits a small root and holds every host's fragment; it never merges another host's shards.
 Each host's own part (what its commit record is built from) names the objects the checkpoint gives
@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import on_hosts
 
 import ckptio
-from ckptio.carried import carried_save_ids, carried_summary, write_carried
 from ckptio.engine import run_sync
 from ckptio.errors import ManifestError
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.save import start_save
+from ckptio.saving.carried_fragments import carried_save_ids, carried_summary, write_carried
+from ckptio.saving.job import start_save
 from ckptio.store import CheckpointStore
-from hosts import on_hosts
 
 HOSTS, ROWS, COLS = 3, 48, 8
 W = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)

@@ -28,8 +28,8 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.cli import EXIT_CODES, main
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.orbax_steps import COMMIT_SUCCESS_NAME, HANDLER, STEP_METADATA_NAME
 from ckptio.store import CheckpointStore
+from ckptio.store.orbax_steps import COMMIT_SUCCESS_NAME, HANDLER, STEP_METADATA_NAME
 
 HAS_ORBAX = importlib.util.find_spec("jax") is not None and importlib.util.find_spec("orbax") is not None
 
@@ -69,7 +69,7 @@ ORBAX_CHILD = textwrap.dedent("""
     import numpy as np
     import orbax.checkpoint as ocp
     import ckptio.orbax
-    from ckptio.layout import HashedNaming
+    from ckptio.engine.layout import HashedNaming
 
     mode, work = sys.argv[1], sys.argv[2]
     def state(i):
@@ -247,7 +247,7 @@ def test_a_step_directory_with_another_step_option_is_one_usage_line(
 
 
 def test_external_hashed_and_uncommitted_step_directories(tmp_path: Path) -> None:
-    from ckptio.layout import HashedNaming
+    from ckptio.engine.layout import HashedNaming
 
     ckptio.save(tmp_path, state(4), step=4, naming=HashedNaming()).result()
     rc, doc = run("inspect", str(tmp_path / "4"), "--json")

@@ -14,9 +14,9 @@ import pytest
 
 import ckptio
 from ckptio.backends.deadline import Deadlines
-from ckptio.engine import EngineConfig
+from ckptio.coord.waits import CollectiveTimeout, current, missing_message, waiting_for
+from ckptio.engine import UNLABELLED_S, EngineConfig
 from ckptio.errors import CheckpointNotFoundError
-from ckptio.waits import UNLABELLED_S, CollectiveTimeout, current, missing_message, waiting_for
 
 
 def test_the_collective_deadline_grows_with_the_io_it_covers_and_the_user_can_fix_it() -> None:
@@ -51,7 +51,7 @@ def test_waits_are_labelled_per_thread_and_nest() -> None:
 
 def _gates(size: int) -> list[Any]:
     dist = pytest.importorskip("torch.distributed")
-    from ckptio._storegate import StoreGate
+    from ckptio.coord.storegate import StoreGate
 
     server = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     port = server.port
@@ -160,7 +160,7 @@ def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path
 def _jax_hosts(size: int, body: Any) -> list[Any]:
     from test_coordination import _FakeClient, _FakeKV
 
-    from ckptio.distributed import JaxCoordinator
+    from ckptio.coord.distributed import JaxCoordinator
 
     class Client(_FakeClient):
         def key_value_try_get(self, key: str) -> str:

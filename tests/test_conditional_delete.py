@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import test_backend_fsspec as fsspec_tests
 
 import ckptio
 from ckptio.backends import Backend, open_backend
@@ -30,7 +31,6 @@ from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 from ckptio.store import CheckpointStore
-import test_backend_fsspec as fsspec_tests
 
 STEP = 7
 moto_s3 = fsspec_tests.moto_s3  # the fixture: a moto S3 server for this module

@@ -29,8 +29,8 @@ torch = pytest.importorskip("torch")
 
 import interop_data as D  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from interop_run import HERE, check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 from disk import disk_free_at_least  # noqa: E402
+from interop_run import HERE, check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 
 import ckptio  # noqa: E402
 from ckptio.cli import main  # noqa: E402
@@ -39,8 +39,8 @@ from ckptio.convert.dcp import ckptio_to_dcp  # noqa: E402
 from ckptio.dcp import Reader  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
 from ckptio.errors import ManifestError, SaveFailedError  # noqa: E402
+from ckptio.saving.stream import StreamWriter  # noqa: E402
 from ckptio.store import CheckpointStore  # noqa: E402
-from ckptio.stream import StreamWriter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -53,7 +53,7 @@ def cli(*argv: str) -> tuple[int, dict[str, Any]]:
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    from ckptio.staging import torch_to_numpy
+    from ckptio.state.leaves import torch_to_numpy
 
     return torch_to_numpy(t.contiguous())
 

@@ -5,7 +5,7 @@ legacy all-gather-only coordinator, jax's key-value protocol over an
 in-memory store with hosts as threads), then real processes -- torch gloo
 and jax.distributed on CPU, at 2, 4 and 8 processes (tests/coord_worker.py)
 -- counting what a non-coordinator receives per save: the payload the
-coordinator hands back (:class:`ckptio.distributed.CountingCoordinator`) and
+coordinator hands back (:class:`ckptio.coord.distributed.CountingCoordinator`) and
 the TCP bytes the kernel counted on the process's sockets. It must stay
 under 64 KiB and not grow with the number of hosts.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from ckptio.distributed import (
+from ckptio.coord.distributed import (
     CountingCoordinator,
     JaxCoordinator,
     SingleProcess,

@@ -61,9 +61,10 @@ def test_a_killed_jobs_fragments_are_swept_only_once_provably_dead(
     it before the kill): the step is whole and newest, and stale intents never take its fragments.
     Either way the committed step beside it is never touched.
     """
+    from crash_campaign_multihost import LEASE_S, check_restored
+
     import ckptio
     from ckptio.backends.local import TMP_MARK
-    from crash_campaign_multihost import LEASE_S, check_restored
 
     root = tmp_path / "ckpt"
     script = str(Path(__file__).with_name("crash_campaign_multihost.py"))
@@ -81,7 +82,7 @@ def test_a_killed_jobs_fragments_are_swept_only_once_provably_dead(
     assert job(1, []) == 0  # committed: its fragments belong to it for as long as it is kept
     victim = "2" if phase == "fragment-after" else "0"  # only the coordinator commits
     assert job(2, ["--rank", victim, "--kill-phase", phase, "--kill-at", "1"]) == -signal.SIGKILL
-    # Committed means the commit's fence says so (ckptio.fence): a root made just before the kill
+    # Committed means the commit's fence says so (ckptio.store.fence): a root made just before the kill
     # ("commit-after") is unconfirmed, and goes with the dead attempt.
     made = (root / "2" / "ckptio.manifest.json").exists()
     committed = any(p.read_bytes() == b"commit" for p in (root / "2").glob("ckptio.fence.*"))

@@ -18,16 +18,16 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from ckptio.backends.memory import MemoryBackend
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 import ckptio
+from ckptio.backends.memory import MemoryBackend
 from ckptio.dcp import HostBuffers, Reader, Stager, Writer, stage_state_dict
+from ckptio.engine.layout import HashedNaming
 from ckptio.errors import CheckpointNotFoundError
-from ckptio.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # DCP warns that no process group is initialized
@@ -356,7 +356,7 @@ def test_an_async_save_checksums_while_staging_and_its_write_reuses_the_sums(tmp
     own: a restore verifies against them, and a flipped byte is caught."""
     import ckptio.engine as engine
     from ckptio.dcp._stagedsums import StagedSums
-    from ckptio.layout import extent_block
+    from ckptio.engine.layout import extent_block
 
     summed: list[int] = []
     real = engine.block_crcs
@@ -423,8 +423,9 @@ def test_sync_save_writes_torch_memory_to_the_device_as_it_lies(tmp_path, monkey
     copies only the partial pages at either end and the frames. Before, every byte was either copied through
     the bounce buffer or through the page cache (the kernel's copy, and a sync save's CPU at or above stock
     DCP's; issue 35)."""
-    import ckptio.backends._direct as direct
     from test_backend_local import direct_root
+
+    import ckptio.backends._direct as direct
 
     root = direct_root(tmp_path)
     sd = {f"w{i}": _random((512, 1024), torch.float32, i) for i in range(4)}  # 2 MiB each: direct-sized

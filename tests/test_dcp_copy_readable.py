@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptio
 import ckptio.cli
-from ckptio.copy import copy_checkpoint
 from ckptio.dcp import Reader, Writer
 from ckptio.engine import run_sync
-from ckptio.layout import HashedNaming
+from ckptio.engine.layout import HashedNaming
+from ckptio.manage.copying import copy_checkpoint
 from ckptio.store import CheckpointStore
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # DCP warns that no process group is initialized
@@ -154,7 +154,7 @@ def test_a_copy_paused_after_its_commit_never_overwrites_a_newer_checkpoints_met
     the new checkpoint's, which stock torch goes on reading."""
     import asyncio
 
-    import ckptio.copy as copy_mod
+    import ckptio.manage.copying as copy_mod
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     dcp.save(_state(), storage_writer=Writer(src, step=6))

@@ -20,16 +20,16 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from ckptio.backends.memory import MemoryBackend
 from test_dcp import _bits, _Planner, _quiet, _random, _read  # noqa: F401 -- _quiet: an autouse fixture
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 
 import ckptio
+from ckptio.backends.memory import MemoryBackend
 from ckptio.dcp import Reader, Writer
 from ckptio.engine import Engine, run_sync
-from ckptio.names import parse_object
+from ckptio.manifest.names import parse_object
 from ckptio.store import CheckpointStore
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # DCP warns that no process group is initialized

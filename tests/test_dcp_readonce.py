@@ -21,7 +21,7 @@ from ckptio.backends.wrappers import CountingBackend  # noqa: E402
 from ckptio.dcp._readonce import exchange_regions  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
 from ckptio.errors import ManifestError  # noqa: E402
-from ckptio.reshard import Region  # noqa: E402
+from ckptio.restoring.reshard import Region  # noqa: E402
 from ckptio.store import CheckpointStore, StoreOptions  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -14,15 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.overrides import TorchFunctionMode
 
-import torch.distributed.checkpoint as dcp
 from ckptio.dcp import Reader, Writer
 from ckptio.dcp._codec import numpy_view
 from ckptio.dcp._tensorbytes import plain_array, plain_bytes
-from ckptio.dcp.staging import HostBuffers, stage_state_dict
+from ckptio.dcp.stager import HostBuffers, stage_state_dict
 from ckptio.dcp.writer import _raw_bytes
-
 
 #: Calls that keep the GIL: attribute reads (``shape``, ``dtype``, ``requires_grad``), ``numel()``, ``numpy()``,
 #: and ``no_grad``'s flag (once a save).

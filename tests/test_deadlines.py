@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import on_hosts
 
 import ckptio
 from ckptio.backends import open_backend
@@ -16,7 +17,6 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.stalling import StallingBackend
 from ckptio.engine import EngineConfig
 from ckptio.errors import CheckpointNotFoundError
-from hosts import on_hosts
 
 QUICK = EngineConfig(retries=1, backoff_initial=0.001, backoff_max=0.01, deadlines=Deadlines(fixed_s=0.5))
 #: A healthy host's deadlines beside a stuck one: far past any real call's time, even with the disk shared

@@ -13,25 +13,25 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import TierGroup, on_hosts
+from test_fragments import CountingReads
+from test_rootcast import HOSTS, STEP, W, _rows, _state  # the same job: 3 hosts, each a block of rows
 
 import ckptio
 from ckptio.backends.base import Backend
 from ckptio.backends.memory import MemoryBackend
 from ckptio.engine import run_sync
-from ckptio.layout import HashedNaming
+from ckptio.engine.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.manifest.codec.split import FragmentLoader
-from ckptio.save import start_save
+from ckptio.saving.job import start_save
 from ckptio.store import CheckpointStore
 from ckptio.tiers.durable import durable_round
 from ckptio.tiers.fastcommit import commit_everywhere
-from ckptio.tiers.policy import TierPolicy
-from ckptio.tiers.policy import RestorePlan
+from ckptio.tiers.policy import RestorePlan, TierPolicy
 from ckptio.tiers.replicator import ReplicationError
 from ckptio.tiers.restore import HostTiers, _durable_keys, restore_from_tiers
-from hosts import TierGroup, on_hosts
-from test_fragments import CountingReads
-from test_rootcast import HOSTS, STEP, W, _rows, _state  # the same job: 3 hosts, each a block of rows
+
 
 def _fast(tmp_path: Path, rank: int) -> CheckpointStore:
     return CheckpointStore(str(tmp_path / f"r{rank}"), host_local=True)

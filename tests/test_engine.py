@@ -181,7 +181,7 @@ def test_an_objects_write_does_not_wait_for_its_checksums(tmp_path, monkeypatch)
     checkpoint restores with every checksum verified."""
     import threading
 
-    from ckptio import engine
+    from ckptio.engine import core as engine
 
     url = f"mem://overlap-{tmp_path.name}"
     writing = threading.Event()
@@ -211,7 +211,8 @@ def test_a_failed_write_releases_its_buffers_only_after_their_checksums(tmp_path
     import threading
     import time
 
-    from ckptio import engine, layout
+    from ckptio.engine import core as engine
+    from ckptio.engine import layout
 
     url = f"mem://release-{tmp_path.name}"
     events: list[str] = []
@@ -259,7 +260,8 @@ def test_a_failed_write_whose_checksums_fail_too_raises_the_writes_error_and_los
     import logging
     import threading
 
-    from ckptio import engine, layout
+    from ckptio.engine import core as engine
+    from ckptio.engine import layout
 
     url = f"mem://bothfail-{tmp_path.name}"
     events: list[tuple[str, str]] = []

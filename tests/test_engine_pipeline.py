@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptio
-from ckptio._system import background_pool, lower_this_thread
 from ckptio.backends.base import ByteRange
 from ckptio.backends.local import LocalBackend
-from ckptio.checksum import block_crcs
 from ckptio.engine import Engine, EngineConfig, ReadRequest, split_request
 from ckptio.errors import IntegrityError
+from ckptio.system import background_pool, lower_this_thread
+from ckptio.system.checksum import block_crcs
 
 
 def _request(sizes: list[int], gaps: list[int], bs: int, nbufs: int) -> tuple[ReadRequest, bytes]:
@@ -222,8 +222,8 @@ def test_large_pieces_are_faulted_in_before_they_are_read_and_corruption_in_any_
 ) -> None:
     """Pieces of 1 MiB or more of a final destination are populated before they are read (scratch
     with copy-out is not: it faults in as it is read), and every piece is still verified."""
-    from ckptio import engine as engine_mod
-    from ckptio._system import fresh_pages, populate
+    from ckptio.engine import core as engine_mod
+    from ckptio.system import fresh_pages, populate
 
     events: list[tuple[str, int]] = []
 

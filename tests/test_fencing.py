@@ -1,4 +1,4 @@
-"""Fencing (ckptio.fence): a save frozen past its lease never commits what a deleter took.
+"""Fencing (ckptio.store.fence): a save frozen past its lease never commits what a deleter took.
 
 Each test freezes a saver at one exact point of its commit -- every storage call it makes
 from then on (heartbeats included) waits, as in a paused process -- lets its lease run
@@ -24,10 +24,10 @@ from ckptio.backends.base import ObjectInfo
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.errors import SaveFailedError, SaveRevokedError
-from ckptio.fence import COMMIT, REVOKED
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.names import REVOKED_DIR, parse_fence
+from ckptio.manifest.names import REVOKED_DIR, parse_fence
 from ckptio.store import CheckpointStore
+from ckptio.store.fence import COMMIT, REVOKED
 
 LEASE_S = 0.6
 

@@ -1,4 +1,4 @@
-"""ckptio.fillers: a save's staging copy on the caller plus helpers, each object released once its own
+"""ckptio.saving.fillers: a save's staging copy on the caller plus helpers, each object released once its own
 arrays are copied (never before), every array copied once, the first error raised after helpers stop."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import fillers
-from ckptio.fillers import HELPER_MIN_BYTES, MAX_FILLERS, fill_objects, fillers_for
+from ckptio.saving import fillers
+from ckptio.saving.fillers import HELPER_MIN_BYTES, MAX_FILLERS, fill_objects, fillers_for
 
 
 def _setup(n_objects: int, per_object: int) -> tuple[list[list[tuple[str, int]]], dict[tuple[str, int], np.ndarray]]:

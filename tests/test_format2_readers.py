@@ -256,7 +256,7 @@ def test_convert_to_dcp_loads_bit_exact_with_stock_dcp(saved: Path, tmp_path: Pa
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from ckptio.staging import torch_to_numpy
+    from ckptio.state.leaves import torch_to_numpy
 
     out = tmp_path / "dcp"
     rc, doc = run("convert", str(saved), str(out), "--from", "ckptio", "--to", "dcp", "--json")

@@ -19,14 +19,13 @@ from test_fragments import COLS, ROWS, full, host_state, save_on_hosts
 
 import ckptio
 from ckptio.backends.wrappers import WrapperBackend
-from ckptio.checksum import crc32c
 from ckptio.engine import run_sync
 from ckptio.errors import IntegrityError, ManifestError
-from ckptio.manifest import MANIFEST_NAME, seal, unseal
-from ckptio.manifest import formats, fragments
+from ckptio.manifest import MANIFEST_NAME, formats, fragments, seal, unseal
 from ckptio.manifest.codec import sections
 from ckptio.manifest.lazy import with_fragments
 from ckptio.store import CheckpointStore
+from ckptio.system.checksum import crc32c
 
 STEP = 3
 

@@ -16,10 +16,10 @@ from test_fragment_sections import STEP, _datas, _root_doc
 from test_fragments import full, save_on_hosts
 
 import ckptio
-from ckptio.checksum import crc32c
 from ckptio.errors import IntegrityError, ManifestError
 from ckptio.manifest import fragments, seal
 from ckptio.manifest.codec import split
+from ckptio.system.checksum import crc32c
 
 
 @pytest.fixture(scope="module")

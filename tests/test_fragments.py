@@ -16,7 +16,7 @@ import ckptio
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
-from ckptio.layout import HashedNaming
+from ckptio.engine.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, unseal
 from ckptio.manifest.formats import HEADS_VERSION
 from ckptio.store import CheckpointStore

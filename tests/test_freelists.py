@@ -1,13 +1,13 @@
-"""The free lists behind every buffer pool (ckptio._system.freelists): a buffer given back is the
+"""The free lists behind every buffer pool (ckptio.system.freelists): a buffer given back is the
 next one taken of its key, the bound in bytes holds under threads, and the counts add up."""
 
 from __future__ import annotations
 
 import threading
 
-from ckptio._system.freelists import FreeLists
 from ckptio.backends._bounce import BouncePool
-from ckptio.staging import StagingPool
+from ckptio.system.bufferpool import StagingPool
+from ckptio.system.freelists import FreeLists
 
 
 def test_a_buffer_given_back_is_taken_again_by_its_key_only() -> None:

@@ -33,10 +33,10 @@ from hosts import on_hosts
 
 import ckptio
 from ckptio.backends.wrappers import CountingBackend
-from ckptio.dtypes import ML_DTYPES
 from ckptio.engine import run_sync
-from ckptio.names import is_fencing
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
+from ckptio.manifest.names import is_fencing
+from ckptio.state.dtypes import ML_DTYPES
 from ckptio.store import CheckpointStore
 
 pytestmark = pytest.mark.gcs
@@ -64,7 +64,7 @@ def _api(endpoint: str, path: str, *, method: str = "GET", data: bytes | None = 
 def bucket_keys(endpoint: str, prefix: str, bucket: str = GCS_TEST_BUCKET, *, fencing: bool = False) -> list[str]:
     """Every object under ``prefix/`` in the bucket, relative to it, listed through the JSON API.
 
-    Commit fences and revocations (ckptio.fence) are left out unless ``fencing``: these tests count
+    Commit fences and revocations (ckptio.store.fence) are left out unless ``fencing``: these tests count
     data objects and manifests; test_fencing.py and test_manager.py count the fences.
     """
     names: list[str] = []

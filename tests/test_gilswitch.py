@@ -1,4 +1,4 @@
-"""The switch interval while a save's background work runs (ckptio.gilswitch).
+"""The switch interval while a save's background work runs (ckptio.engine.gilswitch).
 
 Properties: the setting is read from the engine config, else the environment, with bad values
 named; the interval is shortened only while a save runs, never lengthened, put back when the last
@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import gilswitch
 from ckptio.backends._wrapper_base import WrapperBackend
 from ckptio.backends.memory import MemoryBackend
-from ckptio.engine import EngineConfig
+from ckptio.engine import EngineConfig, gilswitch
 
 ORIGINAL = 0.005
 

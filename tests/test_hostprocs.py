@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from ckptio.bench.hostprocs import HostProcesses
-from ckptio.collective import collective_verdict
+from ckptio.coord.collective import collective_verdict
 
 
 def _collectives(rank: int, coord: Any, *, tag: str) -> dict[str, Any]:

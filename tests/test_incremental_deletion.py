@@ -31,9 +31,9 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, SaveRevokedError
-from ckptio.incremental.pins import PIN_DIR, parse_pin, pin_key
-from ckptio.names import new_id, parse_object
+from ckptio.manifest.names import new_id, parse_object
 from ckptio.store import CheckpointStore
+from ckptio.store.pins import PIN_DIR, parse_pin, pin_key
 
 _URLS = itertools.count()
 
@@ -92,7 +92,7 @@ def test_a_flattened_pin_waits_for_a_deletion_under_way_and_never_checks_during_
     """Step 1 is being deleted (another host's retention) as a save of step 3 pins it through base 2:
     the pin waits for that deletion to end instead of failing the save, and one that does not end in
     time is given up (no check while a deletion runs: its D2 may judge step 2's pin after step 2 went)."""
-    import ckptio.incremental.pins as pins_mod
+    import ckptio.store.pins as pins_mod
 
     store, m3, m1, _two = planned(str(tmp_path))
     tomb = tmp_path / "1" / "ckptio.deleting"

@@ -16,10 +16,10 @@ import pytest
 import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import ManifestError
-from ckptio.incremental.reuse import digest_of, rebase, unchanged
 from ckptio.manifest import Manifest, formats
 from ckptio.manifest.model import ArrayItem
-from ckptio.names import new_id
+from ckptio.manifest.names import new_id
+from ckptio.saving.incremental.reuse import digest_of, rebase, unchanged
 from ckptio.store import CheckpointStore
 from ckptio.store.manifests import check_binding
 

@@ -18,9 +18,9 @@ from previous_release import previous_release, run_previous
 
 import ckptio
 from ckptio.engine import run_sync
-from ckptio.incremental.pins import PIN_DIR
 from ckptio.manifest.formats import MANIFEST_NAME, REFS_VERSION
-from ckptio.names import parse_intent, parse_object
+from ckptio.manifest.names import parse_intent, parse_object
+from ckptio.store.pins import PIN_DIR
 
 #: The last commit before incremental saves (format 8): the "older ckptio" of this guard.
 PREVIOUS = "40c2020d3b10b47a5b23275238c1e8339f5427e0"

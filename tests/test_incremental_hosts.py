@@ -23,11 +23,11 @@ from previous_release import previous_release, run_previous
 import ckptio
 from ckptio.cli import main
 from ckptio.engine import run_sync
-from ckptio.incremental.pins import PIN_DIR, parse_pin, pin_key
 from ckptio.manifest import MANIFEST_NAME, fragment_key, unseal
 from ckptio.manifest.formats import REFS_VERSION
-from ckptio.names import new_id, parse_object, step_of_key
+from ckptio.manifest.names import new_id, parse_object, step_of_key
 from ckptio.store import CheckpointStore
+from ckptio.store.pins import PIN_DIR, parse_pin, pin_key
 
 HOSTS = 2
 N = 1 << 15  # float32 elements per host and array: 128 KiB
@@ -245,7 +245,7 @@ def test_a_paused_host_revoked_by_a_deleter_never_makes_its_references_count(
     (the step-3 saves look paused past their lease), revokes them and takes step 2 whole. Host 1 then
     wakes and the job goes on to the root's commit: the root, which lists a revoked host's fragment,
     never counts; steps 1 restores bit-exact, and gc leaves exactly what it references."""
-    from ckptio.save import SaveJob
+    from ckptio.saving.job import SaveJob
 
     mid = {1: 1.0, 2: 2.0, 3: 2.0}  # changes at step 2, not at step 3
     deleted: list[str] = []

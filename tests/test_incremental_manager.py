@@ -11,11 +11,11 @@ import pytest
 
 import ckptio
 from ckptio.cli import main as cli_main
-from ckptio.copy import copy_checkpoint
 from ckptio.engine import run_sync
-from ckptio.incremental.pins import PIN_DIR
-from ckptio.names import parse_object
+from ckptio.manage.copying import copy_checkpoint
+from ckptio.manifest.names import parse_object
 from ckptio.store import CheckpointStore
+from ckptio.store.pins import PIN_DIR
 
 FROZEN = 1 << 20  # float32 elements: 4 MiB
 MOVING = 1 << 18  # 1 MiB
@@ -206,7 +206,7 @@ def test_views_are_digested_off_the_training_step(tmp_path: Path, monkeypatch: p
     jnp = pytest.importorskip("jax.numpy")
     import threading
 
-    from ckptio.incremental import plan as plan_mod
+    from ckptio.saving.incremental import plan as plan_mod
 
     threads: list[str] = []
     digest = plan_mod.digest_of

@@ -14,12 +14,13 @@ import pytest
 
 import ckptio
 from ckptio.engine import run_sync
-from ckptio.incremental import plan as plan_mod
-from ckptio.incremental import compare as compare_mod
-from ckptio.incremental.shadow import Shadows, same_bytes
 from ckptio.manifest import ArrayItem, Manifest
-from ckptio.names import step_of_key
-from ckptio.staging import StagingArea, StagingPool, stage_leaf
+from ckptio.manifest.names import step_of_key
+from ckptio.saving.incremental import compare as compare_mod
+from ckptio.saving.incremental import plan as plan_mod
+from ckptio.saving.incremental.shadow import Shadows, same_bytes
+from ckptio.saving.staging import StagingArea, stage_leaf
+from ckptio.system.bufferpool import StagingPool
 
 N = 96 << 10  # float32 elements: 384 KiB, above the packing threshold (staged as its own copy)
 

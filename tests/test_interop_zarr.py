@@ -27,12 +27,12 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") 
     pytest.skip("needs jax and orbax-checkpoint", allow_module_level=True)
 
 import interop_data as D  # noqa: E402
-from ckptio.backends import open_backend  # noqa: E402
-from ckptio.backends.wrappers import CountingBackend  # noqa: E402
 from conftest import GCS_TEST_BUCKET  # noqa: E402
 from interop_run import check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 
 import ckptio  # noqa: E402
+from ckptio.backends import open_backend  # noqa: E402
+from ckptio.backends.wrappers import CountingBackend  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
 
 pytestmark = pytest.mark.slow  # writes every adapter's checkpoint through Orbax and DCP first

@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import on_hosts
 
 import ckptio
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.store import CheckpointStore
-from hosts import on_hosts
 
 SHAPE = (4, 600)
 

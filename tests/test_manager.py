@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio.layout import FlatNaming, HashedNaming, Piece, pack
+from ckptio.engine.layout import FlatNaming, HashedNaming, Piece, pack
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
 
 

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 import ckptio
 from ckptio.backends import Backend, ObjectInfo, open_backend
 from ckptio.backends.wrappers import WrapperBackend
-from ckptio.best import METRICS_KEY
 from ckptio.engine import run_sync
+from ckptio.manage.best_n import METRICS_KEY
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.names import parse_object
+from ckptio.manifest.names import parse_object
 
 
 class Outage(WrapperBackend):

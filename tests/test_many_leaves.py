@@ -15,10 +15,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from manifests import manifest_doc, packed
 
 import ckptio
 from ckptio.manifest import PACKS_VERSION
-from manifests import manifest_doc, packed
 
 _DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.uint16, np.int64, np.bool_,
            np.complex64, ml_dtypes.float8_e4m3fn]

@@ -30,12 +30,11 @@ from hosts import on_hosts
 from manifests import as_rows, edit_manifest
 
 import ckptio
-from ckptio.names import is_fencing
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
-from ckptio.layout import FanoutNaming, FlatNaming, HashedNaming, Naming
+from ckptio.engine.layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 from ckptio.manifest import MANIFEST_NAME, seal, unseal
-from ckptio.names import ObjectName, parse_object, parse_replica_mark, replica_mark_key
+from ckptio.manifest.names import ObjectName, is_fencing, parse_object, parse_replica_mark, replica_mark_key
 from ckptio.store import CheckpointStore
 
 SID = "0123456789ab"
@@ -52,7 +51,7 @@ def old_file(root: Path, key: str) -> None:
 
 
 def left(root: Path) -> set[str]:
-    # Revocations (ckptio.fence) are kept forever by design: not leftovers.
+    # Revocations (ckptio.store.fence) are kept forever by design: not leftovers.
     return {k for p in root.rglob("*") if p.is_file() and not is_fencing(k := str(p.relative_to(root)))}
 
 

@@ -11,12 +11,12 @@ import hypothesis.strategies as st
 import ml_dtypes
 import numpy as np
 import pytest
+from manifests import as_rows
 
 import ckptio
-from ckptio.dtypes import ML_DTYPES
-from ckptio.names import FENCE_PREFIX
 from ckptio.manifest import MANIFEST_NAME, seal, unseal
-from manifests import as_rows
+from ckptio.manifest.names import FENCE_PREFIX
+from ckptio.state.dtypes import ML_DTYPES
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -446,7 +446,7 @@ def test_tiling_check_of_8192_shards_finds_the_one_overlap(layout):
 def test_shard_index_finds_exactly_the_overlapping_shards(rows, cols, query):
     """The per-array index that planning uses returns what a scan of every shard would."""
     from ckptio.manifest import ArrayItem, ShardRecord, overlap
-    from ckptio.reshard import shards_meeting
+    from ckptio.restoring.reshard import shards_meeting
 
     r_off = [0, *itertools.accumulate(rows)]
     c_off = [0, *itertools.accumulate(cols)]

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import GCS_TEST_BUCKET
+from manifests import as_rows
 
 import ckptio
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.cli import main as cli
 from ckptio.engine import run_sync
-from ckptio.layout import HashedNaming
+from ckptio.engine.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
-from ckptio.names import parse_object
+from ckptio.manifest.names import parse_object
 from ckptio.store import CheckpointStore
-from manifests import as_rows
 
 
 def state(step: int) -> dict[str, Any]:
@@ -210,7 +210,7 @@ def test_rm_rf_root_midway_fails_the_save(tmp_path: Path) -> None:
 
 
 def test_resumed_copy_survives_a_concurrent_gc(tmp_path: Path) -> None:
-    from ckptio.copy import copy_checkpoint, copy_objects, rekey
+    from ckptio.manage.copying import copy_checkpoint, copy_objects, rekey
 
     src, dst_url = str(tmp_path / "src"), str(tmp_path / "dst")
     save(src, 4)
@@ -315,7 +315,7 @@ def test_deeply_nested_manifest_is_a_manifest_error(tmp_path: Path) -> None:
     from ckptio.manifest import seal
 
     save(tmp_path, 1)
-    from ckptio.checksum import crc32c
+    from ckptio.system.checksum import crc32c
 
     body = b'{"format":"ckptio","version":1,"tree":' + b"[" * 5000 + b"0" + b"]" * 5000 + b"}"
     sealed = b'{"crc32c":"%08x","manifest":%s}' % (crc32c(body), body)

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptio._system import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, collapse, fresh_pages, populate
-from ckptio.staging import StagingArea, StagingPool, aligned_empty
+from ckptio.saving.staging import StagingArea
+from ckptio.system import FRESH_MIN, HUGE_PAGE, POPULATE_MIN, collapse, fresh_pages, populate
+from ckptio.system.bufferpool import StagingPool, aligned_empty
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, FRESH_MIN - 1, FRESH_MIN, (4 << 20) + 3])
@@ -200,7 +201,7 @@ def test_a_shared_memory_pool_settles_its_buffers_into_huge_pages_through_the_sl
     policy may say "never" (this VM's): the shared pool still moves a settled buffer's whole huge
     pages into huge pages, through the slab's file, and every byte reads back as written through
     the pool's mapping and through another mapping of the slab (the writer process's)."""
-    from ckptio.shm import ShmStagingPool
+    from ckptio.saving.writers.shm import ShmStagingPool
 
     if not _huge_pages_to_be_had() or "[deny]" in _shmem_policy():
         pytest.skip("this kernel or host gives no huge page to MADV_COLLAPSE")
@@ -237,7 +238,7 @@ def test_kept_buffers_ask_for_huge_pages_before_their_first_touch() -> None:
     process's shared-memory slabs ask for them (MADV_HUGEPAGE, "hg") whatever the host's policy then
     grants; plain fresh pages (restore destinations) do not, and every byte is kept."""
     from ckptio.backends._bounce import BouncePool
-    from ckptio.shm import ShmStagingPool
+    from ckptio.saving.writers.shm import ShmStagingPool
 
     plain, huge = fresh_pages(4 << 20), fresh_pages(4 << 20, huge=True)
     assert "hg" not in _smaps_field(plain, "VmFlags:") and "hg" in _smaps_field(huge, "VmFlags:")
@@ -254,7 +255,7 @@ def test_kept_buffers_ask_for_huge_pages_before_their_first_touch() -> None:
 
 
 def _fresh_process_pool(monkeypatch: pytest.MonkeyPatch, max_bytes: int) -> StagingPool:
-    import ckptio.stagingpool as sp
+    import ckptio.system.bufferpool as sp
 
     monkeypatch.setattr(sp, "_process_pool", None)
     monkeypatch.setattr(sp, "PROCESS_POOL_BYTES", max_bytes)
@@ -303,7 +304,7 @@ def test_the_process_pool_keeps_within_its_bound_and_a_pool_of_nothing_keeps_not
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_forked_child_starts_without_the_parents_process_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptio.stagingpool as sp
+    import ckptio.system.bufferpool as sp
 
     parent = _fresh_process_pool(monkeypatch, 8 << 20)
     parent.give_back([aligned_empty(4 << 20)])

@@ -4,7 +4,7 @@ The scenario (an old job's retention paused, a new job that rolled back and save
 again): deleter D reads step S's manifest (checkpoint A) and stalls; meanwhile another process
 deletes S and saves S anew (checkpoint B), which commits; D wakes. Its revocations come too late
 for B (B's fence already says commit), so D must see B and leave it whole: the deleter's step 2 of
-:mod:`ckptio.fence`. Without it, D deleted B's objects and manifest: a committed checkpoint lost.
+:mod:`ckptio.store.fence`. Without it, D deleted B's objects and manifest: a committed checkpoint lost.
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ import os
 
 import numpy as np
 import pytest
+from hosts import on_hosts
 
 import ckptio
+from ckptio.errors import ManifestError
 from ckptio.manifest import formats
 from ckptio.manifest.hoststate import decode_state, encode_state
-from ckptio.errors import ManifestError
-from ckptio.perhost import PerHost, take_modulo
-
-from hosts import on_hosts
+from ckptio.state.perhost import PerHost, take_modulo
 
 WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
 
@@ -67,9 +66,9 @@ def test_stateful_leaf_restores_in_place_and_an_older_reader_refuses(tmp_path, m
 
 @pytest.mark.parametrize("split", [True, False], ids=["fragments", "host-local"])
 def test_each_of_four_hosts_restores_its_own_and_a_host_count_change_needs_the_hook(tmp_path, split):
+    from ckptio.restoring import restore_step
+    from ckptio.saving.job import start_save
     from ckptio.store import CheckpointStore, StoreOptions
-    from ckptio.save import start_save
-    from ckptio.restore import restore_step
 
     url = str(tmp_path)
 
@@ -123,9 +122,9 @@ class Loader(Schedule):
 def test_on_another_host_count_a_scheduler_takes_host_0s_state_and_a_loader_is_refused(tmp_path):
     """As DCP treats a Stateful: a non-iterable stateful leaf holds one state on every host, so a
     restore by another number of hosts gives each the state host 0 saved; a data loader's is its own."""
+    from ckptio.restoring import restore_step
+    from ckptio.saving.job import start_save
     from ckptio.store import CheckpointStore, StoreOptions
-    from ckptio.save import start_save
-    from ckptio.restore import restore_step
 
     def store():
         return CheckpointStore(StoreOptions(str(tmp_path)))
@@ -165,7 +164,7 @@ def test_real_loaders_resume_bit_exact_in_new_processes(tmp_path, hosts):
 
 def test_a_state_of_only_per_host_values_saves_from_many_hosts(tmp_path):
     """No array at all: the hosts' summaries hold no boxes (a width-0 table)."""
-    from ckptio.save import start_save
+    from ckptio.saving.job import start_save
     from ckptio.store import CheckpointStore, StoreOptions
 
     on_hosts(2, lambda r, c: start_save(CheckpointStore(StoreOptions(str(tmp_path))), 1,

@@ -1,4 +1,4 @@
-"""The planner (ckptio.reshard over ShardTable) against a brute-force numpy oracle.
+"""The planner (ckptio.restoring.reshard over ShardTable) against a brute-force numpy oracle.
 
 Random saved shardings x target shardings x dtypes x uneven shapes x tiled/untiled shards x
 extents split over objects x small checksum blocks. The oracle maps every byte of every shard to
@@ -21,15 +21,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio.checksum import block_crcs, verify_blocks
+from ckptio.engine.readpieces import ConcatView
+from ckptio.engine.scratch import ScratchPool
 from ckptio.errors import IntegrityError, ManifestError
 from ckptio.manifest import ArrayItem, Extent, FragmentRef, Manifest, ShardRecord
 from ckptio.manifest.codec.columns import Columns, decode_columns, encode_columns, from_columns
 from ckptio.manifest.codec.gather import Gather
-from ckptio import reshard
-from ckptio.readpieces import ConcatView
-from ckptio.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
-from ckptio.scratch import ScratchPool
+from ckptio.restoring import reshard
+from ckptio.restoring.reshard import Region, coverage_gaps, plan_region, plan_regions, shard_grid
+from ckptio.system.checksum import block_crcs, verify_blocks
 
 DTYPES = [np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.float32), np.dtype(np.float64),
           np.dtype(ml_dtypes.bfloat16)]

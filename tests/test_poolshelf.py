@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptio._system import poolshelf
-from ckptio._system.poolshelf import KEEP, give_pool, parked, take_pool
+from ckptio.system import poolshelf
+from ckptio.system.poolshelf import KEEP, give_pool, parked, take_pool
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_a_store_opened_per_save_starts_no_threads_after_the_first(tmp_path: Pat
 
 
 def test_a_slot_takes_once_releases_and_takes_again() -> None:
-    from ckptio._system.poolshelf import PoolSlot
+    from ckptio.system.poolshelf import PoolSlot
 
     slot = PoolSlot("t-slot", 2, started=True)
     assert slot.pool is None

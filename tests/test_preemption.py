@@ -85,7 +85,7 @@ def test_sigterm_on_one_of_four_processes_saves_one_step_on_all(tmp_path, kind):
     (step,) = steps
     mngr = ckptio.CheckpointManager(root)
     assert mngr.all_steps() == [step]
-    got = mngr.restore(target={"w": None, "pos": ckptio.PerHost(None, on_resize=ckptio.perhost.take_modulo)})
+    got = mngr.restore(target={"w": None, "pos": ckptio.PerHost(None, on_resize=ckptio.state.perhost.take_modulo)})
     assert got["w"].tolist() == [step] * 4
     assert got["pos"].value == {"rank": 0, "step": step}
     mngr.close()

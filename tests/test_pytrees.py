@@ -210,7 +210,7 @@ def test_cast_core_imports_no_framework() -> None:
     import subprocess
     import sys
 
-    code = "import sys, ckptio.cast; assert 'jax' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, ckptio.state.cast; assert 'jax' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -8,10 +8,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from fake_gcs import FakeGCS, unique_prefix
 
 from ckptio.bench.ratelimit import RateLimitProxy, request_prefix
 from ckptio.bench.throttled import run_throttled
-from fake_gcs import FakeGCS, unique_prefix
 
 HOSTS = 64
 LIMIT = 100.0  # requests/s per class: 64 hosts unbudgeted send several times that at the start
@@ -119,7 +119,7 @@ def test_a_whole_read_of_a_small_object_is_one_request_through_the_stores_wrappe
     each is a round of a host's share in a restore's chain. A missing object is still
     FileNotFoundError, and an empty one reads empty."""
     from ckptio.backends.budget import BudgetedBackend, RequestBudget, RequestRate
-    from ckptio.backends.deadline import Deadlines, DeadlineBackend
+    from ckptio.backends.deadline import DeadlineBackend, Deadlines
     from ckptio.backends.gcs import GCSBackend
     from ckptio.backends.retrying import RetryingBackend
 

@@ -16,11 +16,11 @@ import ckptio
 from ckptio.backends import open_backend
 from ckptio.backends.base import ByteRange, ThrottledError
 from ckptio.backends.wrappers import CountingBackend, WrapperBackend
-from ckptio.distributed import SingleProcess
+from ckptio.coord.distributed import SingleProcess
 from ckptio.engine import EngineConfig, run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
-from ckptio.restore import restore_step
-from ckptio.restore.agreement import can_read_once
+from ckptio.restoring import restore_step
+from ckptio.restoring.agreement import can_read_once
 from ckptio.store import CheckpointStore, StoreOptions
 
 HOSTS = 4
@@ -321,7 +321,7 @@ class _KV:
 
 
 def test_read_once_over_jax_coordination_service(tmp_path: Path) -> None:
-    from ckptio.distributed import JaxCoordinator
+    from ckptio.coord.distributed import JaxCoordinator
 
     _save(tmp_path)
     kv = _KV(HOSTS)

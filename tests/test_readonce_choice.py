@@ -15,15 +15,14 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_boxexchange import layouts
-from test_boxexchange import BF16, COLS, ROWS, SAVED, _item, _Keys, _rows, _save, full
+from test_boxexchange import BF16, COLS, ROWS, SAVED, _item, _Keys, _rows, _save, full, layouts
 from test_readonce import _Host, on_hosts
 
 import ckptio
 from ckptio.backends import open_backend
 from ckptio.engine import run_sync
-from ckptio.restore import restore_step
-from ckptio.restore.boxroute import TargetTable, apart
+from ckptio.restoring import restore_step
+from ckptio.restoring.boxroute import TargetTable, apart
 from ckptio.store import CheckpointStore, StoreOptions
 
 

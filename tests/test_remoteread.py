@@ -1,4 +1,4 @@
-"""The writer process reads unstaged arrays out of the trainer's memory (ckptio.remoteread).
+"""The writer process reads unstaged arrays out of the trainer's memory (ckptio.saving.writers.remoteread).
 
 Properties: what it reads is the trainer's bytes, checksummed in each extent's own blocks; every
 manifest row of such a save matches the bytes on disk and restores; the trainer copies nothing
@@ -18,15 +18,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_summedfill import _rows
 
 import ckptio
-from ckptio import EngineConfig, remoteread, sidecar
-from ckptio._system import fresh_pages
-from ckptio.checksum import block_crcs
-from ckptio.layout import PlannedExtent
-from ckptio.remoteread import RemoteObject, allow_reads, readable, token, vm_read
-from ckptio.sidecar_export import Export
-from test_summedfill import _rows
+from ckptio import EngineConfig
+from ckptio.engine.layout import PlannedExtent
+from ckptio.saving.writers import remoteread, sidecar
+from ckptio.saving.writers.remoteread import RemoteObject, allow_reads, readable, token, vm_read
+from ckptio.saving.writers.sidecar_export import Export
+from ckptio.system import fresh_pages
+from ckptio.system.checksum import block_crcs
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hosts import on_hosts
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import ckptio
 from ckptio.backends import ThrottledError, open_backend
@@ -20,7 +22,6 @@ from ckptio.backends.retrying import RetryPolicy, retry_call
 from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import Engine, EngineConfig
 from ckptio.errors import CheckpointNotFoundError
-from hosts import on_hosts
 
 
 class Clock:
@@ -347,8 +348,9 @@ def test_no_descriptor_of_a_shared_state_is_closed_while_this_process_holds_its_
     import os
     import threading
 
-    from ckptio.backends._budget_slots import SlotState
     from lockprobe import locked_elsewhere
+
+    from ckptio.backends._budget_slots import SlotState
 
     host = SlotState(0.0)
     fd = host.share()

@@ -35,7 +35,7 @@ from resave_worker import STATE_OFFSET  # noqa: E402
 
 import ckptio  # noqa: E402
 from ckptio.engine import run_sync  # noqa: E402
-from ckptio.fence import writers_of  # noqa: E402
+from ckptio.store.fence import writers_of  # noqa: E402
 
 #: The savers' lease (theirs and this process's): long enough that a re-save started right after
 #: the stall meets a live (or not provably dead) commit, short enough to wait out.

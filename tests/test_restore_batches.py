@@ -1,4 +1,4 @@
-"""A format-2 restore planned and read in batches of fragments (ckptio.restore.batches): with a
+"""A format-2 restore planned and read in batches of fragments (ckptio.restoring.batches): with a
 budget so small that every fragment is a batch of its own, it is bit-exact, reads every fragment
 once and exactly the data ranges the one-shot plan reads (each once), and a flipped byte is still
 refused naming its object."""
@@ -18,8 +18,8 @@ import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ckptio.manifest import ArrayItem
-from ckptio.restore import restore_checkpoint, select
-from ckptio.restore.batches import Batched, fragment_batches, fragment_cut, locator_gaps
+from ckptio.restoring import restore_checkpoint, select
+from ckptio.restoring.batches import Batched, fragment_batches, fragment_cut, locator_gaps
 from ckptio.store import CheckpointStore
 
 HOSTS = 4
@@ -227,8 +227,8 @@ def test_arrays_of_one_layout_asking_one_box_are_segmented_once_and_read_apart(
         saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """params/w and opt/nu share their layout (and the box asked): their segments are found once
     (reshard.plan_regions) and each array still gets its own bytes, from its own extents."""
-    from ckptio import reshard
-    from ckptio.reshard import Region, plan_regions
+    from ckptio.restoring import reshard
+    from ckptio.restoring.reshard import Region, plan_regions
 
     store = CheckpointStore(str(saved))
     try:
@@ -280,14 +280,14 @@ def test_a_short_object_is_refused_naming_it_before_its_batch_is_read(saved: Pat
 
 def test_the_scale_bench_plans_as_the_restore_does_batched_or_not(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench.scale's host plan goes through ckptio.restore.batches where the restore would: the
+    """bench.scale's host plan goes through ckptio.restoring.batches where the restore would: the
     same bytes planned with one batch per fragment as at once."""
     import importlib
     import json
 
     from ckptio.bench import scale
 
-    batches = importlib.import_module("ckptio.restore.batches")
+    batches = importlib.import_module("ckptio.restoring.batches")
     (tmp_path / "1").mkdir()
     path = tmp_path / "summaries.json"
     path.write_text(json.dumps([scale._host_files(str(tmp_path), 8, 8, r) for r in range(8)]))

@@ -44,7 +44,7 @@ def test_start_workers_starts_every_thread_up_front_and_the_pool_still_works() -
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptio._system import start_workers
+    from ckptio.system import start_workers
 
     pool = start_workers(ThreadPoolExecutor(4, thread_name_prefix="t"), 4)
     try:
@@ -64,8 +64,8 @@ def test_a_local_backend_and_an_engine_start_their_read_threads_before_the_reads
     import numpy as np
 
     from ckptio.backends.base import ByteRange
-    from ckptio.checksum import block_crcs
     from ckptio.engine import Engine, EngineConfig, ReadRequest
+    from ckptio.system.checksum import block_crcs
 
     backend = LocalBackend(str(tmp_path), threads=3)
     engine = Engine(backend, EngineConfig(checksum_threads=2))

@@ -14,18 +14,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import TierGroup, on_hosts
 
 import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.restore.plan import select
-from ckptio.save import start_save
+from ckptio.restoring.plan import select
+from ckptio.saving.job import start_save
 from ckptio.store import CheckpointStore
 from ckptio.tiers.peer import RoutedBackend
 from ckptio.tiers.policy import Holding, RestorePlan
 from ckptio.tiers.rootcast import HostTiers, manifest_for
-from hosts import TierGroup, on_hosts
 
 HOSTS, ROWS, COLS, STEP = 3, 48, 8, 4
 W = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)

@@ -1,4 +1,4 @@
-"""Pieces as runs of bytes (ckptio.restore.runs) against numpy slicing: every box of every buffer,
+"""Pieces as runs of bytes (ckptio.restoring.runs) against numpy slicing: every box of every buffer,
 packed and unpacked through runs, gives exactly the bytes of the slice, in C order."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio.restore import runs as R
-from ckptio.restore.runs import copy_runs, flat, groups, runs
+from ckptio.restoring import runs as R
+from ckptio.restoring.runs import copy_runs, flat, groups, runs
 
 PROFILE = settings(max_examples=80, derandomize=True, deadline=None)
 

@@ -81,9 +81,9 @@ def test_a_resave_of_a_committed_step_is_refused_on_every_host_and_leaves_no_int
     """Each host checks the step while it announces its save (not before): a host that finds the
     step committed retires the intent it just wrote, so a refused re-save leaves the step exactly
     as it was -- no intent, and the committed checkpoint still restores."""
-    from ckptio.names import parse_intent
-
     from hosts import on_hosts
+
+    from ckptio.manifest.names import parse_intent
 
     w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
 

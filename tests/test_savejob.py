@@ -1,6 +1,6 @@
 """The save job's parts on their own: the collective verdict, the writer choice, layout options.
 
-A save is :class:`ckptio.save.SaveJob` (stage, write, record, verdict/commit, finish);
+A save is :class:`ckptio.saving.job.SaveJob` (stage, write, record, verdict/commit, finish);
 these tests pin the contracts its phases rely on, without a whole save where none is
 needed: every host joins the gather and the broadcast even when the commit fails
 (``collective_verdict``), the writer string maps once to a writer object, and the
@@ -14,20 +14,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hosts import on_hosts
 
 import ckptio
 from ckptio.backends.base import LayoutDefaults
-from ckptio.collective import Verdict, collective_verdict, failed_record, join_as_failed
-from ckptio.distributed import SingleProcess
+from ckptio.coord.collective import Verdict, collective_verdict, failed_record, join_as_failed
+from ckptio.coord.distributed import SingleProcess
 from ckptio.engine import EngineConfig
-from ckptio.handle import SaveOptions
-from ckptio.layout import LayoutOptions
-from ckptio.save import SaveJob, start_save
-from ckptio.sidecar import SIDECAR_WRITER, writer_for
+from ckptio.engine.layout import LayoutOptions
+from ckptio.saving.handle import SaveOptions
+from ckptio.saving.job import SaveJob, start_save
+from ckptio.saving.writers.base import ENV, THREAD_WRITER, ThreadWriter, writer_name
+from ckptio.saving.writers.sidecar import SIDECAR_WRITER, writer_for
 from ckptio.store import CheckpointStore
-from ckptio.writers import ENV, THREAD_WRITER, ThreadWriter, writer_name
-
-from hosts import on_hosts
 
 
 def test_every_host_gets_the_coordinators_verdict() -> None:

@@ -1,4 +1,4 @@
-"""The writer process per host (ckptio.sidecar): same checkpoints as in-process, and its crash semantics.
+"""The writer process per host (ckptio.saving.writers.sidecar): same checkpoints as in-process, and its crash semantics.
 
 Properties only, never timings: a dead sidecar fails the save and nothing is
 committed; gc then leaves no orphan; the next save starts a new sidecar and
@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import remoteread, sidecar, sidecar_export
-from ckptio._system import HUGE_PAGE
 from ckptio.engine import EngineConfig
 from ckptio.errors import SaveFailedError
-from ckptio.shm import ShmStagingPool
+from ckptio.saving.writers import remoteread, sidecar, sidecar_export
+from ckptio.saving.writers.shm import ShmStagingPool
+from ckptio.system import HUGE_PAGE
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the sidecar needs Linux memfd")
 
@@ -140,7 +140,7 @@ def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path, 
 @pytest.fixture(params=["copied", "read"])
 def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Unstaged bytes copied into shared memory by the trainer, or read by the writer process
-    (ckptio.remoteread) where this host lets it."""
+    (ckptio.saving.writers.remoteread) where this host lets it."""
     if request.param == "copied":
         monkeypatch.setenv(remoteread.ENV, "0")
     else:
@@ -471,7 +471,7 @@ def test_current_is_the_sidecar_ensure_started_until_shutdown() -> None:
 def test_kill_minus_9_campaign_with_the_sidecar(tmp_path: Path, jax: bool) -> None:
     """tests/crash_campaign.py with the saver writing through its sidecar: savers, sidecars, gc and
     cp killed at random; only committed steps listed, all bit-exact, no orphan after the final gc.
-    With JAX arrays, the sidecar reads them out of the saver's memory (ckptio.remoteread)."""
+    With JAX arrays, the sidecar reads them out of the saver's memory (ckptio.saving.writers.remoteread)."""
     if jax:
         pytest.importorskip("jax")
     sys.path.insert(0, os.path.dirname(__file__))
@@ -511,10 +511,11 @@ def test_the_sidecar_keeps_the_hosts_budget_lock_while_a_thread_holds_it(tmp_pat
     must keep it: the trainer must not be let in to the same doubles at the same moment."""
     import threading
 
+    from lockprobe import locked_elsewhere
+
     from ckptio.backends._budget_slots import SlotState
     from ckptio.backends.budget import RequestBudget, RequestRate
-    from ckptio.sidecar_child import _Writer
-    from lockprobe import locked_elsewhere
+    from ckptio.saving.writers.sidecar_child import _Writer
 
     rate = RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0)
     trainer = RequestBudget(rate)

@@ -23,12 +23,12 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -16,7 +16,7 @@ import ckptio
 from ckptio.backends import open_backend
 from ckptio.backends.wrappers import CountingBackend
 from ckptio.engine import run_sync
-from ckptio.restore.boxexchange import restore_exchange
+from ckptio.restoring.boxexchange import restore_exchange
 from ckptio.store import CheckpointStore, StoreOptions
 
 HOSTS = 4

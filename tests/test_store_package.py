@@ -2,7 +2,7 @@
 
 * :class:`RetryingBackend` passes the conformance suite, retries a transient failure with the
   engine's policy and gives up after ``retries``; the store's own calls go through it once.
-* A custom :class:`~ckptio.layout.Naming` that proves its keys (``parse_object``) gets its dead
+* A custom :class:`~ckptio.engine.layout.Naming` that proves its keys (``parse_object``) gets its dead
   attempts collected by gc; one that does not keeps them (never deleted by guess).
 * ``ckptio.store`` and its services import downwards only.
 """
@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ckptio.testing import BackendConformance
 from test_never_lose import _RefuseCommit, same, state
 
 import ckptio
@@ -29,9 +28,10 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.retrying import RetryingBackend, RetryPolicy
 from ckptio.backends.wrappers import FaultInjectingBackend
 from ckptio.engine import EngineConfig, run_sync
-from ckptio.layout import Naming
-from ckptio.names import ObjectName, parse_object
+from ckptio.engine.layout import Naming
+from ckptio.manifest.names import ObjectName, parse_object
 from ckptio.store import CheckpointStore, StoreOptions
+from ckptio.testing import BackendConformance
 
 STORE = Path(__file__).resolve().parent.parent / "ckptio" / "store"
 

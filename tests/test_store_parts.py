@@ -13,12 +13,12 @@ import os
 import time
 
 import pytest
+
 from ckptio.backends import open_backend
 from ckptio.backends.wrappers import WrapperBackend
-
 from ckptio.engine import run_sync
 from ckptio.errors import SaveRevokedError
-from ckptio.names import fence_key, new_id, parse_held
+from ckptio.manifest.names import fence_key, new_id, parse_held
 from ckptio.store import CheckpointStore
 from ckptio.store.parts import PartRecord, part_from_json
 

@@ -1,4 +1,4 @@
-"""The staging copy that checksums as it copies (ckptio.checksum.copy_summed, ckptio.summedfill): the
+"""The staging copy that checksums as it copies (ckptio.system.checksum.copy_summed, ckptio.saving.summedfill): the
 sums are those of the copied bytes in each extent's own blocks, every manifest row matches the bytes on
 disk whichever writer wrote them, and the engine's own pass runs only where staging could not sum."""
 
@@ -13,10 +13,10 @@ import pytest
 
 import ckptio
 from ckptio import EngineConfig
-from ckptio import engine as engine_mod
-from ckptio import fillers
-from ckptio.checksum import FUSED_CHUNK, block_crcs, copy_summed
-from ckptio.summedfill import wanted
+from ckptio.engine import core as engine_mod
+from ckptio.saving import fillers
+from ckptio.saving.summedfill import wanted
+from ckptio.system.checksum import FUSED_CHUNK, block_crcs, copy_summed
 
 
 @pytest.mark.parametrize("block", [4096, 12 << 10, 256 << 10, FUSED_CHUNK, 3 * FUSED_CHUNK])

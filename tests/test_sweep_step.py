@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptio.backends import Capabilities, open_backend
-from ckptio.backends.local import TMP_MARK
-from ckptio.backends.wrappers import WrapperBackend
 from test_never_lose import _RefuseCommit, files, same, save, state
 
 import ckptio
+from ckptio.backends import Capabilities, open_backend
+from ckptio.backends.local import TMP_MARK
+from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import run_sync
-from ckptio.store.intents import new_id
-from ckptio.layout import HashedNaming
+from ckptio.engine.layout import HashedNaming
 from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME
-from ckptio.names import parse_intent, parse_object
+from ckptio.manifest.names import parse_intent, parse_object
 from ckptio.store import CheckpointStore, SweepReport
+from ckptio.store.intents import new_id
 
 #: Not ckptio's, though some look like it: none may ever be deleted.
 FOREIGN = ["2/notes.txt", "2/ckptio.intent.xyz", "2/0123456789ab.h00000-00000.bak",

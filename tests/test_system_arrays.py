@@ -1,4 +1,4 @@
-"""ckptio._system.arrays: numpy's sorted unique values, without its first-call ``numpy.ma`` import.
+"""ckptio.system.arrays: numpy's sorted unique values, without its first-call ``numpy.ma`` import.
 
 numpy 2's ``np.unique`` without index outputs imports ``numpy.ma`` (and ``inspect``) the first
 time: about 0.9 MiB of RSS, which a process paid inside its first read-once restore. The
@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio._system import unique, unique_rows
+from ckptio.system import unique, unique_rows
 
 PROFILE = settings(max_examples=80, derandomize=True, deadline=None)
 _INTS = st.integers(-4, 4)

@@ -13,20 +13,19 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+
+import ckptio
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import CountingBackend, WrapperBackend
-
-import ckptio
-from ckptio.names import fence_key
-from ckptio.copy import copy_checkpoint, copy_objects, rekey
 from ckptio.engine import run_sync
+from ckptio.engine.layout import HashedNaming
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
-from ckptio.store.intents import new_id
-from ckptio.layout import HashedNaming
+from ckptio.manage.copying import copy_checkpoint, copy_objects, rekey
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.names import ReplicaMark, parse_replica_mark, replica_mark_key
+from ckptio.manifest.names import ReplicaMark, fence_key, parse_replica_mark, replica_mark_key
 from ckptio.store import CheckpointStore
+from ckptio.store.intents import new_id
 from ckptio.tiers import (
     DURABLE,
     LOCAL,
@@ -201,7 +200,7 @@ def test_a_part_copied_by_its_record_lands_where_the_manifests_copy_puts_it(src,
     """#33: a non-coordinator copies its part to the durable tier by its record alone. On a hashed destination
     a key depends on the object's index in the manifest, which the record carries: the keys and bytes are
     those of the manifest's copy, and the copy restores."""
-    from ckptio.copy import copy_keys, rekey_one, stored_extents
+    from ckptio.manage.copying import copy_keys, rekey_one, stored_extents
     from ckptio.tiers.held import part_records
 
     m = run_sync(src.read_manifest("7"))

@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 from ckptio.backends.local import TMP_MARK
 from ckptio.engine import run_sync
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.names import fence_key, parse_intent, parse_object
+from ckptio.manifest.names import fence_key, parse_intent, parse_object
 from ckptio.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -12,12 +12,12 @@ import struct
 
 import numpy as np
 import pytest
-from ckptio.backends import open_backend
-from ckptio.backends.wrappers import WrapperBackend
 
 import ckptio
+from ckptio.backends import open_backend
+from ckptio.backends.wrappers import WrapperBackend
 from ckptio.engine import run_sync
-from ckptio.names import HeldName, held_key, parse_held
+from ckptio.manifest.names import HeldName, held_key, parse_held
 from ckptio.store import CheckpointStore
 from ckptio.tiers import Holding, TieredCheckpointManager
 from ckptio.tiers.fastcommit import commit_everywhere

@@ -26,10 +26,10 @@ pytest.importorskip("torch")
 import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
+from ckptio.manage.verify import verify_checkpoint
 from ckptio.manifest import MANIFEST_NAME
 from ckptio.store import CheckpointStore
 from ckptio.tiers.held import own_object_keys, read_held
-from ckptio.verify import verify_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiers_worker import full_arrays

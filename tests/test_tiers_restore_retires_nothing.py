@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.wrappers import WrapperBackend
-
 from ckptio.engine import run_sync
 from ckptio.tiers import DURABLE, LOCAL, Retention, TieredCheckpointManager, TierPolicy
 

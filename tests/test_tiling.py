@@ -14,11 +14,10 @@ import ckptio
 from ckptio.backends.memory import MemoryBackend
 from ckptio.backends.wrappers import CountingBackend
 from ckptio.engine import run_sync
+from ckptio.engine.tiling import tile_boxes, tile_for, tiles_meeting
 from ckptio.errors import IntegrityError
 from ckptio.manifest import MANIFEST_NAME, unseal
 from ckptio.store import CheckpointStore
-from ckptio.tiling import tile_boxes, tile_for, tiles_meeting
-
 
 # -- the arithmetic ----------------------------------------------------------------------------
 
@@ -169,7 +168,7 @@ def test_a_flipped_byte_in_a_partly_read_tile_is_caught_and_other_tiles_still_re
 def test_scratch_is_taken_when_a_read_starts_and_reused_after_its_copy_out(tmp_path, monkeypatch):
     """A column block of 16 tiles, two reads at a time: fresh scratch for the reads in flight only,
     not one buffer per tile made at planning (each a page fault per page)."""
-    from ckptio.scratch import ScratchPool
+    from ckptio.engine.scratch import ScratchPool
 
     url = f"mem://scratch-{tmp_path.name}"
     n = 2048
@@ -195,7 +194,7 @@ def test_scratch_is_taken_when_a_read_starts_and_reused_after_its_copy_out(tmp_p
 
 
 def test_scratch_memory_exists_only_between_its_read_and_its_release():
-    from ckptio.scratch import Scratch, ScratchPool
+    from ckptio.engine.scratch import Scratch, ScratchPool
 
     pool = ScratchPool()
     s = Scratch(8)

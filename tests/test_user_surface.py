@@ -75,7 +75,7 @@ def test_each_restore_submodule_imports_under_an_alias_and_the_function_still_re
         *[f"import ckptio.restore.{n} as m_{n}" for n in names],
         "pkg = sys.modules['ckptio.restore']",
         *[f"assert m_{n} is getattr(pkg, {n!r}), {n!r}" for n in names],
-        "assert isinstance(m_batches, types.ModuleType) and m_batches.__name__ == 'ckptio.restore.batches'",
+        "assert isinstance(m_batches, types.ModuleType) and m_batches.__name__ == 'ckptio.restoring.batches'",
         "assert isinstance(ckptio.restore, types.FunctionType)",
         f"assert ckptio.restore({str(tmp_path)!r}, 1)['w'].tolist() == [0, 1, 2, 3]",
     ])

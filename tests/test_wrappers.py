@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ckptio.testing import BackendConformance
 
 from ckptio.backends import RetryableError
 from ckptio.backends import memory as memory_module
@@ -25,6 +24,7 @@ from ckptio.backends.wrappers import (
     ReadOnlyBackend,
     WrapperBackend,
 )
+from ckptio.testing import BackendConformance
 
 
 def run(coro: Any) -> Any:

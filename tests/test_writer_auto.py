@@ -1,4 +1,4 @@
-"""The default writer (ckptio.writer_auto): large saves (numpy, torch, JAX) on a local backend go to
+"""The default writer (ckptio.saving.writers.auto): large saves (numpy, torch, JAX) on a local backend go to
 the writer process when no writer is named; everything else, and every named writer, is left as it was."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import remoteread, sidecar, sidecar_export, writer_auto
 from ckptio.engine import EngineConfig
+from ckptio.saving.writers import auto as writer_auto
+from ckptio.saving.writers import remoteread, sidecar, sidecar_export
 
 jax = pytest.importorskip("jax")
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the sidecar needs Linux memfd")
@@ -149,7 +150,7 @@ def test_a_jax_save_holds_at_most_the_export_budget_of_shared_memory(
     """JAX arrays are copied into shared memory object by object, and those copies are reused:
     after a save of 16 one-MiB objects the pool holds what was ever in flight, which the budget
     (``EXPORT_OBJECTS`` objects, or the backend's requests in flight) bounds, not the state. Where
-    the writer process reads them from the trainer (ckptio.remoteread), nothing is copied at all."""
+    the writer process reads them from the trainer (ckptio.saving.writers.remoteread), nothing is copied at all."""
     if reads == "copied":
         monkeypatch.setenv(remoteread.ENV, "0")
     else:
@@ -272,7 +273,7 @@ def test_a_dcp_async_save_of_cpu_tensors_follows_the_same_rule(
     arrays = _arrays(size_mib) if size_mib else {"w0": np.arange(1000, dtype=np.float32)}
     state = {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}
     writes: list[str] = []
-    for cls in (type(sidecar.SIDECAR_WRITER), type(ckptio.writers.THREAD_WRITER)):
+    for cls in (type(sidecar.SIDECAR_WRITER), type(ckptio.saving.writers.base.THREAD_WRITER)):
         real = cls.write
         monkeypatch.setattr(cls, "write", lambda self, *a, _real=real, **k: (writes.append(self.name), _real(self, *a, **k))[1])
     writer = ckptio.dcp.Writer(str(tmp_path / "a"))

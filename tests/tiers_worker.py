@@ -40,10 +40,10 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 import torch.distributed as dist
-from ckptio.backends import Backend, open_backend
-from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 
 import ckptio
+from ckptio.backends import Backend, open_backend
+from ckptio.backends.wrappers import CountingBackend, WrapperBackend
 from ckptio.tiers import Retention, TieredCheckpointManager, TierPolicy
 from ckptio.tiers.replicator import ReplicationError
 

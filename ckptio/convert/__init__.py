@@ -28,9 +28,9 @@ import dataclasses
 import math
 import os
 
-from ..engine import EngineConfig, Progress, run_sync
-from ..manifest import ArrayItem, Manifest
-from ..store import CheckpointStore
+from ckptio.engine import EngineConfig, Progress, run_sync
+from ckptio.manifest import ArrayItem, Manifest
+from ckptio.store import CheckpointStore
 
 __all__ = ["FORMATS", "ConvertResult", "convert", "source_bytes"]
 
@@ -73,7 +73,7 @@ def source_bytes(src: str, src_format: str, step: int | None = None) -> int | No
             import orbax.checkpoint as ocp
             from etils import epath
 
-            from .orbax import find_pytree_dir
+            from ckptio.convert.orbax import find_pytree_dir
 
             tree = (
                 ocp.PyTreeCheckpointHandler().metadata(epath.Path(os.path.abspath(find_pytree_dir(src)))).tree
@@ -115,11 +115,11 @@ def convert(
         store = CheckpointStore(dst, engine_config=engine_config)
         try:
             if src_format == "dcp":
-                from .dcp import dcp_to_ckptio
+                from ckptio.convert.dcp import dcp_to_ckptio
 
                 m = dcp_to_ckptio(src, store, step, batch_bytes=block_bytes, progress=progress)
             else:
-                from .orbax import orbax_to_ckptio
+                from ckptio.convert.orbax import orbax_to_ckptio
 
                 m = orbax_to_ckptio(src, store, step, block_bytes=block_bytes, progress=progress)
         finally:
@@ -130,11 +130,11 @@ def convert(
         step_dir = run_sync(store.resolve(step))
         m = run_sync(store.read_manifest(step_dir))
         if dst_format == "dcp":
-            from .dcp import ckptio_to_dcp
+            from ckptio.convert.dcp import ckptio_to_dcp
 
             ckptio_to_dcp(store, step_dir, dst, chunk_bytes=block_bytes, progress=progress)
         else:
-            from .orbax import ckptio_to_orbax
+            from ckptio.convert.orbax import ckptio_to_orbax
 
             ckptio_to_orbax(store, step_dir, dst, block_bytes=block_bytes, progress=progress)
     finally:

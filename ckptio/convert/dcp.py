@@ -5,7 +5,7 @@ the stock ``FileSystemReader`` (it is a pickle: that is DCP's own format, so
 convert only checkpoints you trust). Every saved chunk is then read through
 ``FileSystemReader.read_data`` with a collecting ``LoadPlanner``, in batches
 of about ``batch_bytes`` in file order, and handed to a
-:class:`ckptio.stream.StreamWriter`; byte items (what DCP's planner
+:class:`ckptio.saving.stream.StreamWriter`; byte items (what DCP's planner
 ``torch.save``\\ d) are copied raw, never unpickled. The manifest is the one
 :class:`ckptio.dcp.Writer` would have written (one array item per FQN, one
 shard per chunk, DCP's Metadata as JSON), so the result loads with
@@ -39,13 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Progress, run_sync
-from ..manifest import ArrayItem, Manifest, ValueItem, decode
-from ..manifest.hoststate import HostStateItem
-from ..reshard import Region, plan_region
-from ..store import CheckpointStore
-from ..stream import StreamWriter
-from ..tree import path_str
+from ckptio.engine import Progress, run_sync
+from ckptio.manifest import ArrayItem, Manifest, ValueItem, decode
+from ckptio.manifest.hoststate import HostStateItem
+from ckptio.restoring.reshard import Region, plan_region
+from ckptio.saving.stream import StreamWriter
+from ckptio.state.tree import path_str
+from ckptio.store import CheckpointStore
 
 __all__ = ["StreamingSavePlanner", "ckptio_to_dcp", "dcp_to_ckptio"]
 
@@ -68,7 +68,7 @@ def _read_items(md: Any, writer: StreamWriter) -> tuple[list[tuple[Any, Any, int
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from ..dcp._codec import numpy_dtype_of
+    from ckptio.dcp._codec import numpy_dtype_of
 
     items: list[tuple[Any, Any, int]] = []
     dtypes: dict[str, Any] = {}
@@ -106,7 +106,7 @@ class _Collect:
         return torch.empty(tuple(read_item.lengths), dtype=self.dtypes[read_item.dest_index.fqn])
 
     def commit_tensor(self, read_item: Any, tensor: Any) -> None:
-        from ..dcp._codec import numpy_view
+        from ckptio.dcp._codec import numpy_view
 
         fqn = read_item.dest_index.fqn
         arr = numpy_view(tensor.contiguous(), fqn)  # raw dtypes (complex32, float4) too
@@ -124,7 +124,7 @@ class _Collect:
         """DCP's WriteResults of every chunk placed (after ``writer.finish()``)."""
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from ..dcp._codec import ChunkLocation
+        from ckptio.dcp._codec import ChunkLocation
 
         out = []
         for index, name, n, nbytes in self.placed:
@@ -146,7 +146,7 @@ def dcp_to_ckptio(
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadPlan
 
-    from ..dcp._codec import manifest_doc
+    from ckptio.dcp._codec import manifest_doc
 
     src = os.fspath(src)
     if not is_dcp_dir(src):
@@ -182,7 +182,7 @@ def dcp_to_ckptio(
 
 
 def _tree_leaves(structure: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str]]:
-    """``(path parts, item name)`` of every leaf of a :mod:`ckptio.tree` structure."""
+    """``(path parts, item name)`` of every leaf of a :mod:`ckptio.state.tree` structure."""
     ((kind, body),) = structure.items()
     if kind == "leaf":
         yield parts, body
@@ -203,7 +203,7 @@ class _Plan:
 
 def _plans(manifest: Manifest, where: str) -> tuple[list[_Plan], dict[str, Any] | None]:
     """Every FQN to write, and DCP's planner_data (FQN -> path)."""
-    from ..dcp._codec import metadata_from_manifest
+    from ckptio.dcp._codec import metadata_from_manifest
 
     meta, refs = metadata_from_manifest(manifest, where)
     names: dict[str, tuple[str, str]] = {}
@@ -258,7 +258,7 @@ def _streaming_planner_class() -> type:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from ..dcp._codec import numpy_view
+    from ckptio.dcp._codec import numpy_view
 
     class _StreamingSavePlanner(DefaultSavePlanner):
         """A DefaultSavePlanner over meta tensors whose ``resolve_data`` reads each block from ckptio."""

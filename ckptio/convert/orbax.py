@@ -5,7 +5,7 @@ own metadata (``PyTreeCheckpointHandler.metadata``, plus ``_METADATA`` for
 each leaf's saved type); each array is opened with the TensorStore spec
 Orbax itself reads it with (``build_array_read_spec``), and read chunk by
 chunk -- Orbax's chunks are its saved shards -- into a
-:class:`ckptio.stream.StreamWriter`, so the ckptio checkpoint keeps the
+:class:`ckptio.saving.stream.StreamWriter`, so the ckptio checkpoint keeps the
 saved sharding as its shards. Chunks larger than ``block_bytes`` are read as
 row blocks. Scalars and strings become ckptio values. The manifest carries
 the ``ckptio.orbax`` leaf kinds, so ``ckptio.orbax.Restore`` and
@@ -45,13 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Progress, run_sync, submit
-from ..manifest import ArrayItem, Manifest, ValueItem
-from ..manifest.hoststate import HostStateItem
-from ..reshard import Region, plan_region, shard_grid
-from ..store import CheckpointStore
-from ..stream import StreamWriter
-from ..tree import flatten, path_str, unflatten
+from ckptio.engine import Progress, run_sync, submit
+from ckptio.manifest import ArrayItem, Manifest, ValueItem
+from ckptio.manifest.hoststate import HostStateItem
+from ckptio.restoring.reshard import Region, plan_region, shard_grid
+from ckptio.saving.stream import StreamWriter
+from ckptio.state.tree import flatten, path_str, unflatten
+from ckptio.store import CheckpointStore
 
 __all__ = ["ckptio_to_orbax", "find_pytree_dir", "orbax_to_ckptio"]
 

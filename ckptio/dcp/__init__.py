@@ -17,10 +17,10 @@ and, on a local path, a stock one: each chunk's raw bytes sit inside a
 
 from __future__ import annotations
 
-from ._codec import ChunkLocation
-from .perrank import PerRank
-from .reader import Reader
-from .staging import DEFAULT_BUFFERS, HostBuffers, Stager, stage_state_dict
-from .writer import Writer
+from ckptio.dcp._codec import ChunkLocation
+from ckptio.dcp.perrank import PerRank
+from ckptio.dcp.reader import Reader
+from ckptio.dcp.stager import DEFAULT_BUFFERS, HostBuffers, Stager, stage_state_dict
+from ckptio.dcp.writer import Writer
 
 __all__ = ["DEFAULT_BUFFERS", "ChunkLocation", "HostBuffers", "PerRank", "Reader", "Stager", "Writer", "stage_state_dict"]

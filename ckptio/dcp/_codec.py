@@ -49,13 +49,15 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import encode_dtype
-from ..errors import ManifestError
-from ..manifest import ArrayItem, Manifest, ObjectNumbers, ShardRecord, array_json, document, shard_json, version_for
-from ..manifest.limits import check_dims
-from ..staging import torch_to_numpy
-from ..tree import path_str
-from ._tensorbytes import plain_bytes
+from ckptio.dcp._tensorbytes import plain_bytes
+from ckptio.errors import ManifestError
+from ckptio.manifest import (
+    ArrayItem, Manifest, ObjectNumbers, ShardRecord, array_json, document, shard_json, version_for,
+)
+from ckptio.manifest.limits import check_dims
+from ckptio.state.dtypes import encode_dtype
+from ckptio.state.leaves import torch_to_numpy
+from ckptio.state.tree import path_str
 
 __all__ = [
     "DCP_VERSION",
@@ -384,7 +386,9 @@ def _bytes_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _F
 def _transformed_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _Found) -> Any:
     """Transformed chunks: the stored bytes in ``item``, their boxes in the entry ``d``."""
     import torch
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata,
+    )
 
     if item.dtype != np.uint8 or len(item.shape) != 1 or not isinstance(d["chunks"], list) or len(
             d["chunks"]) != len(item.shards):
@@ -413,10 +417,7 @@ def _tensor_md(fqn: str, d: dict[str, Any], item: ArrayItem, here: str, found: _
     """A tensor (or a native array) whose shards are its chunks."""
     import torch
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
+        ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
     )
 
     props = (_properties(d, item, here) if d.get("kind") == "tensor"

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..backends import backend_class, split_url
-from ..engine import EngineConfig, run_sync
-from ..layout import Naming
-from ..store import CheckpointStore, StoreOptions, step_dir_of
+from ckptio.backends import backend_class, split_url
+from ckptio.engine import EngineConfig, run_sync
+from ckptio.engine.layout import Naming
+from ckptio.store import CheckpointStore, StoreOptions, step_dir_of
 
 __all__ = ["Located"]
 

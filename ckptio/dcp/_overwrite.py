@@ -13,7 +13,7 @@ restorable checkpoint:
    atomically (POSIX: temporary file + rename; GCS: one object upload) --
    readers see the old checkpoint or the new one, never neither;
 3. only then are the old manifest's objects deleted, and only those that
-   :func:`ckptio.names.parse_object` proves are ckptio's objects of this
+   :func:`ckptio.manifest.names.parse_object` proves are ckptio's objects of this
    checkpoint's own step layout, that no live intent covers, and that the
    new manifest does not name.
 
@@ -41,13 +41,12 @@ from __future__ import annotations
 import logging
 
 from ckptio.backends.base import join_key
-
-from ..errors import IntegrityError, ManifestError
-from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import fence_key, parse_object
-from ..store import CheckpointStore, check_binding
-from ..engine import gather_or_cancel
-from ..store.companions import create_companion, delete_companions, is_companion
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ckptio.manifest.names import fence_key, parse_object
+from ckptio.store import CheckpointStore, check_binding
+from ckptio.store.companions import create_companion, delete_companions, is_companion
 
 __all__ = ["STOCK_METADATA", "existing", "refuse_stock", "replace", "write_companion"]
 

@@ -1,11 +1,11 @@
 """The DCP Reader's read-once: its read items restored by logical-box exchange.
 
 A DCP load plan asks each rank for sub-boxes of saved chunks (``ReadItem``);
-the Reader turns each into a destination :class:`~ckptio.reshard.Region` of
+the Reader turns each into a destination :class:`~ckptio.restoring.reshard.Region` of
 one manifest item (the tensor's, or the item holding a byte item's or a
 transformed chunk's stored bytes, read whole). Here those regions become the
 rank's *target boxes* of a restore by logical-box exchange
-(:func:`ckptio.restore.boxexchange.restore_exchange`) over the torch process
+(:func:`ckptio.restoring.boxexchange.restore_exchange`) over the torch process
 group: every rank learns every rank's boxes (one all-gather), arrays no two
 ranks share are read by each rank itself, the others by the rank responsible
 for their saved shards, once across the job, and sent to the ranks that use
@@ -17,17 +17,18 @@ after a plain read.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
 import numpy as np
 
-from ..distributed import Coordinator
-from ..manifest import ArrayItem, Manifest
-from ..reshard import Region
-from ..restore.agreement import agree, named
-from ..restore.boxexchange import restore_exchange
-from ..restore.plan import Selection
-from ..staging import Sharded
-from ..store import CheckpointStore
-from ..waits import waiting_for
+from ckptio.coord.distributed import Coordinator
+from ckptio.coord.waits import waiting_for
+from ckptio.manifest import ArrayItem, Manifest
+from ckptio.restoring.agreement import agree, named
+from ckptio.restoring.boxexchange import restore_exchange
+from ckptio.restoring.plan import Selection
+from ckptio.restoring.reshard import Region
+from ckptio.state.leaves import Sharded
+from ckptio.store import CheckpointStore
 
 __all__ = ["exchange_regions"]
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ..manifest import ArrayItem, Manifest
-from ..manifest.model import Box, ShardRecord
-from ._codec import ChunkRef
+from ckptio.dcp._codec import ChunkRef
+from ckptio.manifest import ArrayItem, Manifest
+from ckptio.manifest.model import Box, ShardRecord
 
 __all__ = ["boxed", "located", "wanted"]
 
@@ -56,7 +56,7 @@ def located(refs: Mapping[tuple[str, tuple[int, ...]], ChunkRef], keys: Iterable
     """``refs`` with the chunks ``keys`` holding their shards as ``loaded`` (the root with the
     fragments holding them read) has them: readable. ManifestError naming the chunk if a fragment
     does not hold the shard its root row promises."""
-    from ..errors import ManifestError
+    from ckptio.errors import ManifestError
 
     out = dict(refs)
     by_box: dict[str, dict[Box, ShardRecord]] = {}

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from .._system.bytes import address
-from .._system.threads import background_pool
-from ..checksum import block_crcs
-from ..layout import extent_block
-from ._tensorbytes import plain_array
+from ckptio.dcp._tensorbytes import plain_array
+from ckptio.engine.layout import extent_block
+from ckptio.system.bytes import address
+from ckptio.system.checksum import block_crcs
+from ckptio.system.threads import background_pool
 
 __all__ = ["StagedSums"]
 

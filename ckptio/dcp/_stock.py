@@ -38,9 +38,8 @@ from typing import Any
 import numpy as np
 
 from ckptio.backends.base import ByteRange
-
-from ..engine import ReadRequest
-from ..manifest import ArrayItem, Extent, ShardRecord
+from ckptio.engine import ReadRequest
+from ckptio.manifest import ArrayItem, Extent, ShardRecord
 
 __all__ = ["PROBE_BYTES", "RANGED_MIN_BYTES", "RecordLayout", "load_metadata", "metadata_key", "parse_probe",
            "probe_requests", "record_item"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptio.staging import TORCH_AS_INT
+from ckptio.state.leaves import TORCH_AS_INT
 
 __all__ = ["plain_array", "plain_bytes", "tensor_over"]
 

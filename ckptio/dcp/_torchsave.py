@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import DIRECT_MIN, ObjectPlan, PlannedExtent, direct_offset
+from ckptio.engine.layout import DIRECT_MIN, ObjectPlan, PlannedExtent, direct_offset
 
 __all__ = ["COMPANIONS", "DIRECT_MIN", "FRAME", "RECORD_ALIGN", "TORCH_METADATA", "Record", "companion_entry", "frame",
            "metadata_bytes", "pack_records"]
@@ -138,7 +138,7 @@ class Record:
     head: bytes = b""
     tail: bytes = b""
     block: int = 0
-    sums: list[int] | None = None  # see ckptio.layout.Piece.sums
+    sums: list[int] | None = None  # see ckptio.engine.layout.Piece.sums
 
     @property
     def length(self) -> int:
@@ -156,7 +156,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
     and :data:`DIRECT_MIN` starts where direct IO takes its memory as it lies (aligned staged buffers: an
     aligned offset, and frames are aligned memory, so back-to-back chunks and the frames between them need
     no bounce copy; a tensor 64 bytes past a page: 64 bytes past an aligned offset, so only its partial
-    pages are bounced), as :func:`ckptio.layout.pack` lays out large pieces. ``in_place=False``: the writer
+    pages are bounced), as :func:`ckptio.engine.layout.pack` lays out large pieces. ``in_place=False``: the writer
     process writes aligned copies of the chunks, so their data starts aligned.
     """
     plans: list[ObjectPlan] = []
@@ -195,7 +195,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
 
     for r in records:
         if r.data.nbytes == 0 and not r.head:
-            continue  # nothing stored (as ckptio.layout.pack): the reader makes empty chunks itself
+            continue  # nothing stored (as ckptio.engine.layout.pack): the reader makes empty chunks itself
         start = _record_start(size, len(r.head), r.data, align, in_place)
         if size and start + r.length > limit:
             close()
@@ -218,7 +218,7 @@ def pack_records(records: Sequence[Record], object_size: int, key_for: Callable[
 
 def _record_start(size: int, head: int, data: memoryview, align: int, in_place: bool = True) -> int:
     """Where a record goes after ``size`` bytes: 64-aligned; a large chunk's record where direct IO writes its
-    data from memory as it lies (:func:`ckptio.layout.direct_offset`: a sync save's tensors are not staged),
+    data from memory as it lies (:func:`ckptio.engine.layout.direct_offset`: a sync save's tensors are not staged),
     which starts the record as aligned as that memory (torch's own tensors: 64; numpy's: 16)."""
     # Under DIRECT_MIN, padding (up to a page, beside a ~1.5 KB frame) costs more bytes than a bounce copy time.
     if align > 1 and align % RECORD_ALIGN == 0 and data.nbytes >= max(align, DIRECT_MIN):

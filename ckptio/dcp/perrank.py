@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..perhost import OnResize, load_state, state_of
+from ckptio.state.perhost import OnResize, load_state, state_of
 
 __all__ = ["PerRank"]
 
@@ -47,7 +47,7 @@ class PerRank:
             return {f"rank_{rank}": state_of(self.obj)}
         if self.on_resize is None:
             raise ValueError(f"PerRank: saved by {saved} ranks, loaded by {world}; pass on_resize= to map the saved "
-                             "states to ranks (e.g. ckptio.perhost.take_modulo)")
+                             "states to ranks (e.g. ckptio.state.perhost.take_modulo)")
         # A load: ask for every saved rank's state, in the shape this rank's own one has; a copy each,
         # as DCP loads into the containers it is given (one shared dict would end up holding the last rank's).
         own = state_of(self.obj)

@@ -5,7 +5,7 @@ and rebuilds DCP's Metadata from it -- no unpickling. ``read_data`` is asked
 for sub-rectangles of saved chunks (``ReadItem.storage_offsets`` /
 ``lengths``: DCP's planner already intersected the new sharding with the
 saved one); each becomes ranged reads of just the saved rows it needs
-(:func:`ckptio.reshard.plan_region`), crc32c-verified, straight into the
+(:func:`ckptio.restoring.reshard.plan_region`), crc32c-verified, straight into the
 destination tensor's memory when it is a contiguous CPU tensor of the saved
 dtype, else through a host tensor and one ``copy_`` (which also casts, as
 DCP's own reader does). All reads of a plan run concurrently in the engine.
@@ -38,21 +38,20 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptio.backends.base import ByteRange, join_key
-
-from ..distributed import default_coordinator
-from ..engine import EngineConfig, gather_or_cancel, ReadRequest, run_sync
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from ..manifest import MANIFEST_NAME, Manifest
-from ..names import parse_object
-from ..store.companions import is_companion
-from ..reshard import Region, plan_region, plan_regions
-from ..restore.agreement import can_read_once
-from ..store import CheckpointStore
-from . import _stock, _transforms
-from ._codec import ChunkRef, metadata_from_manifest, numpy_dtype_of, numpy_view
-from ._rootview import boxed, located, wanted
-from ._readonce import Want, exchange_regions
-from ._location import Located
+from ckptio.coord.distributed import default_coordinator
+from ckptio.dcp import _stock, _transforms
+from ckptio.dcp._codec import ChunkRef, metadata_from_manifest, numpy_dtype_of, numpy_view
+from ckptio.dcp._location import Located
+from ckptio.dcp._readonce import Want, exchange_regions
+from ckptio.dcp._rootview import boxed, located, wanted
+from ckptio.engine import EngineConfig, ReadRequest, gather_or_cancel, run_sync
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ckptio.manifest import MANIFEST_NAME, Manifest
+from ckptio.manifest.names import parse_object
+from ckptio.restoring.agreement import can_read_once
+from ckptio.restoring.reshard import Region, plan_region, plan_regions
+from ckptio.store import CheckpointStore
+from ckptio.store.companions import is_companion
 
 __all__ = ["Reader"]
 

@@ -31,7 +31,7 @@ Save, in DCP's order of calls:
 FileSystemWriter's options: ``thread_count`` sets the engine's concurrency
 (requests in flight; by default the backend's own good concurrency);
 ``cache_staged_state_dict`` is accepted -- staging always reuses pooled
-host buffers (:mod:`ckptio.dcp.staging`); ``_extensions`` (DCP's stream
+host buffers (:mod:`ckptio.dcp.stager`); ``_extensions`` (DCP's stream
 transforms, e.g. ``ZStandard``) are applied to each item's bytes and
 recorded as DCP records them (:mod:`ckptio.dcp._transforms`);
 ``single_file_per_rank`` and ``per_thread_copy_ahead`` are accepted and have
@@ -59,22 +59,23 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import gilswitch, sidecar
-from ..writer_auto import default_writer_for
-from ..writers import THREAD_WRITER, Writer as ObjectWriter, writer_asked
-from ..engine import EngineConfig, run_sync
-from ..store.intents import Lease, new_id
-from ..layout import Naming, Piece, extent_block, pack
-from ..manifest import Manifest
-from ..store import CheckpointStore
-from ..urls import file_in_the_way
-from ..backends import split_url
-from . import _overwrite, _torchsave, _transforms
-from ._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
-from ._tensorbytes import plain_array
-from ._location import Located
-from ._stagedsums import StagedSums
-from .staging import SHARED_BUFFERS, HostBuffers, stage_state_dict, state_tensors
+from ckptio.backends import split_url
+from ckptio.dcp import _overwrite, _torchsave, _transforms
+from ckptio.dcp._codec import DCP_VERSION, ChunkLocation, manifest_doc, numpy_view
+from ckptio.dcp._location import Located
+from ckptio.dcp._stagedsums import StagedSums
+from ckptio.dcp._tensorbytes import plain_array
+from ckptio.dcp.stager import SHARED_BUFFERS, HostBuffers, stage_state_dict, state_tensors
+from ckptio.engine import EngineConfig, gilswitch, run_sync
+from ckptio.engine.layout import Naming, Piece, extent_block, pack
+from ckptio.manifest import Manifest
+from ckptio.saving.writers import sidecar
+from ckptio.saving.writers.auto import default_writer_for
+from ckptio.saving.writers.base import THREAD_WRITER, writer_asked
+from ckptio.saving.writers.base import Writer as ObjectWriter
+from ckptio.store import CheckpointStore
+from ckptio.store.intents import Lease, new_id
+from ckptio.store.urls import file_in_the_way
 
 __all__ = ["Writer"]
 
@@ -174,7 +175,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         """The store, on a local path with ``direct_unaligned=False`` unless the caller chose.
 
         ``dcp.save`` hands over the caller's tensors, which torch aligns to 64 bytes, not to a page. Each
-        large one is laid out in step with its memory (:func:`ckptio.layout.direct_offset`), so O_DIRECT
+        large one is laid out in step with its memory (:func:`ckptio.engine.layout.direct_offset`), so O_DIRECT
         writes its pages in place; an object mostly out of step (many small or oddly offset tensors)
         would take every byte through a bounce buffer, and goes through the page cache instead (once
         1.6x slower than stock DCP's buffered write + fsync, issue 35). Staged (``async_save``) buffers
@@ -222,7 +223,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.staging`), checksumming each
+        """Copy ``state_dict`` into reused host buffers (see :mod:`ckptio.dcp.stager`), checksumming each
         copy on a helper thread meanwhile, for the write to reuse (see :mod:`ckptio.dcp._stagedsums`)."""
         buffers = self.buffers
         if buffers is None and self._for_writer_process(state_dict):
@@ -236,7 +237,7 @@ class Writer(Located, StorageWriter, AsyncStager):
 
     def _for_writer_process(self, state_dict: dict[str, Any]) -> bool:
         """Whether this async save stages for the writer process: one asked for (``writer="sidecar"``),
-        or, with no writer asked for, the default's rule (:mod:`ckptio.writer_auto`: a save of at
+        or, with no writer asked for, the default's rule (:mod:`ckptio.saving.writers.auto`: a save of at
         least 64 MiB to a local disk) for a state of CPU tensors (accelerator tensors stage into
         pinned memory, in-process). The choice holds for the write that follows."""
         self._writer = None
@@ -315,7 +316,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             info = _PlanInfo(new_id(), self.rank, 1)
         store = self._open()
         try:
-            # async_save runs this on a background thread beside the step: ckptio.gilswitch says why
+            # async_save runs this on a background thread beside the step: ckptio.engine.gilswitch says why
             with gilswitch.shortened(self._gil_switch):
                 results = self._write(store, info, plan.items, planner)
         finally:
@@ -344,7 +345,7 @@ class Writer(Located, StorageWriter, AsyncStager):
             pieces.append(Piece(str(i), 0, data, block=block, sums=sums))
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
-        # The writer that will write: the one stage() chose by default, else the store's (ckptio.writers).
+        # The writer that will write: the one stage() chose by default, else the store's (ckptio.saving.writers.base).
         writer, self._writer = self._writer or sidecar.writer_for(store), None
         in_place = not writer.copies
         if self.torch_readable:

@@ -26,44 +26,35 @@ Everything that used to be imported from ``ckptio.manifest``, ``ckptio.fragments
 
 from __future__ import annotations
 
-from .builder import PACKED, ObjectNumbers, expanded, host_record, merge_records, merged_doc, validated
-from .codec import decode, decode_json, encode, encode_json
-from .codec.arrays import array_item, row_item
-from .codec.packs import table_from_doc
-from .codec.single import head_fields
-from .codec.split import FRAGMENT_FORMAT, load_fragments, root_from_doc
-from .formats import (
-    FORMAT,
-    BLOCKS_VERSION,
-    FRAGMENTS_VERSION,
-    MANIFEST_NAME,
-    PACKS_VERSION,
-    ROWS_VERSION,
-    TILED_VERSION,
-    TOMBSTONE_NAME,
-    VERSION,
-    version_for,
+from ckptio.manifest.builder import (
+    PACKED, ObjectNumbers, expanded, host_record, merge_records, merged_doc, validated,
 )
-from .fragments import FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, fragment_ref, summary_of
-from .geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
-from .table import ShardTable, table_of
-from .itemjson import array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc
-from .lazy import Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_fragments, with_shards_meeting
-from .limits import MAX_MANIFEST_BYTES
-from .model import (
-    ArrayItem,
-    Box,
-    Extent,
-    FragmentRef,
-    Items,
-    Manifest,
-    PackTable,
-    ShardRecord,
-    ValueItem,
-    split_items,
+from ckptio.manifest.codec import decode, decode_json, encode, encode_json
+from ckptio.manifest.codec.arrays import array_item, row_item
+from ckptio.manifest.codec.packs import table_from_doc
+from ckptio.manifest.codec.single import head_fields
+from ckptio.manifest.codec.split import FRAGMENT_FORMAT, load_fragments, root_from_doc
+from ckptio.manifest.formats import (
+    BLOCKS_VERSION, FORMAT, FRAGMENTS_VERSION, MANIFEST_NAME, PACKS_VERSION, ROWS_VERSION, TILED_VERSION,
+    TOMBSTONE_NAME, VERSION, version_for,
 )
-from .seal import seal, unseal
-from .values import decode_value, encode_value
+from ckptio.manifest.fragments import (
+    FRAGMENT_PREFIX, build_root, fragment_doc, fragment_key, fragment_ref, summary_of,
+)
+from ckptio.manifest.geometry import check_table, check_tiling, first_overlap, overlap, without_replicas
+from ckptio.manifest.itemjson import (
+    array_json, document, dtype_code, extent_json, item_row, item_to_json, row_object, shard_json, table_doc,
+)
+from ckptio.manifest.lazy import (
+    Boxes, Fetch, Wanted, fragments_for, with_every_shard, with_fragments, with_shards_meeting,
+)
+from ckptio.manifest.limits import MAX_MANIFEST_BYTES
+from ckptio.manifest.model import (
+    ArrayItem, Box, Extent, FragmentRef, Items, Manifest, PackTable, ShardRecord, ValueItem, split_items,
+)
+from ckptio.manifest.seal import seal, unseal
+from ckptio.manifest.table import ShardTable, table_of
+from ckptio.manifest.values import decode_value, encode_value
 
 #: The name this check had when it was private to the one-module manifest (tests import it).
 _check_tiling = check_tiling

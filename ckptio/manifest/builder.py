@@ -21,13 +21,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..dtypes import encode_dtype
-from ..errors import ManifestError, SaveFailedError
-from .codec import decode
-from .formats import version_for
-from .itemjson import array_json, dtype_code, item_row, item_to_json, row_object, shard_json, table_doc
-from .hoststate import StagedHostState, has_host_states, merge_host_state
-from .model import Manifest, ValueItem
+from ckptio.errors import ManifestError, SaveFailedError
+from ckptio.manifest.codec import decode
+from ckptio.manifest.formats import version_for
+from ckptio.manifest.hoststate import StagedHostState, has_host_states, merge_host_state
+from ckptio.manifest.itemjson import (
+    array_json, dtype_code, item_row, item_to_json, row_object, shard_json, table_doc,
+)
+from ckptio.manifest.model import Manifest, ValueItem
+from ckptio.state.dtypes import encode_dtype
 
 __all__ = [
     "PACKED",

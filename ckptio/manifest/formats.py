@@ -6,7 +6,7 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
 1        one document naming every item, shard, extent and checksum
 2        a small root plus one sealed fragment per host (:mod:`.fragments`):
          the root holds each array's boxes as a locator, the fragments the extents
-3        tiled shards (:mod:`ckptio.tiling`), in a format 1 or 2 document
+3        tiled shards (:mod:`ckptio.engine.tiling`), in a format 1 or 2 document
          (a root has ``fragments``): a reader that predates tiles refuses the
          checkpoint instead of reading tile streams as C order
 4        compact rows in a format-1 document: a small whole array as
@@ -31,7 +31,7 @@ version  what it adds (each reader of version ``n`` reads every version <= n)
          predates them would refuse the foreign keys as a copied manifest, so it refuses
          the version instead, plainly
 10       fragments with a head (:mod:`.codec.sections`)
-11       a multi-host incremental save's root (:mod:`ckptio.incremental.hosts`): ``bases``
+11       a multi-host incremental save's root (:mod:`ckptio.saving.incremental.hosts`): ``bases``
          in a format-2 root, whose fragments may list objects of those steps; a reader of
          version 10 would read the root and find no reference in it (its ``objects`` is
          empty), so its deleters would judge every host's pin dead: it refuses the version

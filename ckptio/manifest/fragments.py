@@ -36,17 +36,16 @@ from typing import Any
 import numpy as np
 
 from ckptio.backends.base import join_key
-
-from ..checksum import crc32c
-from ..errors import ManifestError
-from .codec.columns import COLUMNS_FRAGMENT_VERSION, encode_columns
-from .codec.sections import SECTIONS_FRAGMENT_VERSION, encode_sections, head_size_of
-from .codec.split import FRAGMENT_FORMAT
-from .formats import FORMAT, version_for
-from .geometry import without_replicas
-from .hoststate import has_host_states, merge_host_state
-from .model import FragmentRef
-from .seal import seal
+from ckptio.errors import ManifestError
+from ckptio.manifest.codec.columns import COLUMNS_FRAGMENT_VERSION, encode_columns
+from ckptio.manifest.codec.sections import SECTIONS_FRAGMENT_VERSION, encode_sections, head_size_of
+from ckptio.manifest.codec.split import FRAGMENT_FORMAT
+from ckptio.manifest.formats import FORMAT, version_for
+from ckptio.manifest.geometry import without_replicas
+from ckptio.manifest.hoststate import has_host_states, merge_host_state
+from ckptio.manifest.model import FragmentRef
+from ckptio.manifest.seal import seal
+from ckptio.system.checksum import crc32c
 
 __all__ = ["FRAGMENT_PREFIX", "FRAGMENT_VERSION", "build_root", "fragment_doc", "fragment_key", "fragment_ref",
            "summary_of"]

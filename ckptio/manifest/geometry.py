@@ -16,9 +16,9 @@ import math
 
 import numpy as np
 
-from .._system import unique_rows
-from ..errors import ManifestError
-from .model import Box, ShardRecord
+from ckptio.errors import ManifestError
+from ckptio.manifest.model import Box, ShardRecord
+from ckptio.system import unique_rows
 
 __all__ = ["check_table", "check_tiling", "first_overlap", "overlap", "without_replicas"]
 

@@ -1,7 +1,7 @@
 """Per-host state items (format 8): each host's own small state, inline in the manifest, as JSON.
 
 An item of kind ``per_host`` holds one state per host that saved it
-(``ckptio.PerHost`` leaves, data loaders: see :mod:`ckptio.perhost`)::
+(``ckptio.PerHost`` leaves, data loaders: see :mod:`ckptio.state.perhost`)::
 
     {"kind": "per_host", "states": {"0": <state>, "1": <state>, ...}}
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import check_dtype, decode_dtype, encode_dtype
-from ..errors import ManifestError
-from .values import decode_value, encode_value
+from ckptio.errors import ManifestError
+from ckptio.manifest.values import decode_value, encode_value
+from ckptio.state.dtypes import check_dtype, decode_dtype, encode_dtype
 
 __all__ = ["MAX_STATE_BYTES", "HostStateItem", "StagedHostState", "decode_state", "encode_state", "has_host_states", "host_state_item",
            "host_state_json",

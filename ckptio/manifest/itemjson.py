@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import decode_dtype, encode_dtype
-from .formats import FORMAT
-from .hoststate import HostStateItem, host_state_json
-from .model import ArrayItem, Extent, ValueItem
-from .values import encode_value
+from ckptio.manifest.formats import FORMAT
+from ckptio.manifest.hoststate import HostStateItem, host_state_json
+from ckptio.manifest.model import ArrayItem, Extent, ValueItem
+from ckptio.manifest.values import encode_value
+from ckptio.state.dtypes import decode_dtype, encode_dtype
 
 __all__ = [
     "array_json",

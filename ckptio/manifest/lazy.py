@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .codec.split import FragmentLoader
-from .model import ArrayItem, Box, Manifest
+from ckptio.manifest.codec.split import FragmentLoader
+from ckptio.manifest.model import ArrayItem, Box, Manifest
 
 __all__ = ["Boxes", "Fetch", "FetchRanges", "Wanted", "fragments_for", "with_every_shard", "with_fragments", "with_shards_meeting"]
 
@@ -93,7 +93,7 @@ async def with_fragments(manifest: Manifest, numbers: list[int], fetch: Fetch, s
     """``manifest`` (a format-2 root) with the shards of fragments ``numbers`` at hand, only the
     rows of items ``names`` (None: every item); ``complete``: ``numbers`` are all of them. What a
     host reads that sends the shards of the fragments it is responsible for
-    (:mod:`ckptio.restore.boxroute`), whatever its own target."""
+    (:mod:`ckptio.restoring.boxroute`), whatever its own target."""
     # Only the wanted items' rows are made into shards: nobody parses what it does not restore.
     # Fragments are read in batches and each dropped once decoded: a host that meets every
     # fragment holds one batch of their bytes, not all of them.

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ManifestError
+from ckptio.errors import ManifestError
 
 __all__ = [
     "MAX_COUNT",

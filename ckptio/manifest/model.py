@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ManifestError
+from ckptio.errors import ManifestError
 
 __all__ = [
     "ArrayItem",
@@ -68,7 +68,7 @@ class ShardRecord:
     shape: tuple[int, ...]
     host: int
     extents: list[Extent]
-    #: The tile shape when the shard's bytes are its tiles in stream order (ckptio.tiling).
+    #: The tile shape when the shard's bytes are its tiles in stream order (ckptio.engine.tiling).
     tile: tuple[int, ...] | None = None
 
     @property
@@ -248,7 +248,7 @@ class Manifest:
     #: False for a format-2 root loaded with only some (or none) of its fragments' shards: ask
     #: :meth:`object_count` / :meth:`tiles_known`, or load them (:func:`ckptio.manifest.lazy`).
     complete: bool = True
-    #: The commit's fence id (ckptio.fence): the manifest counts only once that fence says
+    #: The commit's fence id (ckptio.store.fence): the manifest counts only once that fence says
     #: "commit". None in manifests written before fencing (trusted on their own).
     fence: str | None = None
     #: Format 9 (:mod:`ckptio.manifest.refs`): the older steps whose objects this manifest references,

@@ -20,11 +20,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import ManifestError
-from ..names import step_of_key
-from .formats import REFS_VERSION
-from .limits import MAX_COUNT, check_dims
-from .model import Box, Manifest
+from ckptio.errors import ManifestError
+from ckptio.manifest.formats import REFS_VERSION
+from ckptio.manifest.limits import MAX_COUNT, check_dims
+from ckptio.manifest.model import Box, Manifest
+from ckptio.manifest.names import step_of_key
 
 __all__ = ["check_foreign_keys", "decode_refs", "encode_refs", "referenced", "uses_refs"]
 

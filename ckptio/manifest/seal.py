@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _json
-from ..checksum import crc32c
-from ..errors import IntegrityError, ManifestError
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.system import jsonio as _json
+from ckptio.system.checksum import crc32c
 
 __all__ = ["seal", "unseal"]
 

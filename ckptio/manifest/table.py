@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import ArrayItem, Extent, ShardRecord
+from ckptio.manifest.model import ArrayItem, Extent, ShardRecord
 
 __all__ = ["ShardList", "ShardTable", "box_key", "table_of"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from ..errors import ManifestError
-from .limits import MAX_INT_DIGITS
+from ckptio.errors import ManifestError
+from ckptio.manifest.limits import MAX_INT_DIGITS
 
 __all__ = ["decode_value", "encode_value"]
 

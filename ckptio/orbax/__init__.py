@@ -20,10 +20,10 @@ Also inside ``ocp.args.Composite(state=ckptio.orbax.Save(...), extra=ocp.args.Js
 
 from __future__ import annotations
 
-from ._io import POINTER_NAME, StorageConfig, sweep_external
-from .handler import CkptioCheckpointHandler, Restore, Save, handler_registry
-from .retention import CheckpointManager, CkptioDeleter, attach
-from .type_handler import TYPESTR, CkptioArrayHandler, register, unregister
+from ckptio.orbax._io import POINTER_NAME, StorageConfig, sweep_external
+from ckptio.orbax.handler import CkptioCheckpointHandler, Restore, Save, handler_registry
+from ckptio.orbax.retention import CheckpointManager, CkptioDeleter, attach
+from ckptio.orbax.type_handler import TYPESTR, CkptioArrayHandler, register, unregister
 
 __all__ = [
     "POINTER_NAME",

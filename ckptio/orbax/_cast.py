@@ -25,8 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckptio.cast import cast_checked
-from ckptio.staging import Sharded
+from ckptio.state.cast import cast_checked
+from ckptio.state.leaves import Sharded
 
 __all__ = ["cast_checked", "cast_staged", "jax_dtype", "x64_context", "x64_enabled"]
 
@@ -37,7 +37,7 @@ def jax_dtype(dtype: Any) -> np.dtype:
 
 
 def cast_staged(name: str, staged: Any, dtype: Any) -> Any:
-    """A staged leaf (:class:`ckptio.staging.Sharded` of host pieces, or an array) cast to ``dtype``."""
+    """A staged leaf (:class:`ckptio.state.leaves.Sharded` of host pieces, or an array) cast to ``dtype``."""
     if isinstance(staged, Sharded):
         pieces = [
             (index, cast_checked(name, p, dtype, asked=True, saving=True)) for index, p in staged.pieces

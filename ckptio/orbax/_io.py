@@ -36,17 +36,16 @@ from typing import Any
 import jax
 from etils import epath
 
-from ckptio.distributed import Coordinator, JaxCoordinator, SingleProcess, broadcast_from_root
+from ckptio.coord.distributed import Coordinator, JaxCoordinator, SingleProcess, broadcast_from_root
 from ckptio.engine import EngineConfig, gather_or_cancel, run_sync
+from ckptio.engine.layout import Naming
 from ckptio.errors import CheckpointNotFoundError, SaveFailedError
-from ckptio.layout import Naming
 from ckptio.manifest import Manifest
-from ckptio.orbax_steps import POINTER_FORMAT, POINTER_NAME, final_name
-from ckptio.orbax_steps import pointer_at as _pointer_at
-from ckptio.save import start_save
+from ckptio.orbax._tree import META_KEY
+from ckptio.saving.job import start_save
 from ckptio.store import CheckpointStore, StoreOptions
-
-from ._tree import META_KEY
+from ckptio.store.orbax_steps import POINTER_FORMAT, POINTER_NAME, final_name
+from ckptio.store.orbax_steps import pointer_at as _pointer_at
 
 __all__ = [
     "POINTER_NAME",

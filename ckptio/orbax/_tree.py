@@ -27,12 +27,11 @@ import numpy as np
 from ckptio.errors import UnsupportedLeafError
 from ckptio.manifest import ArrayItem, Manifest, encode_value
 from ckptio.manifest.hoststate import HostStateItem
-from ckptio.perhost import PerHost, is_per_host_leaf, state_of
-from ckptio.staging import Sharded, index_to_box
-from ckptio.tree import path_str, tree_leaf_paths, unflatten
-
-from ._cast import cast_checked, jax_dtype
-from ._resize import Box, box_slices, covered, needs_resize, padded
+from ckptio.orbax._cast import cast_checked, jax_dtype
+from ckptio.orbax._resize import Box, box_slices, covered, needs_resize, padded
+from ckptio.state.leaves import Sharded, index_to_box
+from ckptio.state.perhost import PerHost, is_per_host_leaf, state_of
+from ckptio.state.tree import path_str, tree_leaf_paths, unflatten
 
 __all__ = [
     "META_KEY",

@@ -8,7 +8,7 @@ copies of numpy leaves) and returns one commit future; all storage IO runs
 inside that future, after Orbax has created the directories. Each host
 writes only its own shards (one replica of each); the gather of per-host
 records and the commit by process 0 go through ``jax.distributed``'s
-key-value store (:class:`ckptio.distributed.JaxCoordinator`).
+key-value store (:class:`ckptio.coord.distributed.JaxCoordinator`).
 """
 
 from __future__ import annotations
@@ -22,26 +22,17 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ckptio import sidecar
 from ckptio.engine import EngineConfig, run_sync
-from ckptio.layout import Naming
-from ckptio.restore import restore_checkpoint
-from ckptio.tree import unflatten
-
-from ._io import (
-    StorageConfig,
-    coordinator_for,
-    final_name,
-    locate_for_restore,
-    locate_for_save,
-    orbax_root_of,
-    read_manifest,
-    sweep_external,
-    url_of,
-    write_and_commit,
+from ckptio.engine.layout import Naming
+from ckptio.orbax._io import (
+    StorageConfig, coordinator_for, final_name, locate_for_restore, locate_for_save, orbax_root_of,
+    read_manifest, sweep_external, url_of, write_and_commit,
 )
-from ._metadata import leaf_metadata, tree_metadata_of
-from ._tree import META_KEY, check_tree, plan_restore, stage_tree
+from ckptio.orbax._metadata import leaf_metadata, tree_metadata_of
+from ckptio.orbax._tree import META_KEY, check_tree, plan_restore, stage_tree
+from ckptio.restoring import restore_checkpoint
+from ckptio.saving.writers import sidecar
+from ckptio.state.tree import unflatten
 
 __all__ = ["CkptioCheckpointHandler", "Restore", "Save", "handler_registry"]
 
@@ -55,7 +46,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         storage: root URL for the data (``gs://bucket/run1``, ``mem://x``);
             None (the default, and what Orbax's global registration gets)
             keeps everything inside Orbax's item directory.
-        naming: object naming strategy (e.g. :class:`ckptio.layout.HashedNaming`);
+        naming: object naming strategy (e.g. :class:`ckptio.engine.layout.HashedNaming`);
             default: the backend's.
         engine_config, backend_options: passed to ckptio's store.
         sweep_grace_seconds: uncommitted objects younger than this survive the orphan sweep.

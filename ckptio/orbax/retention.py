@@ -28,10 +28,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ckptio.layout import Naming
-
-from ._io import StorageConfig, delete_external
-from .handler import handler_registry
+from ckptio.engine.layout import Naming
+from ckptio.orbax._io import StorageConfig, delete_external
+from ckptio.orbax.handler import handler_registry
 
 __all__ = ["CheckpointManager", "CkptioDeleter", "attach"]
 
@@ -115,7 +114,7 @@ class CheckpointManager(ocp.CheckpointManager):
 
     With ``storage`` (and no ``handler_registry``), items saved with
     :class:`ckptio.orbax.Save` store their data under ``storage`` (with
-    ``naming``, e.g. :class:`ckptio.layout.HashedNaming`); other items keep
+    ``naming``, e.g. :class:`ckptio.engine.layout.HashedNaming`); other items keep
     their usual handlers. Everything else is ``ocp.CheckpointManager``'s.
 
     Not :class:`ckptio.CheckpointManager`, which shares the name on purpose:

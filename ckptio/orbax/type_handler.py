@@ -25,16 +25,15 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers as types
 
 from ckptio.engine import EngineConfig, run_sync
-from ckptio.layout import Naming
+from ckptio.engine.layout import Naming
 from ckptio.manifest import ArrayItem, Manifest
-from ckptio.restore import restore_checkpoint
+from ckptio.orbax._cast import cast_staged, x64_context, x64_enabled
+from ckptio.orbax._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
+from ckptio.orbax._marker import write_marker
+from ckptio.orbax._metadata import leaf_metadata
+from ckptio.orbax._tree import META_KEY, plan_restore, stage_tree
+from ckptio.restoring import restore_checkpoint
 from ckptio.store import CheckpointStore
-
-from ._cast import cast_staged, x64_context, x64_enabled
-from ._io import Location, StorageConfig, coordinator_for, url_of, write_and_commit
-from ._marker import write_marker
-from ._metadata import leaf_metadata
-from ._tree import META_KEY, plan_restore, stage_tree
 
 __all__ = ["TYPESTR", "CkptioArrayHandler", "CkptioNumpyHandler", "register", "unregister"]
 
@@ -327,7 +326,7 @@ class CkptioNumpyHandler(types.TypeHandler):
 
 def _item_name(name: str) -> str:
     """The ckptio item of an Orbax leaf name (a dict key at the root of the staged tree)."""
-    from ckptio.tree import path_str
+    from ckptio.state.tree import path_str
 
     return path_str((name,))
 
@@ -346,7 +345,7 @@ class _NotRegistered(types.TypeHandler):
         return TYPESTR
 
     def _refuse(self) -> Any:
-        from ._marker import MARKER_MESSAGE
+        from ckptio.orbax._marker import MARKER_MESSAGE
 
         raise ValueError(MARKER_MESSAGE)
 

@@ -10,11 +10,11 @@ A save announces itself before its first object with an *intent*
 (``<step dir>/ckptio.intent.<save id>``, see :mod:`ckptio.store.intents`) and
 keeps it fresh while in flight; whatever deletes (gc, retention, a re-save's
 cleanup) spares every object of a live intent, whatever its age, and
-deletes only keys that :mod:`ckptio.names` proves are ckptio's.
+deletes only keys that :mod:`ckptio.manifest.names` proves are ckptio's.
 
 Deletion first writes a tombstone (``ckptio.deleting``) so no reader picks a
 checkpoint whose objects are going away (:mod:`ckptio.store.deletion`); a
-commit is fenced against deleters (:mod:`ckptio.fence`).
+commit is fenced against deleters (:mod:`ckptio.store.fence`).
 
 Layers, each importing only those above it in this list:
 :mod:`~ckptio.store.options` (:class:`StoreOptions`, the step vocabulary),
@@ -28,12 +28,12 @@ once, there) -> :mod:`~ckptio.store.manifests`, :mod:`~ckptio.store.objects`,
 
 from __future__ import annotations
 
-from .catalog import StepStatus
-from .facade import CheckpointStore
-from .gc import SweepReport, sweeps_temporaries_by_prefix
-from .manifests import check_binding
-from .objects import manifest_object_sizes
-from .options import DEFAULT_LEASE_S, MAX_STEP, StoreOptions, check_grace, step_dir_of
+from ckptio.store.catalog import StepStatus
+from ckptio.store.facade import CheckpointStore
+from ckptio.store.gc import SweepReport, sweeps_temporaries_by_prefix
+from ckptio.store.manifests import check_binding
+from ckptio.store.objects import manifest_object_sizes
+from ckptio.store.options import DEFAULT_LEASE_S, MAX_STEP, StoreOptions, check_grace, step_dir_of
 
 __all__ = [
     "CheckpointStore", "DEFAULT_LEASE_S", "MAX_STEP", "StepStatus", "StoreOptions", "SweepReport", "check_binding",

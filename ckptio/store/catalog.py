@@ -17,19 +17,17 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 
 from ckptio.backends.base import join_key
-
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from ..incremental.pins import PIN_DIR, parse_pin
-from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..orbax_steps import OrbaxStep, StepSource, orbax_step
-from .context import StoreContext
-from .intents import Intents
-from .manifests import Manifests
-from .objects import Objects
-from .options import MAX_STEP, step_dir_of
-from ..engine import gather_or_cancel
-from .parts import PartRecord, Parts
-
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ckptio.store.context import StoreContext
+from ckptio.store.intents import Intents
+from ckptio.store.manifests import Manifests
+from ckptio.store.objects import Objects
+from ckptio.store.options import MAX_STEP, step_dir_of
+from ckptio.store.orbax_steps import OrbaxStep, StepSource, orbax_step
+from ckptio.store.parts import PartRecord, Parts
+from ckptio.store.pins import PIN_DIR, parse_pin
 
 __all__ = ["Catalog", "StepStatus"]
 

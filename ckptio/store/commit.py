@@ -2,7 +2,7 @@
 
 The commit is the only write that makes a checkpoint exist. It checks every
 object the manifest names, creates the manifest (create-if-absent), then
-confirms it through its fence (:mod:`ckptio.fence`, steps 3-5): a save that
+confirms it through its fence (:mod:`ckptio.store.fence`, steps 3-5): a save that
 stalled past its lease and was revoked rolls its commit back instead.
 """
 
@@ -12,18 +12,18 @@ import dataclasses
 import logging
 
 from ckptio.backends.base import join_key
-
-from ..engine import gather_or_cancel
-from ..errors import (
-    CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError, UnconfirmedCommitError,
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import (
+    CheckpointNotFoundError, IntegrityError, ManifestError, SaveRevokedError, StepBusyError,
+    UnconfirmedCommitError,
 )
-from ..fence import COMMIT, REVOKED, Fences
-from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import fence_key, new_id
-from .context import StoreContext
-from .deletion import Deletion
-from .manifests import Manifests, check_binding
-from .objects import Objects
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ckptio.manifest.names import fence_key, new_id
+from ckptio.store.context import StoreContext
+from ckptio.store.deletion import Deletion
+from ckptio.store.fence import COMMIT, REVOKED, Fences
+from ckptio.store.manifests import Manifests, check_binding
+from ckptio.store.objects import Objects
 
 __all__ = ["Commits"]
 
@@ -53,7 +53,7 @@ class Commits:
         not ``manifest.to_json()`` (a format-2 root, see ckptio.manifest.fragments); they carry their own
         fence id, else (``data`` None) the commit gets a fresh one.
 
-        The commit is fenced (:mod:`ckptio.fence`): after the manifest is created it stands only
+        The commit is fenced (:mod:`ckptio.store.fence`): after the manifest is created it stands only
         if no deleter revoked a save whose objects it names; otherwise the manifest is removed
         and SaveRevokedError raised. A reader never counts the manifest before that.
         """
@@ -82,12 +82,12 @@ class Commits:
         await self._remember(step_dir, key, manifest, len(data))
 
     async def _confirm(self, step_dir: str, key: str, manifest: Manifest, data: bytes) -> None:
-        """Steps 3-5 of a fenced commit (:mod:`ckptio.fence`): the commit stands, or it is rolled back."""
+        """Steps 3-5 of a fenced commit (:mod:`ckptio.store.fence`): the commit stands, or it is rolled back."""
         if not manifest.fence:
             return
         ctx = self.ctx
         # Its own id too: an incremental save that reused every shard wrote no key of its own, and a
-        # deleter of a step it references revokes it by that id (ckptio.incremental.pins).
+        # deleter of a step it references revokes it by that id (ckptio.store.pins).
         revoked = await self.fences.revoked(step_dir) & (ctx.writers_of(manifest.keys()) | {manifest.checkpoint_id})
         stood = await self.fences.claim(step_dir, manifest.fence, REVOKED if revoked else COMMIT)
         if stood == COMMIT:

@@ -30,8 +30,7 @@ import logging
 from typing import Any, Protocol
 
 from ckptio.backends.base import join_key
-
-from ..manifest import Manifest
+from ckptio.manifest import Manifest
 
 __all__ = ["carried", "companions_of", "create_companion", "delete_companions", "is_companion", "without_others",
            "write_companions"]

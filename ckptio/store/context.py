@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from ckptio.backends import Backend, open_backend
 from ckptio.backends.base import ObjectInfo
 from ckptio.backends.retrying import RetryingBackend
-
-from ..engine import Engine, gather_or_cancel
-from ..layout import HashedNaming, Naming
-from ..names import ObjectName, is_hashed_component, parse_object
-from .options import StoreOptions, default_naming
+from ckptio.engine import Engine, gather_or_cancel
+from ckptio.engine.layout import HashedNaming, Naming
+from ckptio.manifest.names import ObjectName, is_hashed_component, parse_object
+from ckptio.store.options import StoreOptions, default_naming
 
 __all__ = ["StoreContext"]
 
@@ -31,7 +30,7 @@ class StoreContext:
         self.url = options.url
         self.backend_options = dict(options.backend_options or {})
         backend = options.backend if options.backend is not None else open_backend(self.url, **self.backend_options)
-        #: How another process opens the same backend (ckptio.sidecar): only a backend this store
+        #: How another process opens the same backend (ckptio.saving.writers.sidecar): only a backend this store
         #: opened from its URL can be; one handed in (a wrapper, a test double) cannot.
         self.reopenable = options.backend is None
         self.engine = options.engine if options.engine is not None else Engine(backend, options.engine_config)
@@ -95,7 +94,7 @@ class StoreContext:
         """Everything under ``step_dir``; with ``everywhere``, under each object prefix's ``<p>/<step>/`` too.
 
         The prefixes are the root's hashed components and those the naming declares
-        (:meth:`~ckptio.layout.Naming.prefixes`) that exist.
+        (:meth:`~ckptio.engine.layout.Naming.prefixes`) that exist.
         """
         if not step_dir:
             return []  # a root checkpoint shares its directory with everything else: delete by manifest only

@@ -8,7 +8,7 @@ attempts at the same step, the manifest, and the tombstone last. A save of a
 step with a leftover tombstone finishes that deletion first.
 
 Before it deletes an object of a save that did not commit, a deleter revokes
-that save (:mod:`ckptio.fence`): if it is only paused, it can never commit
+that save (:mod:`ckptio.store.fence`): if it is only paused, it can never commit
 what is being taken.
 """
 
@@ -17,19 +17,23 @@ from __future__ import annotations
 import logging
 
 from ckptio.backends.base import ObjectInfo, join_key
-
-from ..errors import IntegrityError, ManifestError
-from ..fence import COMMIT, REVOKED, Fences
-from ..incremental.pins import Pins, pin_key
-from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..names import parse_held  # hosts' commit records (ckptio.tiers.held): see _doomed
-from ..names import fence_key, parse_fence, parse_intent, step_of_key
-from .companions import delete_companions
-from .context import StoreContext
-from .intents import Intents
-from .manifests import Manifests
-from .parts import PartRecord, Parts
-from .unchanged import delete_unchanged, read_versioned, version_of
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ckptio.manifest.names import (
+    fence_key,
+    parse_fence,
+    parse_held,  # hosts' commit records (ckptio.tiers.held): see _doomed
+    parse_intent,
+    step_of_key,
+)
+from ckptio.store.companions import delete_companions
+from ckptio.store.context import StoreContext
+from ckptio.store.fence import COMMIT, REVOKED, Fences
+from ckptio.store.intents import Intents
+from ckptio.store.manifests import Manifests
+from ckptio.store.parts import PartRecord, Parts
+from ckptio.store.pins import Pins, pin_key
+from ckptio.store.unchanged import delete_unchanged, read_versioned, version_of
 
 __all__ = ["Deletion"]
 
@@ -58,7 +62,7 @@ class Deletion:
         """Delete a checkpoint: tombstone, objects, dead attempts, records, manifest, fences, tombstone
         (crash-safe order).
 
-        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.names`
+        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.manifest.names`
         proves are ckptio's, never an object of a live save, and never
         anything a manifest lists outside the step (a copied step directory). In a host-local
         store a step may be committed by a host's record instead of a manifest
@@ -96,14 +100,14 @@ class Deletion:
         dead_pins, pinners = await self._unpinned(step_dir, keys)  # after the tombstone (docs/incremental.md, D2)
         spared, late_fences = await self._newer_parts(step_dir, listing, targets)
         # Objects a standing commit names belong to a finished save; any other writer is revoked
-        # first, so that if it is only paused it can never commit them (ckptio.fence).
+        # first, so that if it is only paused it can never commit them (ckptio.store.fence).
         await self.fences.revoke(step_dir, ctx.writers_of(keys) - finished - ctx.writers_of(spared))
         # A part whose record landed after the listing (its committer checked for revocations before
         # we revoked) is judged now: its fence is settled before any of its objects goes.
         more, more_fences = await self._newer_parts(step_dir, None, targets)
         spared |= more
         keys -= spared
-        # The deleter's step 2 of ckptio.fence: a commit that stood before our revocations (a re-save
+        # The deleter's step 2 of ckptio.store.fence: a commit that stood before our revocations (a re-save
         # of the step met while we were paused) is not ours to take.
         if not await self._still_ours(step_dir, root, unreadable):
             return await self._withdraw(step_dir, marker, created)
@@ -122,7 +126,7 @@ class Deletion:
             return await self._withdraw(step_dir, marker, created)
         await self._unpin_bases(step_dir, root)
         # Fences go after the manifest (a paused committer whose claim lands later finds its manifest
-        # gone and fails: ckptio.fence, step 5).
+        # gone and fails: ckptio.store.fence, step 5).
         fences = {i.key for i in listing if (n := parse_fence(i.key)) is not None and n.step_dir == step_dir}
         fences |= late_fences | more_fences | {fence_key(step_dir, r.fence) for r in parts}
         if fence_id:

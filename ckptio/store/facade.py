@@ -5,7 +5,7 @@ count), :mod:`~ckptio.store.manifests` (reading them, checked and cached),
 :mod:`~ckptio.store.objects` (are a manifest's objects there),
 :mod:`~ckptio.store.intents` (saves in flight), :mod:`~ckptio.store.commit`,
 :mod:`~ckptio.store.deletion` and :mod:`~ckptio.store.gc`; fencing is
-:mod:`ckptio.fence`. This class only composes them.
+:mod:`ckptio.store.fence`. This class only composes them.
 """
 
 from __future__ import annotations
@@ -17,22 +17,21 @@ from typing import Any
 
 from ckptio.backends import Backend
 from ckptio.backends.base import ObjectInfo
-
-from ..engine import Engine, EngineConfig
-from ..fence import Fences
-from ..layout import Naming
-from ..manifest import Manifest
-from .catalog import Catalog, StepStatus
-from .commit import Commits
-from .context import StoreContext
-from .deletion import Deletion
-from .gc import Collector, SweepReport
-from .intents import Intents
-from .manifests import Manifests
-from .objects import Objects
-from .options import DEFAULT_LEASE_S, StoreOptions
-from .parts import Parts
-from .resave import Resaves
+from ckptio.engine import Engine, EngineConfig
+from ckptio.engine.layout import Naming
+from ckptio.manifest import Manifest
+from ckptio.store.catalog import Catalog, StepStatus
+from ckptio.store.commit import Commits
+from ckptio.store.context import StoreContext
+from ckptio.store.deletion import Deletion
+from ckptio.store.fence import Fences
+from ckptio.store.gc import Collector, SweepReport
+from ckptio.store.intents import Intents
+from ckptio.store.manifests import Manifests
+from ckptio.store.objects import Objects
+from ckptio.store.options import DEFAULT_LEASE_S, StoreOptions
+from ckptio.store.parts import Parts
+from ckptio.store.resave import Resaves
 
 __all__ = ["CheckpointStore"]
 
@@ -227,7 +226,7 @@ class CheckpointStore:
     # -- commit, deletion, sweep (ckptio.store.commit, .deletion, .gc) -----------------
 
     async def commit(self, step_dir: str, manifest: Manifest, data: bytes | None = None) -> None:
-        """Write the manifest once, atomically, after checking its objects; fenced (:mod:`ckptio.fence`)."""
+        """Write the manifest once, atomically, after checking its objects; fenced (:mod:`ckptio.store.fence`)."""
         await self.commits.commit(step_dir, manifest, data)
 
     async def prepare_save(self, step_dir: str, *, defer: bool = False) -> bool:
@@ -254,7 +253,7 @@ class CheckpointStore:
     async def delete(self, step_dir: str) -> None:
         """Delete a checkpoint: tombstone, objects, dead attempts, manifest, tombstone (crash-safe order).
 
-        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.names` (or this
+        Deletes only keys of ``step_dir``'s own layout that :mod:`ckptio.manifest.names` (or this
         store's naming) proves are ckptio's, never an object of a live save, and never
         anything a manifest lists outside the step (a copied step directory).
         """

@@ -1,10 +1,10 @@
 """The orphan sweep: what crashed, killed or revoked saves left, deleted by the rules of ownership.
 
-An object goes only if its key is one ckptio writes (:mod:`ckptio.names`, or
+An object goes only if its key is one ckptio writes (:mod:`ckptio.manifest.names`, or
 the store's naming), it is older than the grace period, no live save
 announced it (whatever its age), no manifest that counts names it, and its
 step's manifest is not damaged (a damaged step's objects are kept for
-inspection). Its writer is revoked first (:mod:`ckptio.fence`). The sweep
+inspection). Its writer is revoked first (:mod:`ckptio.store.fence`). The sweep
 also finishes interrupted deletions, settles dead commits (a manifest whose
 fence never said "commit" and whose writers' leases ended), removes dead
 saves' intents and stray fences, and the temporaries of killed writes.
@@ -18,17 +18,16 @@ import time
 
 from ckptio.backends import Backend
 from ckptio.backends.base import ObjectInfo, join_key
-
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
-from ..fence import Fences
-from ..manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
-from ..incremental.pins import parse_pin
-from ..names import ObjectName, fence_key, parse_fence, parse_held, parse_intent
-from .context import StoreContext
-from .deletion import Deletion
-from .intents import Intents
-from .manifests import Manifests
-from .options import check_grace, step_dir_of
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
+from ckptio.manifest import MANIFEST_NAME, TOMBSTONE_NAME, Manifest
+from ckptio.manifest.names import ObjectName, fence_key, parse_fence, parse_held, parse_intent
+from ckptio.store.context import StoreContext
+from ckptio.store.deletion import Deletion
+from ckptio.store.fence import Fences
+from ckptio.store.intents import Intents
+from ckptio.store.manifests import Manifests
+from ckptio.store.options import check_grace, step_dir_of
+from ckptio.store.pins import parse_pin
 
 __all__ = ["Collector", "SweepReport", "sweeps_temporaries_by_prefix"]
 
@@ -102,7 +101,7 @@ class Collector:
     async def sweep(self, grace_seconds: float = 3600.0, *, dry_run: bool = False) -> SweepReport:
         """Delete what crashed saves left: ckptio's objects that no intact manifest names.
 
-        An object goes only if its key is one ckptio writes (:mod:`ckptio.names`),
+        An object goes only if its key is one ckptio writes (:mod:`ckptio.manifest.names`),
         it is older than ``grace_seconds``, no live save announced it (whatever
         its age), and its step's manifest is not damaged (a damaged step's
         objects are kept for inspection). Also finishes interrupted deletions,
@@ -205,11 +204,11 @@ class Collector:
         if not rnd.dry_run:
             await self.ctx.delete_keys(stray)
             await self.ctx.delete_keys(manifests)
-            await self.ctx.delete_keys(fences)  # fences after manifests (ckptio.fence, step 5)
+            await self.ctx.delete_keys(fences)  # fences after manifests (ckptio.store.fence, step 5)
         report.objects.sort()
 
     async def _without_holds(self, intents: list[ObjectInfo]) -> list[ObjectInfo]:
-        """``intents`` less the holds whose pins stand (ckptio.incremental.pins: a hold goes with its
+        """``intents`` less the holds whose pins stand (ckptio.store.pins: a hold goes with its
         pin, which is created first, so a hold listed before this pins' listing finds its pin)."""
         pinners: dict[str, set[str]] = {}
         for step_dir in sorted({n.step_dir for i in intents if (n := parse_intent(i.key)) is not None and n.step_dir}):
@@ -340,7 +339,7 @@ class Collector:
         """Fences no manifest names any more: a commit rolled back (its fence says "revoked", its
         manifest is gone) or one whose step was deleted before its claim landed. A fence is created
         after its manifest, so one that the step's current manifest does not name can never count
-        again; deleting it is safe even under a paused committer (ckptio.fence, step 5)."""
+        again; deleting it is safe even under a paused committer (ckptio.store.fence, step 5)."""
         out: list[str] = []
         for step_dir, infos in rnd.by_step.items():
             if step_dir in rnd.protected or step_dir in dead:

@@ -22,11 +22,10 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any, Protocol
 
 from ckptio.backends.base import ObjectInfo, join_key
-
-from ..engine import run_sync
-from ..names import INTENT_PREFIX, intent_key, new_id, parse_intent
-from .context import StoreContext
-from .options import DEFAULT_LEASE_S
+from ckptio.engine import run_sync
+from ckptio.manifest.names import INTENT_PREFIX, intent_key, new_id, parse_intent
+from ckptio.store.context import StoreContext
+from ckptio.store.options import DEFAULT_LEASE_S
 
 __all__ = ["Announcer", "Intents", "Lease", "async_lease", "new_id"]
 
@@ -85,7 +84,7 @@ class Intents:
             doc = json.loads(await self.ctx.io.read(info.key))
             lease = float(doc.get("lease_s", DEFAULT_LEASE_S))
             covers = {save_id, *(c for c in doc.get("covers", []) if isinstance(c, str))}
-            if doc.get("hold"):  # for older ckptio only (ckptio.incremental.pins): pins decide here
+            if doc.get("hold"):  # for older ckptio only (ckptio.store.pins): pins decide here
                 return set()
         except FileNotFoundError:
             return {save_id}

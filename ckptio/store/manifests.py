@@ -4,7 +4,7 @@ A manifest counts (:meth:`Manifests.read_root`) only if it is no larger than
 ``MAX_MANIFEST_BYTES`` (refused before a byte is read), no tombstone stands
 beside it, it validates, it is bound to its step directory
 (:func:`check_binding`) and its fence, if it has one, says "commit"
-(:mod:`ckptio.fence`). Deleters and the gc read it unchecked
+(:mod:`ckptio.store.fence`). Deleters and the gc read it unchecked
 (:meth:`Manifests.read_unchecked`): they must see the manifest of a damaged,
 unconfirmed or revoked commit too.
 """
@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ckptio.backends.base import ByteRange, join_key
-
-from ..engine import gather_or_cancel
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
-from ..fence import COMMIT, REVOKED, Fences
-from ..manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Fetch, Manifest, Wanted, unseal,
-                        with_fragments, with_shards_meeting)
-from ..manifest.lazy import FetchRanges
-from ..manifest.refs import check_foreign_keys
-from .context import StoreContext
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError, UnconfirmedCommitError
+from ckptio.manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, TOMBSTONE_NAME, Fetch, Manifest, Wanted, unseal, with_fragments,
+    with_shards_meeting,
+)
+from ckptio.manifest.lazy import FetchRanges
+from ckptio.manifest.refs import check_foreign_keys
+from ckptio.store.context import StoreContext
+from ckptio.store.fence import COMMIT, REVOKED, Fences
 
 __all__ = ["Manifests", "check_binding"]
 

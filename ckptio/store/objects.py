@@ -12,10 +12,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..engine import gather_or_cancel
-from ..errors import CheckpointNotFoundError, IntegrityError
-from ..manifest import ArrayItem, Manifest, split_items
-from .context import StoreContext
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.manifest import ArrayItem, Manifest, split_items
+from ckptio.store.context import StoreContext
 
 __all__ = ["Listed", "Objects", "manifest_object_sizes"]
 

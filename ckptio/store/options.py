@@ -18,9 +18,8 @@ from contextlib import suppress
 from typing import Any
 
 from ckptio.backends import Backend
-
-from ..engine import Engine, EngineConfig
-from ..layout import FanoutNaming, FlatNaming, HashedNaming, Naming
+from ckptio.engine import Engine, EngineConfig
+from ckptio.engine.layout import FanoutNaming, FlatNaming, HashedNaming, Naming
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_STEP", "StoreOptions", "check_grace", "default_naming", "step_dir_of"]
 

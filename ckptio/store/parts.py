@@ -5,13 +5,13 @@ only its own objects, and needs only its own part (issue #33: receiving the whol
 O(hosts) per host per save). Such a host commits its part by
 
 1. its objects (written by the save),
-2. its *record* ``<step>/ckptio.held.<checkpoint id>.h<host>`` (:func:`ckptio.names.held_key`): the
+2. its *record* ``<step>/ckptio.held.<checkpoint id>.h<host>`` (:func:`ckptio.manifest.names.held_key`): the
    checkpoint id, the host, the number of hosts, a fence id, and each own object's key and size --
    the bytes its extents need, as a manifest's least size (the object may be longer) --
    (``extra``: what the caller adds, e.g. extents),
 3. the fence ``<step>/ckptio.fence.<fence id>`` claimed "commit": the commit point.
 
-The same protocol as a manifest's commit (:mod:`ckptio.fence`): after its record is in, the
+The same protocol as a manifest's commit (:mod:`ckptio.store.fence`): after its record is in, the
 committer claims "revoked" if a deleter revoked one of its objects' writers, else "commit", and
 checks its record is still there; a deleter, after revoking the writers of what it deletes, reads
 the records again and claims each unclaimed fence "revoked" (:meth:`Parts.settle`): whichever claim
@@ -37,13 +37,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptio.backends.base import ObjectInfo, join_key
-
-from ..errors import IntegrityError, SaveRevokedError
-from ..fence import COMMIT, REVOKED, Fences
-from ..manifest import TOMBSTONE_NAME
-from ..names import fence_key, held_key, parse_held, step_of_key
-from ..engine import gather_or_cancel
-from .context import StoreContext
+from ckptio.engine import gather_or_cancel
+from ckptio.errors import IntegrityError, SaveRevokedError
+from ckptio.manifest import TOMBSTONE_NAME
+from ckptio.manifest.names import fence_key, held_key, parse_held, step_of_key
+from ckptio.store.context import StoreContext
+from ckptio.store.fence import COMMIT, REVOKED, Fences
 
 __all__ = ["PART_FORMAT", "PartRecord", "Parts", "part_from_json"]
 

@@ -1,6 +1,6 @@
 """Saving a step again after a save of it died mid-commit: settle the dead commit as gc would, or wait.
 
-A save killed between its manifest and its fence claim (:mod:`ckptio.fence`, steps 2-4) leaves
+A save killed between its manifest and its fence claim (:mod:`ckptio.store.fence`, steps 2-4) leaves
 a manifest that never counts; the restarted job resumes from the step before and saves this step
 again, often within the dead save's lease. Before that save:
 
@@ -24,13 +24,13 @@ import asyncio
 import logging
 import time
 
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, StepBusyError
-from ..manifest import Manifest
-from .commit import Commits
-from .context import StoreContext
-from .gc import Collector
-from .intents import Intents
-from .manifests import Manifests
+from ckptio.errors import CheckpointNotFoundError, IntegrityError, ManifestError, StepBusyError
+from ckptio.manifest import Manifest
+from ckptio.store.commit import Commits
+from ckptio.store.context import StoreContext
+from ckptio.store.gc import Collector
+from ckptio.store.intents import Intents
+from ckptio.store.manifests import Manifests
 
 __all__ = ["Resaves", "wait_bound"]
 

@@ -23,17 +23,11 @@ backend of the README's "Write a backend" (``tests/example_backend.py``).
 from __future__ import annotations
 
 from ckptio.backends.wrappers import (
-    CountingBackend,
-    FaultInjectingBackend,
-    LatencyBackend,
-    MethodStats,
-    ReadOnlyBackend,
-    WrapperBackend,
+    CountingBackend, FaultInjectingBackend, LatencyBackend, MethodStats, ReadOnlyBackend, WrapperBackend,
 )
-
-from .conformance import BackendConformance, backend_test
-from .model import machine_for, split_views
-from .resume import ResumeReport, check_resume
+from ckptio.testing.conformance import BackendConformance, backend_test
+from ckptio.testing.model import machine_for, split_views
+from ckptio.testing.resume import ResumeReport, check_resume
 
 __all__ = [
     "BackendConformance",

@@ -13,8 +13,7 @@ import asyncio
 import pytest
 
 from ckptio.backends.base import Backend
-
-from ._harness import ConformanceHarness, backend_test
+from ckptio.testing._harness import ConformanceHarness, backend_test
 
 __all__ = ["ConditionalDeleteChecks"]
 

@@ -13,10 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from ckptio._system import fresh_pages
 from ckptio.backends.base import Backend
-
-from ._harness import ConformanceHarness, backend_test, payload
+from ckptio.system import fresh_pages
+from ckptio.testing._harness import ConformanceHarness, backend_test, payload
 
 __all__ = ["FillingChecks", "PieceFilling", "filling_object"]
 

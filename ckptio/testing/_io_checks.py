@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from ckptio.backends.base import Backend, ByteRange, Capabilities, LayoutDefaults
-
-from ._harness import ConformanceHarness, backend_test, payload
-from .model import split_views
+from ckptio.testing._harness import ConformanceHarness, backend_test, payload
+from ckptio.testing.model import split_views
 
 __all__ = ["ByteChecks"]
 

@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from ckptio.backends.base import Backend, ByteRange
-
-from ._harness import ConformanceHarness, backend_test, payload
-from .model import machine_for
+from ckptio.testing._harness import ConformanceHarness, backend_test, payload
+from ckptio.testing.model import machine_for
 
 __all__ = ["LifecycleChecks"]
 

@@ -13,8 +13,7 @@ from typing import Any, ClassVar
 import pytest
 
 from ckptio.backends.base import Backend, ByteRange, ObjectInfo
-
-from ._harness import ConformanceHarness, backend_test, payload
+from ckptio.testing._harness import ConformanceHarness, backend_test, payload
 
 __all__ = ["NamespaceChecks"]
 

@@ -42,13 +42,13 @@ same name (``a`` and ``a/b``) at once. No test stores both.
 
 from __future__ import annotations
 
-from ._conditional_checks import ConditionalDeleteChecks
-from ._filling_checks import FillingChecks
-from ._harness import backend_test
-from ._io_checks import ByteChecks
-from ._lifecycle_checks import LifecycleChecks
-from ._namespace_checks import NamespaceChecks
-from .model import split_views
+from ckptio.testing._conditional_checks import ConditionalDeleteChecks
+from ckptio.testing._filling_checks import FillingChecks
+from ckptio.testing._harness import backend_test
+from ckptio.testing._io_checks import ByteChecks
+from ckptio.testing._lifecycle_checks import LifecycleChecks
+from ckptio.testing._namespace_checks import NamespaceChecks
+from ckptio.testing.model import split_views
 
 __all__ = ["BackendConformance", "backend_test", "split_views"]
 

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from ckptio.backends.base import ByteRange
 
 if TYPE_CHECKING:
-    from ._harness import ConformanceHarness
+    from ckptio.testing._harness import ConformanceHarness
 
 __all__ = ["BackendVsDict", "machine_for", "split_views"]
 

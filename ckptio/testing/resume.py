@@ -22,7 +22,7 @@ where the batch, the loss or the state differ from the uninterrupted run
 
 ``build()`` returns ``(state, data)``: ``state`` a pytree ckptio saves, and
 ``data`` a stateful data loader or iterator (torchdata's ``StatefulDataLoader``,
-a grain iterator: see :mod:`ckptio.perhost`); batches come from ``iter(data)``.
+a grain iterator: see :mod:`ckptio.state.perhost`); batches come from ``iter(data)``.
 ``train_step(state, batch)`` returns ``(state, loss)``. Each step's batch, loss
 and state are recorded with ckptio itself (no pickle), then compared as numpy.
 """
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..api import restore, save
-from ..targets import restore_target
-from ..tree import flatten_named
+from ckptio.api import restore, save
+from ckptio.restoring.from_state import restore_target
+from ckptio.state.tree import flatten_named
 
 __all__ = ["ResumeReport", "check_resume"]
 

@@ -17,10 +17,12 @@
 
 from __future__ import annotations
 
-from .group import LocalGroup, TorchGroup
-from .manager import RestoreReport, TieredCheckpointManager
-from .policy import DURABLE, LOCAL, PEER, TIERS, Holding, RestorePlan, Retention, TierPolicy, plan_restore
-from .replicator import ReplicationError
+from ckptio.tiers.group import LocalGroup, TorchGroup
+from ckptio.tiers.manager import RestoreReport, TieredCheckpointManager
+from ckptio.tiers.policy import (
+    DURABLE, LOCAL, PEER, TIERS, Holding, RestorePlan, Retention, TierPolicy, plan_restore,
+)
+from ckptio.tiers.replicator import ReplicationError
 
 __all__ = [
     "DURABLE",

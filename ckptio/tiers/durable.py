@@ -1,11 +1,11 @@
 """The durable tier's rounds: copy every host's own objects there, then host 0 commits the manifest, last.
 
 :func:`durable_round` copies every host's own objects of a fast-tier step to
-the durable tier (:func:`ckptio.copy.copy_keys`) and then host 0 commits the
+the durable tier (:func:`ckptio.manage.copying.copy_keys`) and then host 0 commits the
 manifest there, last, and runs the durable tier's retention. Every host copies
 by its commit record (a non-coordinator's fast tier holds no manifest, #33),
 which carries each object's index in the checkpoint, so that its keys are
-those :func:`ckptio.copy.rekey` gives the whole manifest's copy. A fast-tier
+those :func:`ckptio.manage.copying.rekey` gives the whole manifest's copy. A fast-tier
 step that is a format-2 checkpoint (a save by many hosts) is copied as one:
 each host also copies its own fragment and host 0 commits the root it holds
 (:mod:`ckptio.tiers.durableroot`), parsing no other host's shards. A step
@@ -24,21 +24,22 @@ import logging
 from typing import Any
 
 from ckptio.backends.base import join_key
-
-from ..copy import StoredExtent, copy_keys, object_extents, object_writers, rekey, rekey_one, stored_extents
-from ..distributed import join_errors
-from ..engine import run_sync
-from ..store.intents import Lease, new_id
-from ..manifest import Manifest
-from ..names import INTENT_PREFIX, parse_object
-from ..store import CheckpointStore, sweeps_temporaries_by_prefix
-from ..store.parts import PartRecord
-from .group import PeerGroup
-from .peer import checkpoint_disagreement, holdings
-from .durableroot import durable_fragment, durable_root, exchange_fragments, fragment_save_id
-from .policy import TierPolicy
-from .replicator import ReplicationError
-from .rootcast import stored_root
+from ckptio.coord.distributed import join_errors
+from ckptio.engine import run_sync
+from ckptio.manage.copying import (
+    StoredExtent, copy_keys, object_extents, object_writers, rekey, rekey_one, stored_extents,
+)
+from ckptio.manifest import Manifest
+from ckptio.manifest.names import INTENT_PREFIX, parse_object
+from ckptio.store import CheckpointStore, sweeps_temporaries_by_prefix
+from ckptio.store.intents import Lease, new_id
+from ckptio.store.parts import PartRecord
+from ckptio.tiers.durableroot import durable_fragment, durable_root, exchange_fragments, fragment_save_id
+from ckptio.tiers.group import PeerGroup
+from ckptio.tiers.peer import checkpoint_disagreement, holdings
+from ckptio.tiers.policy import TierPolicy
+from ckptio.tiers.replicator import ReplicationError
+from ckptio.tiers.rootcast import stored_root
 
 __all__ = ["durable_recovery", "durable_round"]
 

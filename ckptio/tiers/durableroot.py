@@ -1,7 +1,7 @@
 """The durable round on format 2: each host copies its own fragment, host 0 commits a small root.
 
 A fast-tier step saved by many hosts is a format-2 checkpoint on host 0 (its root and every host's
-fragment, :mod:`ckptio.carried`); each other host holds only its own objects and its commit record.
+fragment, :mod:`ckptio.saving.carried_fragments`); each other host holds only its own objects and its commit record.
 The durable copy keeps that shape, so that host 0 parses no other host's shards:
 
 1. host 0 reads each fragment's stored bytes once and sends it to the host that wrote it (an
@@ -9,7 +9,7 @@ The durable copy keeps that shape, so that host 0 parses no other host's shards:
 2. each host checks its fragment against the root's size and crc32c and writes it to the durable
    tier beside its objects, under the same key. Where the durable naming gives its objects other
    keys than the fast tier's (a hashed naming: the key depends on the object's index in the
-   checkpoint, which the host's record carries, :func:`ckptio.copy.rekey_one`), the host first
+   checkpoint, which the host's record carries, :func:`ckptio.manage.copying.rekey_one`), the host first
    rewrites its fragment's object list to those keys and re-seals it: the fragment names what is
    in the durable tier, whatever its naming. It reports the reference (key, size, crc32c) of what it wrote;
 3. host 0 commits the root it holds, with those references and a fence of the durable commit's own,
@@ -26,18 +26,18 @@ import dataclasses
 import json
 from typing import Any
 
-from .. import _json
-from ..checksum import crc32c
-from ..copy import rekey_one
-from ..engine import gather_or_cancel, run_sync
-from ..manifest import FragmentRef, Manifest
-from ..manifest.codec.sections import parse_head, with_objects
-from ..manifest.fragments import FRAGMENT_PREFIX, fragment_ref
-from ..manifest.seal import seal, unseal
-from ..names import new_id
-from ..store import CheckpointStore
-from ..store.parts import PartRecord
-from .group import PeerGroup
+from ckptio.engine import gather_or_cancel, run_sync
+from ckptio.manage.copying import rekey_one
+from ckptio.manifest import FragmentRef, Manifest
+from ckptio.manifest.codec.sections import parse_head, with_objects
+from ckptio.manifest.fragments import FRAGMENT_PREFIX, fragment_ref
+from ckptio.manifest.names import new_id
+from ckptio.manifest.seal import seal, unseal
+from ckptio.store import CheckpointStore
+from ckptio.store.parts import PartRecord
+from ckptio.system import jsonio as _json
+from ckptio.system.checksum import crc32c
+from ckptio.tiers.group import PeerGroup
 
 __all__ = ["DurableFragment", "durable_fragment", "durable_root", "exchange_fragments", "fragment_save_id"]
 

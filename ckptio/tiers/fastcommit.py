@@ -1,7 +1,7 @@
 """The fast tier's commit on every host: what stands in each host's own fast tier once a save committed.
 
 The core save commits the job's checkpoint in host 0's fast tier only (the fast tier is host-local),
-as format 2 (:mod:`ckptio.carried`, issue #33): each host sealed its own fragment and sent it with its
+as format 2 (:mod:`ckptio.saving.carried_fragments`, issue #33): each host sealed its own fragment and sent it with its
 boxes in the save's gather; host 0 wrote every fragment as it came and committed a small root built
 from the boxes -- it parses no other host's shards. :func:`commit_everywhere` then makes the step stand
 on every other host, each with its own part only (per save, O(its own part) per host, O(hosts) in total):
@@ -31,12 +31,12 @@ import re
 import struct
 from typing import Any
 
-from ..engine import run_sync
-from ..names import new_id
-from ..store import CheckpointStore
-from ..store.parts import PartRecord
-from .group import PeerGroup
-from .held import write_held
+from ckptio.engine import run_sync
+from ckptio.manifest.names import new_id
+from ckptio.store import CheckpointStore
+from ckptio.store.parts import PartRecord
+from ckptio.tiers.group import PeerGroup
+from ckptio.tiers.held import write_held
 
 __all__ = ["commit_everywhere", "part_record"]
 

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from ckptio._system import flat_bytes
-from ckptio.distributed import ExchangeCoordinator, SingleProcess, TorchCoordinator
+from ckptio.coord.distributed import ExchangeCoordinator, SingleProcess, TorchCoordinator
+from ckptio.system import flat_bytes
 
 __all__ = ["LocalGroup", "Message", "PeerGroup", "TorchGroup", "refuse_other_multihost", "torch_world"]
 

@@ -4,7 +4,7 @@ At a restart every host scans what it holds (:func:`ckptio.tiers.peer.holdings`)
 manifest, that is a parse of every host's shards per step (87 MB at 4096 hosts x 128 shards,
 seconds per step) to learn three things about this host's own part: the checkpoint id, the
 number of hosts, and which objects are its own. So once a step is committed in its fast tier,
-each host writes them down in ``<step>/ckptio.held.<checkpoint id>.h<host>`` (:mod:`ckptio.names`),
+each host writes them down in ``<step>/ckptio.held.<checkpoint id>.h<host>`` (:mod:`ckptio.manifest.names`),
 a few hundred bytes, and the scan reads that.
 
 Why a record can be trusted without the manifest it vouches for:
@@ -31,12 +31,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..copy import object_extents, object_writers
-from ..manifest import Manifest
-from ..names import parse_held
-from ..store import CheckpointStore, manifest_object_sizes
-from ..engine import gather_or_cancel
-from ..store.parts import PART_FORMAT, PartRecord
+from ckptio.engine import gather_or_cancel
+from ckptio.manage.copying import object_extents, object_writers
+from ckptio.manifest import Manifest
+from ckptio.manifest.names import parse_held
+from ckptio.store import CheckpointStore, manifest_object_sizes
+from ckptio.store.parts import PART_FORMAT, PartRecord
 
 __all__ = ["HELD_FORMAT", "OwnPart", "own_part_record", "part_records", "read_held", "write_held"]
 
@@ -68,7 +68,7 @@ def part_records(manifest: Manifest, fence: str, ranks: Iterable[int] | None = N
     """Each host's part of ``manifest`` as a record (version 2), in one pass over the manifest: its objects in
     the manifest's order, each with the bytes its extents need, its extents ``[offset, length, crcs, item,
     block]`` and its index in the manifest (a copy to a hashed store names an object by it:
-    :func:`ckptio.copy.rekey`). ``ranks``: only those hosts' (default: every host's, ``num_hosts``)."""
+    :func:`ckptio.manage.copying.rekey`). ``ranks``: only those hosts' (default: every host's, ``num_hosts``)."""
     extents = object_extents(manifest)
     sizes = manifest_object_sizes(manifest)
     wanted = range(manifest.num_hosts) if ranks is None else ranks

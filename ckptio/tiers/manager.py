@@ -6,7 +6,7 @@ Layout (per host; the fast tier is host-local, e.g. ``/mnt/ssd/run1`` or
     <fast_url>/<step>/...           this host's objects + its commit record (ckptio.tiers.held: what a
                                     restart scans; a non-coordinator's part is committed by it alone)
                                     + on host 0 only, the job's manifest: a format-2 root and every
-                                    host's fragment (ckptio.carried: carried in the save's gather)
+                                    host's fragment (ckptio.saving.carried_fragments: carried in the save's gather)
     <peer_url>/<step>/...           a partner's latest snapshot: its objects, its record (host 0's: the
                                     manifest), a marker
     <durable_url>/<step>/...        every K-th checkpoint, whole, with its own manifest (host 0 commits)
@@ -40,28 +40,27 @@ from contextlib import contextmanager
 from typing import Any
 
 from ckptio.backends import Backend
-
-from ..distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
-from ..engine import EngineConfig, Progress, run_sync
-from ..save import SaveHandle, start_save
-from ..staging import StagingPool
-from ..states import SaveState
-from ..store import CheckpointStore
-from .fastcommit import commit_everywhere
-from .group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
-from .peer import holdings, retire_replica
-from .peerround import replicate_to_partner
-from .policy import TIERS, Holding, TierPolicy
-from .durable import durable_recovery, durable_round
-from .replicator import Lag, Pins, ReplicationError, ReplicationWorker
-from .restore import HostTiers, RestoreReport, restore_from_tiers
+from ckptio.coord.distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
+from ckptio.engine import EngineConfig, Progress, run_sync
+from ckptio.saving.job import SaveHandle, start_save
+from ckptio.saving.savestate import SaveState
+from ckptio.store import CheckpointStore
+from ckptio.system.bufferpool import StagingPool
+from ckptio.tiers.durable import durable_recovery, durable_round
+from ckptio.tiers.fastcommit import commit_everywhere
+from ckptio.tiers.group import LocalGroup, PeerGroup, TorchGroup, refuse_other_multihost, torch_world
+from ckptio.tiers.peer import holdings, retire_replica
+from ckptio.tiers.peerround import replicate_to_partner
+from ckptio.tiers.policy import TIERS, Holding, TierPolicy
+from ckptio.tiers.replicator import Lag, Pins, ReplicationError, ReplicationWorker
+from ckptio.tiers.restore import HostTiers, RestoreReport, restore_from_tiers
 
 __all__ = ["RestoreReport", "TieredCheckpointManager"]
 
 log = logging.getLogger("ckptio.tiers")
 
 #: This host's record (in its fast tier's root) of each host's newest step replicated to its partner.
-#: Not a name ckptio.names proves deletable: no deleter ever touches it; it is replaced whole.
+#: Not a name ckptio.manifest.names proves deletable: no deleter ever touches it; it is replaced whole.
 REPLICATED_RECORD = "ckptio.tiers.replicated.json"
 
 

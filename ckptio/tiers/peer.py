@@ -25,19 +25,18 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ckptio._system import scatter_bytes
 from ckptio.backends.base import Backend, ByteRange, Capabilities, ObjectInfo, ReadOnlyBackend
-
-from ..copy import object_extents, object_writers
-from ..distributed import join_errors
-from ..engine import gather_or_cancel, run_sync
-from ..errors import CheckpointNotFoundError
-from ..manifest import Manifest
-from ..names import parse_replica_mark, replica_mark_key
-from ..store import CheckpointStore
-from .group import CHUNK, Message, PeerGroup
-from .held import OwnPart, own_object_keys, read_held
-from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
+from ckptio.coord.distributed import join_errors
+from ckptio.engine import gather_or_cancel, run_sync
+from ckptio.errors import CheckpointNotFoundError
+from ckptio.manage.copying import object_extents, object_writers
+from ckptio.manifest import Manifest
+from ckptio.manifest.names import parse_replica_mark, replica_mark_key
+from ckptio.store import CheckpointStore
+from ckptio.system import scatter_bytes
+from ckptio.tiers.group import CHUNK, Message, PeerGroup
+from ckptio.tiers.held import OwnPart, own_object_keys, read_held
+from ckptio.tiers.policy import DURABLE, LOCAL, PEER, Holding, RestorePlan
 
 __all__ = [
     "RoutedBackend",
@@ -54,7 +53,7 @@ __all__ = [
 
 log = logging.getLogger("ckptio.tiers.peer")
 
-#: The last component of an object's key as every naming of :mod:`ckptio.layout` spells it.
+#: The last component of an object's key as every naming of :mod:`ckptio.engine.layout` spells it.
 OBJECT_NAME = re.compile(r"(?P<sid>[^./]+)\.h(?P<host>\d{5,})-(?P<n>\d{5,})")
 
 
@@ -178,8 +177,8 @@ async def retire_older_replicas(replica: CheckpointStore, step: int) -> None:
 async def retire_replica(replica: CheckpointStore, step: int) -> None:
     """Delete a replica step: its markers first (from then on nobody counts on it), then the checkpoint.
 
-    Like every deleter, it deletes only keys :mod:`ckptio.names` proves are ckptio's: the markers
-    :func:`ckptio.names.parse_replica_mark` parses as this step's (a lookalike such as
+    Like every deleter, it deletes only keys :mod:`ckptio.manifest.names` proves are ckptio's: the markers
+    :func:`ckptio.manifest.names.parse_replica_mark` parses as this step's (a lookalike such as
     ``ckptio.replica-of.h00001.bak`` stays), then what :meth:`CheckpointStore.delete` deletes.
     """
     step_dir = str(step)

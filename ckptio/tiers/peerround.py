@@ -26,17 +26,19 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..checksum import crc32c, verify_blocks
-from ..engine import run_sync
-from ..errors import IntegrityError
-from ..manifest import FragmentRef, Manifest
-from ..names import held_key, new_id
-from ..store import CheckpointStore
-from ..store.parts import PartRecord, part_from_json
-from .group import Message, PeerGroup
-from .held import own_part_record
-from .peer import _commit_replica, checkpoint_disagreement, mark_replica, read_chunks, retire_older_replicas
-from .rootcast import stored_root
+from ckptio.engine import run_sync
+from ckptio.errors import IntegrityError
+from ckptio.manifest import FragmentRef, Manifest
+from ckptio.manifest.names import held_key, new_id
+from ckptio.store import CheckpointStore
+from ckptio.store.parts import PartRecord, part_from_json
+from ckptio.system.checksum import crc32c, verify_blocks
+from ckptio.tiers.group import Message, PeerGroup
+from ckptio.tiers.held import own_part_record
+from ckptio.tiers.peer import (
+    _commit_replica, checkpoint_disagreement, mark_replica, read_chunks, retire_older_replicas,
+)
+from ckptio.tiers.rootcast import stored_root
 
 __all__ = ["replicate_to_partner"]
 

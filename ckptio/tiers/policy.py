@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from ..errors import CheckpointNotFoundError
-from ..retention import Retention, SaveInterval
+from ckptio.errors import CheckpointNotFoundError
+from ckptio.manage.retention import Retention, SaveInterval
 
 __all__ = [
     "DURABLE",

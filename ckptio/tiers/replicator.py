@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import CkptioError
-from .group import PeerGroup
+from ckptio.errors import CkptioError
+from ckptio.tiers.group import PeerGroup
 
 __all__ = ["Lag", "Pins", "ReplicationError", "ReplicationWorker"]
 

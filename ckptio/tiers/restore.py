@@ -6,7 +6,7 @@ objects from which tier); one host broadcasts the manifest, read through its sto
 (size cap, tombstone, binding and fence checked): a format-2 root without its
 fragments, each host then getting from it only the fragments its target meets
 (:mod:`ckptio.tiers.rootcast`). Then the core restore's
-:class:`~ckptio.restore.ReadPlan` says which objects this host reads: they
+:class:`~ckptio.restoring.ReadPlan` says which objects this host reads: they
 are routed to its own fast tier, its replicas or the durable tier, or
 fetched from peers (a collective exchange), and the plan is executed against
 that routed view, every byte checked against its checksum.
@@ -22,19 +22,19 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..copy import object_writers
-from ..distributed import join_errors
-from ..engine import Progress, run_sync
-from ..errors import CheckpointNotFoundError, IntegrityError
-from ..manifest import Manifest
-from ..restore import execute
-from ..restore.plan import ReadPlan, select
-from ..restore.plan import plan as plan_reads
-from ..store import CheckpointStore
-from .group import PeerGroup
-from .peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings, object_host
-from .rootcast import HostTiers, manifest_for
-from .policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
+from ckptio.coord.distributed import join_errors
+from ckptio.engine import Progress, run_sync
+from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.manage.copying import object_writers
+from ckptio.manifest import Manifest
+from ckptio.restoring import execute
+from ckptio.restoring.plan import ReadPlan, select
+from ckptio.restoring.plan import plan as plan_reads
+from ckptio.store import CheckpointStore
+from ckptio.tiers.group import PeerGroup
+from ckptio.tiers.peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings, object_host
+from ckptio.tiers.policy import DURABLE, LOCAL, PEER, Holding, RestorePlan, check_tiers, plan_restore
+from ckptio.tiers.rootcast import HostTiers, manifest_for
 
 __all__ = ["HostTiers", "RestoreReport", "restore_from_tiers"]
 
@@ -116,7 +116,7 @@ def restore_from_tiers(
 
 
 def _prepare(store: CheckpointStore, root: Manifest, step_dir: str, target: Any) -> tuple[ReadPlan, Manifest]:
-    """:func:`ckptio.restore.prepare` on the routed ``store``, also returning the manifest it planned with:
+    """:func:`ckptio.restoring.prepare` on the routed ``store``, also returning the manifest it planned with:
     a format-2 root's fragments for ``target`` loaded (from those the host was sent), whose objects the
     reads are routed by."""
     where = store.where(step_dir)

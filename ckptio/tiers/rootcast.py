@@ -31,18 +31,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptio.backends.base import join_key
-
-from ..checksum import crc32c
-from ..distributed import join_errors
-from ..engine import gather_or_cancel, run_sync
-from ..errors import CheckpointNotFoundError, IntegrityError
-from ..manifest import MANIFEST_NAME, FragmentRef, Manifest
-from ..manifest.lazy import fragments_for
-from ..restore.plan import select
-from ..store import CheckpointStore, check_binding
-from .group import PeerGroup
-from .peer import OBJECT_NAME, RoutedBackend
-from .policy import RestorePlan
+from ckptio.coord.distributed import join_errors
+from ckptio.engine import gather_or_cancel, run_sync
+from ckptio.errors import CheckpointNotFoundError, IntegrityError
+from ckptio.manifest import MANIFEST_NAME, FragmentRef, Manifest
+from ckptio.manifest.lazy import fragments_for
+from ckptio.restoring.plan import select
+from ckptio.store import CheckpointStore, check_binding
+from ckptio.system.checksum import crc32c
+from ckptio.tiers.group import PeerGroup
+from ckptio.tiers.peer import OBJECT_NAME, RoutedBackend
+from ckptio.tiers.policy import RestorePlan
 
 __all__ = ["HostTiers", "manifest_for", "manifest_to_send", "stored_root"]
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ... import _json
-from ...errors import ManifestError
-from .. import formats
-from ..limits import MAX_MANIFEST_BYTES
-from ..model import Manifest, use_codec
-from ..seal import seal, unseal
-from . import single, split
+from ckptio.errors import ManifestError
+from ckptio.manifest import formats
+from ckptio.manifest.codec import single, split
+from ckptio.manifest.limits import MAX_MANIFEST_BYTES
+from ckptio.manifest.model import Manifest, use_codec
+from ckptio.manifest.seal import seal, unseal
+from ckptio.system import jsonio as _json
 
 __all__ = ["decode", "decode_json", "encode", "encode_json"]
 

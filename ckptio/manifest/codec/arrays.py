@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ...dtypes import decode_dtype
-from ...errors import ManifestError
-from ..geometry import check_tiling
-from ..itemjson import row_object
-from ..limits import MAX_COUNT, MAX_DIM, MAX_NDIM, ORIGINS, U32, check_dims, check_int
-from ..model import ArrayItem, Extent, ShardRecord
+from ckptio.errors import ManifestError
+from ckptio.manifest.geometry import check_tiling
+from ckptio.manifest.itemjson import row_object
+from ckptio.manifest.limits import MAX_COUNT, MAX_DIM, MAX_NDIM, ORIGINS, U32, check_dims, check_int
+from ckptio.manifest.model import ArrayItem, Extent, ShardRecord
+from ckptio.state.dtypes import decode_dtype
 
 __all__ = ["array_item", "row_item"]
 

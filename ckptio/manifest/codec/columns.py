@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ManifestError
-from ..geometry import check_tiling
-from .rowcheck import check_rows
-from ..limits import MAX_COUNT, MAX_NDIM, check_int
-from ..model import ArrayItem, Manifest
-from ..table import ShardList, ShardTable, box_key
+from ckptio.errors import ManifestError
+from ckptio.manifest.codec.rowcheck import check_rows
+from ckptio.manifest.geometry import check_tiling
+from ckptio.manifest.limits import MAX_COUNT, MAX_NDIM, check_int
+from ckptio.manifest.model import ArrayItem, Manifest
+from ckptio.manifest.table import ShardList, ShardTable, box_key
 
 __all__ = ["COLUMNS_FRAGMENT_VERSION", "Columns", "column_bytes", "decode_columns", "encode_columns", "from_columns"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ManifestError
-from .columns import Columns, _ranges, _take_rows, _widened
-from .wholes import Wholes
+from ckptio.errors import ManifestError
+from ckptio.manifest.codec.columns import Columns, _ranges, _take_rows, _widened
+from ckptio.manifest.codec.wholes import Wholes
 
 __all__ = ["Gather"]
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from ...dtypes import decode_dtype
-from ...errors import ManifestError
-from ..limits import MAX_DIM, MAX_NDIM, U32, check_int, check_ints
-from ..model import PackTable
+from ckptio.errors import ManifestError
+from ckptio.manifest.limits import MAX_DIM, MAX_NDIM, U32, check_int, check_ints
+from ckptio.manifest.model import PackTable
+from ckptio.state.dtypes import decode_dtype
 
 __all__ = ["table_from_doc"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ManifestError
-from ..limits import MAX_DIM
-from ..model import ArrayItem
+from ckptio.errors import ManifestError
+from ckptio.manifest.limits import MAX_DIM
+from ckptio.manifest.model import ArrayItem
 
 __all__ = ["check_rows"]
 

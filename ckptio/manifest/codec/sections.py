@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from ...checksum import crc32c
-from ...errors import IntegrityError, ManifestError
-from ..limits import MAX_COUNT, MAX_NDIM
-from .columns import _ranges, column_bytes
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.manifest.codec.columns import _ranges, column_bytes
+from ckptio.manifest.limits import MAX_COUNT, MAX_NDIM
+from ckptio.system.checksum import crc32c
 
 __all__ = ["MAGIC", "SECTIONS_FRAGMENT_VERSION", "Head", "encode_sections", "head_size_of", "index_range", "names_digest",
            "parse_head", "parse_index", "take_sections", "take_whole", "with_objects"]

@@ -5,7 +5,7 @@ Schema (version 1; 3 adds ``tile`` to shards, 4 compact rows among the items,
 
     {"format": "ckptio", "version": 1, "step": 100 | null,
      "checkpoint_id": "<hex>", "created": <unix seconds>, "block_size": 4194304,
-     "num_hosts": 4, "tree": <structure, see ckptio.tree>,
+     "num_hosts": 4, "tree": <structure, see ckptio.state.tree>,
      "objects": ["h3f/100/<id>/h00000-00000", ...],        # keys relative to the checkpoint root
      "items": {"params/w": {"kind": "array", "dtype": "bfloat16", "shape": [8, 4],
                             "scalar": false, "origin": "jax",
@@ -29,18 +29,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptio.backends.base import check_key
-
-from ...errors import ManifestError
-from ...tree import tree_leaf_names
-from ..formats import HOST_STATES_VERSION, PACKS_VERSION, version_for
-from ..itemjson import document, item_to_json
-from ..limits import MAX_COUNT, check_int
-from ..model import ArrayItem, Items, Manifest, ValueItem, split_items
-from ..values import decode_value
-from ..hoststate import HostStateItem, host_state_item
-from .arrays import array_item, row_item
-from ..refs import decode_refs, encode_refs, uses_refs
-from .packs import table_from_doc
+from ckptio.errors import ManifestError
+from ckptio.manifest.codec.arrays import array_item, row_item
+from ckptio.manifest.codec.packs import table_from_doc
+from ckptio.manifest.formats import HOST_STATES_VERSION, PACKS_VERSION, version_for
+from ckptio.manifest.hoststate import HostStateItem, host_state_item
+from ckptio.manifest.itemjson import document, item_to_json
+from ckptio.manifest.limits import MAX_COUNT, check_int
+from ckptio.manifest.model import ArrayItem, Items, Manifest, ValueItem, split_items
+from ckptio.manifest.refs import decode_refs, encode_refs, uses_refs
+from ckptio.manifest.values import decode_value
+from ckptio.state.tree import tree_leaf_names
 
 __all__ = ["encode", "from_doc", "head_fields"]
 

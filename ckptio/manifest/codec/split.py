@@ -22,26 +22,27 @@ from typing import Any
 import numpy as np
 
 from ckptio.backends.base import check_key
-
-from ... import _json
-from ...checksum import crc32c
-from ...errors import IntegrityError, ManifestError
-from ...names import step_of_key
-from ..formats import HEADS_VERSION, HOST_REFS_VERSION, HOST_STATES_VERSION
-from ..geometry import check_table
-from ..hoststate import host_state_item
-from ..limits import U32, check_int
-from ..model import ArrayItem, FragmentRef, Manifest, ValueItem
-from ..seal import unseal
-from ..values import decode_value
-from .arrays import array_item
-from .columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
-from .gather import Gather
-from .wholes import take_wholes
-from .sections import (SECTIONS_FRAGMENT_VERSION, Head, index_range, names_digest, parse_head, parse_index,
-                       take_sections, take_whole)
-from ..refs import decode_refs
-from .single import head_fields
+from ckptio.errors import IntegrityError, ManifestError
+from ckptio.manifest.codec.arrays import array_item
+from ckptio.manifest.codec.columns import COLUMNS_FRAGMENT_VERSION, Columns, decode_columns, from_columns
+from ckptio.manifest.codec.gather import Gather
+from ckptio.manifest.codec.sections import (
+    SECTIONS_FRAGMENT_VERSION, Head, index_range, names_digest, parse_head, parse_index, take_sections,
+    take_whole,
+)
+from ckptio.manifest.codec.single import head_fields
+from ckptio.manifest.codec.wholes import take_wholes
+from ckptio.manifest.formats import HEADS_VERSION, HOST_REFS_VERSION, HOST_STATES_VERSION
+from ckptio.manifest.geometry import check_table
+from ckptio.manifest.hoststate import host_state_item
+from ckptio.manifest.limits import U32, check_int
+from ckptio.manifest.model import ArrayItem, FragmentRef, Manifest, ValueItem
+from ckptio.manifest.names import step_of_key
+from ckptio.manifest.refs import decode_refs
+from ckptio.manifest.seal import unseal
+from ckptio.manifest.values import decode_value
+from ckptio.system import jsonio as _json
+from ckptio.system.checksum import crc32c
 
 __all__ = ["FRAGMENT_FORMAT", "FragmentLoader", "load_fragments", "root_from_doc"]
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .columns import _ranges
-from .sections import _SECTION, Head
+from ckptio.manifest.codec.columns import _ranges
+from ckptio.manifest.codec.sections import _SECTION, Head
 
 __all__ = ["Wholes", "take_wholes"]
 

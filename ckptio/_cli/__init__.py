@@ -1,1 +1,0 @@
-"""The ``ckptio`` command's parts (the entry point and parser are :mod:`ckptio.cli`)."""

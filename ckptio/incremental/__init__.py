@@ -1,7 +1,0 @@
-"""Incremental saves (issue #37, docs/incremental.md): what did not change since the base step is not written again.
-
-* :mod:`.reuse` -- which shards are unchanged, and the manifest that references the base's objects;
-* :mod:`.pins` -- a referencing save's pins, and what a deleter of a base must keep for them.
-
-The manifest's side (format 9: ``bases`` and ``digests``) is :mod:`ckptio.manifest.refs`.
-"""
