@@ -80,7 +80,6 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     from ckptio.saving.carried_fragments import own_part
     from ckptio.saving.job import SaveJob
     from ckptio.saving.savestate import SaveState
-    from ckptio.store.intents import Lease
 
     with open(records_path + ".gather") as f:
         gathered = json.load(f)
@@ -97,14 +96,14 @@ def _save_side(root: str, records_path: str, hosts: int, rank: int, replay_path:
     job.head = {"format": "ckptio", "version": 1, "step": NEWEST, "checkpoint_id": job.save_id, "fence": "1" * 12,
                 "created": time.time(), "block_size": 4 << 20, "num_hosts": hosts,
                 "tree": {"dict": {m: {"leaf": m} for m in record["items"]}}, "metadata": {}}
-    job.lease = Lease(mngr.fast, step_dir, job.save_id, rank).start()
+    job.tx = mngr.fast.begin_save(step_dir, job.save_id, host=rank, prepare=False)
     job.handle.part = own_part(expanded(record), 4 << 20)
     objects_of(mngr.fast.url, record)  # the part's commit checks its objects are there (no data)
     t0 = time.perf_counter()
     verdict = collective_verdict(sim, gathered[rank], job.commit if rank == 0 else None)
     assert verdict.ok, verdict.error
     t_commit = time.perf_counter() - t0
-    job.lease.close(retire=True)
+    job.tx.end(ok=True)
     job.handle.state = SaveState.COMMITTED
     mngr._after_save(job.handle)
     if mngr._hook_error is not None:

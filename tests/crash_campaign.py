@@ -40,7 +40,7 @@ PAUSE_MARGIN_S = 0.6
 
 CHILD = r"""
 import sys, numpy as np, ckptio
-from ckptio import sidecar
+from ckptio.saving.writers import sidecar
 sys.path.insert(0, {here!r})
 from crash_campaign import state_for, as_jax
 made = as_jax if {jax} else (lambda state: state)

@@ -9,14 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptio.backends.base import (
-    Backend,
-    ByteRange,
-    Capabilities,
-    LayoutDefaults,
-    ObjectInfo,
-    check_fill,
-    check_key,
-    check_prefix,
+    Backend, ByteRange, Capabilities, LayoutDefaults, ObjectInfo, check_fill, check_key, check_prefix,
 )
 
 

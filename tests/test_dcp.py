@@ -354,7 +354,7 @@ def test_an_async_save_checksums_while_staging_and_its_write_reuses_the_sums(tmp
     step, reuses them instead of checksumming 1 MiB blocks itself (each call a GIL hand-over: with the step
     pinned, 97-119 ms of its time per 1 GiB save against 36-52 ms, issue 35). The sums are the staged bytes'
     own: a restore verifies against them, and a flipped byte is caught."""
-    import ckptio.engine as engine
+    import ckptio.engine.core as engine
     from ckptio.dcp._stagedsums import StagedSums
     from ckptio.engine.layout import extent_block
 

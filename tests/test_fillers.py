@@ -113,7 +113,7 @@ def test_a_save_copied_by_helpers_restores_bit_exact_and_is_a_snapshot(tmp_path,
         started.append(str(a[-1]))
         return real(*a, **k)
 
-    monkeypatch.setattr(importlib.import_module("ckptio.save"), "fill_objects", spy)  # the module, not ckptio.save()
+    monkeypatch.setattr(importlib.import_module("ckptio.saving.job"), "fill_objects", spy)
     h = ckptio.save(str(tmp_path / "ck"), state, 1, backend_options={"object_size": 2 << 20})
     for v in state.values():  # mutated once save() returned: the checkpoint holds the staged bytes
         v[:] = -1

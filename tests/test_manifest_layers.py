@@ -13,6 +13,7 @@ import ckptio.manifest
 
 #: Bottom to top: a module may import (from ckptio.manifest) only modules listed before it.
 LAYERS = [
+    "names",
     "limits",
     "formats",
     "model",
@@ -51,14 +52,10 @@ def _module_of(path: Path) -> str:
 def _imports(path: Path, module: str) -> tuple[set[str], list[int]]:
     """The package modules ``path`` imports at module level, and the lines of imports inside functions."""
     tree = ast.parse(path.read_text())
-    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
-            if node.level - 1 > len(here):
-                continue  # above the package (ckptio.*)
-            name = ".".join([*base, *([node.module] if node.module else [])])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptio.manifest"):
+            name = node.module.removeprefix("ckptio.manifest").lstrip(".")
             for alias in node.names:
                 full = f"{name}.{alias.name}" if name else alias.name
                 found.add(full if full in LAYERS else name)

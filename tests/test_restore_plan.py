@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.store import CheckpointStore
 
-restore = sys.modules["ckptio.restore"]  # ``ckptio.restore`` the attribute is the function
+import ckptio.restoring as restore
 
 
 def _saved(tmp_path: Path) -> CheckpointStore:

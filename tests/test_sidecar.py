@@ -400,7 +400,7 @@ def test_a_writer_process_that_never_starts_fails_the_save_and_the_next_starts_a
 
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
-    from ckptio import remoteread, sidecar, sidecar_export
+    from ckptio.saving.writers import remoteread, sidecar, sidecar_export
     from ckptio.engine import EngineConfig
     mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}

@@ -274,13 +274,11 @@ def test_a_part_committed_while_a_deletion_runs_stays_whole(tmp_path):
 def test_gc_never_revokes_a_part_whose_save_is_alive(tmp_path):
     """A committer that wrote its record and is still alive (its intent beats), however old its keys
     look: gc claims nothing and takes nothing; its commit then stands."""
-    from ckptio.store.intents import Lease
-
     st = store(tmp_path)
     rec = write_part(st, 5)
     run_sync(st.io.write(rec.key, [memoryview(rec.to_json())]))
     sid = rec.objects[0].split("/")[1].split(".")[0]
-    lease = Lease(st, "5", sid, host=HOST).start()
+    tx = st.begin_save("5", sid, host=HOST, prepare=False)
     try:
         t = time.time() - 7200  # its objects and record old; its intent fresh, as a beating one is
         for k in [*rec.objects, rec.key]:
@@ -291,4 +289,4 @@ def test_gc_never_revokes_a_part_whose_save_is_alive(tmp_path):
         run_sync(st.parts.commit(rec))
         assert run_sync(store(tmp_path).is_committed("5"))
     finally:
-        lease.close(retire=True)
+        tx.end(ok=True)

@@ -74,7 +74,7 @@ from ckptio.saving.writers.auto import default_writer_for
 from ckptio.saving.writers.base import THREAD_WRITER, writer_asked
 from ckptio.saving.writers.base import Writer as ObjectWriter
 from ckptio.store import CheckpointStore
-from ckptio.store.intents import Lease, new_id
+from ckptio.store.transaction import WriteTransaction, new_id
 from ckptio.store.urls import file_in_the_way
 
 __all__ = ["Writer"]
@@ -167,7 +167,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
-        self._lease: Lease | None = None
+        self._tx: WriteTransaction | None = None
         self._staged_sums: StagedSums | None = None  # set by stage(), taken by the next write_data
         self._writer: ObjectWriter | None = None  # the default stage() chose, taken by the next write_data
 
@@ -212,7 +212,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         state = super().__getstate__()
         state["buffers"] = None  # the pool stays in the process that stages
         state["_staged_sums"] = None  # so do the staged tensors' checksums
-        state["_lease"] = None  # a live intent's heartbeat stays with the process that plans
+        state["_tx"] = None  # a live intent's heartbeat stays with the process that plans
         state["_writer"] = None  # this process's writer process: another process writes in-process
         return state
 
@@ -305,9 +305,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         # One id for the whole save: in every object's name and in the manifest.
         save_id = self._save_id = new_id()
         # Announced before any rank writes an object; kept fresh until finish() commits.
-        self._lease = Lease(CheckpointStore(self.url, engine_config=self.engine_config,
-                                            backend_options=self.backend_options),
-                            self.step_dir, new_id(), covers=[save_id]).start()
+        self._tx = self._begin(save_id)
         return [dataclasses.replace(p, storage_data=_PlanInfo(save_id, i, len(plans))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -391,18 +389,19 @@ class Writer(Located, StorageWriter, AsyncStager):
                 companions=[_torchsave.companion_entry(stock)] if stock is not None else None,
             )
             manifest = Manifest.from_doc(doc, where)  # validates: every tensor's chunks tile it once
+            tx = self._tx or self._begin(manifest.checkpoint_id)  # a caller that skipped the global plan
             if self._replace:
                 run_sync(_overwrite.replace(store, self.step_dir, manifest, stock))
             else:
-                run_sync(store.commit(self.step_dir, manifest))
+                tx.commit(manifest)
                 if stock is not None:  # after the commit: torch never reads what ckptio does not call committed
                     run_sync(_overwrite.write_companion(store, self.step_dir, stock))  # logs a failure
         except BaseException:
-            self._end_lease(retire=False)
+            self._end(ok=False)
             raise
         finally:
             self._close()
-        self._end_lease(retire=True)
+        self._end(ok=True)
         # The Metadata dcp.save returns says where each item went, like FileSystemWriter's.
         metadata.version = DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rr in results for r in rr}
@@ -421,11 +420,18 @@ class Writer(Located, StorageWriter, AsyncStager):
             return None
         return _torchsave.metadata_bytes(metadata, records, lambda key: key[len(prefix):])  # type: ignore[arg-type]
 
-    def _end_lease(self, *, retire: bool) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.close(retire=retire)
-            run_sync(lease.store.close())
+    def _begin(self, save_id: str) -> WriteTransaction:
+        """The save's write transaction, on a store of its own that lives until finish() (the hooks' own
+        stores are opened and closed per hook); the step was checked by the plans (no prepare)."""
+        store = CheckpointStore(self.url, engine_config=self.engine_config, backend_options=self.backend_options)
+        self._tx = store.begin_save(self.step_dir, new_id(), covers=[save_id], prepare=False)
+        return self._tx
+
+    def _end(self, *, ok: bool) -> None:
+        tx, self._tx = self._tx, None
+        if tx is not None:
+            tx.end(ok=ok)
+            run_sync(tx.store.close())
 
 
 def _refuse_file(url: str | os.PathLike[str]) -> None:

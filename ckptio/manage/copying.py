@@ -32,7 +32,7 @@ from ckptio.manifest import ArrayItem, Manifest
 from ckptio.manifest.names import parse_object, step_of_key
 from ckptio.store import CheckpointStore
 from ckptio.store.companions import carried, companions_of, without_others, write_companions
-from ckptio.store.intents import async_lease, new_id
+from ckptio.store.transaction import new_id
 
 __all__ = ["CopyStats", "StoredExtent", "copy_checkpoint", "copy_keys", "copy_objects", "object_extents", "object_writers",
            "rekey", "rekey_one", "stored_extents", "verified_reads"]
@@ -281,10 +281,10 @@ async def copy_checkpoint(
     # DCP's .metadata for stock torch goes with the objects when its paths still name them.
     companions = await carried(src, step_dir, manifest, dst, where_to, out)
     out = without_others(out, companions)
-    async with async_lease(dst, where_to, new_id(), covers=writers):
+    async with await dst.begin_save_async(where_to, covers=writers, prepare=False) as tx:
         stats = await copy_objects(src, dst, manifest, out, progress=progress)
         try:
-            await dst.commit(where_to, out)
+            await tx.commit_async(out)
         except FileExistsError:  # a concurrent copy of the same checkpoint won the commit
             there = await dst.read_manifest(where_to)
             if there.checkpoint_id != manifest.checkpoint_id:

@@ -48,7 +48,7 @@ from ckptio.saving.writers.auto import default_writer
 from ckptio.state.leaves import LeafPack
 from ckptio.state.tree import flatten_named
 from ckptio.store import CheckpointStore, step_dir_of
-from ckptio.store.intents import Lease, new_id
+from ckptio.store.transaction import WriteTransaction, new_id
 from ckptio.store.resave import wait_bound
 from ckptio.system import gcpause as _gc
 from ckptio.system.bufferpool import StagingPool
@@ -59,8 +59,7 @@ log = logging.getLogger("ckptio.save")
 
 
 async def _write_fragment(
-    store: CheckpointStore, step_dir: str, save_id: str, host: int, step: int | None,
-    record: dict[str, Any], sizes: dict[str, int],
+    tx: WriteTransaction, step: int | None, record: dict[str, Any], sizes: dict[str, int],
 ) -> dict[str, Any]:
     """Write this host's fragment, check that its objects (``sizes``: their least length by key; an
     incremental save's references too) are all there, and return its summary.
@@ -72,23 +71,15 @@ async def _write_fragment(
     async def fragment() -> FragmentRef | None:
         if not any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
             return None
-        data = fragment_doc(record, step, save_id, host)
-        key = fragment_key(step_dir, save_id)
-        await store.io.write(key, [memoryview(data)])
-        await store.io.sync()
-        return fragment_ref(key, data, host)
+        data = fragment_doc(record, step, tx.save_id, tx.host)
+        key = fragment_key(tx.step_dir, tx.save_id)
+        await tx.store.io.write(key, [memoryview(data)])
+        await tx.store.io.sync()
+        return fragment_ref(key, data, tx.host)
 
-    ref, _ = await gather_or_cancel([fragment(), _vouch(store, step_dir, sizes)])
-    return {**summary_of(record, ref, coordinator=host == 0), "bases": sorted(record.get("bases") or {}, key=int)}
-
-
-async def _vouch(store: CheckpointStore, step_dir: str, sizes: dict[str, int]) -> None:
-    """FileNotFoundError unless this host's objects (by key, their least length) are all there: the
-    coordinator sees only fragments, so each host vouches for its own objects before the commit."""
-    have = await store.object_sizes(sizes)
-    for key, size in sizes.items():
-        if have.get(key, -1) < size:
-            raise FileNotFoundError(f"{store.where(step_dir)}: object {key!r} is missing or short after its write")
+    # The coordinator sees only fragments: each host vouches for its own objects before the commit.
+    ref, _ = await gather_or_cancel([fragment(), tx.vouch(sizes)])
+    return {**summary_of(record, ref, coordinator=tx.host == 0), "bases": sorted(record.get("bases") or {}, key=int)}
 
 
 async def _step_is_clear(store: CheckpointStore, step_dir: str, *, coordinator: bool) -> bool:
@@ -126,7 +117,7 @@ class SaveJob:
     """One host's part of one save, in named phases.
 
     - :meth:`stage` (the calling thread, the only part the training step waits for):
-      validate and stage the state, plan its objects, announce the save (its lease),
+      validate and stage the state, plan its objects, begin its write transaction (announce the save),
       then fill each object's buffers and let its write start;
     - on the save's own thread, :meth:`run`: :meth:`write` (the writer),
       :meth:`record` (this host's record, or its fragment with many hosts),
@@ -146,7 +137,7 @@ class SaveJob:
     plans: list[ObjectPlan]
     ready: list[concurrent.futures.Future[None]]
     head: dict[str, Any]
-    lease: Lease
+    tx: WriteTransaction
 
     def __init__(
         self,
@@ -299,31 +290,29 @@ class SaveJob:
         the committed step; host 0 prepares the step as it would before any intent of this save
         (finishing an interrupted deletion, settling a dead save's commit), then announces again.
         """
-        self.lease = self._start_lease()
+        self.tx = self._begin()
         try:
             clear = self._clear.result()
             if not clear and self.coord.rank != 0:
                 raise FileExistsError(f"checkpoint {self.where} is already committed")
         except BaseException:
-            self.lease.close(retire=True)
+            self.tx.end(ok=True)
             raise
         if clear:
             return
-        self.lease.close(retire=True)
+        self.tx.end(ok=True)
         # A commit whose save may be alive makes this save busy: it writes, and waits before its
         # commit (ckptio.store.resave).
         if run_sync(self.store.prepare_save(self.step_dir, defer=True)):
             self.busy_until = time.time() + wait_bound(self.store.lease_s)
-        self.lease = self._start_lease()
+        self.tx = self._begin()
 
-    def _start_lease(self) -> Lease:
-        lease = Lease(self.store, self.step_dir, self.save_id, self.coord.rank)
-        try:
-            lease.start()
+    def _begin(self) -> WriteTransaction:
+        try:  # the step's checks run beside it (_announce): not prepared here
+            return self.store.begin_save(self.step_dir, self.save_id, host=self.coord.rank, prepare=False)
         except BaseException:
             self._clear.exception()  # the checks end before the refusal is reported
             raise
-        return lease
 
     def _fill(self) -> None:
         """Fill every object's buffers in order, releasing each object's write once they are."""
@@ -408,7 +397,7 @@ class SaveJob:
         if self.carry:
             record = _expanded(record)
             # Its own objects, vouched for here as a native save's host does (the coordinator sees only fragments).
-            run_sync(_vouch(self.store, self.step_dir, {p.key: p.size for p in self.plans}))
+            run_sync(self.tx.vouch({p.key: p.size for p in self.plans}))
             self.handle.part = own_part(record, self.store.engine.config.block_size)
             record = carried_summary(record, self.step_dir, self.step, self.save_id, rank)
         elif self.split:
@@ -419,7 +408,7 @@ class SaveJob:
                 record = reference_record(record, self.reuse, bs)
                 sizes.update(referenced_sizes(self.reuse))
                 self.handle.own_base = own_base(record, self.step, self.save_id, bs, self.where)  # type: ignore[arg-type]
-            record = run_sync(_write_fragment(self.store, self.step_dir, self.save_id, rank, self.step, record, sizes))
+            record = run_sync(_write_fragment(self.tx, self.step, record, sizes))
         self.handle.state = SaveState.WRITTEN
         log.info("%s: host %d written (%d objects)", self.where, rank, len(self.plans))
         return record
@@ -445,20 +434,20 @@ class SaveJob:
         with alone(self.store.engine.backend):
             if self.busy_until is not None:
                 run_sync(self.store.wait_step_free(self.step_dir, self.busy_until))
-            run_sync(self.store.commit(self.step_dir, manifest, data))
+            self.tx.commit(manifest, data)
         self.manifest = manifest
 
     def _write_carried(self, records: list[dict[str, Any]]) -> None:
         """The coordinator's fragments step on a host-local store (:mod:`ckptio.saving.carried_fragments`): every host's
         fragment written here under this save's intent, covering their save ids first."""
-        self.lease.cover(carried_save_ids(records, self.step_dir, self.where))
+        self.tx.cover(carried_save_ids(records, self.step_dir, self.where))
         self.handle.part_bases = run_sync(write_carried(self.store.io, records, self.where))
 
     def verdict(
         self, record: dict[str, Any], failure: BaseException | None,
     ) -> tuple[Manifest | None, BaseException | None]:
         """Send ``record`` to the gather and join the verdict (the coordinator runs :meth:`commit`
-        if every host wrote), then close the lease: the save's outcome, as ``(manifest on the
+        if every host wrote), then end its write transaction: the save's outcome, as ``(manifest on the
         coordinator, error)``. ``failure`` is this host's own error, raised in the verdict's place."""
         try:
             # The others may still be writing (and host 0 committing): the wait covers that IO.
@@ -468,12 +457,12 @@ class SaveJob:
                 verdict = collective_verdict(self.coord, record, self.commit)
             if not verdict.ok:
                 raise failure or SaveFailedError(f"{self.where}: save failed: {verdict.error}")
-            self.lease.close(retire=True)
+            self.tx.end(ok=True)
             self.handle.state = SaveState.COMMITTED
             log.info("%s: committed", self.where)
             return (self.manifest if self.coord.rank == 0 else None, None)
         except BaseException as e:
-            self.lease.close(retire=False)  # goes stale: marks this attempt's objects as a dead save's
+            self.tx.end(ok=False)  # dead at once: marks this attempt's objects as a dead save's
             self.handle.state = SaveState.FAILED
             return (None, e)
 

@@ -39,7 +39,7 @@ from ckptio.manifest import Manifest, ValueItem, array_json, item_to_json, merge
 from ckptio.saving.savestate import SaveState
 from ckptio.state.dtypes import check_dtype, encode_dtype
 from ckptio.store import CheckpointStore, step_dir_of
-from ckptio.store.intents import Lease, new_id
+from ckptio.store.transaction import new_id
 
 __all__ = ["StreamWriter"]
 
@@ -76,8 +76,7 @@ class StreamWriter:
         self.batch_bytes = max(1, batch_bytes)
         self.inflight_bytes = max(self.batch_bytes, inflight_bytes)
         self.progress = progress
-        run_sync(store.prepare_save(self.step_dir))
-        self._lease = Lease(store, self.step_dir, self.save_id).start()  # before the first object
+        self._tx = store.begin_save(self.step_dir, self.save_id)  # before the first object
         self.objects: list[str] = []
         self._items: dict[str, dict[str, Any]] = {}  # manifest JSON of each item, extents filled as written
         self._pending: list[Piece] = []
@@ -225,11 +224,11 @@ class StreamWriter:
         try:
             if self.state is not SaveState.WRITTEN:
                 self.finish()
-            run_sync(self.store.commit(self.step_dir, manifest))
+            self._tx.commit(manifest)
         except BaseException:
             self.abort()
             raise
-        self._lease.close(retire=True)
+        self._tx.end(ok=True)
         self.state = SaveState.COMMITTED
         log.info(
             "%s: committed (%d objects, %d bytes, streamed)",
@@ -251,4 +250,4 @@ class StreamWriter:
                 pass
         self._inflight_total = 0
         self.state = SaveState.FAILED
-        self._lease.close(retire=False)
+        self._tx.end(ok=False)

@@ -32,6 +32,7 @@ from ckptio.store.objects import Objects
 from ckptio.store.options import DEFAULT_LEASE_S, StoreOptions
 from ckptio.store.parts import Parts
 from ckptio.store.resave import Resaves
+from ckptio.store.transaction import WriteTransaction
 
 __all__ = ["CheckpointStore"]
 
@@ -218,6 +219,17 @@ class CheckpointStore:
     async def retire(self, step_dir: str, save_id: str) -> None:
         """Remove a save's intent (after its commit, or its failure)."""
         await self.intents.retire(step_dir, save_id)
+
+    def begin_save(self, step_dir: str, save_id: str | None = None, *, host: int = 0, covers: Iterable[str] = (),
+                   prepare: bool = True) -> WriteTransaction:
+        """A write transaction of ``step_dir``, begun: the step prepared (unless ``prepare=False``), the
+        intent announced and kept fresh from a thread (:mod:`ckptio.store.transaction`)."""
+        return WriteTransaction(self, step_dir, save_id, host=host, covers=covers).begin(prepare=prepare)
+
+    async def begin_save_async(self, step_dir: str, save_id: str | None = None, *, host: int = 0,
+                               covers: Iterable[str] = (), prepare: bool = True) -> WriteTransaction:
+        """:meth:`begin_save` on the IO loop (the heartbeat is a task of it)."""
+        return await WriteTransaction(self, step_dir, save_id, host=host, covers=covers).begin_async(prepare=prepare)
 
     async def live_saves(self, step_dir: str, listing: list[ObjectInfo] | None = None) -> set[str]:
         """Save ids with a live intent in ``step_dir`` (heartbeat younger than its lease)."""

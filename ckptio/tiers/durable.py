@@ -32,7 +32,7 @@ from ckptio.manage.copying import (
 from ckptio.manifest import Manifest
 from ckptio.manifest.names import INTENT_PREFIX, parse_object
 from ckptio.store import CheckpointStore, sweeps_temporaries_by_prefix
-from ckptio.store.intents import Lease, new_id
+from ckptio.store.transaction import WriteTransaction
 from ckptio.store.parts import PartRecord
 from ckptio.tiers.durableroot import durable_fragment, durable_root, exchange_fragments, fragment_save_id
 from ckptio.tiers.group import PeerGroup
@@ -89,7 +89,7 @@ def durable_round(
     if plan["do"] != "copy":
         raise ReplicationError(f"durable copy of step {step}: {plan['error']}")
     message = exchange_fragments(group, own, src.root) if plan.get("format") == 2 else None
-    error, lease, ref = _copy_own(own, durable, step_dir, src, message, rank)
+    error, tx, ref = _copy_own(own, durable, step_dir, src, message, rank)
     sent = group.gather({"error": error, "fragment": ref})
     verdict: dict[str, object] = {"ok": False, "error": ""}
     committed = False
@@ -98,7 +98,8 @@ def durable_round(
         verdict = {"ok": not failed, "error": join_errors(failed)}
         if not failed:
             try:
-                run_sync(_commit(own, durable, step_dir, src, [s["fragment"] for s in sent]))
+                assert tx is not None  # host 0's own copy began it, and succeeded
+                run_sync(_commit(own, durable, tx, src, [s["fragment"] for s in sent]))
                 committed = True
                 log.info("durable copy of step %d: committed", step)
             except FileExistsError:
@@ -106,8 +107,8 @@ def durable_round(
             except BaseException as e:
                 verdict = {"ok": False, "error": f"commit: {type(e).__name__}: {e}"}
     verdict = group.broadcast(verdict)
-    if lease is not None:
-        lease.close(retire=bool(verdict["ok"]))
+    if tx is not None:
+        tx.end(ok=bool(verdict["ok"]))
     # Every host's intent retired before host 0 looks for leftovers: a live-looking intent of this very
     # round would have it sweep the step (reading its whole manifest) and keep sweeping it at later rounds.
     group.gather(None)
@@ -119,12 +120,12 @@ def durable_round(
 
 
 def _copy_own(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src: _Source, message: bytes | None,
-              rank: int) -> tuple[str | None, Lease | None, dict[str, Any] | None]:
-    """Copy this host's objects (and, on format 2, its fragment) to the durable tier, under a lease.
+              rank: int) -> tuple[str | None, WriteTransaction | None, dict[str, Any] | None]:
+    """Copy this host's objects (and, on format 2, its fragment) to the durable tier, in a write transaction.
 
-    Returns why not (one line naming this host), the lease (closed by the caller once the verdict
+    Returns why not (one line naming this host), the transaction (ended by the caller once the verdict
     is known), and the reference of the fragment written (format 2)."""
-    lease: Lease | None = None
+    tx: WriteTransaction | None = None
     try:
         # Deterministic: the same keys (or the same error) on every host, from the manifest or a record.
         objects = _objects_to_copy(own, durable, step_dir, src, rank)
@@ -138,30 +139,31 @@ def _copy_own(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src
         writers = {n.save_id for _k, dk, _e in objects if (n := parse_object(dk)) is not None}
         if fragment is not None:
             writers.add(fragment_save_id(fragment.ref))
-        lease = Lease(durable, step_dir, new_id(), host=rank, covers=writers).start()
+        tx = durable.begin_save(step_dir, host=rank, covers=writers, prepare=False)
         stats = run_sync(copy_keys(own, durable, objects))
         if fragment is not None:  # after its objects, as a save writes it; synced before the verdict
             run_sync(durable.io.write(fragment.ref.key, [memoryview(fragment.data)]))
             run_sync(durable.io.sync())
         log.info("durable copy of step %s: host %d written (%d objects, %d kept from an earlier try)",
                  step_dir, rank, stats.written, stats.kept)
-        return None, lease, dataclasses.asdict(fragment.ref) if fragment is not None else None
+        return None, tx, dataclasses.asdict(fragment.ref) if fragment is not None else None
     except BaseException as e:
-        return f"host {rank}: {type(e).__name__}: {e}", lease, None
+        return f"host {rank}: {type(e).__name__}: {e}", tx, None
 
 
-async def _commit(own: CheckpointStore, durable: CheckpointStore, step_dir: str, src: _Source,
+async def _commit(own: CheckpointStore, durable: CheckpointStore, tx: WriteTransaction, src: _Source,
                   fragments: list[Any]) -> None:
     """Host 0, once every host's copy succeeded: commit the durable manifest, last. Format 1: the
     fast tier's whole manifest, rekeyed. Format 2: the fast tier's root as stored, naming the
     fragments the hosts wrote, under a fresh fence."""
+    step_dir = tx.step_dir
     if src.root is None:
         assert src.manifest is not None  # host 0 copies by the manifest
-        await durable.commit(step_dir, rekey(src.manifest, step_dir, durable))
+        await tx.commit_async(rekey(src.manifest, step_dir, durable))
         return
     stored = await stored_root(own, step_dir, src.root)
     out, data = durable_root(stored, fragments, durable.where(step_dir))
-    await durable.commit(step_dir, out, data)
+    await tx.commit_async(out, data)
 
 
 def _after_durable_commit(
