@@ -65,9 +65,10 @@ def _save(root: str, n: int, kind: str, tile_bytes: int | None, q: Any, count: i
 
     full = _array(n)
     pieces = [(ix, full[ix]) for ix in _blocks(n, kind, count)]
-    config = ckptio.EngineConfig(tile_bytes=tile_bytes, **({"block_size": block_size} if block_size else {}))
+    config = ckptio.EngineConfig(**({"block_size": block_size} if block_size else {}))
     t0 = time.perf_counter()
-    ckptio.save(root, {"w": ckptio.Sharded(full.shape, full.dtype, pieces)}, step=1, engine_config=config).result()
+    ckptio.save(root, {"w": ckptio.Sharded(full.shape, full.dtype, pieces)}, step=1, engine_config=config,
+                save_options=ckptio.SaveOptions(tile_bytes=tile_bytes)).result()
     q.put({"save_s": time.perf_counter() - t0})
 
 

@@ -19,6 +19,7 @@ from ckptio.errors import (
 from ckptio.manage.manager import CheckpointManager
 from ckptio.restoring.from_state import restore_target
 from ckptio.saving.job import SaveHandle
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.savestate import SaveState
 from ckptio.state.leaves import Sharded
 from ckptio.state.perhost import PerHost
@@ -40,6 +41,7 @@ __all__ = [
     "Progress",
     "SaveFailedError",
     "SaveHandle",
+    "SaveOptions",
     "SaveState",
     "Sharded",
     "StagingPool",

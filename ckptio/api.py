@@ -11,6 +11,7 @@ from ckptio.engine import EngineConfig, Progress, run_sync
 from ckptio.engine.layout import Naming
 from ckptio.engine.progressbar import progress_callback
 from ckptio.restoring import restore_step
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.job import SaveHandle, start_save
 from ckptio.store import CheckpointStore, StoreOptions
 from ckptio.store.urls import file_in_the_way
@@ -33,6 +34,7 @@ def save(
     progress: Progress | bool | None = None,
     pool: StagingPool | None = None,
     backend: Backend | None = None,
+    save_options: SaveOptions | None = None,
 ) -> SaveHandle:
     """Save ``state`` (a pytree: see :mod:`ckptio.state.tree`) as step ``step`` under ``url``.
 
@@ -50,7 +52,8 @@ def save(
     ``(event, nbytes)`` is called as bytes go out (``event``: ``"written"``).
     ``pool``: the host buffers the state is staged into, kept for the next save; without one,
     a save staged in this process uses :func:`ckptio.system.bufferpool.process_pool` (at most 1 GiB
-    kept between saves; the writer process keeps its own).
+    kept between saves; the writer process keeps its own). ``save_options``: who writes the objects,
+    tiling, the switch interval (:class:`~ckptio.saving.options.SaveOptions`).
     """
     problem = file_in_the_way(url) if backend is None else None
     if problem:
@@ -69,6 +72,7 @@ def save(
         return start_save(
             store, step, state, metadata=metadata, coordinator=coordinator or default_coordinator(),
             copy=copy, progress=callback, pool=process_pool() if pool is None else pool, on_done=done,
+            options=save_options,
         )
     except BaseException:
         close_bar()

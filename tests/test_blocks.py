@@ -33,14 +33,15 @@ def rows(lo: int, hi: int) -> tuple[slice, slice]:
     return (slice(lo, hi), slice(None))
 
 
-def save_rows(url: str, hosts: int = HOSTS, cfg: ckptio.EngineConfig | None = None, step: int = 1) -> None:
+def save_rows(url: str, hosts: int = HOSTS, cfg: ckptio.EngineConfig | None = None, step: int = 1,
+              options: ckptio.SaveOptions | None = None) -> None:
     """``hosts`` hosts (threads) save row blocks of every array: format 2."""
     n = ROWS // hosts
 
     def body(rank: int, coord: Any) -> Any:
         ix = rows(rank * n, (rank + 1) * n)
         state = {name: ckptio.Sharded((ROWS, COLS), np.float32, [(ix, full(name)[ix])]) for name in NAMES}
-        return ckptio.save(url, state, step=step, coordinator=coord, engine_config=cfg).result()
+        return ckptio.save(url, state, step=step, coordinator=coord, engine_config=cfg, save_options=options).result()
 
     on_hosts(hosts, body)
 

@@ -50,12 +50,13 @@ def expected(hosts: int) -> dict[str, np.ndarray]:
 
 
 def save_mixed(url: str, hosts: int, writer: str | None = None) -> None:
-    cfg = ckptio.EngineConfig(block_size=CFG.block_size, writer=writer)
+    cfg = ckptio.EngineConfig(block_size=CFG.block_size)
+    opts = ckptio.SaveOptions(writer=writer)
     if hosts == 1:
-        ckptio.save(url, mixed_state(0, 1), step=1, engine_config=cfg).result()
+        ckptio.save(url, mixed_state(0, 1), step=1, engine_config=cfg, save_options=opts).result()
         return
     on_hosts(hosts, lambda rank, coord: ckptio.save(url, mixed_state(rank, hosts), step=1, coordinator=coord,
-                                                    engine_config=cfg).result())
+                                                    engine_config=cfg, save_options=opts).result())
 
 
 def assert_mixed(url: str, hosts: int, step: int = 1) -> None:
@@ -184,7 +185,7 @@ def test_n_to_2n_on_the_fake_gcs_server_reads_at_most_1_1x(gcs_emulator_env: str
     from fake_gcs import unique_prefix
 
     url = f"gs://{GCS_TEST_BUCKET}/{unique_prefix(tmp_path)}"
-    save_rows(url, hosts=4, cfg=ckptio.EngineConfig(tile_bytes=0))
+    save_rows(url, hosts=4, options=ckptio.SaveOptions(tile_bytes=0))
     assert manifest(url).items[NAMES[0]].shards[0].extents[0].block < manifest(url).block_size
     worst = check_split(url, list(range(0, ROWS + 1, ROWS // 8)), 1.1)  # 4 -> 8 hosts
     assert worst <= 1.1

@@ -196,13 +196,14 @@ def test_gcs_stores_tiles_by_default_and_a_column_block_reads_only_its_tiles(gcs
     n = 1024  # 4 MiB of float32: row blocks of 1 MiB are tiled at 256 KiB
     full = np.arange(n * n, dtype=np.float32).reshape(n, n)
     url = _url(tmp_path)
-    cfg = ckptio.EngineConfig(tile_bytes=256 << 10, block_size=256 << 10)  # 1 MiB tiles, scaled down 4x
+    cfg = ckptio.EngineConfig(block_size=256 << 10)  # 1 MiB tiles, scaled down 4x
+    tiles = ckptio.SaveOptions(tile_bytes=256 << 10)
     assert ckptio.backends.open_backend(url).layout_defaults.tile_bytes == 1 << 20
 
     def save(rank: int, coord: Any) -> Any:
         ix = (slice(rank * n // 4, (rank + 1) * n // 4), slice(None))
         return ckptio.save(url, {"w": ckptio.Sharded(full.shape, full.dtype, [(ix, full[ix])])}, step=1,
-                           coordinator=coord, engine_config=cfg).result()
+                           coordinator=coord, engine_config=cfg, save_options=tiles).result()
 
     on_hosts(4, save)
     m = run_sync(CheckpointStore(url).read_manifest("1"))

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import ckptio
+from ckptio import SaveOptions
 from ckptio.backends._wrapper_base import WrapperBackend
 from ckptio.backends.memory import MemoryBackend
-from ckptio.engine import EngineConfig, gilswitch
+from ckptio.engine import gilswitch
 
 ORIGINAL = 0.005
 
@@ -37,15 +38,15 @@ def _interval(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 class TestSetting:
     def test_default_without_config_or_environment(self) -> None:
         assert gilswitch.interval_for(None) == gilswitch.DEFAULT_S
-        assert gilswitch.interval_for(EngineConfig()) == gilswitch.DEFAULT_S
+        assert SaveOptions().gil_interval() == gilswitch.DEFAULT_S
 
     def test_environment_then_config(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(gilswitch.ENV, "0.001")
-        assert gilswitch.interval_for(EngineConfig()) == 0.001
-        assert gilswitch.interval_for(EngineConfig(gil_switch_s=0.002)) == 0.002  # the config wins
+        assert SaveOptions().gil_interval() == 0.001
+        assert SaveOptions(gil_switch_s=0.002).gil_interval() == 0.002  # the option wins
 
     def test_zero_leaves_the_interval(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        assert gilswitch.interval_for(EngineConfig(gil_switch_s=0)) is None
+        assert SaveOptions(gil_switch_s=0).gil_interval() is None
         monkeypatch.setenv(gilswitch.ENV, "0")
         assert gilswitch.interval_for(None) is None
 
@@ -56,8 +57,8 @@ class TestSetting:
             gilswitch.interval_for(None)
 
     def test_a_bad_config_value_is_named(self) -> None:
-        with pytest.raises(ValueError, match="EngineConfig.gil_switch_s=-0.5"):
-            gilswitch.interval_for(EngineConfig(gil_switch_s=-0.5))
+        with pytest.raises(ValueError, match="SaveOptions.gil_switch_s=-0.5"):
+            SaveOptions(gil_switch_s=-0.5)  # refused when made, before any save
 
 
 class TestShortened:
@@ -147,7 +148,7 @@ def _state() -> dict[str, np.ndarray]:
 def test_a_save_commits_under_the_short_interval_and_puts_it_back() -> None:
     spy = IntervalSpy("memory://gilswitch-native")
     ckptio.save("memory://gilswitch-native", _state(), step=1, backend=spy,
-                engine_config=EngineConfig(gil_switch_s=0.0005)).result()
+                save_options=SaveOptions(gil_switch_s=0.0005)).result()
     assert spy.seen and spy.seen[-1] == pytest.approx(0.0005)  # the manifest: the commit's last write
     assert sys.getswitchinterval() == pytest.approx(ORIGINAL)
     got = ckptio.restore("memory://gilswitch-native", step=1, backend=spy.inner)
@@ -157,7 +158,7 @@ def test_a_save_commits_under_the_short_interval_and_puts_it_back() -> None:
 def test_zero_leaves_a_save_alone() -> None:
     spy = IntervalSpy("memory://gilswitch-off")
     ckptio.save("memory://gilswitch-off", _state(), step=1, backend=spy,
-                engine_config=EngineConfig(gil_switch_s=0)).result()
+                save_options=SaveOptions(gil_switch_s=0)).result()
     assert spy.seen and all(s == pytest.approx(ORIGINAL) for s in spy.seen)
 
 
@@ -202,5 +203,6 @@ def test_a_bad_setting_refuses_a_dcp_writer_when_made(tmp_path, monkeypatch: pyt
     pytest.importorskip("torch")
     import ckptio.dcp
 
-    with pytest.raises(ValueError, match="EngineConfig.gil_switch_s=-1"):
-        ckptio.dcp.Writer(str(tmp_path / "ck"), engine_config=EngineConfig(gil_switch_s=-1))
+    monkeypatch.setenv(gilswitch.ENV, "-1")
+    with pytest.raises(ValueError, match=f"{gilswitch.ENV}='-1'"):
+        ckptio.dcp.Writer(str(tmp_path / "ck"))

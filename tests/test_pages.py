@@ -267,16 +267,14 @@ def test_saves_without_a_pool_reuse_the_process_pool_and_save_what_they_were_giv
     """``ckptio.save`` staging in this process with no pool: the second save stages into the first
     one's buffers (no fresh pages), and each step restores exactly the state it was given."""
     import ckptio
-    from ckptio.engine import EngineConfig
-
     pool = _fresh_process_pool(monkeypatch, 64 << 20)
-    config = EngineConfig(writer="thread")
+    config = ckptio.SaveOptions(writer="thread")
     state = {"a": np.arange(1 << 20, dtype=np.float32), "b": np.full((512, 1024), 3, np.float64)}
-    ckptio.save(tmp_path, state, step=1, engine_config=config).result()
+    ckptio.save(tmp_path, state, step=1, save_options=config).result()
     assert pool._free.misses >= 2 and pool._free.held_bytes() > 0
     misses = pool._free.misses
     state["a"] += 1  # the caller's arrays change between saves; the buffers are reused
-    ckptio.save(tmp_path, state, step=2, engine_config=config).result()
+    ckptio.save(tmp_path, state, step=2, save_options=config).result()
     assert pool._free.misses == misses and pool._free.hits >= 2
     assert pool._free.held_bytes() <= 64 << 20
     first = ckptio.restore(tmp_path, step=1)
@@ -289,15 +287,13 @@ def test_saves_without_a_pool_reuse_the_process_pool_and_save_what_they_were_giv
 def test_the_process_pool_keeps_within_its_bound_and_a_pool_of_nothing_keeps_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptio
-    from ckptio.engine import EngineConfig
-
     pool = _fresh_process_pool(monkeypatch, 5 << 20)
-    config = EngineConfig(writer="thread")
+    config = ckptio.SaveOptions(writer="thread")
     state = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(3)}  # 3 x 4 MiB
-    ckptio.save(tmp_path, state, step=1, engine_config=config).result()
+    ckptio.save(tmp_path, state, step=1, save_options=config).result()
     assert 0 < pool._free.held_bytes() <= 5 << 20
     nothing = StagingPool(max_bytes=0)
-    ckptio.save(tmp_path, state, step=2, engine_config=config, pool=nothing).result()
+    ckptio.save(tmp_path, state, step=2, save_options=config, pool=nothing).result()
     assert nothing._free.held_bytes() == 0 and nothing._free.count() == 0
     assert all(np.array_equal(ckptio.restore(tmp_path, step=2)[k], v) for k, v in state.items())
 

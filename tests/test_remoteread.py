@@ -21,7 +21,7 @@ import pytest
 from test_summedfill import _rows
 
 import ckptio
-from ckptio import EngineConfig
+from ckptio import SaveOptions
 from ckptio.engine.layout import PlannedExtent
 from ckptio.saving.writers import remoteread, sidecar
 from ckptio.saving.writers.remoteread import RemoteObject, allow_reads, readable, token, vm_read
@@ -31,7 +31,7 @@ from ckptio.system.checksum import block_crcs
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the writer process needs memfd")
 
-SIDECAR = EngineConfig(writer="sidecar")
+SIDECAR = SaveOptions(writer="sidecar")
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +168,7 @@ def _check_rows_and_restore(root: Path, state: dict[str, Any]) -> None:
 def test_a_copy_false_save_is_read_from_the_trainer_not_copied(tmp_path: Path,
                                                                described: list[tuple[Any, ...]]) -> None:
     state = _state()
-    ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR,
+    ckptio.save(tmp_path, state, step=1, copy=False, save_options=SIDECAR,
                 backend_options={"object_size": 8 << 20}).result()
     large = [d for d in described if d[4] >= (1 << 20)]
     assert large and all(d[5][0] == "mem" and d[3] % 4096 == 0 for d in large)
@@ -179,7 +179,7 @@ def test_a_copy_false_save_is_read_from_the_trainer_not_copied(tmp_path: Path,
 def test_a_jax_save_is_read_from_the_trainer(tmp_path: Path, described: list[tuple[Any, ...]]) -> None:
     jnp = pytest.importorskip("jax.numpy")
     state = {k: jnp.asarray(v) for k, v in _state().items()}
-    mngr = ckptio.CheckpointManager(tmp_path, engine_config=SIDECAR, backend_options={"object_size": 8 << 20})
+    mngr = ckptio.CheckpointManager(tmp_path, save_options=SIDECAR, backend_options={"object_size": 8 << 20})
     try:
         mngr.save(1, state).result()
     finally:
@@ -199,7 +199,7 @@ def test_without_reads_the_trainer_copies_into_shared_memory(tmp_path: Path, mon
         at, expected = token()
         monkeypatch.setattr(sidecar, "token", lambda: (at, bytes(b ^ 1 for b in expected)))
     state = _state()
-    ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR,
+    ckptio.save(tmp_path, state, step=1, copy=False, save_options=SIDECAR,
                 backend_options={"object_size": 8 << 20}).result()
     assert described and all(d[5][0] != "mem" for d in described)
     if how == "probe":
@@ -221,11 +221,11 @@ def test_a_read_that_fails_fails_the_save_and_the_next_save_commits(tmp_path: Pa
     monkeypatch.setattr(Export, "_source", bad)
     state = _state()
     with pytest.raises(Exception, match="reading .* bytes of process"):
-        ckptio.save(tmp_path, state, step=1, copy=False, engine_config=SIDECAR).result()
+        ckptio.save(tmp_path, state, step=1, copy=False, save_options=SIDECAR).result()
     pid = sidecar.current_pid()
     assert pid is not None and not (tmp_path / "1" / "ckptio.manifest.json").exists()
     monkeypatch.setattr(Export, "_source", real)
-    ckptio.save(tmp_path, state, step=2, copy=False, engine_config=SIDECAR).result()
+    ckptio.save(tmp_path, state, step=2, copy=False, save_options=SIDECAR).result()
     assert sidecar.current_pid() == pid
     out = ckptio.restore(tmp_path, 2)
     assert all(out[k].tobytes() == v.tobytes() for k, v in state.items())

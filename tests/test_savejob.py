@@ -22,7 +22,7 @@ from ckptio.coord.collective import Verdict, collective_verdict, failed_record, 
 from ckptio.coord.distributed import SingleProcess
 from ckptio.engine import EngineConfig
 from ckptio.engine.layout import LayoutOptions
-from ckptio.saving.handle import SaveOptions
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.job import SaveJob, start_save
 from ckptio.saving.writers.base import ENV, THREAD_WRITER, ThreadWriter, writer_name
 from ckptio.saving.writers.sidecar import SIDECAR_WRITER, writer_for
@@ -75,17 +75,20 @@ def test_one_host_needs_no_collective_to_refuse() -> None:
 def test_the_writer_string_maps_once_to_a_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
     assert writer_name(None) == "thread"
-    assert writer_name(EngineConfig(writer="sidecar")) == "sidecar"
+    assert SaveOptions(writer="sidecar").writer_name() == "sidecar"
     monkeypatch.setenv(ENV, "sidecar")
-    assert writer_name(EngineConfig()) == "sidecar"
-    assert writer_name(EngineConfig(writer="thread")) == "thread"  # the config wins over the environment
-    with pytest.raises(ValueError, match="EngineConfig.writer='proc'"):
-        writer_name(EngineConfig(writer="proc"))
+    assert SaveOptions().writer_name() == "sidecar"
+    assert SaveOptions(writer="thread").writer_name() == "thread"  # the option wins over the environment
+    with pytest.raises(ValueError, match="SaveOptions.writer='proc'"):
+        SaveOptions(writer="proc")
+    monkeypatch.setenv(ENV, "proc")
+    with pytest.raises(ValueError, match=f"{ENV}='proc'"):
+        SaveOptions().writer_name()
     monkeypatch.delenv(ENV)
     store = CheckpointStore(str(tmp_path))
     assert writer_for(store) is THREAD_WRITER and THREAD_WRITER.name == "thread"
-    mem = CheckpointStore("mem://savejob-writer", engine_config=EngineConfig(writer="sidecar"))
-    assert writer_for(mem) is THREAD_WRITER  # process-local storage keeps the in-process writer
+    mem = CheckpointStore("mem://savejob-writer")
+    assert SaveOptions(writer="sidecar").writer_for(mem) is THREAD_WRITER  # process-local: the in-process writer
     assert SIDECAR_WRITER.name == "sidecar"
 
 
@@ -94,8 +97,8 @@ def test_tile_bytes_is_a_layout_option() -> None:
     assert LayoutOptions().tile_bytes_for(shared) == 1 << 20  # the backend's default
     assert LayoutOptions(tile_bytes=0).tile_bytes_for(shared) == 0
     assert LayoutOptions(tile_bytes=64 << 20).tile_bytes_for(shared) == 4 << 20  # never above one object
-    store = CheckpointStore("mem://savejob-tiles", engine_config=EngineConfig(tile_bytes=4096))
-    assert SaveOptions.of(store).layout == LayoutOptions(tile_bytes=4096)  # the public spelling, mapped once
+    assert SaveOptions(tile_bytes=4096).layout == LayoutOptions(tile_bytes=4096)  # the public spelling, mapped once
+    assert EngineConfig.__dataclass_fields__.keys().isdisjoint({"tile_bytes", "writer", "gil_switch_s"})  # not the engine's
 
 
 class _CountingWriter(ThreadWriter):
@@ -113,7 +116,7 @@ def test_a_save_job_runs_its_phases_with_the_options_given(tmp_path: Path) -> No
     store = CheckpointStore(str(tmp_path))
     writer = _CountingWriter()
     state = {"w": np.arange(64.0).reshape(8, 8), "step": 3}
-    options = SaveOptions(writer, LayoutOptions(tile_bytes=0))
+    options = SaveOptions(writer, tile_bytes=0)
     manifest = start_save(store, 3, state, options=options).result()
     assert manifest is not None and writer.objects >= 1
     assert ckptio.restore(str(tmp_path), 3)["w"].tolist() == state["w"].tolist()

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import ckptio
+from ckptio import SaveOptions
 from ckptio.engine import EngineConfig
 from ckptio.errors import SaveFailedError
 from ckptio.saving.writers import remoteread, sidecar, sidecar_export
@@ -33,8 +34,8 @@ from ckptio.system import HUGE_PAGE
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the sidecar needs Linux memfd")
 
-SIDECAR = EngineConfig(writer="sidecar")
-THREAD = EngineConfig(writer="thread")
+SIDECAR = SaveOptions(writer="sidecar")
+THREAD = SaveOptions(writer="thread")
 
 
 @pytest.fixture(autouse=True)
@@ -101,8 +102,8 @@ def _assert_same_tree(a: Any, b: Any) -> None:
 def test_sidecar_and_in_process_saves_write_the_same_checkpoint(tmp_path: Path, tile_bytes: int | None) -> None:
     state = _state()
     for name, writer in (("thread", "thread"), ("sidecar", "sidecar")):
-        cfg = EngineConfig(writer=writer, tile_bytes=tile_bytes)
-        ckptio.save(tmp_path / name, state, step=3, engine_config=cfg).result()
+        options = SaveOptions(writer=writer, tile_bytes=tile_bytes)
+        ckptio.save(tmp_path / name, state, step=3, save_options=options).result()
     assert sidecar.current_pid() is not None  # the sidecar did the writing
     a, b = tmp_path / "thread" / "3", tmp_path / "sidecar" / "3"
     assert _normalized_manifest(a) == _normalized_manifest(b)
@@ -124,7 +125,7 @@ def test_jax_arrays_are_copied_into_shared_memory_off_the_stall(tmp_path: Path, 
              "v": jnp.arange(50_000, dtype=jnp.int32)}
     opts = {"object_size": 128 << 10, "tile_bytes": 32 << 10} if tiled else {}
     for name in ("thread", "sidecar"):
-        mngr = ckptio.CheckpointManager(tmp_path / name, engine_config=EngineConfig(writer=name), backend_options=opts)
+        mngr = ckptio.CheckpointManager(tmp_path / name, save_options=SaveOptions(writer=name), backend_options=opts)
         mngr.save(1, state)
         mngr.wait_until_finished()
         mngr.close()
@@ -170,7 +171,7 @@ def test_a_jax_arrays_copy_and_its_place_in_the_file_are_both_aligned(tmp_path: 
     jnp = pytest.importorskip("jax.numpy")
     state = {"w": jnp.arange(3 << 20, dtype=jnp.float32), "v": jnp.arange(1 << 18, dtype=jnp.int32) + 1}
     assert any(np.asarray(a).ctypes.data % 4096 for a in state.values())
-    mngr = ckptio.CheckpointManager(tmp_path, engine_config=SIDECAR)
+    mngr = ckptio.CheckpointManager(tmp_path, save_options=SIDECAR)
     try:
         mngr.save(1, state).result()
     finally:
@@ -193,7 +194,7 @@ def test_a_sync_dcp_saves_tensors_are_laid_out_aligned_for_their_copies(tmp_path
 
     sd = {"w": torch.arange(3 << 20, dtype=torch.float32), "v": torch.arange(1 << 18, dtype=torch.int32) + 1}
     assert any(t.data_ptr() % 4096 for t in sd.values())
-    dcp.save(sd, storage_writer=Writer(tmp_path / "ck", engine_config=SIDECAR, torch_readable=torch_readable))
+    dcp.save(sd, storage_writer=Writer(tmp_path / "ck", save_options=SIDECAR, torch_readable=torch_readable))
     large = [d for d in described if d[4] >= (1 << 20)]
     assert len(large) == 2 and all(_copy_aligned(d, reads) for d in large)
     readers = [Reader(tmp_path / "ck")] + ([dcp.FileSystemReader(str(tmp_path / "ck"))] if torch_readable else [])
@@ -224,7 +225,7 @@ def test_the_copies_a_jax_save_makes_in_shared_memory_are_settled_once(tmp_path:
 
     monkeypatch.setattr(ShmStagingPool, "settle", spy)
     state = {"w": jnp.arange(3 << 20, dtype=jnp.float32), "b": jnp.ones(33, jnp.bfloat16)}
-    mngr = ckptio.CheckpointManager(tmp_path, engine_config=SIDECAR)
+    mngr = ckptio.CheckpointManager(tmp_path, save_options=SIDECAR)
     try:
         mngr.save(1, state).result()
         assert settled == [12 << 20]
@@ -278,14 +279,14 @@ def test_a_backend_object_keeps_the_in_process_writer(tmp_path: Path) -> None:
     from ckptio.backends.memory import MemoryBackend
 
     backend = MemoryBackend("mem://x")
-    ckptio.save("mem://x", {"a": np.arange(5)}, step=1, engine_config=SIDECAR, backend=backend).result()
+    ckptio.save("mem://x", {"a": np.arange(5)}, step=1, save_options=SIDECAR, backend=backend).result()
     assert sidecar.current_pid() is None
     assert ckptio.restore("mem://x", 1, backend=backend)["a"].tolist() == list(range(5))
 
 
 def test_an_unknown_writer_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'proc'"):
-        ckptio.save(tmp_path, {"a": np.arange(5)}, step=1, engine_config=EngineConfig(writer="proc"))
+    with pytest.raises(ValueError, match="SaveOptions.writer='proc'"):
+        ckptio.save(tmp_path, {"a": np.arange(5)}, step=1, save_options=SaveOptions(writer="proc"))
 
 
 def _alive(pid: int) -> bool:
@@ -333,7 +334,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
 
     monkeypatch.setenv("CKPTIO_LEASE_S", "2")
     root = tmp_path / "ckpt"
-    ckptio.save(root, _state(1), step=1, engine_config=SIDECAR).result()
+    ckptio.save(root, _state(1), step=1, save_options=SIDECAR).result()
     first = sidecar.current_pid()
     assert first is not None
     # Many small objects, and the sidecar frozen at its first confirmed write, then killed:
@@ -348,7 +349,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
             killed.append(first)
             os.kill(first, signal.SIGKILL)
 
-    handle = ckptio.save(root, state, step=2, engine_config=SIDECAR, backend_options=opts, progress=kill_at_first_object)
+    handle = ckptio.save(root, state, step=2, save_options=SIDECAR, backend_options=opts, progress=kill_at_first_object)
     with pytest.raises(SaveFailedError, match=f"pid {first}"):
         handle.result()
     assert killed and not (root / "2" / "ckptio.manifest.json").exists()
@@ -364,7 +365,7 @@ def test_a_killed_sidecar_fails_the_save_and_the_next_save_commits(tmp_path: Pat
     assert {p: p.read_bytes() for p in (root / "1").iterdir()} == step1
     mngr.close()
     # The next save starts a new sidecar and commits.
-    ckptio.save(root, state, step=2, engine_config=SIDECAR, backend_options=opts).result()
+    ckptio.save(root, state, step=2, save_options=SIDECAR, backend_options=opts).result()
     second = sidecar.current_pid()
     assert second is not None and second != first
     assert not list(root.rglob(f"*{TMP_MARK}*"))
@@ -386,14 +387,14 @@ def test_a_writer_process_that_never_starts_fails_the_save_and_the_next_starts_a
 
     monkeypatch.setattr(sidecar, "START_S", 1.0)
     monkeypatch.setattr(sidecar, "allow_reads", never)
-    handle = ckptio.save(tmp_path, _state(), step=1, engine_config=SIDECAR)
+    handle = ckptio.save(tmp_path, _state(), step=1, save_options=SIDECAR)
     with pytest.raises(SaveFailedError, match=r"writer process \(pid \d+\) did not start within 1 s"):
         handle.result()
     assert stuck and _wait_gone(stuck[0])
     assert not (tmp_path / "1" / "ckptio.manifest.json").exists()
     monkeypatch.setattr(sidecar, "allow_reads", lambda pid: False)
     release.set()
-    ckptio.save(tmp_path, _state(), step=1, engine_config=SIDECAR).result()
+    ckptio.save(tmp_path, _state(), step=1, save_options=SIDECAR).result()
     assert sidecar.current_pid() not in (None, stuck[0])
     _assert_same_tree(ckptio.restore(tmp_path, 1), _state())
 
@@ -401,8 +402,7 @@ def test_a_writer_process_that_never_starts_fails_the_save_and_the_next_starts_a
 TRAINER = textwrap.dedent("""
     import sys, time, numpy as np, ckptio
     from ckptio.saving.writers import remoteread, sidecar, sidecar_export
-    from ckptio.engine import EngineConfig
-    mngr = ckptio.CheckpointManager(sys.argv[1], engine_config=EngineConfig(writer="sidecar"))
+    mngr = ckptio.CheckpointManager(sys.argv[1], save_options=ckptio.SaveOptions(writer="sidecar"))
     state = {f"a{i}": np.full(1 << 20, i, np.float32) for i in range(8)}
     mngr.save(1, state)
     mngr.wait_until_finished()
@@ -434,7 +434,7 @@ def test_a_killed_trainer_takes_its_sidecar_and_shared_memory_with_it(tmp_path: 
     assert _wait_gone(pid), f"sidecar {pid} outlived its killed trainer"
     assert _our_shm(proc.pid, pid) == []
     # The next run saves on the same root (the killed saves are a gc's business, not a blocker).
-    ckptio.save(tmp_path / "ckpt", {"a": np.arange(3)}, step=1000, engine_config=SIDECAR).result()
+    ckptio.save(tmp_path / "ckpt", {"a": np.arange(3)}, step=1000, save_options=SIDECAR).result()
     assert ckptio.restore(tmp_path / "ckpt", 1000)["a"].tolist() == [0, 1, 2]
 
 
@@ -446,7 +446,7 @@ def test_a_trainer_that_exits_normally_leaves_no_sidecar(tmp_path: Path) -> None
 
 
 def test_shutdown_stops_the_sidecar_and_frees_its_memory(tmp_path: Path) -> None:
-    ckptio.save(tmp_path, {"a": np.arange(100_000)}, step=1, engine_config=SIDECAR).result()
+    ckptio.save(tmp_path, {"a": np.arange(100_000)}, step=1, save_options=SIDECAR).result()
     pid = sidecar.current_pid()
     assert pid is not None
     sidecar.shutdown()
@@ -491,10 +491,10 @@ def test_the_sidecar_and_the_trainer_draw_from_one_request_budget(tmp_path: Path
     from ckptio.backends.budget import RequestRate, budget_of
 
     rate = RequestRate(reads_per_s=1e5, writes_per_s=1e5, hosts=1, rank=0)
-    cfg = EngineConfig(writer="sidecar", request_rate=rate)
+    cfg = EngineConfig(request_rate=rate)
     url = str(tmp_path / "c")
     for step in (1, 2):  # the second save reuses the child's engine and its joined budget
-        ckptio.save(url, _state(step), step=step, engine_config=cfg).result()
+        ckptio.save(url, _state(step), step=step, engine_config=cfg, save_options=SIDECAR).result()
     assert sidecar.current_pid() is not None  # the sidecar did the writing
     budget = budget_of(cfg.drive(open_backend(url)))  # this process's budget for the storage
     assert budget is not None
@@ -546,7 +546,7 @@ def test_the_sidecar_keeps_the_hosts_budget_lock_while_a_thread_holds_it(tmp_pat
 
     chan = Chan()
     writer = _Writer(chan)  # type: ignore[arg-type]
-    spec = (str(tmp_path / "c"), {}, EngineConfig(writer="thread", request_rate=rate), tuple(sorted(os.environ.items())))
+    spec = (str(tmp_path / "c"), {}, EngineConfig(request_rate=rate), tuple(sorted(os.environ.items())))
     try:
         writer.handle(("open", 1, spec, 0), [os.dup(fd)])
         assert locked_elsewhere(fd), "the child dropped its lock on the host's budget state"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio import EngineConfig
+from ckptio import SaveOptions
 from ckptio.engine import core as engine_mod
 from ckptio.saving import fillers
 from ckptio.saving.summedfill import wanted
@@ -65,8 +65,7 @@ def test_every_manifest_row_is_the_checksum_of_the_bytes_on_disk(tmp_path: Path,
     monkeypatch.setattr(fillers, "usable_cores", lambda: cores)
     state = _state()
     opts = {"object_size": 8 << 20}  # "big" spans three objects
-    cfg = EngineConfig(writer=writer)
-    ckptio.save(tmp_path, state, step=1, engine_config=cfg, backend_options=opts).result()
+    ckptio.save(tmp_path, state, step=1, save_options=SaveOptions(writer=writer), backend_options=opts).result()
     rows = _rows(tmp_path / "1")
     assert len({key for key, _e, _b in rows}) >= 3
     for key, (offset, _shard_offset, length, crcs, *_), block in rows:
@@ -100,10 +99,10 @@ def summed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_the_engine_sums_only_what_staging_could_not(tmp_path: Path, no_spare_core: None,
                                                      summed: list[int]) -> None:
     state = _state()
-    ckptio.save(tmp_path, state, step=1, engine_config=EngineConfig(writer="thread")).result()
+    ckptio.save(tmp_path, state, step=1, save_options=SaveOptions(writer="thread")).result()
     assert sorted(summed) == [state["strided"].nbytes]  # the plain copies came with their sums
     summed.clear()
-    ckptio.save(tmp_path, state, step=2, engine_config=EngineConfig(writer="thread"), copy=False).result()
+    ckptio.save(tmp_path, state, step=2, save_options=SaveOptions(writer="thread"), copy=False).result()
     unpacked = [v.nbytes for k, v in state.items() if k not in ("small", "small2")]
     assert sorted(summed) == sorted(unpacked)  # no copy: the engine sums every extent
 
@@ -113,6 +112,6 @@ def test_with_a_core_to_spare_the_stall_is_the_copy_alone(tmp_path: Path, monkey
     """A host with idle cores: the engine checksums later, beside the step, not inside its stall."""
     monkeypatch.setattr(fillers, "usable_cores", lambda: 16)
     state = _state()
-    ckptio.save(tmp_path, state, step=1, engine_config=EngineConfig(writer="thread")).result()
+    ckptio.save(tmp_path, state, step=1, save_options=SaveOptions(writer="thread")).result()
     assert sorted(summed) == sorted(v.nbytes for k, v in state.items() if k not in ("small", "small2"))
     assert wanted(4) is False and wanted(16) is True

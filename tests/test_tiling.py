@@ -55,7 +55,7 @@ def test_tile_choice():
 
 # -- restores --------------------------------------------------------------------------------
 
-SMALL_TILES = ckptio.EngineConfig(tile_bytes=512, block_size=512)
+SMALL_TILES = {"engine_config": ckptio.EngineConfig(block_size=512), "save_options": ckptio.SaveOptions(tile_bytes=512)}
 
 
 def _splits(n: int, k: int) -> list[slice]:
@@ -83,7 +83,7 @@ def _grid(shape: tuple[int, ...], parts: tuple[int, ...]) -> list[tuple[slice, .
 def test_any_resharding_of_tiled_shards_is_bit_exact(tmp_path, shape, saved, restored, dtype):
     full = (np.arange(math.prod(shape)) * 7 + 3).astype(dtype).reshape(shape)
     pieces = [(ix, full[ix]) for ix in _grid(shape, saved)]
-    ckptio.save(tmp_path, {"a": ckptio.Sharded(shape, full.dtype, pieces)}, step=1, engine_config=SMALL_TILES).result()
+    ckptio.save(tmp_path, {"a": ckptio.Sharded(shape, full.dtype, pieces)}, step=1, **SMALL_TILES).result()
     want = _grid(shape, restored)
     out = ckptio.restore(tmp_path, target={"a": ckptio.Sharded(shape, full.dtype, [(ix, None) for ix in want])})
     for ix, got in out["a"].pieces:
@@ -101,7 +101,7 @@ def test_jax_and_torch_leaves_are_tiled_too(tmp_path):
     jnp = pytest.importorskip("jax.numpy")
     state = {"t": torch.arange(64 * 96, dtype=torch.float32).reshape(64, 96),
              "j": jnp.arange(64 * 96, dtype=jnp.int32).reshape(64, 96)}
-    ckptio.save(tmp_path, state, step=1, engine_config=SMALL_TILES).result()
+    ckptio.save(tmp_path, state, step=1, **SMALL_TILES).result()
     out = ckptio.restore(tmp_path, target={
         "t": ckptio.Sharded((64, 96), np.float32, [((slice(None), slice(40, 77)), None)]),
         "j": ckptio.Sharded((64, 96), np.int32, [((slice(3, 50), slice(5, 9)), None)])})
@@ -115,9 +115,10 @@ def test_a_column_block_of_row_saved_shards_reads_about_what_it_needs(tmp_path):
     n = 2048
     full = np.arange(n * n, dtype=np.float32).reshape(n, n)
     rows = [(slice(i * n // 16, (i + 1) * n // 16), slice(None)) for i in range(16)]
-    big = ckptio.EngineConfig(tile_bytes=64 << 10, block_size=64 << 10)  # 16 MiB scaled like 1 GiB at 1 MiB
+    big = {"engine_config": ckptio.EngineConfig(block_size=64 << 10),  # 16 MiB scaled like 1 GiB at 1 MiB
+           "save_options": ckptio.SaveOptions(tile_bytes=64 << 10)}
     ckptio.save(url, {"w": ckptio.Sharded(full.shape, full.dtype, [(ix, full[ix]) for ix in rows])}, step=1,
-                engine_config=big).result()
+                **big).result()
     for col in (slice(5 * n // 16, 6 * n // 16), slice(n // 4, n // 2)):
         counting = CountingBackend(MemoryBackend(url))
         index = (slice(None), col)
@@ -153,7 +154,8 @@ def test_a_flipped_byte_in_a_partly_read_tile_is_caught_and_other_tiles_still_re
     full = np.arange(n * n, dtype=np.float32).reshape(n, n)
     rows = [(slice(i * 64, (i + 1) * 64), slice(None)) for i in range(4)]
     ckptio.save(tmp_path, {"w": ckptio.Sharded(full.shape, full.dtype, [(ix, full[ix]) for ix in rows])}, step=1,
-                engine_config=ckptio.EngineConfig(tile_bytes=4096, block_size=4096)).result()
+                engine_config=ckptio.EngineConfig(block_size=4096), save_options=ckptio.SaveOptions(tile_bytes=4096)
+                ).result()
     bad = (slice(70, 71), slice(100, 101))  # one element: the request reads part of one tile
     _corrupt_inside_tile(tmp_path, bad)
     with pytest.raises(IntegrityError):
@@ -174,9 +176,9 @@ def test_scratch_is_taken_when_a_read_starts_and_reused_after_its_copy_out(tmp_p
     n = 2048
     full = np.arange(n * n, dtype=np.float32).reshape(n, n)
     rows = [(slice(i * n // 16, (i + 1) * n // 16), slice(None)) for i in range(16)]
-    small = ckptio.EngineConfig(tile_bytes=64 << 10, block_size=64 << 10)
+    small = {"engine_config": ckptio.EngineConfig(block_size=64 << 10), "save_options": ckptio.SaveOptions(tile_bytes=64 << 10)}
     ckptio.save(url, {"w": ckptio.Sharded(full.shape, full.dtype, [(ix, full[ix]) for ix in rows])}, step=1,
-                engine_config=small).result()
+                **small).result()
     takes = {"fresh": 0, "reused": 0}
     real_take = ScratchPool.take
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import ckptio
-from ckptio.engine import EngineConfig
 from ckptio.saving.writers import auto as writer_auto
 from ckptio.saving.writers import remoteread, sidecar, sidecar_export
 
@@ -62,7 +61,7 @@ def test_naming_the_thread_writer_opts_out(tmp_path: Path, monkeypatch: pytest.M
     arrays = _arrays(4)
     kw: dict[str, Any] = {}
     if how == "config":
-        kw["engine_config"] = EngineConfig(writer="thread")
+        kw["save_options"] = ckptio.SaveOptions(writer="thread")
     else:
         monkeypatch.setenv(sidecar.ENV, "thread")
     assert not _save_and_check(tmp_path / "c", _jax(arrays), arrays, **kw)

@@ -93,7 +93,7 @@ class HostBuffers:
 #: The pool every Writer uses unless given another: shared, so that a new
 #: ``Writer(url_of_step)`` per save still reuses the previous saves' buffers.
 DEFAULT_BUFFERS = HostBuffers()
-#: The same for writers whose objects a sidecar process writes (``EngineConfig(writer="sidecar")``).
+#: The same for writers whose objects a sidecar process writes (``SaveOptions(writer="sidecar")``).
 SHARED_BUFFERS = HostBuffers(shared=True)
 
 

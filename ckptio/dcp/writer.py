@@ -69,10 +69,10 @@ from ckptio.dcp.stager import SHARED_BUFFERS, HostBuffers, stage_state_dict, sta
 from ckptio.engine import EngineConfig, gilswitch, run_sync
 from ckptio.engine.layout import Naming, Piece, extent_block, pack
 from ckptio.manifest import Manifest
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.writers import sidecar
 from ckptio.saving.writers.auto import default_writer_for
-from ckptio.saving.writers.base import THREAD_WRITER, writer_asked
-from ckptio.saving.writers.base import Writer as ObjectWriter
+from ckptio.saving.writers.base import THREAD_WRITER, Writer as ObjectWriter
 from ckptio.store import CheckpointStore
 from ckptio.store.transaction import WriteTransaction, new_id
 from ckptio.store.urls import file_in_the_way
@@ -106,6 +106,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         url: checkpoint URL or path (a ``checkpoint_id`` given to ``dcp.save`` replaces it).
         step: save as step ``step`` under ``url`` (a committed step is refused, whatever ``overwrite``).
         engine_config: concurrency, byte budget, checksum block size, retries.
+        save_options: who writes the objects and the switch interval (:class:`ckptio.saving.options.SaveOptions`).
         naming: object naming (default: the backend's -- hashed on object stores).
         backend_options: options of the backend (e.g. ``{"fsync": False}`` for local).
         buffers: the staging pool for ``async_save``.
@@ -141,6 +142,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         serialization_format: Any = None,
         _extensions: Sequence[Any] | None = None,
         torch_readable: bool | None = None,
+        save_options: SaveOptions | None = None,
     ) -> None:
         super().__init__()
         if thread_count is not None:
@@ -153,10 +155,11 @@ class Writer(Located, StorageWriter, AsyncStager):
                              f"{serialization_format!r} is not supported (use DCP's HF writer for safetensors)")
         _refuse_file(url)
         self._init_location(url, step, engine_config, backend_options, naming)
-        self._gil_switch = gilswitch.interval_for(self.engine_config)  # a bad setting fails here, not mid-save
+        self.save_options = save_options or SaveOptions()  # a bad setting fails here, not mid-save
+        self._gil_switch = self.save_options.gil_interval()
         if step is not None:
             self._refuse_committed_step()
-        sidecar.prestart(engine_config)
+        sidecar.prestart(self.save_options.writer_name())
         self.buffers = buffers
         self.overwrite = bool(overwrite)
         self.cache_staged_state_dict = bool(cache_staged_state_dict)
@@ -241,9 +244,9 @@ class Writer(Located, StorageWriter, AsyncStager):
         least 64 MiB to a local disk) for a state of CPU tensors (accelerator tensors stage into
         pinned memory, in-process). The choice holds for the write that follows."""
         self._writer = None
-        if sidecar.writer_of(self.engine_config) == "sidecar":
+        if self.save_options.writer_name() == "sidecar":
             return True
-        if writer_asked(self.engine_config):
+        if self.save_options.writer_asked:
             return False
 
         def nbytes() -> int:  # walked only where the writer process could write (a local disk)
@@ -344,7 +347,7 @@ class Writer(Located, StorageWriter, AsyncStager):
         key_for = lambda n: store.naming.object_key(self.step_dir, info.save_id, info.rank, info.world, n)  # noqa: E731
         records: dict[int, tuple[str, int, int]] = {}
         # The writer that will write: the one stage() chose by default, else the store's (ckptio.saving.writers.base).
-        writer, self._writer = self._writer or sidecar.writer_for(store), None
+        writer, self._writer = self._writer or self.save_options.writer_for(store), None
         in_place = not writer.copies
         if self.torch_readable:
             plans, records = _torchsave.pack_records(

@@ -86,23 +86,6 @@ class EngineConfig:
     #: A restore's verification keeps full priority. 0 (default): no change -- on a saturated
     #: host a lowered save loses throughput to every other process, not just the trainer.
     save_nice: int = 0
-    #: A layout option, not an engine one (the engine never reads it), accepted here for
-    #: compatibility: a save maps it once to ``ckptio.engine.layout.LayoutOptions.tile_bytes``,
-    #: which documents it (tiles of about this many bytes; 0: C order; None: the backend's
-    #: ``layout_defaults.tile_bytes``).
-    tile_bytes: int | None = None
-    #: Who writes a save's objects, by name: "thread" (this process's IO loop) or "sidecar" (a
-    #: writer process per host fed from shared-memory staging, so that nothing of a background
-    #: save runs under the training process's GIL). None: the ``CKPTIO_WRITER`` environment
-    #: variable, else "thread" -- except a save of 64 MiB or more of arrays to a local disk, which
-    #: then goes to the writer process (``ckptio.saving.writers.auto``). The engine never reads it:
-    #: a save maps it once to a ``ckptio.saving.writers.base.Writer`` (``ckptio.saving.writers.sidecar.writer_for``).
-    writer: str | None = None
-    #: The interpreter's switch interval (seconds) while a save's background work runs in this
-    #: process (``ckptio.engine.gilswitch``): its commit is ~110 short steps that each wait for the GIL
-    #: a training step gives up only every interval. None: ``CKPTIO_GIL_SWITCH_S``, else 0.5 ms;
-    #: 0: leave the process's interval alone. The engine never reads it.
-    gil_switch_s: float | None = None
 
     @property
     def retry_policy(self) -> RetryPolicy:

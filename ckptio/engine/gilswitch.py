@@ -12,7 +12,7 @@ loses less per save, not more (issue 35's notes have the runs).
 The interval is one setting for the whole process, so ckptio changes it only while one of its
 saves runs in the background (:func:`shortened`), never lengthens it, and puts back the value it
 found when the last such save ends -- unless somebody else changed it meanwhile, whose value then
-stands; a process forked meanwhile starts with the value found. ``EngineConfig.gil_switch_s``
+stands; a process forked meanwhile starts with the value found. ``SaveOptions.gil_switch_s``
 (else the ``CKPTIO_GIL_SWITCH_S`` environment variable) sets it; ``0`` turns it off.
 """
 
@@ -24,10 +24,6 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ckptio.engine.core import EngineConfig
 
 __all__ = ["DEFAULT_S", "ENV", "interval_for", "shortened"]
 
@@ -36,15 +32,13 @@ ENV = "CKPTIO_GIL_SWITCH_S"
 DEFAULT_S = 0.0005
 
 
-def interval_for(config: EngineConfig | None) -> float | None:
-    """The switch interval ``config`` asks for while its saves run, in seconds; None: leave it.
+def interval_for(value: float | None, source: str = "gil_switch_s") -> float | None:
+    """The switch interval asked for while a save runs, in seconds; None: leave it.
 
-    ``config.gil_switch_s`` first, else ``CKPTIO_GIL_SWITCH_S``, else :data:`DEFAULT_S`; ``0``
-    means leave the interval alone. ValueError names the setting for a value that is not a
-    number of seconds >= 0.
+    ``value`` (named ``source`` in errors: ``SaveOptions.gil_switch_s``) first, else
+    ``CKPTIO_GIL_SWITCH_S``, else :data:`DEFAULT_S`; ``0`` means leave the interval alone.
+    ValueError names the setting for a value that is not a number of seconds >= 0.
     """
-    value: object = config.gil_switch_s if config is not None else None
-    source = "EngineConfig.gil_switch_s"
     if value is None:
         raw = os.environ.get(ENV, "").strip()
         if not raw:

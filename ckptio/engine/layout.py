@@ -88,9 +88,8 @@ Fill = Callable[[memoryview], None]
 class LayoutOptions:
     """How a save lays its shards out in objects (picklable). ``None``: the backend's default.
 
-    This is where the option lives and is read. Its public spelling is still
-    ``EngineConfig(tile_bytes=...)``, which a save maps here once (``ckptio.saving.handle.SaveOptions.of``);
-    a caller of ``start_save`` may pass ``options=SaveOptions(writer, LayoutOptions(...))`` instead.
+    Its public spelling is ``SaveOptions(tile_bytes=...)``, which a save maps here once
+    (``ckptio.saving.options.SaveOptions.layout``).
     """
 
     #: Shards of 2+ dimensions larger than two tiles are stored as tiles of about this many

@@ -27,6 +27,7 @@ from ckptio.manage.retention import Retention, SaveInterval
 from ckptio.manifest import Manifest
 from ckptio.restoring import restore_step
 from ckptio.saving.incremental.shadow import Shadows
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.job import SaveHandle, start_save
 from ckptio.saving.writers import sidecar
 from ckptio.store import CheckpointStore, StoreOptions, step_dir_of
@@ -107,6 +108,8 @@ class CheckpointManager:
             committed is not written again: the new step references its objects (docs/incremental.md;
             the first save, and the one after a failure, write in full). With several hosts, each host
             compares and references its own shards, in its own fragment (ckptio.saving.incremental.hosts).
+        save_options: how saves run: who writes the objects, tiling, the switch interval
+            (:class:`ckptio.saving.options.SaveOptions`).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class CheckpointManager:
         backend: Backend | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         incremental: bool = False,
+        save_options: SaveOptions | None = None,
     ) -> None:
         self.retention = Retention(max_to_keep, keep_period)
         if best_mode not in ("min", "max"):
@@ -156,7 +160,8 @@ class CheckpointManager:
         self.incremental = incremental
         self._base: tuple[str, Manifest] | None = None  # the last commit, which an incremental save reuses
         self._shadows = Shadows() if incremental else None  # what it wrote, for a byte compare
-        sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
+        self.save_options = save_options or SaveOptions()
+        sidecar.prestart(self.save_options.writer_name())  # a writer process, if asked for, is up before the first save
         self._pending: SaveHandle | None = None
         self._lock = threading.Lock()
         self._retention_error: BaseException | None = None
@@ -241,7 +246,7 @@ class CheckpointManager:
             handle = start_save(
                 self.store, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
                 progress=progress, on_done=self._after_save, incremental=self.incremental, base=self._base,
-                shadows=self._shadows,
+                shadows=self._shadows, options=self.save_options,
             )
         except Exception as e:  # start_save has told the other hosts already
             self._outage_or_raise(step, e)

@@ -43,6 +43,7 @@ from ckptio.errors import CheckpointNotFoundError, SaveFailedError
 from ckptio.manifest import Manifest
 from ckptio.orbax._tree import META_KEY
 from ckptio.saving.job import start_save
+from ckptio.saving.options import SaveOptions
 from ckptio.store import CheckpointStore, StoreOptions
 from ckptio.store.orbax_steps import POINTER_FORMAT, POINTER_NAME, final_name
 from ckptio.store.orbax_steps import pointer_at as _pointer_at
@@ -87,6 +88,8 @@ class StorageConfig:
     #: per save on GCS, O(steps x objects), for objects that only become deletable after
     #: ``sweep_grace_seconds`` anyway.
     sweep_interval_seconds: float = 600.0
+    #: How the handler's saves run: writer, tiling, switch interval (:class:`ckptio.saving.options.SaveOptions`).
+    save_options: SaveOptions | None = None
 
     def store_options(self, url: str) -> StoreOptions:
         """The options of the store at ``url`` (this config's naming, engine and backend options)."""
@@ -266,7 +269,8 @@ def write_and_commit(
     try:
         if loc.storage is not None:
             _prepare_external(item_dir, loc, store, coord)
-        handle = start_save(store, loc.step, tree, metadata=metadata, coordinator=coord, copy=False)
+        handle = start_save(store, loc.step, tree, metadata=metadata, coordinator=coord, copy=False,
+                            options=config.save_options)
         handle.result()
     finally:
         run_sync(store.close())

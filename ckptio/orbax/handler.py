@@ -31,6 +31,7 @@ from ckptio.orbax._io import (
 from ckptio.orbax._metadata import leaf_metadata, tree_metadata_of
 from ckptio.orbax._tree import META_KEY, check_tree, plan_restore, stage_tree
 from ckptio.restoring import restore_checkpoint
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.writers import sidecar
 from ckptio.state.tree import unflatten
 
@@ -49,6 +50,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         naming: object naming strategy (e.g. :class:`ckptio.engine.layout.HashedNaming`);
             default: the backend's.
         engine_config, backend_options: passed to ckptio's store.
+        save_options: how saves run (writer, tiling: :class:`ckptio.saving.options.SaveOptions`).
         sweep_grace_seconds: uncommitted objects younger than this survive the orphan sweep.
         sweep_interval_seconds: the orphan sweep (a listing of the whole storage root) runs at
             the first save, then at most this often, and on close (see :class:`StorageConfig`).
@@ -63,10 +65,12 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
         backend_options: dict[str, Any] | None = None,
         sweep_grace_seconds: float = 3600.0,
         sweep_interval_seconds: float = 600.0,
+        save_options: SaveOptions | None = None,
     ) -> None:
         self._config = StorageConfig(storage, naming, engine_config, backend_options, sweep_grace_seconds,
-                                     sweep_interval_seconds)
-        sidecar.prestart(engine_config)  # a writer process, if asked for, is up before the first save
+                                     sweep_interval_seconds, save_options)
+        # A writer process, if asked for, is up before the first save.
+        sidecar.prestart((save_options or SaveOptions()).writer_name())
         # (Orbax root, item) pairs this handler finalised: swept once more on close, after
         # Orbax's last retention pass, which runs after our finalize.
         self._swept: set[tuple[str, str]] = set()

@@ -33,6 +33,7 @@ from ckptio.orbax._marker import write_marker
 from ckptio.orbax._metadata import leaf_metadata
 from ckptio.orbax._tree import META_KEY, plan_restore, stage_tree
 from ckptio.restoring import restore_checkpoint
+from ckptio.saving.options import SaveOptions
 from ckptio.store import CheckpointStore
 
 __all__ = ["TYPESTR", "CkptioArrayHandler", "CkptioNumpyHandler", "register", "unregister"]
@@ -67,8 +68,9 @@ class CkptioArrayHandler(types.TypeHandler):
         naming: Naming | None = None,
         engine_config: EngineConfig | None = None,
         backend_options: dict[str, Any] | None = None,
+        save_options: SaveOptions | None = None,
     ) -> None:
-        self._config = StorageConfig(None, naming, engine_config, backend_options)
+        self._config = StorageConfig(None, naming, engine_config, backend_options, save_options=save_options)
         #: Orbax's handler, for checkpoints it wrote (set by :func:`register`).
         self.fallback: types.TypeHandler | None = None
 

@@ -1,26 +1,18 @@
-"""A save as its caller sees it: the options it runs with, the handle it returns.
-
-:class:`SaveOptions` is what a save is told beyond its state (who writes its
-objects, how it lays them out), mapped once from a store's public knobs;
-:class:`SaveHandle` is the save in flight (``ckptio.save`` returns it once
-staged). The save job itself is :class:`ckptio.saving.job.SaveJob`.
+"""A save as its caller sees it: :class:`SaveHandle`, the save in flight (``ckptio.save`` returns it
+once staged). The options it runs with are :class:`ckptio.saving.options.SaveOptions`; the save job
+itself is :class:`ckptio.saving.job.SaveJob`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ckptio.engine.layout import LayoutOptions
 from ckptio.manifest import Manifest
 from ckptio.saving.savestate import SaveState
-from ckptio.saving.writers.base import Writer
-from ckptio.saving.writers.sidecar import writer_for
-from ckptio.store import CheckpointStore
 
-__all__ = ["SaveHandle", "SaveOptions"]
+__all__ = ["SaveHandle"]
 
 
 class SaveHandle:
@@ -63,24 +55,3 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.url!r}, step={self.step}, state={self.state})"
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveOptions:
-    """How a save runs: who writes its objects and how it lays them out.
-
-    :meth:`of` maps a store's public knobs (``EngineConfig.writer`` or ``CKPTIO_WRITER``;
-    ``EngineConfig.tile_bytes``) once, at the start of each save.
-    """
-
-    writer: Writer
-    layout: LayoutOptions
-
-    @classmethod
-    def of(cls, store: CheckpointStore) -> SaveOptions:
-        """The options ``store``'s config asks for (ValueError naming an unknown writer)."""
-        return cls(writer_for(store), LayoutOptions(tile_bytes=store.engine.config.tile_bytes))
-
-    def with_writer(self, writer: Writer) -> SaveOptions:
-        """These options with ``writer`` instead (a default that follows the state: ckptio.saving.writers.auto)."""
-        return dataclasses.replace(self, writer=writer)

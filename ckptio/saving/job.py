@@ -37,7 +37,8 @@ from ckptio.manifest.builder import merged_doc as _merged_doc
 from ckptio.manifest.builder import validated as _validated
 from ckptio.saving.carried_fragments import carried_save_ids, carried_summary, own_part, write_carried
 from ckptio.saving.fillers import fill_objects, fillers_for
-from ckptio.saving.handle import SaveHandle, SaveOptions
+from ckptio.saving.handle import SaveHandle
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.incremental.hosts import own_base, reference_record, referenced_sizes, with_bases
 from ckptio.saving.incremental.plan import Reuse, pin_bases, plan_reuse, reference_items, settle_views
 from ckptio.saving.incremental.shadow import Shadows
@@ -45,6 +46,7 @@ from ckptio.saving.savestate import SaveState
 from ckptio.saving.staging import PACK_MAX_BYTES, LeafPacker, StagingArea, stage_leaves
 from ckptio.saving.summedfill import staging_fill
 from ckptio.saving.writers.auto import default_writer
+from ckptio.saving.writers.base import Writer
 from ckptio.state.leaves import LeafPack
 from ckptio.state.tree import flatten_named
 from ckptio.store import CheckpointStore, step_dir_of
@@ -163,18 +165,19 @@ class SaveJob:
         self.store, self.step, self.metadata = store, step, metadata or {}
         self.coord: Coordinator = coordinator or SingleProcess()
         self.copy, self.progress, self.on_done = copy, progress, on_done
-        self.options = options or SaveOptions.of(store)
+        self.options = options = options or SaveOptions()
         # Read here, on the caller's thread: a bad setting refuses the save before anything is staged.
-        self.gil_switch = gilswitch.interval_for(store.engine.config)
-        # Without options, the writer may still follow the state (ckptio.saving.writers.auto), and its pool.
-        self._default_writer, self._pool = options is None, pool
+        self.gil_switch = options.gil_interval()
+        self.writer: Writer = options.writer_for(store)
+        # No writer asked for: it may still follow the state (ckptio.saving.writers.auto), and its pool.
+        self._pool = pool
         self.step_dir = step_dir_of(step)
         self.where = store.where(self.step_dir)
         self.handle = SaveHandle(self.where, step)
         # The save's buffers: snapshots of mutable leaves (with ``copy``) and packs of small ones
         # (always: a pack is one copy of bytes that are tiny next to the per-leaf work it saves).
         # A writer process reads staged bytes from shared memory: they are staged there, no later copy.
-        self.area = StagingArea(self.options.writer.staging_pool(pool))
+        self.area = StagingArea(self.writer.staging_pool(pool))
         self.single_host = self.coord.size == 1  # its record is the whole manifest: pack tables
         # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
         # (ckptio.manifest.fragments). A host-local store cannot read other hosts' fragments back:
@@ -218,10 +221,10 @@ class SaveJob:
         """Check every leaf before the first byte is written (nothing to clean up on bad input)."""
         store, rank = self.store, self.coord.rank
         names, values, self.structure = flatten_named(state, deferred=self.deferred)
-        if self._default_writer and not self.incremental:  # incremental: in-process (shadows, views)
-            writer = default_writer(store, values, rank, self.options.writer)
-            if writer is not self.options.writer:  # nothing staged yet: stage where that writer reads
-                self.options = self.options.with_writer(writer)
+        if not self.incremental:  # incremental: in-process (shadows, views)
+            writer = default_writer(store, values, rank, self.writer, self.options.writer_asked)
+            if writer is not self.writer:  # nothing staged yet: stage where that writer reads
+                self.writer = writer
                 self.area = StagingArea(writer.staging_pool(self._pool))
         defaults = store.backend.layout_defaults
         packer = None
@@ -262,7 +265,7 @@ class SaveJob:
             pieces,
             object_size=store.backend.layout_defaults.object_size,
             align=store.backend.capabilities.alignment,
-            in_place=not self.options.writer.copies,
+            in_place=not self.writer.copies,
             key_for=lambda n: store.naming.object_key(self.step_dir, save_id, coord.rank, coord.size, first + n),
         )
 
@@ -379,7 +382,7 @@ class SaveJob:
             with _gc.paused():
                 for build in self.deferred:
                     build()
-            written = self.options.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
+            written = self.writer.write(self.store, self.plans, self.progress, self.ready, self.where)
         finally:
             if pinning is not None:  # settled before the save goes on or fails: no pin made behind its back
                 concurrent.futures.wait([pinning])

@@ -42,6 +42,7 @@ from typing import Any
 from ckptio.backends import Backend
 from ckptio.coord.distributed import Coordinator, SingleProcess, TorchCoordinator, join_errors
 from ckptio.engine import EngineConfig, Progress, run_sync
+from ckptio.saving.options import SaveOptions
 from ckptio.saving.job import SaveHandle, start_save
 from ckptio.saving.savestate import SaveState
 from ckptio.store import CheckpointStore
@@ -80,6 +81,7 @@ class TieredCheckpointManager:
         fast_backend, durable_backend: override the backend the URL would pick (e.g. a wrapped one).
         fast_options, durable_options: backend options for the URLs.
         engine_config: the engines' knobs.
+        save_options: how the fast tier's saves run (:class:`ckptio.saving.options.SaveOptions`).
     """
 
     def __init__(
@@ -94,8 +96,10 @@ class TieredCheckpointManager:
         fast_options: dict[str, Any] | None = None,
         durable_options: dict[str, Any] | None = None,
         engine_config: EngineConfig | None = None,
+        save_options: SaveOptions | None = None,
     ) -> None:
         self.policy = policy or TierPolicy()
+        self.save_options = save_options
         # Group creation is collective: the same four, in the same order, on every host.
         self.coordinator: Coordinator
         if torch_world() is not None:
@@ -289,7 +293,7 @@ class TieredCheckpointManager:
             run_sync(self.fast.delete(str(step)))
         handle = start_save(
             self.fast, step, state, metadata=metadata, coordinator=self.coordinator, pool=self._pool,
-            progress=progress, on_done=self._after_save,
+            progress=progress, on_done=self._after_save, options=self.save_options,
         )
         self._pending = handle
         return handle

@@ -14,7 +14,7 @@ numpy save lost the step 50-62 ms in-process against 20-24 ms through the
 writer process (0.28-0.32 against 0.36-0.39 GiB/s), the torch save 57-64
 against 20-27 ms (0.29-0.31 against 0.35-0.40 GiB/s).
 
-So when neither ``EngineConfig.writer`` nor ``CKPTIO_WRITER`` names a writer, a
+So when neither ``SaveOptions.writer`` nor ``CKPTIO_WRITER`` names a writer, a
 save that writes at least :data:`AUTO_MIN_BYTES` of arrays from this host (numpy,
 torch or JAX; through the native API or the Orbax handler) to a local POSIX
 backend (:class:`ckptio.backends.local.LocalBackend` and its flavours) goes
@@ -47,7 +47,7 @@ import numpy as np
 
 from ckptio.backends.local import LocalBackend
 from ckptio.saving.writers import sidecar
-from ckptio.saving.writers.base import Writer, sidecar_possible, writer_asked
+from ckptio.saving.writers.base import Writer, sidecar_possible
 from ckptio.saving.writers.sidecar import SIDECAR_WRITER
 from ckptio.state.leaves import Sharded, index_to_box, is_jax_array, is_torch_tensor
 from ckptio.store import CheckpointStore
@@ -91,11 +91,11 @@ def _sharded_bytes(leaf: Sharded) -> int:
     return total
 
 
-def default_writer(store: CheckpointStore, leaves: Sequence[Any], host: int, chosen: Writer) -> Writer:
+def default_writer(store: CheckpointStore, leaves: Sequence[Any], host: int, chosen: Writer, asked: bool) -> Writer:
     """The writer of host ``host``'s save of ``leaves`` (the state's, flattened) to ``store``:
-    ``chosen`` (the store's), unless no writer was asked for and the save is a large one on a
-    local backend (see the module): then the writer process. Called before staging."""
-    if chosen is SIDECAR_WRITER or writer_asked(store.engine.config):
+    ``chosen``, unless no writer was ``asked`` for and the save is a large one on a local backend
+    (see the module): then the writer process. Called before staging."""
+    if chosen is SIDECAR_WRITER or asked:
         return chosen
     return default_writer_for(store, lambda: array_bytes(leaves, host), chosen)
 

@@ -9,9 +9,9 @@ their checksums. Two writers exist:
 - :class:`ckptio.saving.writers.sidecar.SidecarWriter`: a writer process per host, fed from
   shared-memory staging (:mod:`ckptio.saving.writers.sidecar`).
 
-The public surface still names them by string (``EngineConfig.writer`` or the
-``CKPTIO_WRITER`` environment variable); :func:`writer_name` reads that string,
-and :func:`ckptio.saving.writers.sidecar.writer_for` maps it, once per save, to a writer object.
+The public surface names them by string (``SaveOptions.writer`` or the ``CKPTIO_WRITER``
+environment variable); :func:`writer_name` reads that string, and
+:func:`ckptio.saving.writers.sidecar.writer_for` maps it, once per save, to a writer object.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
-from ckptio.engine import EngineConfig, Progress, WrittenObject, run_sync
+from ckptio.engine import Progress, WrittenObject, run_sync
 from ckptio.engine.layout import ObjectPlan
 from ckptio.store import CheckpointStore
 from ckptio.system.bufferpool import StagingPool
@@ -32,9 +32,9 @@ __all__ = ["ENV", "THREAD_WRITER", "WRITERS", "ThreadWriter", "Writer", "sidecar
 
 log = logging.getLogger("ckptio.sidecar")  # the choice's notes belong with the sidecar's
 
-#: Environment variable that picks the writer when ``EngineConfig.writer`` is None.
+#: Environment variable that picks the writer when ``SaveOptions.writer`` is None.
 ENV = "CKPTIO_WRITER"
-#: The writers' names, as ``EngineConfig.writer`` and ``CKPTIO_WRITER`` spell them.
+#: The writers' names, as ``SaveOptions.writer`` and ``CKPTIO_WRITER`` spell them.
 WRITERS = ("thread", "sidecar")
 
 #: ``ready[i]`` resolves once object ``i``'s bytes are staged (a failed staging sets an exception).
@@ -93,22 +93,22 @@ class ThreadWriter:
 THREAD_WRITER = ThreadWriter()
 
 
-def writer_name(config: EngineConfig | None) -> str:
-    """The writer an engine config asks for: "thread" or "sidecar" (ValueError naming a bad value).
+def writer_name(asked: str | None) -> str:
+    """The writer asked for: "thread" or "sidecar" (ValueError naming a bad value).
 
-    ``config.writer`` first, else the ``CKPTIO_WRITER`` environment variable, else "thread".
+    ``asked`` (``SaveOptions.writer``) first, else the ``CKPTIO_WRITER`` environment variable, else "thread".
     """
-    w = (config.writer if config is not None else None) or os.environ.get(ENV) or "thread"
+    w = asked or os.environ.get(ENV) or "thread"
     if w not in WRITERS:
-        src = "EngineConfig.writer" if config is not None and config.writer else ENV
+        src = "SaveOptions.writer" if asked else ENV
         raise ValueError(f"{src}={w!r}: the writer must be one of {', '.join(WRITERS)}")
     return w
 
 
-def writer_asked(config: EngineConfig | None) -> bool:
-    """Whether a writer was named (``config.writer`` or ``CKPTIO_WRITER``): then no default rule
+def writer_asked(asked: str | None) -> bool:
+    """Whether a writer was named (``asked`` or ``CKPTIO_WRITER``): then no default rule
     (:mod:`ckptio.saving.writers.auto`) overrides it."""
-    return bool((config is not None and config.writer) or os.environ.get(ENV))
+    return bool(asked or os.environ.get(ENV))
 
 
 def sidecar_possible(store: CheckpointStore) -> bool:
@@ -120,7 +120,7 @@ def sidecar_possible(store: CheckpointStore) -> bool:
 _warned: set[str] = set()
 
 
-def wanted_sidecar(store: CheckpointStore) -> bool:
+def wanted_sidecar(store: CheckpointStore, asked: str | None = None) -> bool:
     """True if ``store``'s saves go through the sidecar.
 
     Only a backend the store opened from its URL can be opened again in the
@@ -128,13 +128,13 @@ def wanted_sidecar(store: CheckpointStore) -> bool:
     backend object handed in (a wrapper, a test double) or a process-local one
     (``mem://``) keeps the in-process writer, with a warning once per URL.
     """
-    if writer_name(store.engine.config) != "sidecar":
+    if writer_name(asked) != "sidecar":
         return False
     if not sidecar_possible(store):
         if store.url not in _warned:
             _warned.add(store.url)
             # Asked for by this store's config: worth a warning; by the environment: a note.
-            log.log(logging.WARNING if store.engine.config.writer else logging.DEBUG,
+            log.log(logging.WARNING if asked else logging.DEBUG,
                     "%s: the sidecar writer needs a backend opened from its URL, storage outside this process "
                     "(not mem://) and Linux memfd; writing in this process instead", store.url)
         return False

@@ -1,6 +1,6 @@
 """The optional writer process per host ("sidecar"): a save's object writes out of the trainer.
 
-With ``EngineConfig(writer="sidecar")`` (or ``CKPTIO_WRITER=sidecar``) the
+With ``SaveOptions(writer="sidecar")`` (or ``CKPTIO_WRITER=sidecar``) the
 bytes of a save are staged into shared memory (:class:`ShmStagingPool`:
 memfd slabs, the same single staging copy as in-process), and a child
 process runs the engine on them: tile cuts, block checksums, the backend's
@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptio.backends.budget import budget_of
-from ckptio.engine import EngineConfig, Progress, WrittenObject
+from ckptio.engine import Progress, WrittenObject
 from ckptio.engine.layout import ObjectPlan
 from ckptio.errors import SaveFailedError
 from ckptio.saving.writers.base import ENV, THREAD_WRITER, WRITERS, Writer, wanted_sidecar, writer_name
@@ -74,8 +74,7 @@ from ckptio.system.bufferpool import StagingPool
 
 __all__ = [
     "ENV", "SIDECAR_WRITER", "ShmStagingPool", "Sidecar", "SidecarWriter", "WRITERS", "current", "current_pid",
-    "ensure", "prestart", "shared_pool", "shutdown", "staging_pool", "wanted", "write_and_sync", "writer_for",
-    "writer_of",
+    "ensure", "prestart", "shared_pool", "shutdown", "staging_pool", "write_and_sync", "writer_for",
 ]
 
 log = logging.getLogger("ckptio.sidecar")
@@ -88,15 +87,11 @@ START_S = 120.0
 # -- choosing the writer ------------------------------------------------------
 
 
-def writer_of(config: EngineConfig | None) -> str:
-    """The writer an engine config asks for (compatibility name of :func:`ckptio.saving.writers.base.writer_name`)."""
-    return writer_name(config)
-
-
-def prestart(config: EngineConfig | None) -> None:
-    """Start this process's sidecar now if ``config`` asks for one (a manager or writer being made),
-    so that its start-up (~0.5 s of imports) is not paid inside the first save."""
-    if writer_name(config) == "sidecar" and hasattr(os, "memfd_create"):
+def prestart(writer: str | None) -> None:
+    """Start this process's sidecar now if ``writer`` (``SaveOptions.writer``, else ``CKPTIO_WRITER``)
+    asks for one (a manager or writer being made), so that its start-up (~0.5 s of imports) is not
+    paid inside the first save."""
+    if writer_name(writer) == "sidecar" and hasattr(os, "memfd_create"):
         ensure()
 
 
@@ -124,19 +119,17 @@ class SidecarWriter:
 SIDECAR_WRITER = SidecarWriter()
 
 
-def writer_for(store: CheckpointStore) -> Writer:
-    """The writer of ``store``'s saves: its config's choice (string) mapped to a writer object,
-    the sidecar only where :func:`ckptio.saving.writers.base.wanted_sidecar` allows it."""
-    return SIDECAR_WRITER if wanted_sidecar(store) else THREAD_WRITER
+def writer_for(store: CheckpointStore, asked: str | None = None) -> Writer:
+    """The writer of saves to ``store``: ``asked`` (``SaveOptions.writer``, else ``CKPTIO_WRITER``) mapped
+    to a writer object, the sidecar only where :func:`ckptio.saving.writers.base.wanted_sidecar` allows it."""
+    return SIDECAR_WRITER if wanted_sidecar(store, asked) else THREAD_WRITER
 
 
-#: True if a store's saves go through the sidecar (compatibility name).
-wanted = wanted_sidecar
 
 
-def staging_pool(store: CheckpointStore, pool: StagingPool | None) -> StagingPool | None:
+def staging_pool(store: CheckpointStore, pool: StagingPool | None, asked: str | None = None) -> StagingPool | None:
     """The pool a save of ``store`` stages into (its writer's :meth:`~ckptio.saving.writers.base.Writer.staging_pool`)."""
-    return writer_for(store).staging_pool(pool)
+    return writer_for(store, asked).staging_pool(pool)
 
 
 def write_and_sync(
@@ -145,12 +138,13 @@ def write_and_sync(
     progress: Progress | None = None,
     ready: Sequence[concurrent.futures.Future[None]] | None = None,
     where: str | None = None,
+    asked: str | None = None,
 ) -> list[WrittenObject]:
     """Write every object of ``plans`` and make them durable (the backend's sync); blocks.
 
-    ``store``'s writer (:func:`writer_for`) does it; ``ready[i]`` (when given) gates object ``i``.
+    The writer ``asked`` for (:func:`writer_for`) does it; ``ready[i]`` (when given) gates object ``i``.
     """
-    return writer_for(store).write(store, plans, progress, ready, where or store.url)
+    return writer_for(store, asked).write(store, plans, progress, ready, where or store.url)
 
 
 # -- the trainer's side -------------------------------------------------------
@@ -301,7 +295,7 @@ class Sidecar:
             self._pending[rid] = _Request(fut, progress, export)
         # The environment travels too: backends read theirs when opened (credentials, an emulator's
         # address), and the trainer's may have changed since the child started.
-        spec = (store.url, store.backend_options, dataclasses.replace(store.engine.config, writer="thread"),
+        spec = (store.url, store.backend_options, store.engine.config,
                 tuple(sorted(os.environ.items())))
         # The host's request budget travels as its shared state: the child joins it, and trainer and
         # sidecar together keep the host's one share (ckptio.backends.budget).
