@@ -124,7 +124,7 @@ def test_a_commit_that_dies_after_the_fragments_leaves_no_checkpoint_and_the_ste
     """Host 0 dies between writing the carried fragments and its root: no manifest, the save fails on
     every host; the fragments are a dead save's keys (its intent covered their ids), and a re-save of the
     step commits and restores."""
-    save_mod = sys.modules["ckptio.saving.job"]
+    save_mod = sys.modules["ckptio.saving.recording"]
 
     real = save_mod.build_root
 

@@ -24,23 +24,16 @@ from ckptio.backends.budget import alone
 from ckptio.coord.collective import collective_verdict, failed_record, join_as_failed
 from ckptio.coord.distributed import Coordinator, SingleProcess
 from ckptio.coord.waits import waiting_for
-from ckptio.engine import Progress, WrittenObject, gather_or_cancel, gilswitch, run_sync, submit
+from ckptio.engine import Progress, WrittenObject, gilswitch, run_sync, submit
 from ckptio.engine.layout import ObjectPlan, pack, pieces_of
 from ckptio.errors import SaveFailedError
-from ckptio.manifest import (
-    FragmentRef, Manifest, build_root, fragment_doc, fragment_key, fragment_ref, merge_records, seal,
-    summary_of,
-)
-from ckptio.manifest.builder import expanded as _expanded
+from ckptio.manifest import Manifest, merge_records
 from ckptio.manifest.builder import host_record as _host_record
-from ckptio.manifest.builder import merged_doc as _merged_doc
-from ckptio.manifest.builder import validated as _validated
-from ckptio.saving.carried_fragments import carried_save_ids, carried_summary, own_part, write_carried
 from ckptio.saving.fillers import fill_objects, fillers_for
 from ckptio.saving.handle import SaveHandle
 from ckptio.saving.options import SaveOptions
-from ckptio.saving.incremental.hosts import own_base, reference_record, referenced_sizes, with_bases
-from ckptio.saving.incremental.plan import Reuse, pin_bases, plan_reuse, reference_items, settle_views
+from ckptio.saving.recording import Recording, recording_for
+from ckptio.saving.incremental.plan import Reuse, pin_bases, plan_reuse, settle_views
 from ckptio.saving.incremental.shadow import Shadows
 from ckptio.saving.savestate import SaveState
 from ckptio.saving.staging import PACK_MAX_BYTES, LeafPacker, StagingArea, stage_leaves
@@ -58,30 +51,6 @@ from ckptio.system.bufferpool import StagingPool
 __all__ = ["SaveHandle", "SaveJob", "SaveOptions", "merge_records", "start_save"]
 
 log = logging.getLogger("ckptio.save")
-
-
-async def _write_fragment(
-    tx: WriteTransaction, step: int | None, record: dict[str, Any], sizes: dict[str, int],
-) -> dict[str, Any]:
-    """Write this host's fragment, check that its objects (``sizes``: their least length by key; an
-    incremental save's references too) are all there, and return its summary.
-
-    The two run at once: both only need this host's objects written, and on an object store
-    under a request budget a check chained after the write costs the save half a round of
-    the host's share (the check is a read, the fragment a write: separate slots)."""
-
-    async def fragment() -> FragmentRef | None:
-        if not any(it["kind"] == "array" and it["shards"] for it in record["items"].values()):
-            return None
-        data = fragment_doc(record, step, tx.save_id, tx.host)
-        key = fragment_key(tx.step_dir, tx.save_id)
-        await tx.store.io.write(key, [memoryview(data)])
-        await tx.store.io.sync()
-        return fragment_ref(key, data, tx.host)
-
-    # The coordinator sees only fragments: each host vouches for its own objects before the commit.
-    ref, _ = await gather_or_cancel([fragment(), tx.vouch(sizes)])
-    return {**summary_of(record, ref, coordinator=tx.host == 0), "bases": sorted(record.get("bases") or {}, key=int)}
 
 
 async def _step_is_clear(store: CheckpointStore, step_dir: str, *, coordinator: bool) -> bool:
@@ -178,12 +147,9 @@ class SaveJob:
         # (always: a pack is one copy of bytes that are tiny next to the per-leaf work it saves).
         # A writer process reads staged bytes from shared memory: they are staged there, no later copy.
         self.area = StagingArea(self.writer.staging_pool(pool))
-        self.single_host = self.coord.size == 1  # its record is the whole manifest: pack tables
-        # Many hosts: each writes its own manifest fragment and sends the coordinator only boxes
-        # (ckptio.manifest.fragments). A host-local store cannot read other hosts' fragments back:
-        # there each host's fragment travels to the coordinator in the gather (ckptio.saving.carried_fragments).
-        self.split = self.coord.size > 1
-        self.carry = self.split and store.host_local
+        # One host: its record is the manifest. Many: a fragment each, or carried in the gather where
+        # the store is host-local (ckptio.saving.recording): chosen once, here.
+        self.recording: Recording = recording_for(self.coord.size, store.host_local)
         self.deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the save's thread
         self.manifest: Manifest | None = None
         #: Set on the coordinator when the step is busy (ckptio.store.resave): the latest
@@ -233,7 +199,7 @@ class SaveJob:
                                 defaults.object_size)
         self.staged, self.packs = stage_leaves(
             names, values, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults),
-            packer, placeholders=not self.single_host)
+            packer, placeholders=not self.recording.tables)
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
@@ -396,55 +362,22 @@ class SaveJob:
         rank = self.coord.rank
         with _gc.paused():
             record = _host_record(self.staged, self.plans, written, rank, include_values=rank == 0, packs=self.packs,
-                                  tables=self.single_host)
-        if self.carry:
-            record = _expanded(record)
-            # Its own objects, vouched for here as a native save's host does (the coordinator sees only fragments).
-            run_sync(self.tx.vouch({p.key: p.size for p in self.plans}))
-            self.handle.part = own_part(record, self.store.engine.config.block_size)
-            record = carried_summary(record, self.step_dir, self.step, self.save_id, rank)
-        elif self.split:
-            record = _expanded(record)  # fragments hold full items
-            sizes = {p.key: p.size for p in self.plans}
-            if self.reuse is not None:  # its references, vouched for as its own objects (ckptio.saving.incremental.hosts)
-                bs = self.store.engine.config.block_size
-                record = reference_record(record, self.reuse, bs)
-                sizes.update(referenced_sizes(self.reuse))
-                self.handle.own_base = own_base(record, self.step, self.save_id, bs, self.where)  # type: ignore[arg-type]
-            record = run_sync(_write_fragment(self.tx, self.step, record, sizes))
+                                  tables=self.recording.tables)
+        record = self.recording.record(self, record)
         self.handle.state = SaveState.WRITTEN
         log.info("%s: host %d written (%d objects)", self.where, rank, len(self.plans))
         return record
 
     def commit(self, records: list[dict[str, Any]]) -> None:
         """The coordinator's phase: every host's record as one manifest, committed."""
-        where = self.where
-        if self.carry:
-            self._write_carried(records)
         with _gc.paused():
-            if self.split:
-                data = seal(with_bases(build_root(records, self.head, where), records, self.base, self.handle.own_base,
-                                      where))
-                manifest = Manifest.from_json(data, where)
-            else:
-                # The document validated is the one written: no second encoding pass.
-                doc = _merged_doc(records, self.head, where)
-                if self.reuse is not None:
-                    doc = reference_items(doc, self.reuse)
-                manifest = _validated(doc, where)
-                data = seal(doc)
+            manifest, data = self.recording.manifest(self, records)
         # Every other host waits on this commit in the verdict: their request shares are ours.
         with alone(self.store.engine.backend):
             if self.busy_until is not None:
                 run_sync(self.store.wait_step_free(self.step_dir, self.busy_until))
             self.tx.commit(manifest, data)
         self.manifest = manifest
-
-    def _write_carried(self, records: list[dict[str, Any]]) -> None:
-        """The coordinator's fragments step on a host-local store (:mod:`ckptio.saving.carried_fragments`): every host's
-        fragment written here under this save's intent, covering their save ids first."""
-        self.tx.cover(carried_save_ids(records, self.step_dir, self.where))
-        self.handle.part_bases = run_sync(write_carried(self.store.io, records, self.where))
 
     def verdict(
         self, record: dict[str, Any], failure: BaseException | None,
