@@ -10,8 +10,8 @@ copied out (:mod:`.scratch`). Beside it: the interpreter's switch interval while
 from __future__ import annotations
 
 from ckptio.engine.core import (
-    UNLABELLED_S, ByteBudget, Engine, EngineConfig, Progress, ReadRequest, WrittenObject, gather_or_cancel,
-    run_sync, split_request, submit, thread_done, threads_done,
+    UNLABELLED_S, ByteBudget, Engine, EngineConfig, Progress, ReadRequest, WrittenObject, gather_or_cancel, run_sync,
+    split_request, submit, thread_done, threads_done,
 )
 
 __all__ = ["UNLABELLED_S", "ByteBudget", "Engine", "EngineConfig", "Progress", "ReadRequest", "WrittenObject",

@@ -39,8 +39,8 @@ def jax_dtype(dtype: Any) -> np.dtype:
 def cast_staged(name: str, staged: Any, dtype: Any) -> Any:
     """A staged leaf (:class:`ckptio.state.leaves.Sharded` of host pieces, or an array) cast to ``dtype``."""
     if isinstance(staged, Sharded):
-        pieces = [
-            (index, cast_checked(name, p, dtype, asked=True, saving=True)) for index, p in staged.pieces
+        pieces = [  # a device snapshot's piece crosses to the host here, for a host cast
+            (index, cast_checked(name, np.asarray(p), dtype, asked=True, saving=True)) for index, p in staged.pieces
         ]
         return Sharded(staged.shape, np.dtype(dtype), pieces)
     return cast_checked(name, staged, dtype, asked=True, saving=True)

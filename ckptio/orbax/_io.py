@@ -91,6 +91,11 @@ class StorageConfig:
     #: How the handler's saves run: writer, tiling, switch interval (:class:`ckptio.saving.options.SaveOptions`).
     save_options: SaveOptions | None = None
 
+    @property
+    def device_snapshot(self) -> str:
+        """Where a jax array's snapshot is taken (``SaveOptions.device_snapshot``)."""
+        return self.save_options.device_snapshot if self.save_options is not None else "auto"
+
     def store_options(self, url: str) -> StoreOptions:
         """The options of the store at ``url`` (this config's naming, engine and backend options)."""
         return StoreOptions(url, engine_config=self.engine_config, naming=self.naming,

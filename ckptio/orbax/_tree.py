@@ -29,6 +29,7 @@ from ckptio.manifest import ArrayItem, Manifest, encode_value
 from ckptio.manifest.hoststate import HostStateItem
 from ckptio.orbax._cast import cast_checked, jax_dtype
 from ckptio.orbax._resize import Box, box_slices, covered, needs_resize, padded
+from ckptio.saving.devicecopy import Snapshots
 from ckptio.state.leaves import Sharded, index_to_box
 from ckptio.state.perhost import PerHost, is_per_host_leaf, state_of
 from ckptio.state.tree import path_str, tree_leaf_paths, unflatten
@@ -163,22 +164,17 @@ def check_tree(state: Any) -> None:
         _check_leaf(leaf.name or "<root>", leaf.value)
 
 
-def stage_tree(state: Any) -> StagedTree:
-    """Stage every leaf of ``state`` on the calling thread (see the module docstring)."""
+def stage_tree(state: Any, device_snapshot: str = "auto") -> StagedTree:
+    """Stage every leaf of ``state`` on the calling thread (see the module docstring).
+
+    A jax array's shards are snapshot as a native save's are (``ckptio.saving.devicecopy``): a copy
+    on its own device where memory allows, whose bytes cross to the host behind the step, in the
+    save's write; else a host copy now."""
     leaves, _ = flatten(state)
     for leaf in leaves:
         _check_leaf(leaf.name or "<root>", leaf.value)
     kinds: dict[str, Any] = {}
-    # Start every device->host copy first, so they overlap instead of running one by one.
-    for leaf in leaves:
-        if isinstance(leaf.value, jax.Array):
-            arr = jax.random.key_data(leaf.value) if _is_key_array(leaf.value) else leaf.value
-            for s in arr.addressable_shards:
-                if s.replica_id == 0:
-                    try:
-                        s.data.copy_to_host_async()
-                    except (AttributeError, RuntimeError):  # CPU arrays / deleted arrays: np.asarray says why
-                        pass
+    snapshots = Snapshots(device_snapshot)
     staged: list[Any] = []
     nbytes = 0
     for leaf in leaves:
@@ -192,9 +188,8 @@ def stage_tree(state: Any) -> StagedTree:
             pieces: list[Any] = []
             for s in v.addressable_shards:
                 if s.replica_id == 0:
-                    host = np.asarray(s.data)
-                    pieces.append((s.index, host))
-                    nbytes += host.nbytes
+                    pieces.append((s.index, snapshots.take(s.data)))
+                    nbytes += s.data.nbytes
             staged.append(Sharded(tuple(v.shape), np.dtype(v.dtype), pieces))
             kinds[leaf.name] = kind
         elif isinstance(v, np.ndarray):
@@ -204,6 +199,7 @@ def stage_tree(state: Any) -> StagedTree:
             staged.append(PerHost(copy.deepcopy(state_of(v))))
         else:  # numpy scalars and values: immutable
             staged.append(v)
+    snapshots.settle()
     meta = {"version": 1, "leaves": kinds}
     return StagedTree(nest(leaves, staged) if leaves else {}, meta, nbytes)
 

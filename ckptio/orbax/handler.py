@@ -85,7 +85,7 @@ class CkptioCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     async def async_save(self, directory: epath.Path, args: Save) -> list[ocp.future.Future]:
         """Stage now; return the commit future that writes and commits."""
-        staged = stage_tree(args.item)
+        staged = stage_tree(args.item, self._config.device_snapshot)
         # The Orbax root owns the checkpoint: sweeps of a shared storage root leave others' alone.
         metadata: dict[str, Any] = {META_KEY: {**staged.meta, "orbax_root": orbax_root_of(directory)}}
         if args.metadata:

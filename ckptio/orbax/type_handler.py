@@ -100,7 +100,7 @@ class CkptioArrayHandler(types.TypeHandler):
                 meta = sm.from_jax_sharding(value.sharding)
                 if meta is not None:  # lets a restore without a target use the saved sharding
                     shardings[info.name] = meta.to_serialized_string()
-        staged = stage_tree(leaves)
+        staged = stage_tree(leaves, self._config.device_snapshot)
         for name, dtype in casts.items():
             # On the staged host copies: a jitted astype would run on the devices (and fails
             # on arrays committed to different devices).

@@ -30,6 +30,7 @@ from ckptio.errors import SaveFailedError
 from ckptio.manifest import Manifest, merge_records
 from ckptio.manifest.builder import host_record as _host_record
 from ckptio.saving.fillers import fill_objects, fillers_for
+from ckptio.saving.devicecopy import DeviceStaging
 from ckptio.saving.handle import SaveHandle
 from ckptio.saving.options import SaveOptions
 from ckptio.saving.recording import Recording, recording_for
@@ -151,6 +152,9 @@ class SaveJob:
         # the store is host-local (ckptio.saving.recording): chosen once, here.
         self.recording: Recording = recording_for(self.coord.size, store.host_local)
         self.deferred: list[Callable[[], None]] = []  # the structure's bulk, built by the save's thread
+        #: The device snapshots' fill behind the step (:meth:`_fill_later`), and its stop.
+        self._later: threading.Thread | None = None
+        self._stop = threading.Event()
         self.manifest: Manifest | None = None
         #: Set on the coordinator when the step is busy (ckptio.store.resave): the latest
         #: ``time.time()`` its commit waits until for the other save to confirm or be settled.
@@ -197,9 +201,13 @@ class SaveJob:
         if rank == 0:  # only host 0 writes plain (replicated) arrays
             packer = LeafPacker(self.area, min(PACK_MAX_BYTES, store.engine.config.block_size, defaults.object_size),
                                 defaults.object_size)
+        # JAX arrays: a device copy now, their bytes moved to the host behind the step (copy=False: the
+        # caller promises they stay, so none); ckptio.saving.devicecopy.
+        self.device = DeviceStaging(self.options.device_snapshot if self.copy else "none", self.area)
         self.staged, self.packs = stage_leaves(
             names, values, rank, self.area if self.copy else None, self.options.layout.tile_bytes_for(defaults),
-            packer, placeholders=not self.recording.tables)
+            packer, placeholders=not self.recording.tables, device=self.device)
+        self.device.settle()
         if self.incremental and not store.host_local and self.step is not None:
             self.reuse = plan_reuse(self.staged, self.area.source_of, self.base, self.shadows)
         # Checked while the save announces itself (:meth:`_announce`), not before: under a request
@@ -300,7 +308,15 @@ class SaveJob:
             copies = (arrays[k] for k in {k for keys in objects for k in keys})
             threads = fillers_for(sum(a.nbytes for a in copies if area.source_of(a) is not a))  # copy=False: none
             fill = staging_fill(area, self.plans, arrays, self.store.engine.config.block_size, threads)
+            later = {k for keys in objects for k in keys if area.on_device(arrays[k])}
             thread.start()
+            if later:  # device snapshots: the host's copies now, theirs behind the step
+                now = [[k for k in keys if k not in later] for keys in objects]
+                fill_objects(fill, now, arrays, [concurrent.futures.Future() for _ in now], threads)
+                self._later = threading.Thread(target=self._fill_later, args=(fill, objects, arrays, later),
+                                               name=f"ckptio-d2h-{self.step}", daemon=True)
+                self._later.start()
+                return
             fill_objects(fill, objects, arrays, ready, threads)
             area.fill_all()  # zero-byte pieces belong to no object
         except BaseException as e:
@@ -310,6 +326,29 @@ class SaveJob:
             if thread.ident is None:
                 thread.start()  # it fails the save, tells the other hosts and releases the buffers
             raise
+
+    def _fill_later(self, fill: Callable[[Any], None], objects: list[list[Any]], arrays: dict[Any, Any],
+                    later: set[Any]) -> None:
+        """The device snapshots' bytes to the host, in object order, each object's write released once
+        its last array is in; each copy's device-to-host transfer starts while the one before is staged."""
+        order = list(dict.fromkeys(k for keys in objects for k in keys if k in later))
+        after = {id(arrays[k]): arrays[n] for k, n in zip(order, order[1:])}
+
+        def fill_next(out: Any) -> None:
+            if self._stop.is_set():
+                raise SaveFailedError(f"{self.where}: stopped (the save failed)")
+            if id(out) in after:
+                self.area.prefetch(after[id(out)])
+            fill(out)
+
+        threads = min(2, fillers_for(sum(arrays[k].nbytes for k in order)))
+        try:
+            fill_objects(fill_next, objects, arrays, self.ready, threads)
+            self.area.fill_all()
+        except BaseException as e:
+            for fut in self.ready:
+                if not fut.done():
+                    fut.set_exception(SaveFailedError(f"{self.where}: staging failed: {e!r}"))
 
     # -- the save's thread -----------------------------------------------------
 
@@ -330,6 +369,9 @@ class SaveJob:
             log.error("%s: host %d failed to write: %r", self.where, self.coord.rank, e)
             record, failure = failed_record(self.coord.rank, e), e
         finally:
+            self._stop.set()  # a background fill still running stops at its next array
+            if self._later is not None:
+                self._later.join()
             self.area.release()
         outcome = self.verdict(record, failure)
         self.area.settle()  # new pool buffers into huge pages: after the commit, before result() resolves

@@ -11,6 +11,7 @@ import dataclasses
 
 from ckptio.engine import gilswitch
 from ckptio.engine.layout import LayoutOptions
+from ckptio.saving.devicecopy import POLICIES
 from ckptio.saving.writers.base import WRITERS, Writer, writer_asked, writer_name
 from ckptio.saving.writers.sidecar import writer_for
 from ckptio.store import CheckpointStore
@@ -37,6 +38,11 @@ class SaveOptions:
     #: a training step gives up only every interval. None: ``CKPTIO_GIL_SWITCH_S``, else 0.5 ms;
     #: 0: leave the process's interval alone.
     gil_switch_s: float | None = None
+    #: Where a jax array's snapshot is taken (``ckptio.saving.devicecopy``): "auto" (a copy on its own
+    #: accelerator while free memory allows, its bytes moved to the host in the background; CPU arrays
+    #: need none), "device" (on every device, CPU included), "host" (every byte crosses to the host
+    #: inside the stall) or "none" (never donated nor deleted until the save is written: no copy).
+    device_snapshot: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.writer, str) and self.writer not in WRITERS:
@@ -44,6 +50,8 @@ class SaveOptions:
         if self.tile_bytes is not None and (not isinstance(self.tile_bytes, int) or self.tile_bytes < 0):
             raise ValueError(f"SaveOptions.tile_bytes={self.tile_bytes!r}: a number of bytes >= 0, or None")
         self.gil_interval()  # a bad interval is refused here, not inside a save
+        if self.device_snapshot not in POLICIES:
+            raise ValueError(f"SaveOptions.device_snapshot={self.device_snapshot!r}: one of {', '.join(POLICIES)}")
 
     @property
     def layout(self) -> LayoutOptions:

@@ -48,14 +48,38 @@ class StagingArea:
         self.owned: list[np.ndarray] = []
         self.fresh: list[np.ndarray] = []  # new buffers not yet prefaulted
         self.new: list[np.ndarray] = []  # new buffers from the pool, not yet settled (StagingPool.settle)
-        self._pending: dict[int, tuple[np.ndarray, np.ndarray | list[np.ndarray]]] = {}
+        self._pending: dict[int, tuple[np.ndarray, Any]] = {}
+        #: Device arrays whose bytes this area copies to the host (``id`` -> freed once they are there).
+        self._devices: dict[int, bool] = {}
 
-    def snapshot(self, arr: np.ndarray) -> np.ndarray:
+    def snapshot(self, arr: Any) -> np.ndarray:
         """A buffer of ``arr``'s shape and dtype that :meth:`fill` will copy ``arr`` into."""
         buf = self._buffer(arr.nbytes)
-        out = buf.view(arr.dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, arr.dtype)
+        dtype = np.dtype(arr.dtype)
+        out = buf.view(dtype).reshape(arr.shape) if arr.nbytes else np.empty(arr.shape, dtype)
         self._pending[id(out)] = (out, arr)
         return out
+
+    def from_device(self, arr: Any, *, owned: bool) -> np.ndarray:
+        """A buffer that :meth:`fill` will copy the device array ``arr`` into (the device-to-host copy
+        runs then, off the training step's path); ``owned``: ``arr`` is this save's own snapshot,
+        deleted (its device memory freed) once its bytes are on the host."""
+        self._devices[id(arr)] = owned
+        return self.snapshot(arr)
+
+    def prefetch(self, out: np.ndarray) -> None:
+        """Start the device-to-host transfer of the copy pending into ``out`` (if it comes from a device)."""
+        job = self._pending.get(id(out))
+        if job is not None and id(job[1]) in self._devices:
+            try:
+                job[1].copy_to_host_async()
+            except (AttributeError, RuntimeError):  # a deleted or CPU array: the copy itself says why
+                pass
+
+    def on_device(self, out: np.ndarray) -> bool:
+        """True if the copy pending into ``out`` comes from a device (a background fill's to run)."""
+        job = self._pending.get(id(out))
+        return job is not None and id(job[1]) in self._devices
 
     def pack(self, arrays: list[np.ndarray], nbytes: int) -> np.ndarray:
         """A uint8 buffer that :meth:`fill` will copy ``arrays`` into, back to back."""
@@ -104,19 +128,34 @@ class StagingArea:
         """The copy still pending into ``out`` as ``(dest, source)``, now the caller's to run."""
         return self._pending.pop(id(out), None)
 
-    @staticmethod
-    def run(job: tuple[np.ndarray, np.ndarray | list[np.ndarray]]) -> None:
+    def run(self, job: tuple[np.ndarray, Any]) -> None:
         """Run a copy :meth:`take` handed out."""
         dest, src = job
         if isinstance(src, list):  # a pack (one dtype): one call for all its members, in C order
             np.concatenate(src, axis=None, out=dest.view(src[0].dtype), casting="no")
-        else:
-            np.copyto(dest, src, casting="no")
+            return
+        host, device = self.to_host(src)
+        np.copyto(dest, host, casting="no")
+        self.done_with(device)
+
+    def to_host(self, src: Any) -> tuple[np.ndarray, Any]:
+        """``src``'s bytes on the host, and the device array they came from (None: a host array)."""
+        if id(src) not in self._devices:
+            return src, None
+        return np.asarray(src), src  # the device-to-host copy (jax keeps the host copy with the array)
+
+    def done_with(self, device: Any) -> None:
+        """Once a device array's bytes are staged: a snapshot of this save's own is deleted (device memory back)."""
+        if device is not None and self._devices.pop(id(device), False):
+            device.delete()
 
     def source_of(self, out: np.ndarray) -> np.ndarray:
-        """The array :meth:`fill` will copy into ``out`` (``out`` itself when no copy is pending)."""
+        """The array :meth:`fill` will copy into ``out`` (``out`` itself when no copy is pending, or
+        when it comes from a device: the staged copy is the host's own)."""
         job = self._pending.get(id(out))
-        return job[1] if job is not None and not isinstance(job[1], list) else out  # type: ignore[return-value]
+        if job is None or isinstance(job[1], list) or id(job[1]) in self._devices:
+            return out
+        return job[1]  # type: ignore[no-any-return]
 
     def forget(self, outs: Sequence[np.ndarray]) -> None:
         """Never fill ``outs`` (an incremental save's unchanged items): their buffers go back untouched."""
@@ -132,7 +171,10 @@ class StagingArea:
             self.fill(out)
 
     def release(self) -> None:
-        """Give the buffers back to the pool (once their objects are written)."""
+        """Give the buffers back to the pool (once their objects are written); a snapshot never staged
+        (the save failed first) gives its device memory back too."""
+        for _out, src in self._pending.values():
+            self.done_with(src if id(src) in self._devices else None)
         if self.pool is not None:
             self.pool.give_back(self.owned)
         self.owned = []
@@ -296,13 +338,15 @@ def stage_leaf(
     host: int,
     area: StagingArea | None,
     tile_bytes: int = 0,
+    device: Any = None,
 ) -> StagedArray | ValueItem | StagedHostState:
     """Stage one leaf (``where`` is its pytree path, used in errors).
 
     Mutable arrays get a snapshot buffer in ``area`` (filled later by
     ``area.fill``); with ``area=None`` they are referenced as they are.
     Each shard's tile shape at ``tile_bytes`` (:func:`ckptio.engine.tiling.tile_for`)
-    is recorded for the writer.
+    is recorded for the writer. ``device`` (:class:`ckptio.saving.devicecopy.DeviceStaging`) stages
+    jax arrays' shards; without one they cross to the host now.
     """
     tiles: list[tuple[int, ...] | None] = []
 
@@ -315,12 +359,15 @@ def stage_leaf(
         shards = []
         for index, data in leaf.pieces:
             offs, sizes = index_to_box(index, leaf.shape, where)
-            arr = np.asarray(data)
-            if arr.shape != sizes or arr.dtype != leaf.dtype:
-                raise ValueError(
-                    f"{where}: piece {index!r} holds {arr.dtype}{list(arr.shape)}, expected {leaf.dtype}{list(sizes)}"
-                )
-            shards.append((offs, sizes, own(arr, area)))
+            arr = data if is_jax_array(data) else np.asarray(data)
+            if tuple(arr.shape) != sizes or np.dtype(arr.dtype) != leaf.dtype:
+                raise ValueError(f"{where}: piece {index!r} holds {np.dtype(arr.dtype)}{list(arr.shape)}, "
+                                 f"expected {leaf.dtype}{list(sizes)}")
+            if is_jax_array(arr):  # a device piece (the Orbax adapter's snapshots): as a jax array's shard
+                arr, area_ = (device.stage(arr) if device is not None else np.asarray(arr)), None
+            else:
+                area_ = area
+            shards.append((offs, sizes, own(arr, area_)))
         return StagedArray(leaf.dtype, leaf.shape, False, "sharded", shards, tiles)
     if is_jax_array(leaf):
         shards = []
@@ -328,8 +375,9 @@ def stage_leaf(
             if s.replica_id != 0:
                 continue
             offs, sizes = index_to_box(s.index, leaf.shape)
-            # JAX arrays are immutable: a host view is a consistent snapshot without a copy.
-            shards.append((offs, sizes, own(np.asarray(s.data), None)))
+            # A device copy whose bytes cross later, or (JAX arrays are immutable) a host copy or view now.
+            data = device.stage(s.data) if device is not None else np.asarray(s.data)
+            shards.append((offs, sizes, own(data, None)))
         return StagedArray(np.dtype(leaf.dtype), tuple(leaf.shape), False, "jax", shards, tiles)
     origin = "numpy"
     if is_torch_tensor(leaf):
@@ -367,7 +415,7 @@ def stage_leaf(
 
 def stage_leaves(
     names: Sequence[str], values: Sequence[Any], rank: int, area: StagingArea | None, tile_bytes: int = 0,
-    packer: LeafPacker | None = None, placeholders: bool = True,
+    packer: LeafPacker | None = None, placeholders: bool = True, device: Any = None,
 ) -> tuple[dict[str, Any], list[LeafPack]]:
     """Stage a flattened state's leaves (``names``, ``values``) for host ``rank``: every leaf
     checked, snapshot buffers in ``area`` allocated, not yet filled (None: leaves referenced).
@@ -385,5 +433,5 @@ def stage_leaves(
             staged = dict.fromkeys(names, PACKED)
     for i in rest:
         name = names[i]
-        staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes)
+        staged[name] = stage_leaf(name or "<root>", values[i], host=rank, area=area, tile_bytes=tile_bytes, device=device)
     return staged, packer.finish() if packer is not None else []

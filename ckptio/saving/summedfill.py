@@ -73,8 +73,13 @@ class SummedFill:
             return
         dest, src = job
         extents = self._extents.get(id(out))
-        if not extents or isinstance(src, list) or not _plain_copy(dest, src):
+        if not extents or isinstance(src, list):
             self._area.run(job)
+            return
+        src, device = self._area.to_host(src)
+        if not _plain_copy(dest, src):
+            self._area.run((dest, src))
+            self._area.done_with(device)
             return
         block = extents[0].block or self._block_size
         staged = memoryview(dest.reshape(-1).view(np.uint8))
@@ -87,6 +92,7 @@ class SummedFill:
             lined_up = start % block == 0 and (end % block == 0 or end == total)
             if (e.block or self._block_size) == block and lined_up:
                 e.sums = sums[start // block : -(-end // block)]
+        self._area.done_with(device)
 
 
 def _plain_copy(dest: np.ndarray, src: np.ndarray) -> bool:
