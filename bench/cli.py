@@ -135,6 +135,12 @@ def build_parser(prog: str = "ckptio bench") -> argparse.ArgumentParser:
                    help="restore one row/column block of a --size array saved as 16 row or column blocks: bytes "
                         "read per byte needed, time and peak RSS, tiled and plain layouts (bench/reshard.py)")
     g.add_argument("--tiers-mib", type=int, default=256, help="MiB per host for --tiers (default 256)")
+    g.add_argument("--accel", action="store_true",
+                   help="a state on the default JAX device: ckptio, under Orbax, stock Orbax (stall, commit, step, restore)")
+    g.add_argument("--accel-cases", type=_csv, default=None, metavar="CASE[,...]",
+                   help="--accel's cases (default: ckptio, ckptio-host, ckptio-orbax, orbax)")
+    g.add_argument("--accel-headroom", type=float, default=None, metavar="F",
+                   help="--accel: first fill the device until only F x the state's size is free")
     add_rate_limit_options(p)
     g = p.add_argument_group("advice")
     g.add_argument("--advise", action="store_true", help="Young/Daly checkpoint interval and goodput loss")
@@ -455,10 +461,29 @@ def _reshard(args: argparse.Namespace) -> int:
     return 0 if all(r["bit_exact"] for r in res["rows"]) else 1
 
 
+def _accel(args: argparse.Namespace) -> int:
+    from ckptio.bench.accel import CASES, render_accel, run_accel
+
+    cases = args.accel_cases or list(CASES)
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        return _error(f"no --accel case is called {', '.join(map(repr, unknown))} (they are {', '.join(CASES)})")
+    res = run_accel(parse_size(args.size or "1GiB"), args.rounds, args.dir, cases, args.arrays or 24,
+                    args.accel_headroom)
+    print(render_accel(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"schema": SCHEMA, "accel": res}, f, indent=1)
+    bad = [n for n, c in res["cases"].items() if "error" in c or not c.get("bit_exact", True)]
+    return 1 if bad and args.strict else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.accel:
+        return _accel(args)
     if args.scale:
         return _scale(args)
     if args.tiers is not None:
