@@ -350,10 +350,12 @@ def _error_from(blob: bytes | None, text: str) -> BaseException:
 
 
 def _spawn(sock: socket.socket) -> subprocess.Popen[bytes]:
-    # The child imports this very ckptio, wherever it came from (a worktree on sys.path included).
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The child imports this very ckptio, wherever it came from (a worktree on sys.path included), and
+    # never a folder named ckptio in its working directory (PYTHONSAFEPATH: no current directory first).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["ckptio"].__file__ or "")))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONSAFEPATH"] = "1"
     env[ENV] = "thread"
     at, expected = token()  # the child reads it back to learn whether it can read our memory
     return subprocess.Popen(
