@@ -35,7 +35,7 @@ import numpy as np
 
 __all__ = ["CASES", "render_accel", "run_accel"]
 
-CASES = ("ckptio", "ckptio-host", "ckptio-orbax", "orbax")
+CASES = ("ckptio", "ckptio-host", "ckptio-orbax", "orbax", "raw-disk")
 
 
 def _jax() -> Any:
@@ -151,7 +151,10 @@ class _Case:
         self.name, self.root = name, root
         jax = _jax()
         self.jax = jax
-        if name.startswith("ckptio") and name != "ckptio-orbax":
+        self._handle: Any = None
+        if name == "raw-disk":
+            self.mngr = _RawDisk(root)
+        elif name.startswith("ckptio") and name != "ckptio-orbax":
             import ckptio
 
             kw: dict[str, Any] = {}
@@ -172,10 +175,11 @@ class _Case:
             options = ocp.CheckpointManagerOptions(max_to_keep=1)
             self.mngr = (ocp.CheckpointManager(root, options=options, handler_registry=registry) if registry
                          else ocp.CheckpointManager(root, options=options))
-        self._handle: Any = None
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        if self.name == "ckptio" or self.name == "ckptio-host":
+        if self.name == "raw-disk":
+            self.mngr.save(step, state)
+        elif self.name == "ckptio" or self.name == "ckptio-host":
             self._handle = self.mngr.save(step, state)
         elif self.name == "ckptio-orbax":
             import ckptio.orbax
@@ -185,17 +189,23 @@ class _Case:
             self.mngr.save(step, args=self.ocp.args.StandardSave(state))
 
     def done(self) -> bool:
+        if self.name == "raw-disk":
+            return True
         if self._handle is not None:
             return bool(self._handle.done())
         return not self.mngr.is_saving_in_progress()
 
     def wait(self) -> None:
+        if self.name == "raw-disk":
+            return
         if self._handle is not None:
             self._handle.result()
         else:
             self.mngr.wait_until_finished()
 
     def restore(self, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
+        if self.name == "raw-disk":
+            return self.mngr.restore(step, abstract)  # type: ignore[no-any-return]
         if self.name in ("ckptio", "ckptio-host"):
             return self.mngr.restore(step, target=abstract)  # type: ignore[no-any-return]
         if self.name == "ckptio-orbax":
@@ -206,6 +216,35 @@ class _Case:
 
     def close(self) -> None:
         self.mngr.close()
+
+
+class _RawDisk:
+    """The disk's own floor: the state to the host (``device_get``), each array written to a file of its
+    own and fsync'd, all in the save call; read back and put on the device by the restore."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        d = os.path.join(self.root, str(step))
+        shutil.rmtree(os.path.join(self.root, str(step - 1)), ignore_errors=True)
+        os.makedirs(d, exist_ok=True)
+        for k, v in _jax().device_get(state).items():
+            with open(os.path.join(d, k), "wb") as f:
+                f.write(memoryview(np.ascontiguousarray(v)).cast("B"))
+                os.fsync(f.fileno())
+
+    def restore(self, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
+        jax = _jax()
+        out = {}
+        for k, a in abstract.items():
+            host = np.fromfile(os.path.join(self.root, str(step), k), dtype=a.dtype).reshape(a.shape)
+            out[k] = jax.device_put(host, a.sharding)
+        return out
+
+    def close(self) -> None:
+        pass
 
 
 def _round(case: _Case, step: int, state: dict[str, Any], stepper: Stepper, nbytes: int) -> dict[str, Any]:

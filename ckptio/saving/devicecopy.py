@@ -121,13 +121,11 @@ class Snapshots:
         return np.asarray(shard)  # JAX arrays are immutable: a host copy (a view on CPU) is a snapshot
 
     def settle(self) -> None:
-        """Wait for the device copies (milliseconds: they run on the devices); an allocation that
-        failed late fails the save here, before it returns, rather than in its background."""
-        if self.pending:
-            import jax
-
-            jax.block_until_ready(self.pending)
-            self.pending = []
+        """The device copies were dispatched; nothing is waited for. They run on their devices before any
+        step dispatched after the save (a device runs its work in order, and a donation waits for every
+        use of the buffer), and a device out of memory refuses the copy when it is dispatched (caught
+        in :meth:`take`), so the step never waits for them in the stall."""
+        self.pending = []
 
 
 class DeviceStaging(Snapshots):
