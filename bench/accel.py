@@ -247,7 +247,10 @@ class _RawDisk:
         pass
 
 
-def _round(case: _Case, step: int, state: dict[str, Any], stepper: Stepper, nbytes: int) -> dict[str, Any]:
+def _round(case: _Case, step: int, box: list[dict[str, Any]], stepper: Stepper, nbytes: int) -> dict[str, Any]:
+    """One save and restore of ``box[0]``, which the round takes (freed before the restore, whose arrays
+    then stand in ``box[0]``: a state the device holds once, however large)."""
+    state = box.pop()
     jax = _jax()
     want = fingerprint(state)  # checked against, on the device
     before = [stepper.step() for _ in range(10)]
@@ -268,7 +271,7 @@ def _round(case: _Case, step: int, state: dict[str, Any], stepper: Stepper, nbyt
     restore = time.perf_counter() - t1
     rss_mib = rss.stop() / 2**20
     exact = fingerprint(got) == want
-    del got
+    box.append(got)
     return {"stall_s": stall, "commit_s": commit, "save_gibs": nbytes / 2**30 / commit,
             "step_x": (statistics.median(during) / statistics.median(before)) if during else None,
             "steps_during": len(during), "restore_s": restore, "restore_gibs": nbytes / 2**30 / restore,
@@ -328,17 +331,19 @@ def run_accel(size: int, rounds: int = 3, parent: str | None = None, cases: Sequ
             except (ImportError, NotImplementedError) as e:
                 res["cases"][name] = {"skipped": str(e)}
                 continue
-            samples = []
+            samples, box = [], [state]
+            del state
             try:
                 for r in range(rounds + 1):  # the first round warms up (compiles, pools, a writer process)
-                    state = _fresh(state)
-                    samples.append(_round(case, r + 1, state, stepper, nbytes))
+                    box.append(_fresh(box.pop()))
+                    samples.append(_round(case, r + 1, box, stepper, nbytes))
             except Exception as e:  # noqa: BLE001 -- a failing case is a row saying why, not a crash
                 res["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
                 continue
             finally:
                 case.close()
                 shutil.rmtree(case.root, ignore_errors=True)
+                state = box.pop() if box else make_state(size, arrays)  # a round that failed took it
             res["cases"][name] = _summary(samples)
     del ballast
     # Last: the on-device copy floor raises the device's peak memory, which a save reads as the
