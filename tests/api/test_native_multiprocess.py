@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("torch")
 
+from paths import WORKERS  # noqa: E402
+
 from ckptio.bench.readonce import spawn  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "mp_native_worker.py")
+WORKER = str(WORKERS / "mp_native_worker.py")
 
 
 def run_ranks(n: int, *args: str, timeout: float = 120) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_fragments import CountingReads
+from tests.manifest.test_fragments import CountingReads
 
 from ckptio.backends.base import ByteRange, Read
 from ckptio.backends.deadline import DeadlineBackend, Deadlines

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import on_hosts
+from paths import WORKERS
 
 import ckptio
 from ckptio.backends import open_backend
@@ -133,4 +134,4 @@ def test_two_real_processes_fail_by_name_when_one_object_never_answers(tmp_path:
     if mode == "restore":
         full = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
         ckptio.save(root, {"w": full, "step": 1}, step=1).result()
-    spawn(str(Path(__file__).with_name("stall_worker.py")), 2, [mode, root], timeout=120)
+    spawn(str(WORKERS / "stall_worker.py"), 2, [mode, root], timeout=120)

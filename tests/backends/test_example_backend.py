@@ -1,4 +1,4 @@
-"""The README's example third-party backend (tests/example_backend.py) proves the contract with
+"""The README's example third-party backend (tests/support/example_backend.py) proves the contract with
 ckptio.testing, as a backend outside this repository would, and carries a real checkpoint."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 from example_backend import SQLiteBackend
+from paths import REPO
 
 import ckptio
 from ckptio.testing import BackendConformance
@@ -27,6 +28,5 @@ def test_a_checkpoint_saved_and_restored_through_the_example_backend(tmp_path: P
 
 
 def test_the_docs_show_this_very_example() -> None:
-    root = Path(__file__).resolve().parent.parent
-    example = (root / "tests" / "example_backend.py").read_text().rstrip()
-    assert example in (root / "docs" / "backends.md").read_text()
+    example = (REPO / "tests" / "support" / "example_backend.py").read_text().rstrip()
+    assert example in (REPO / "docs" / "backends.md").read_text()

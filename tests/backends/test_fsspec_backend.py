@@ -31,9 +31,10 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 import fsspec
 import numpy as np
 import pytest
-from conftest import GCS_TEST_BUCKET
+from tests.conftest import GCS_TEST_BUCKET
 from fake_gcs import FakeGCS, free_port
 from fsspec.implementations.memory import MemoryFileSystem
+from paths import WORKERS
 
 import ckptio
 from ckptio.backends import ByteRange, RetryableError, ThrottledError, backend_class, open_backend
@@ -86,7 +87,7 @@ def moto_s3() -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("moto_atomic_server.py")), "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, str(WORKERS / "moto_atomic_server.py"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

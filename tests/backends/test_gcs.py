@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import crc32c
 import pytest
 from aiohttp import web
-from conftest import GCS_TEST_BUCKET
+from tests.conftest import GCS_TEST_BUCKET
 from fake_gcs import AppServer, FakeGCS, FaultProxy, free_port, unique_prefix
 
 from ckptio.backends import ByteRange, RetryableError, open_backend

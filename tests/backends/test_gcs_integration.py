@@ -7,7 +7,7 @@ The module's server is fresh (``fake_gcs`` in conftest); the big fault test
 starts its own, so the memory it holds is given back when it ends.
 
 Several hosts are simulated in one process: one thread per host, each with
-a thread-hosts member (tests/hosts.py) as its coordinator (an all-gather over a
+a thread-hosts member (tests/support/hosts.py) as its coordinator (an all-gather over a
 barrier, records passed through JSON as a real coordinator would).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import GCS_TEST_BUCKET
+from tests.conftest import GCS_TEST_BUCKET
 from fake_gcs import FakeGCS, FaultProxy, unique_prefix
 from hosts import on_hosts
 
@@ -65,7 +65,7 @@ def bucket_keys(endpoint: str, prefix: str, bucket: str = GCS_TEST_BUCKET, *, fe
     """Every object under ``prefix/`` in the bucket, relative to it, listed through the JSON API.
 
     Commit fences and revocations (ckptio.store.fence) are left out unless ``fencing``: these tests count
-    data objects and manifests; test_fencing.py and test_manager.py count the fences.
+    data objects and manifests; tests/store/test_fence.py and tests/manage/test_manager.py count the fences.
     """
     names: list[str] = []
     query = {"prefix": prefix + "/"}

@@ -12,8 +12,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 BACKENDS = sorted((ROOT / "backends").glob("*.py"))
 SYSTEM = sorted((ROOT / "ckptio" / "_system").glob("*.py"))
 

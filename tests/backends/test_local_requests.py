@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_backend_local
-from test_backend_local import direct_root
+from tests.backends import test_local as test_backend_local
+from tests.backends.test_local import direct_root
 
 from ckptio.backends._bounce import BOUNCE, BOUNCE_BYTES
 from ckptio.backends._posix import aligned_buffer

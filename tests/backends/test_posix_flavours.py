@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_backend_local import read_only_mount  # noqa: F401  (a fixture)
+from tests.backends.test_local import read_only_mount  # noqa: F401  (a fixture)
 
 import ckptio
 from ckptio.backends import detect_scheme, open_backend

@@ -1,7 +1,7 @@
 """The ``ckptio`` command: ls / inspect (--json content), verify (a flipped byte), cp (local <-> fake GCS),
 and its answers to the common mistakes: one line, a distinct exit status, JSON under --json.
 
-``convert`` is exercised by tests/test_convert.py (and the Orbax worker).
+``convert`` is exercised by tests/convert/test_convert.py (and the Orbax worker).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import GCS_TEST_BUCKET
+from tests.conftest import GCS_TEST_BUCKET
 
 import ckptio
 from ckptio.cli import EXIT_CODES, main

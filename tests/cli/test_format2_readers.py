@@ -318,7 +318,7 @@ def test_convert_to_orbax_restores_bit_exact_with_stock_orbax(saved: Path, tmp_p
 @pytest.mark.gcs
 def test_every_reader_on_a_format2_checkpoint_in_gcs(gcs_emulator_env: str, tmp_path: Path) -> None:
     """Hashed object names on GCS: the fragments and objects of four hosts, read by every tool."""
-    from conftest import GCS_TEST_BUCKET
+    from tests.conftest import GCS_TEST_BUCKET
 
     url = f"gs://{GCS_TEST_BUCKET}/format2-{tmp_path.name}"
     on_hosts(HOSTS, lambda rank, coord: ckptio.save(url, host_state(rank), step=STEP, coordinator=coord).result())

@@ -5,9 +5,9 @@
   ``ckptio.dcp.Reader``) -> a DCP directory that stock ``dcp.load`` reads.
 * Orbax: stock ``StandardCheckpointer`` on a 4x2 mesh -> ckptio -> stock
   ``StandardCheckpointer().restore`` (no target, and resharded onto 2x4), in an
-  8-device subprocess (tests/interop_orbax_worker.py).
+  8-device subprocess (tests/workers/interop_orbax_worker.py).
 * Streaming: the incremental writer's batches and validation; the peak RSS of
-  1 GiB conversions (slow; tests/interop_rss.py).
+  1 GiB conversions (slow; tests/workers/interop_rss.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ torch = pytest.importorskip("torch")
 import interop_data as D  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from disk import disk_free_at_least  # noqa: E402
-from interop_run import HERE, check, run_dcp_ranks, run_orbax_worker  # noqa: E402
+from interop_run import check, run_dcp_ranks, run_orbax_worker  # noqa: E402
+from paths import WORKERS  # noqa: E402
 
 import ckptio  # noqa: E402
 from ckptio.cli import main  # noqa: E402
@@ -113,7 +114,7 @@ def test_stock_dcp_to_ckptio_to_stock_dcp_load_bit_exact(stock_dcp: Path, tmp_pa
 @pytest.mark.slow  # stock DCP writes its checkpoint in a subprocess
 @pytest.mark.gcs
 def test_stock_dcp_to_ckptio_on_fake_gcs(stock_dcp: Path, gcs_emulator_env: str) -> None:
-    from conftest import GCS_TEST_BUCKET
+    from tests.conftest import GCS_TEST_BUCKET
 
     url = f"gs://{GCS_TEST_BUCKET}/convert-{os.getpid()}"
     rc, res = cli("convert", str(stock_dcp), url, "--from", "dcp", "--to", "ckptio", "--json")
@@ -231,7 +232,7 @@ def test_conversions_stream_peak_rss_under_half_the_checkpoint(tmp_path: Path) -
     only a few GiB of disk free."""
     disk_free_at_least(tmp_path, 2.5, "two 1 GiB checkpoints at once")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "interop_rss.py"), str(tmp_path), "--gib", "1"],
+        [sys.executable, str(WORKERS / "interop_rss.py"), str(tmp_path), "--gib", "1"],
         capture_output=True,
         text=True,
         timeout=900,

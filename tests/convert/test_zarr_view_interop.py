@@ -27,7 +27,7 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") 
     pytest.skip("needs jax and orbax-checkpoint", allow_module_level=True)
 
 import interop_data as D  # noqa: E402
-from conftest import GCS_TEST_BUCKET  # noqa: E402
+from tests.conftest import GCS_TEST_BUCKET  # noqa: E402
 from interop_run import check, run_dcp_ranks, run_orbax_worker  # noqa: E402
 
 import ckptio  # noqa: E402

@@ -3,7 +3,7 @@
 Unit tests of the coordinators' gather / broadcast contracts (one process, a
 legacy all-gather-only coordinator, jax's key-value protocol over an
 in-memory store with hosts as threads), then real processes -- torch gloo
-and jax.distributed on CPU, at 2, 4 and 8 processes (tests/coord_worker.py)
+and jax.distributed on CPU, at 2, 4 and 8 processes (tests/workers/coord_worker.py)
 -- counting what a non-coordinator receives per save: the payload the
 coordinator hands back (:class:`ckptio.coord.distributed.CountingCoordinator`) and
 the TCP bytes the kernel counted on the process's sockets. It must stay
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import WORKERS
 
 from ckptio.coord.distributed import (
     CountingCoordinator,
@@ -39,7 +40,7 @@ from ckptio.coord.distributed import (
 from ckptio.tiers.group import LocalGroup
 from ckptio.tiers.peer import checkpoint_disagreement
 
-WORKER = str(Path(__file__).with_name("coord_worker.py"))
+WORKER = str(WORKERS / "coord_worker.py")
 HOSTS = (2, 4, 8)
 #: The issue's bar for what a non-coordinator receives per save.
 MAX_RECEIVED = 64 << 10

@@ -10,10 +10,11 @@ import sys
 import time
 
 import pytest
+from paths import WORKERS
 
 import ckptio
 
-WORKER = os.path.join(os.path.dirname(__file__), "preempt_worker.py")
+WORKER = str(WORKERS / "preempt_worker.py")
 
 
 def test_one_host_notice_saves_the_next_step_off_the_interval(tmp_path):

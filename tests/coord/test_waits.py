@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from paths import WORKERS
 
 import ckptio
 from ckptio.backends.deadline import Deadlines
@@ -139,7 +140,7 @@ def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path
                                                                          mode: str) -> None:
     """torch.distributed (gloo) or jax.distributed (CPU), 2 processes, one stops outside storage at a collective point of a
     save (before the commit) or a restore (the choice of step, the outcome, a read-once round):
-    both fail naming it and the wait, the others within the deadline (tests/collective_wait_worker.py
+    both fail naming it and the wait, the others within the deadline (tests/workers/collective_wait_worker.py
     checks each rank); the committed step before it still restores and nothing new is committed."""
     pytest.importorskip(framework)
     from ckptio.bench.readonce import spawn
@@ -147,7 +148,7 @@ def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path
     root = str(tmp_path / "ckpt")
     full = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
     ckptio.save(root, {"w": full, "step": 1}, step=1).result()
-    spawn(str(Path(__file__).with_name("collective_wait_worker.py")), 2, [mode, root, framework], timeout=120)
+    spawn(str(WORKERS / "collective_wait_worker.py"), 2, [mode, root, framework], timeout=120)
     got = ckptio.restore(root, step=None)
     assert got["step"] == 1 and np.array_equal(got["w"], full)
     with pytest.raises(CheckpointNotFoundError):
@@ -158,7 +159,7 @@ def test_two_real_processes_fail_by_name_when_one_stops_at_a_collective(tmp_path
 
 
 def _jax_hosts(size: int, body: Any) -> list[Any]:
-    from test_coordination import _FakeClient, _FakeKV
+    from tests.coord.test_distributed import _FakeClient, _FakeKV
 
     from ckptio.coord.distributed import JaxCoordinator
 

@@ -1,7 +1,7 @@
 """ckptio.dcp in one process: every dtype bit-exact, sub-rectangle reads, metadata, errors, staging.
 
 Multi-process (gloo) DTensor resharding, deterministic resume and async_save
-with both executors are in tests/test_dcp_multiprocess.py.
+with both executors are in tests/dcp/test_dcp_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -423,7 +423,7 @@ def test_sync_save_writes_torch_memory_to_the_device_as_it_lies(tmp_path, monkey
     copies only the partial pages at either end and the frames. Before, every byte was either copied through
     the bounce buffer or through the page cache (the kernel's copy, and a sync save's CPU at or above stock
     DCP's; issue 35)."""
-    from test_backend_local import direct_root
+    from tests.backends.test_local import direct_root
 
     import ckptio.backends._direct as direct
 

@@ -7,7 +7,7 @@ checkpoints load through ckptio.dcp.Reader (ranged, resharded, transformed),
 ``_extensions`` / ``thread_count`` / ``cache_staged_state_dict`` are honoured,
 and every dtype torch can put in a DCP checkpoint round-trips.
 Multi-process resharding of stock checkpoints (local and fake GCS) is in
-tests/test_dcp_multiprocess.py.
+tests/dcp/test_dcp_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from test_dcp import _bits, _Planner, _quiet, _random, _read  # noqa: F401 -- _quiet: an autouse fixture
+from tests.dcp.test_dcp import (  # noqa: F401 -- _quiet: an autouse fixture
+    _bits,
+    _Planner,
+    _quiet,
+    _random,
+    _read,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan

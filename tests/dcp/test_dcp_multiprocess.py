@@ -1,6 +1,6 @@
 """ckptio.dcp with real processes (torch.distributed, gloo): resharding, resume, async_save.
 
-Each test launches tests/dcp_worker.py in N processes; the worker asserts,
+Each test launches tests/workers/dcp_worker.py in N processes; the worker asserts,
 this file only checks that every rank exited cleanly (and compares losses).
 """
 
@@ -16,7 +16,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-WORKER = os.path.join(os.path.dirname(__file__), "dcp_worker.py")
+from paths import WORKERS  # noqa: E402
+
+WORKER = str(WORKERS / "dcp_worker.py")
 pytestmark = pytest.mark.slow
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hosts import on_hosts
-from test_dcp import _Planner, _quiet, _read  # noqa: F401 -- _quiet: an autouse fixture
+from tests.dcp.test_dcp import _Planner, _quiet, _read  # noqa: F401 -- _quiet: an autouse fixture
 from torch.distributed.checkpoint import LoadPlan
 
 import ckptio
@@ -100,7 +100,7 @@ def test_read_once_reads_the_root_and_only_its_responsible_fragments_bit_exact(
     read once across the hosts: each rank reads the root and the one fragment it sends from."""
     import threading
 
-    from test_readonce import on_hosts as exchange_hosts
+    from tests.restoring.test_readonce import on_hosts as exchange_hosts
 
     import ckptio.dcp.reader as reader_module
 

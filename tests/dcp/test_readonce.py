@@ -1,12 +1,10 @@
 """The DCP Reader's read-once (ckptio/dcp/_readonce.py) in one process: hosts as threads, each
 filling the regions its read items name by logical-box exchange. Bit-exactness, the storage bytes
 the job reads, a box held twice, and a rank whose read items fail. Real processes through
-``dcp.load``: tests/test_dcp_multiprocess.py and tests/test_readonce_mp.py."""
+``dcp.load``: tests/dcp/test_dcp_multiprocess.py and tests/restoring/test_readonce_mp.py."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,7 @@ from ckptio.errors import ManifestError  # noqa: E402
 from ckptio.restoring.reshard import Region  # noqa: E402
 from ckptio.store import CheckpointStore, StoreOptions  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_readonce import _Host, on_hosts  # noqa: E402
+from tests.restoring.test_readonce import _Host, on_hosts  # noqa: E402
 
 HOSTS = 4
 ROWS, COLS = 64, 256  # float32: 64 KiB, saved as HOSTS row shards (each its own chunk)

@@ -7,7 +7,7 @@ manifest, replaced with it, and deleted (only when its bytes are the ones
 ckptio recorded) before any object it names. A checkpoint without
 ``.metadata`` (written by an older ckptio, or ``torch_readable=False``)
 still loads through ckptio. The 2-rank gloo cases are in
-tests/test_dcp_multiprocess.py.
+tests/dcp/test_dcp_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from test_dcp import _quiet  # noqa: F401 -- an autouse fixture
+from tests.dcp.test_dcp import _quiet  # noqa: F401 -- an autouse fixture
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import on_hosts
-from test_blocks import COLS, NAMES, ROWS, check_split, full, manifest, rows, save_rows
+from tests.engine.test_layout_blocks import COLS, NAMES, ROWS, check_split, full, manifest, rows, save_rows
 
 import ckptio
 from ckptio.backends.wrappers import CountingBackend
@@ -180,7 +180,7 @@ def test_the_dcp_writer_gives_chunks_blocks_of_their_own(tmp_path: Path) -> None
 
 @pytest.mark.gcs
 def test_n_to_2n_on_the_fake_gcs_server_reads_at_most_1_1x(gcs_emulator_env: str, tmp_path: Path) -> None:
-    from conftest import GCS_TEST_BUCKET
+    from tests.conftest import GCS_TEST_BUCKET
     from fake_gcs import unique_prefix
 
     url = f"gs://{GCS_TEST_BUCKET}/{unique_prefix(tmp_path)}"

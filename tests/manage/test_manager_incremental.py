@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from paths import WORKERS
 
 import ckptio
 from ckptio.cli import main as cli_main
@@ -191,11 +192,11 @@ def test_convert_of_an_incremental_step_is_self_contained(tmp_path: Path) -> Non
 def test_a_multi_process_job_saves_incrementally(tmp_path: Path) -> None:
     """Real processes (torch.distributed, gloo): each references its own frozen shard from step 1,
     kept through retention's deletion of step 1, and step 3 restores bit-exact on every process
-    (threads as hosts: tests/test_incremental_hosts.py)."""
+    (threads as hosts: tests/saving/incremental/test_hosts.py)."""
     pytest.importorskip("torch")
     from ckptio.bench.readonce import spawn
 
-    spawn(str(Path(__file__).parent / "mp_native_worker.py"), 2, ["incremental", str(tmp_path / "ckpt")], 120)
+    spawn(str(WORKERS / "mp_native_worker.py"), 2, ["incremental", str(tmp_path / "ckpt")], 120)
 
 
 def test_views_are_digested_off_the_training_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import on_hosts
+from paths import FIXTURES
 
 import ckptio
 from ckptio.backends.wrappers import WrapperBackend
@@ -23,7 +24,7 @@ from ckptio.store import CheckpointStore
 
 HOSTS = 4
 ROWS, COLS = 64, 48
-FIXTURE = Path(__file__).parent / "fixtures" / "format1"
+FIXTURE = FIXTURES / "format1"
 
 
 def full(name: str) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 The scenarios need 8 CPU devices, which must be configured before jax is
 imported; other test files import jax with one device. So they run in
-subprocesses (tests/orbax_scenarios.py, tests/orbax_mp_worker.py) and this
+subprocesses (tests/scenarios/orbax_scenarios.py, tests/workers/orbax_mp_worker.py) and this
 module only reads their verdicts -- it never imports jax itself.
 """
 
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import paths
 import pytest
 
 pytestmark = pytest.mark.slow  # Orbax scenarios run as fresh JAX programs, and a two-process jax.distributed job
@@ -25,7 +26,6 @@ pytestmark = pytest.mark.slow  # Orbax scenarios run as fresh JAX programs, and 
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("orbax") is None:
     pytest.skip("needs jax and orbax-checkpoint", allow_module_level=True)
 
-HERE = Path(__file__).parent
 SCENARIOS = [
     "reshard_bitexact",
     "composite_resume",
@@ -53,7 +53,7 @@ def _env() -> dict[str, str]:
 def _run_scenarios(script: str, names: list[str], work: Path) -> dict[str, Any]:
     """Run ``names`` of ``script`` in one 8-device process (jax and Orbax import once); their verdicts."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(work), *names],
+        [sys.executable, str(paths.SCENARIOS / script), str(work), *names],
         check=False,
         env=_env(),
         capture_output=True,
@@ -184,7 +184,7 @@ def test_two_jax_distributed_processes_save_and_restore(tmp_path):
     port, root = _free_port(), str(tmp_path / "ckpt")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "orbax_mp_worker.py"), str(i), "2", str(port), root],
+            [sys.executable, str(paths.WORKERS / "orbax_mp_worker.py"), str(i), "2", str(port), root],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,8 +1,8 @@
 """Issue 20, items 3-5: Orbax's shape changes, metadata API and topology check, in both adapter modes;
 issue 16: clear errors for stock Orbax reading a register() item and for a file as the manager's root.
 
-The scenarios (tests/orbax_compat_scenarios.py) need 8 CPU devices, so they
-run in one subprocess, as tests/test_orbax.py's do; this module reads their
+The scenarios (tests/scenarios/orbax_compat_scenarios.py) need 8 CPU devices, so they
+run in one subprocess, as tests/orbax/test_orbax.py's do; this module reads their
 verdicts and never imports jax itself.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_orbax import _check, _run_scenarios  # noqa: F401  (skips the module without jax/orbax)
+from tests.orbax.test_orbax import _check, _run_scenarios  # noqa: F401  (skips the module without jax/orbax)
 
 pytestmark = pytest.mark.slow  # Orbax compatibility scenarios run as fresh JAX programs
 

@@ -23,9 +23,10 @@ import pytest
 from hosts import on_hosts as saving_hosts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_planner_properties import _cuts
-from test_planner_properties import _grid as _cells
-from test_readonce import on_hosts as exchanging_hosts
+from paths import WORKERS
+from tests.restoring.test_reshard_properties import _cuts
+from tests.restoring.test_reshard_properties import _grid as _cells
+from tests.restoring.test_readonce import on_hosts as exchanging_hosts
 
 import ckptio
 from ckptio.backends import open_backend
@@ -455,7 +456,7 @@ def test_jax_targets_say_every_host_s_boxes_from_their_shardings(tmp_path: Path)
 
     pytest.importorskip("jax")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    worker = os.path.join(os.path.dirname(__file__), "boxexchange_jax_worker.py")
+    worker = str(WORKERS / "boxexchange_jax_worker.py")
     run = subprocess.run([sys.executable, worker, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]

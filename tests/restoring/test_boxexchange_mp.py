@@ -4,8 +4,6 @@ is an IntegrityError naming the object on every process."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +12,10 @@ pytest.importorskip("torch")
 
 from ckptio.bench.readonce import launch, make_checkpoints, stored_bytes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+from paths import WORKERS  # noqa: E402
 from readonce_worker import flip_a_byte  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "readonce_worker.py")
+WORKER = str(WORKERS / "readonce_worker.py")
 HOSTS = 8
 
 

@@ -15,8 +15,19 @@ from typing import Any
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_boxexchange import BF16, COLS, ROWS, SAVED, _item, _Keys, _rows, _save, full, layouts
-from test_readonce import _Host, on_hosts
+from tests.restoring.test_boxexchange import (
+    BF16,
+    COLS,
+    ROWS,
+    SAVED,
+    _item,
+    _Keys,
+    _rows,
+    _save,
+    full,
+    layouts,
+)
+from tests.restoring.test_readonce import _Host, on_hosts
 
 import ckptio
 from ckptio.backends import open_backend

@@ -1,7 +1,7 @@
 """Read-once restore in one process: hosts as threads exchanging bytes, each with its own counting
 backend. The byte counts, bit-exactness and the failure paths (a failed read on the host that
 reads for the others, a flipped byte, a bad target) across hosts. Real processes over torch
-gloo: tests/test_readonce_mp.py; the exchange's pieces: tests/test_boxexchange.py."""
+gloo: tests/restoring/test_readonce_mp.py; the exchange's pieces: tests/restoring/test_boxexchange.py."""
 
 from __future__ import annotations
 

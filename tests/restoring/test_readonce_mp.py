@@ -3,8 +3,6 @@ bit-exactness, peak RSS per process, and failures seen by every process."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +12,10 @@ pytest.importorskip("torch")
 
 from ckptio.bench.readonce import COLS, ROWS, launch, make_checkpoints, stored_bytes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+from paths import WORKERS  # noqa: E402
 from readonce_worker import flip_a_byte  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "readonce_worker.py")
+WORKER = str(WORKERS / "readonce_worker.py")
 HOSTS = 8
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import on_hosts as saving_hosts
-from test_readonce import _Host, on_hosts
+from tests.restoring.test_readonce import _Host, on_hosts
 
 import ckptio
 from ckptio.backends import open_backend

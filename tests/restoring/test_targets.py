@@ -8,7 +8,7 @@ torch state_dicts and numpy-only states get targets that allocate nothing.
 
 The mesh tests need 8 CPU devices, which must be set before jax is first
 used: with fewer, they run in one child process of this file (``python
-tests/test_restore_targets.py <workdir>``), as tests/test_orbax.py does.
+tests/restoring/test_targets.py <workdir>``), as tests/orbax/test_orbax.py does.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and no ``keep_period`` step once committed is ever lost. At the end a final
 gc must leave exactly the kept checkpoints' bytes: no orphan, intent,
 tombstone or temporary file.
 
-    python -u tests/crash_campaign.py --trials 100 [--root DIR] [--seed N] [--no-pauses] [--keep-going]
+    python -u tests/scenarios/crash_campaign.py --trials 100 [--root DIR] [--seed N] [--no-pauses] [--keep-going]
 
 ``--keep-going`` records a broken invariant and goes on (to count them), instead of stopping there.
 """

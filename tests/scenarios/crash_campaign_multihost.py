@@ -34,7 +34,7 @@ else), and the logs of every process must show that nothing was deleted
 while the save that wrote it was provably alive (announced, heartbeat fresh
 over the whole deleting pass, not ended, its process not dead).
 
-    python -u tests/crash_campaign_multihost.py --trials 60 [--root DIR] [--seed N] [--no-pauses] [--keep-going]
+    python -u tests/scenarios/crash_campaign_multihost.py --trials 60 [--root DIR] [--seed N] [--no-pauses] [--keep-going]
 
 ``--keep-going`` records a broken invariant and goes on (to count them), instead of stopping there.
 """
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "support")]  # crash_campaign; hosts
 
 from crash_campaign import _stopped, account, trim_copies  # noqa: E402
 
@@ -325,7 +325,7 @@ def threading_kill_soon(log: EventLog, rnd: random.Random) -> None:
 
 
 def threads_main(a: argparse.Namespace) -> int:
-    """A job of ``--hosts`` hosts as threads of this one process (tests/hosts.py), saving step
+    """A job of ``--hosts`` hosts as threads of this one process (tests/support/hosts.py), saving step
     ``--step``; host ``--rank`` kills the whole process at ``--kill-phase`` (all hosts die at once)."""
     from hosts import on_hosts
 

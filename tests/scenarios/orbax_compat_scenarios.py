@@ -1,6 +1,7 @@
-"""Orbax behaviours ckptio.orbax matches (issue 20, items 3-5), on 8 CPU devices; run by tests/test_orbax_compat.py.
+"""Orbax behaviours ckptio.orbax matches (issue 20, items 3-5), on 8 CPU devices; run by
+tests/orbax/test_orbax_compat.py.
 
-Usage as tests/orbax_scenarios.py (whose runner and helpers this reuses):
+Usage as tests/scenarios/orbax_scenarios.py (whose runner and helpers this reuses):
 ``orbax_compat_scenarios.py <workdir> [scenario ...]``.
 
 * shape changes: ``strict=False`` pads with zeros or truncates at the end of

@@ -1,6 +1,6 @@
-"""Dtype fidelity of ckptio.orbax on 8 CPU devices, run in a subprocess by tests/test_orbax.py.
+"""Dtype fidelity of ckptio.orbax on 8 CPU devices, run in a subprocess by tests/orbax/test_orbax.py.
 
-Usage as tests/orbax_scenarios.py (whose runner and helpers this reuses):
+Usage as tests/scenarios/orbax_scenarios.py (whose runner and helpers this reuses):
 ``orbax_dtype_scenarios.py <workdir> [scenario ...]``.
 
 The rule under test: a restore never changes a dtype the caller did not ask

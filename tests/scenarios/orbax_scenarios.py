@@ -1,4 +1,4 @@
-"""ckptio.orbax scenarios on 8 CPU devices, run in a subprocess by tests/test_orbax.py.
+"""ckptio.orbax scenarios on 8 CPU devices, run in a subprocess by tests/orbax/test_orbax.py.
 
 Usage: ``orbax_scenarios.py <workdir> [scenario ...]``. Each scenario runs in
 turn; ``<workdir>/results.json`` maps its name to ``"ok"`` or the traceback.
@@ -13,6 +13,8 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "support"))  # hosts
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

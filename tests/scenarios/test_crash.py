@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from crash_campaign import run_campaign  # noqa: E402
+from crash_campaign import run_campaign
 
 
 @pytest.mark.slow
@@ -26,7 +25,7 @@ def test_kill_minus_9_campaign(tmp_path):
     assert result["bytes_on_disk"] == result["bytes_of_kept_steps"]
 
 
-# -- format 2: multi-host saves (tests/crash_campaign_multihost.py) ------------------------------------
+# -- format 2: multi-host saves (tests/scenarios/crash_campaign_multihost.py) -------------------------
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import GCS_TEST_BUCKET
+from tests.conftest import GCS_TEST_BUCKET
 from manifests import as_rows
 
 import ckptio

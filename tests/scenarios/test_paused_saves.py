@@ -7,7 +7,7 @@ objects; once resumed it still creates the manifest: ``ckptio ls`` says committe
 raises FileNotFoundError, and under ``CheckpointManager(max_to_keep=1)`` retention then deletes
 the last good step.
 
-Each test runs a real saver process (tests/paused_save_worker.py), stops it, lets the lease run
+Each test runs a real saver process (tests/workers/paused_save_worker.py), stops it, lets the lease run
 out, runs gc at grace 0, resumes it, and then audits the root with nothing running. The paused
 save may fail (raise): that is the right outcome. What must never happen is
 
@@ -34,16 +34,14 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from paused_save_worker import check_format1  # noqa: E402
+from paths import WORKERS
+from paused_save_worker import check_format1
 
 #: The savers' lease: short, so that a pause outlives it in a fraction of a second more.
 LEASE_S = 1.0
 #: How long a pause lasts past the lease: the last heartbeat came up to a quarter lease before it.
 PAUSE_MARGIN_S = 0.4
-WORKER = str(HERE / "paused_save_worker.py")
+WORKER = str(WORKERS / "paused_save_worker.py")
 #: Each storage call of the randomly paused savers takes this long, as on an object store: on a
 #: local disk the commit is a few milliseconds of a save and a random pause would rarely land there.
 STORE_LATENCY_S = 0.02

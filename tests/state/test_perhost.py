@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 from hosts import on_hosts
+from paths import WORKERS
 
 import ckptio
 from ckptio.errors import ManifestError
@@ -15,7 +15,7 @@ from ckptio.manifest import formats
 from ckptio.manifest.hoststate import decode_state, encode_state
 from ckptio.state.perhost import PerHost, take_modulo
 
-WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
+WORKER = str(WORKERS / "resume_worker.py")
 
 
 class Counter:
@@ -216,7 +216,7 @@ def test_dcp_per_rank_loaders_each_come_back_to_their_own_rank(tmp_path):
     pytest.importorskip("torchdata")
     from ckptio.bench.readonce import spawn
 
-    worker = os.path.join(os.path.dirname(__file__), "dcp_perrank_worker.py")
+    worker = str(WORKERS / "dcp_perrank_worker.py")
     root = str(tmp_path / "ckpt")
     spawn(worker, 2, ["save", root, str(tmp_path)], 240)
     spawn(worker, 2, ["resume", root, str(tmp_path)], 240)

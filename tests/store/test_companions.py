@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from test_dcp import _quiet  # noqa: F401 -- an autouse fixture
+from tests.dcp.test_dcp import _quiet  # noqa: F401 -- an autouse fixture
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

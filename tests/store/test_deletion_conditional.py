@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_backend_fsspec as fsspec_tests
+from tests.backends import test_fsspec_backend as fsspec_tests
 
 import ckptio
 from ckptio.backends import Backend, open_backend
@@ -87,7 +87,7 @@ def family(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
         url = f"fsspec+s3://{fsspec_tests.S3_BUCKET}/conditional-{uuid.uuid4().hex[:8]}"
         yield url, fsspec_tests.s3_options(endpoint)
     else:
-        from conftest import GCS_TEST_BUCKET
+        from tests.conftest import GCS_TEST_BUCKET
 
         endpoint = request.getfixturevalue("gcs_preconditions")
         yield f"gs://{GCS_TEST_BUCKET}/conditional-{uuid.uuid4().hex[:8]}", {"endpoint": endpoint}

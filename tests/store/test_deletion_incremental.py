@@ -1,7 +1,7 @@
 """Deletion follows references (docs/incremental.md, section 3): an object is deleted only when no
 committed manifest of a kept step and no live save references it.
 
-Step 3 references objects of steps 1 and 2 (built in test_incremental_format). Deterministic
+Step 3 references objects of steps 1 and 2 (built in tests/manifest/test_refs.py). Deterministic
 cases first; then Hypothesis interleaves, one storage request at a time, a referencing save
 (alive, or paused past its lease) with deleters and gc, and checks that every step that counts
 restores bit-exact, and that once everything settles the objects left are exactly those that
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_incremental_format import planned, referencing, states
+from tests.manifest.test_refs import planned, referencing, states
 
 import ckptio
 from ckptio.backends import Backend

@@ -4,7 +4,7 @@ Each test freezes a saver at one exact point of its commit -- every storage call
 from then on (heartbeats included) waits, as in a paused process -- lets its lease run
 out, runs gc (grace 0) or retention from another store on the same root, then thaws it.
 Whatever the point, no committed step may fail to restore and the last restorable step
-survives. Real-process pauses (SIGSTOP) are in test_paused_saves.py.
+survives. Real-process pauses (SIGSTOP) are in tests/scenarios/test_paused_saves.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CheckpointStore.sweep_step: the orphan sweep's rules for one step, and nothing beyond that step.
 
-The properties of tests/test_never_lose.py, held by the one-step sweep that the tiers run when a
+The properties of tests/scenarios/test_never_lose.py, held by the one-step sweep that the tiers run when a
 durable step completes: a dead attempt's objects and intents go; a live save's objects, foreign files,
 a damaged step and every other step stay; it deletes exactly what the whole-root sweep would delete
 in that step.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_never_lose import _RefuseCommit, files, same, save, state
+from tests.scenarios.test_never_lose import _RefuseCommit, files, same, save, state
 
 import ckptio
 from ckptio.backends import Capabilities, open_backend

@@ -6,7 +6,7 @@ re-save must neither crash the loop nor block the training thread: the dead comm
 gc would settle it (once its lease ends) and the re-save commits; a writer that was only slow and
 confirms first wins, and the re-save fails "already committed" -- never two commits.
 
-Each test runs a real saver process (tests/resave_worker.py) that commits a good step, then
+Each test runs a real saver process (tests/workers/resave_worker.py) that commits a good step, then
 stalls its next save between manifest and fence claim; the test kills it or lets it go, and
 re-saves that step from this process through ``CheckpointManager``.
 """
@@ -27,10 +27,8 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
 from crash_campaign import same_state, state_for  # noqa: E402
+from paths import WORKERS  # noqa: E402
 from resave_worker import STATE_OFFSET  # noqa: E402
 
 import ckptio  # noqa: E402
@@ -48,7 +46,7 @@ class Saver:
 
     def __init__(self, root: Path, stall_at: str = "claim") -> None:
         self.go = root.parent / "go"
-        argv = [sys.executable, str(HERE / "resave_worker.py"), "--root", str(root), "--good", str(GOOD),
+        argv = [sys.executable, str(WORKERS / "resave_worker.py"), "--root", str(root), "--good", str(GOOD),
                 "--step", str(STEP), "--go", str(self.go), "--stall-at", stall_at]
         self.err = root.parent / "saver.err"
         with open(self.err, "wb") as err:
@@ -80,7 +78,7 @@ class Saver:
 @pytest.fixture
 def stalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
     """A saver whose save of STEP has created its manifest and not claimed its fence (indirect
-    parameter: where it stalls, see tests/resave_worker.py; default "claim")."""
+    parameter: where it stalls, see tests/workers/resave_worker.py; default "claim")."""
     monkeypatch.setenv("CKPTIO_LEASE_S", str(LEASE_S))
     root = tmp_path / "run"
     saver = Saver(root, getattr(request, "param", "claim"))
@@ -173,7 +171,7 @@ def test_a_slow_writer_that_confirms_wins(stalled: Any, on_save_error: str) -> N
 
 
 def test_two_hosts_resave_after_a_kill(stalled: Any) -> None:
-    """With two hosts (threads joined by tests/hosts.py), host 1 does not refuse the step that host 0
+    """With two hosts (threads joined by tests/support/hosts.py), host 1 does not refuse the step that host 0
     settles: an unconfirmed commit is host 0's to wait for, and the re-save commits on both."""
     from crash_campaign_multihost import check_restored, host_state
     from hosts import on_hosts

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_never_lose import _RefuseCommit, same, state
+from paths import REPO
+from tests.scenarios.test_never_lose import _RefuseCommit, same, state
 
 import ckptio
 from ckptio.backends import RetryableError, open_backend
@@ -33,7 +34,7 @@ from ckptio.manifest.names import ObjectName, parse_object
 from ckptio.store import CheckpointStore, StoreOptions
 from ckptio.testing import BackendConformance
 
-STORE = Path(__file__).resolve().parent.parent / "ckptio" / "store"
+STORE = REPO / "ckptio" / "store"
 
 
 class TestRetryingConformance(BackendConformance):

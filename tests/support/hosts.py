@@ -6,12 +6,12 @@ from typing import Any
 
 from ckptio.bench.threadhosts import _ThreadGroup, on_hosts
 
-__all__ = ["TierGroup", "_ThreadGroup", "on_hosts"]  # _ThreadGroup: tests/paused_save_worker.py builds its own group
+__all__ = ["TierGroup", "_ThreadGroup", "on_hosts"]  # _ThreadGroup: for workers/paused_save_worker.py
 
 
 class TierGroup:
     """One thread-host's side of the collectives a tiered restore's manifest takes, over an all-gather
-    (tests/hosts.py); :attr:`received` counts the bytes others sent this host."""
+    (tests/support/hosts.py); :attr:`received` counts the bytes others sent this host."""
 
     def __init__(self, member: Any) -> None:
         self.m, self.rank, self.size = member, member.rank, member.size

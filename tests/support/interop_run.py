@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-HERE = Path(__file__).parent
+from paths import WORKERS
 
 
 def _free_port() -> int:
@@ -33,7 +32,8 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
 
 
 def run_dcp_ranks(n: int, *targets: str, env: dict[str, str] | None = None, timeout: float = 240) -> None:
-    """tests/interop_dcp_worker.py in ``n`` gloo processes; fails with their output if one fails or hangs."""
+    """tests/workers/interop_dcp_worker.py in ``n`` gloo processes; fails with their output if one fails or
+    hangs."""
     port = _free_port()
     procs = []
     for rank in range(n):
@@ -47,7 +47,7 @@ def run_dcp_ranks(n: int, *targets: str, env: dict[str, str] | None = None, time
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "interop_dcp_worker.py"), *targets],
+                [sys.executable, str(WORKERS / "interop_dcp_worker.py"), *targets],
                 env=e,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -68,9 +68,9 @@ def run_dcp_ranks(n: int, *targets: str, env: dict[str, str] | None = None, time
 def run_orbax_worker(
     work: Path, *scenarios: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> dict[str, Any]:
-    """tests/interop_orbax_worker.py (8 CPU devices) once; its verdict per scenario."""
+    """tests/workers/interop_orbax_worker.py (8 CPU devices) once; its verdict per scenario."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "interop_orbax_worker.py"), str(work), *scenarios],
+        [sys.executable, str(WORKERS / "interop_orbax_worker.py"), str(work), *scenarios],
         env=_env(env),
         capture_output=True,
         text=True,

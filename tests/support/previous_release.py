@@ -1,7 +1,7 @@
 """A previous release of ckptio, checked out with git, run on a root this version wrote.
 
-Compatibility tests (``test_incremental_guard``, ``test_incremental_hosts``) have an older
-release gc a root, delete steps of it and do what else they ask, importing its own code,
+Compatibility tests (``tests/store/test_pins_guard.py``, ``tests/saving/incremental/test_hosts.py``) have
+an older release gc a root, delete steps of it and do what else they ask, importing its own code,
 then check with this version that nothing a kept step references was lost.
 """
 
@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO
 
 #: What the older release runs (``python -c``; argv: the root, then the steps to delete): its gc
 #: (grace 0), its ``delete`` of each step, ``{with_store}`` while its store is open, and

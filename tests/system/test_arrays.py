@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import REPO, SUPPORT
 
 from ckptio.system import unique, unique_rows
 
@@ -39,11 +40,10 @@ def test_unique_rows_gives_what_np_unique_axis_0_gives(rows: np.ndarray) -> None
 
 
 def test_a_restore_by_exchange_in_a_fresh_process_imports_no_numpy_ma(tmp_path: Path) -> None:
-    tests = Path(__file__).parent
     code = (
         "import sys; from pathlib import Path\n"
-        f"sys.path.insert(0, {str(tests)!r})\n"
-        "import test_boxexchange as t\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(SUPPORT)!r}]\n"
+        "from tests.restoring import test_boxexchange as t\n"
         "before = 'numpy.ma' in sys.modules\n"
         f"root = Path({str(tmp_path)!r})\n"
         "t._save(root)\n"

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import TierGroup, on_hosts
-from test_fragments import CountingReads
-from test_rootcast import HOSTS, STEP, W, _rows, _state  # the same job: 3 hosts, each a block of rows
+from tests.manifest.test_fragments import CountingReads
+# the same job: 3 hosts, each a block of rows
+from tests.tiers.test_rootcast import HOSTS, STEP, W, _rows, _state
 
 import ckptio
 from ckptio.backends.base import Backend

@@ -2,7 +2,8 @@
 fragments, and each host gets from the sender only the fragments its own target meets, as stored.
 
 Three hosts as threads save one step to host-local stores (host 0 then holds the root and every
-fragment, ``tests/test_carried.py``); then they agree on the step's manifest as a tiered restore does.
+fragment, ``tests/saving/test_carried_fragments.py``); then they agree on the step's manifest as a tiered
+restore does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Tiers under failure, with real processes (issue 19): resuming after a fallback or a rollback, a host
 lost at every phase of peer replication, and a durable tier that is down, lagging or killed mid-copy.
 
-Each test runs tests/tiers_worker.py in several processes (torch.distributed, gloo); every worker checks
-what it restores bit-exact itself and prints one JSON line, which the tests read. Every wait has a timeout.
+Each test runs tests/workers/tiers_worker.py in several processes (torch.distributed, gloo); every worker
+checks what it restores bit-exact itself and prints one JSON line, which the tests read. Every wait has a
+timeout.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import time
 
 import pytest
@@ -23,8 +23,7 @@ from ckptio.manifest import MANIFEST_NAME
 from ckptio.manifest.names import fence_key, parse_intent, parse_object
 from ckptio.store import CheckpointStore
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_tiers_mp import _free_port, kill_mid_copy, run, spawn
+from tests.tiers.test_tiers_mp import _free_port, kill_mid_copy, run, spawn
 from tiers_worker import phases
 
 pytestmark = pytest.mark.slow

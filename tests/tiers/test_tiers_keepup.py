@@ -1,19 +1,17 @@
 """Replication keeps up under load (issue 33): a save begins only once the previous step's replica is
 complete, so a host lost while its newest step is still being replicated costs that one step, never more
-and never a read of the durable tier. Real processes (torch.distributed, gloo), via tests/tiers_worker.py."""
+and never a read of the durable tier. Real processes (torch.distributed, gloo), via
+tests/workers/tiers_worker.py."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
 
 pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_tiers_mp import run
+from tests.tiers.test_tiers_mp import run
 
 pytestmark = pytest.mark.slow
 

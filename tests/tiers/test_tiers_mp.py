@@ -1,7 +1,7 @@
 """Multi-tier checkpointing with real processes (torch.distributed, gloo): peer recovery, durable fallback,
 the in-memory emergency tier, and a durable copy killed midway.
 
-Each test launches tests/tiers_worker.py in several processes; every worker
+Each test launches tests/workers/tiers_worker.py in several processes; every worker
 checks its restore bit-exact itself and prints one JSON line, which the
 tests read.
 """
@@ -31,10 +31,10 @@ from ckptio.manifest import MANIFEST_NAME
 from ckptio.store import CheckpointStore
 from ckptio.tiers.held import own_object_keys, read_held
 
-sys.path.insert(0, os.path.dirname(__file__))
+from paths import WORKERS
 from tiers_worker import full_arrays
 
-WORKER = os.path.join(os.path.dirname(__file__), "tiers_worker.py")
+WORKER = str(WORKERS / "tiers_worker.py")
 pytestmark = pytest.mark.slow
 
 
@@ -140,7 +140,7 @@ def durable(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[st
     if request.param == "local":
         return str(tmp_path / "durable"), {}
     server = request.getfixturevalue("fake_gcs")
-    from conftest import GCS_TEST_BUCKET
+    from tests.conftest import GCS_TEST_BUCKET
 
     return f"gs://{GCS_TEST_BUCKET}/tiers{str(tmp_path).replace('/', '-')}", {"STORAGE_EMULATOR_HOST": server.url}
 

@@ -6,8 +6,6 @@ One process here (fast and durable tiers); the same on two hosts with a peer tie
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -157,8 +155,7 @@ def test_a_failed_retirement_saves_nothing_and_the_next_save_retires_again(tmp_p
 @pytest.mark.slow
 def test_two_hosts_restore_an_older_step_then_resume_from_it(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_tiers_mp import run
+    from tests.tiers.test_tiers_mp import run
 
     root = str(tmp_path)
     common = ["--every", "2", "--keep", "2"]

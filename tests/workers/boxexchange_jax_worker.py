@@ -1,4 +1,4 @@
-"""One process with 4 CPU jax devices (launched by tests/test_boxexchange.py): a checkpoint saved as
+"""One process with 4 CPU jax devices (launched by tests/restoring/test_boxexchange.py): a checkpoint saved as
 row blocks restored by logical-box exchange onto NamedShardings whose target tables come from the
 shardings themselves (no all-gather of boxes). usage: boxexchange_jax_worker.py ROOT"""
 

@@ -1,5 +1,5 @@
 """One process of a 2-process save or restore in which one host stops outside storage at a
-collective point (launched by tests/test_collective_waits.py): every rank must fail naming the
+collective point (launched by tests/coord/test_waits.py): every rank must fail naming the
 stopped host and the wait, within the collective deadline, instead of hanging.
 
 usage: collective_wait_worker.py save|pick|outcome|readonce ROOT [torch|jax]

@@ -1,4 +1,4 @@
-"""One process of a multi-process coordination measurement (launched by tests/test_coordination.py).
+"""One process of a multi-process coordination measurement (launched by tests/coord/test_distributed.py).
 
 usage: coord_worker.py torch|jax ROOT PORT [restore]    (RANK and WORLD_SIZE in the env)
 

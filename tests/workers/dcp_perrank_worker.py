@@ -1,4 +1,4 @@
-"""One rank of the DCP per-rank loader test (tests/test_perhost.py): ``dcp.save`` / ``dcp.load`` of a
+"""One rank of the DCP per-rank loader test (tests/state/test_perhost.py): ``dcp.save`` / ``dcp.load`` of a
 StatefulDataLoader wrapped in ``ckptio.dcp.PerRank``, through ckptio's Writer and Reader.
 
 usage: dcp_perrank_worker.py save|resume|resume-one ROOT OUT   (RANK, WORLD_SIZE, MASTER_* in the env)

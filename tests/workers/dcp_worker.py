@@ -1,4 +1,4 @@
-"""One process of a multi-process DCP test (launched by tests/test_dcp_multiprocess.py).
+"""One process of a multi-process DCP test (launched by tests/dcp/test_dcp_multiprocess.py).
 
 usage: dcp_worker.py MODE ROOT [ARGS]   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
 

@@ -14,16 +14,18 @@ import os
 import sys
 import warnings
 
-import interop_data as D
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "support"))  # interop_data
+import interop_data as D  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-import ckptio
-from ckptio.dcp import Writer
+import ckptio  # noqa: E402
+from ckptio.dcp import Writer  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -16,6 +16,8 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "support"))  # interop_data
 
 import contextlib  # noqa: E402
 import io  # noqa: E402

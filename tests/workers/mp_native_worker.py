@@ -1,4 +1,4 @@
-"""One process of a multi-process native save/restore (launched by tests/test_multiprocess.py).
+"""One process of a multi-process native save/restore (launched by tests/api/test_native_multiprocess.py).
 
 usage: mp_native_worker.py save|restore|incremental ROOT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
 """

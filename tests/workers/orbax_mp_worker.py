@@ -1,7 +1,7 @@
 """One of two jax.distributed processes on CPU (4 devices each) saving and restoring through ckptio.orbax.
 
 Usage: ``orbax_mp_worker.py <process_id> <num_processes> <coordinator_port> <root>``.
-Run by tests/test_orbax.py; exits non-zero with a traceback on any mismatch.
+Run by tests/orbax/test_orbax.py; exits non-zero with a traceback on any mismatch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A saver process that tests/test_paused_saves.py pauses (SIGSTOP) while gc runs, then resumes.
+"""A saver process that tests/scenarios/test_paused_saves.py pauses (SIGSTOP) while gc runs, then resumes.
 
 It saves one step per ``save`` line read from stdin, so that the test can check the root between
 saves with nothing else running, and prints one JSON line per event on stdout:
@@ -13,10 +13,10 @@ saves with nothing else running, and prints one JSON line per event on stdout:
 
 ``--hosts 1`` saves format 1 (one process, no coordinator); ``--hosts N`` (N >= 2) saves format 2
 (a root manifest and one fragment per host) with N simulated hosts as threads of this process,
-joined by tests/hosts.py's thread group, as tests/test_fragments.py does. ``--api save`` uses
+joined by tests/support/hosts.py's thread group, as tests/manifest/test_fragments.py does. ``--api save`` uses
 ``ckptio.save(...).result()``; ``--api manager`` a ``CheckpointManager(max_to_keep=1)`` per host.
 
-    python tests/paused_save_worker.py --root DIR --api manager --hosts 1 [--stall-at-commit 2 --go FILE]
+    python tests/workers/paused_save_worker.py --root DIR --api manager --hosts 1 [--stall-at-commit 2 --go FILE]
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import argparse
 import json
 import os
 import queue
-import signal
 import sys
 import threading
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(TESTS, "support"), os.path.join(TESTS, "scenarios")]  # hosts; crash_campaign*
 
 #: Objects of 1 MiB: a step has several, and gc has something to take from a paused save.
 OBJECT_SIZE = 1 << 20

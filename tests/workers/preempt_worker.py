@@ -1,4 +1,4 @@
-"""One process of the preemption test (tests/test_preemption.py): a training loop that asks
+"""One process of the preemption test (tests/coord/test_preemption.py): a training loop that asks
 ``reached_preemption`` every step; one process of the job gets SIGTERM.
 
 usage: preempt_worker.py torch|jax ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)

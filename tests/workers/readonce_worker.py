@@ -1,4 +1,4 @@
-"""One process of a multi-process read-once test (launched by tests/test_readonce_mp.py).
+"""One process of a multi-process read-once test (launched by tests/restoring/test_readonce_mp.py).
 
 usage: readonce_worker.py OUT_DIR SCENARIO ROOT (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
 

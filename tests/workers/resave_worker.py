@@ -1,4 +1,5 @@
-"""A saver that tests/test_resave.py kills (SIGKILL) or pauses between a commit's manifest and its fence.
+"""A saver that tests/store/test_resave.py kills (SIGKILL) or pauses between a commit's manifest and its
+fence.
 
 It commits step ``--good`` through a ``CheckpointManager``, then saves step ``--step`` (the
 state of ``crash_campaign.state_for(--step + STATE_OFFSET)``: not the state a re-save of the
@@ -8,7 +9,7 @@ with its event loop free: its heartbeat goes on, as a live but slow save's would
 JSON line per event: ``ready`` (the good step committed), ``stalled`` (the manifest is created,
 the fence not claimed), then ``ok`` or ``failed`` (with ``error``) once released.
 
-    python tests/resave_worker.py --root DIR --good 1 --step 2 --go FILE
+    python tests/workers/resave_worker.py --root DIR --good 1 --step 2 --go FILE
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import os
 import sys
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "scenarios"))  # crash_campaign
 
 #: The stalled save writes ``state_for(step + STATE_OFFSET)``.
 STATE_OFFSET = 1000

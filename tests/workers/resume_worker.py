@@ -1,4 +1,4 @@
-"""One process of a resume test (launched by tests/test_perhost.py): real data loaders, per host.
+"""One process of a resume test (launched by tests/state/test_perhost.py): real data loaders, per host.
 
 usage: resume_worker.py MODE ROOT OUT N K
   save:    N steps uninterrupted, each host's loaders saved at step K (as leaves of the state) on the way;

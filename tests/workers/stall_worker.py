@@ -1,5 +1,5 @@
 """One process of a 2-process save or restore in which rank 1's data objects never answer
-(launched by tests/test_deadlines.py): every rank must fail naming the stuck object, not hang.
+(launched by tests/backends/test_deadline.py): every rank must fail naming the stuck object, not hang.
 
 usage: stall_worker.py save|restore ROOT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env)
 Exits 0 when this rank failed as it must, 1 otherwise.

@@ -1,6 +1,6 @@
 """Restore time from the local SSD tier vs a peer's replica vs the durable tier, measured in one run.
 
-    python tests/tiers_restore_bench.py [--hosts 2] [--mib 64] [--repeat 3] [--durable local|gcs]
+    python tests/workers/tiers_restore_bench.py [--hosts 2] [--mib 64] [--repeat 3] [--durable local|gcs]
 
 Starts ``--hosts`` processes (torch.distributed, gloo, on this machine), each
 saving ``--mib`` MiB of its own shards once with a ``TieredCheckpointManager``
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: its bench
 from bench.tiers import _drop_cache as drop_cache  # noqa: E402 -- one copy, with the --tiers bench
 from bench.tiers import _free_port  # noqa: E402
 
@@ -132,7 +131,7 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
     from fake_gcs import FakeGCS, binary_path
 
     server = None

@@ -1,4 +1,4 @@
-"""One process of the multi-tier tests (launched by tests/test_tiers_mp.py); prints one JSON line.
+"""One process of the multi-tier tests (launched by tests/tiers/test_tiers_mp.py); prints one JSON line.
 
 usage: tiers_worker.py MODE ROOT [--steps 1,2,3] [--expect-step N] [--victims 1,2] [--durable URL] ...
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the env; PORT2 for the re-formed job of ``emergency``;

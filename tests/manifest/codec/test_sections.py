@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_fragments import COLS, ROWS, full, host_state, save_on_hosts
+from tests.manifest.test_fragments import COLS, ROWS, full, host_state, save_on_hosts
 
 import ckptio
 from ckptio.backends.wrappers import WrapperBackend
@@ -259,7 +259,7 @@ def test_a_copy_keeps_v4_fragments_readable(saved: Path, tmp_path: Path) -> None
 
 @pytest.mark.gcs
 def test_on_gcs_one_array_is_read_by_ranged_gets(gcs_emulator_env: str, tmp_path: Path) -> None:
-    from conftest import GCS_TEST_BUCKET
+    from tests.conftest import GCS_TEST_BUCKET
     from fake_gcs import unique_prefix
 
     from ckptio.backends.wrappers import CountingBackend

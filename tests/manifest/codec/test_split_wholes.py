@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_fragment_sections import STEP, _datas, _root_doc
-from test_fragments import full, save_on_hosts
+from tests.manifest.codec.test_sections import STEP, _datas, _root_doc
+from tests.manifest.test_fragments import full, save_on_hosts
 
 import ckptio
 from ckptio.errors import IntegrityError, ManifestError

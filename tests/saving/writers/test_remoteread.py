@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_summedfill import _rows
+from tests.saving.test_summedfill import _rows
 
 import ckptio
 from ckptio import EngineConfig

@@ -469,12 +469,11 @@ def test_current_is_the_sidecar_ensure_started_until_shutdown() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("jax", [False, True])
 def test_kill_minus_9_campaign_with_the_sidecar(tmp_path: Path, jax: bool) -> None:
-    """tests/crash_campaign.py with the saver writing through its sidecar: savers, sidecars, gc and
+    """tests/scenarios/crash_campaign.py with the saver writing through its sidecar: savers, sidecars, gc and
     cp killed at random; only committed steps listed, all bit-exact, no orphan after the final gc.
     With JAX arrays, the sidecar reads them out of the saver's memory (ckptio.saving.writers.remoteread)."""
     if jax:
         pytest.importorskip("jax")
-    sys.path.insert(0, os.path.dirname(__file__))
     from crash_campaign import run_campaign
 
     result = run_campaign(trials=5 if jax else 8, root=str(tmp_path / "ckpt"), seed=17, writer="sidecar",
