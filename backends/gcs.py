@@ -42,7 +42,7 @@ Protocol
   (the emulator honours preconditions only on multipart uploads).
 * ``delete_if`` is a DELETE with ``ifGenerationMatch`` (the generation a stat or listing named);
   412 there means another generation stands: False. The emulator ignores preconditions on DELETE
-  (tests put :class:`tests.fake_gcs.PreconditionProxy` in front of it).
+  (tests put :class:`PreconditionProxy` of tests/support/fake_gcs.py in front of it).
 * Errors: 404 FileNotFoundError, 412 FileExistsError, 401/403
   PermissionError, 408/429/5xx, resets, timeouts and truncated bodies
   RetryableError (with ``Retry-After``); see :func:`._gcs_http.raise_for_status`.

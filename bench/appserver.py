@@ -4,7 +4,7 @@
 any client loop (or several) can use it. :class:`ProxyServer` forwards every
 request to an upstream (fake-gcs-server) and hands back its answer, rewriting
 ``Location`` headers so resumable uploads keep going through the proxy. The
-tests' fault-injecting proxy (``tests/fake_gcs.py``) and the bench's
+tests' fault-injecting proxy (``tests/support/fake_gcs.py``) and the bench's
 rate-limiting one (:mod:`ckptio.bench.ratelimit`) are built on them.
 """
 

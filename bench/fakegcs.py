@@ -7,7 +7,7 @@ a few hundred requests), on 127.0.0.1 and a free port, with its log in a file.
 It is stopped by the pid we started (SIGTERM, then SIGKILL).
 
 Lives in the bench package so ``ckptio bench --backend gs://…`` can start a
-server without importing from ``tests/``; ``tests/fake_gcs.py`` re-exports it.
+server without importing from ``tests/``; ``tests/support/fake_gcs.py`` re-exports it.
 
 What the emulator (v1.54) does unlike real GCS, so a green test proves less:
 

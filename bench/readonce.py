@@ -18,7 +18,7 @@ slowest process's wall and CPU seconds of its restore.
     python -m ckptio.bench.readonce [HOSTS [cold]]
 
 Each process runs this module as a script (``worker``); tests reuse it
-(tests/test_readonce_mp.py).
+(tests/restoring/test_readonce_mp.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ and one array wanted whole (:data:`CASES`). The state is Llama-70B-like: per hos
 SHARDS/4 parameters x (bf16 weight, fp32 master, Adam mu and nu), each row-sharded over the hosts.
 
 What a non-coordinator receives per save is the coordinator's verdict (``{"ok": true}``, 12 bytes)
-plus the transport's framing; the real-process tests (tests/test_coordination.py) count it at 2, 4
+plus the transport's framing; the real-process tests (tests/coord/test_distributed.py) count it at 2, 4
 and 8 processes over gloo and jax.distributed.
 """
 

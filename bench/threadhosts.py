@@ -1,6 +1,6 @@
 """Several hosts of one job as threads of this process, for saves that need a coordinator.
 
-The tests (``tests/hosts.py``) and the bench's throttled case (:mod:`ckptio.bench.throttled`) use it.
+The tests (``tests/support/hosts.py``) and the bench's throttled case (:mod:`ckptio.bench.throttled`) use it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # ============================================================================
-# GCS: fake-gcs-server fixtures (owner: the GCS backend; see tests/fake_gcs.py)
+# GCS: fake-gcs-server fixtures (owner: the GCS backend; see tests/support/fake_gcs.py)
 # ============================================================================
 from collections.abc import Iterator
 from typing import Any

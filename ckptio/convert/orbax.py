@@ -29,7 +29,7 @@ pass an abstract target with a sharding to restore them sharded.
 
 Both directions use Orbax internals that the stock handlers use
 (``orbax.checkpoint._src.serialization``); they are checked against
-orbax-checkpoint 0.12.8 by tests/test_convert.py.
+orbax-checkpoint 0.12.8 by tests/convert/test_convert.py.
 """
 
 from __future__ import annotations

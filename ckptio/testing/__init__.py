@@ -16,8 +16,8 @@ The wrapper backends are here too, for a backend's own tests:
 :class:`FaultInjectingBackend` (errors and corruption on chosen calls),
 :class:`LatencyBackend` (added delay), :class:`CountingBackend` (calls and
 bytes per method) and :class:`ReadOnlyBackend`. ckptio's own backends run
-this very suite (``tests/test_backend_*.py``), and so does the example
-backend of the README's "Write a backend" (``tests/example_backend.py``).
+this very suite (``tests/backends/``), and so does the example
+backend of the README's "Write a backend" (``tests/support/example_backend.py``).
 """
 
 from __future__ import annotations
