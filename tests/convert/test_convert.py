@@ -259,7 +259,7 @@ def test_a_failed_stream_writer_ends_its_intent_so_the_step_can_be_saved_again(t
                 w.commit()
         else:
             w.abort()
-        assert w._lease._thread is not None and not w._lease._thread.is_alive()
+        assert w._tx._thread is not None and not w._tx._thread.is_alive()
     w = StreamWriter(store, 3)
     w.add_array("a", np.float32, (4, 2))
     w.write_shard("a", (0, 0), np.ones((4, 2), np.float32))
