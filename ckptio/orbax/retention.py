@@ -31,6 +31,7 @@ from etils import epath
 from ckptio.engine.layout import Naming
 from ckptio.orbax._io import StorageConfig, delete_external
 from ckptio.orbax.handler import handler_registry
+from ckptio.saving.options import SaveOptions
 
 __all__ = ["CheckpointManager", "CkptioDeleter", "attach"]
 
@@ -115,7 +116,8 @@ class CheckpointManager(ocp.CheckpointManager):
     With ``storage`` (and no ``handler_registry``), items saved with
     :class:`ckptio.orbax.Save` store their data under ``storage`` (with
     ``naming``, e.g. :class:`ckptio.engine.layout.HashedNaming`); other items keep
-    their usual handlers. Everything else is ``ocp.CheckpointManager``'s.
+    their usual handlers; ``save_options`` says how their saves run
+    (:class:`ckptio.SaveOptions`). Everything else is ``ocp.CheckpointManager``'s.
 
     Not :class:`ckptio.CheckpointManager`, which shares the name on purpose:
     each is a drop-in for the manager its users already write. This one *is* an
@@ -134,11 +136,12 @@ class CheckpointManager(ocp.CheckpointManager):
         storage: str | None = None,
         naming: Naming | None = None,
         handler_registry: Any = None,
+        save_options: SaveOptions | None = None,
         **kwargs: Any,
     ) -> None:
         _check_directory(directory)
-        if storage is not None and handler_registry is None:
-            handler_registry = _registry(storage, naming=naming)
+        if (storage is not None or save_options is not None) and handler_registry is None:
+            handler_registry = _registry(storage, naming=naming, save_options=save_options)
         super().__init__(directory, options=options, handler_registry=handler_registry, **kwargs)
         attach(self, storage=storage)
 
