@@ -69,7 +69,7 @@ def restore_side(root: str, hosts: int, rank: int, replay_path: str, out: Any) -
     import ckptio.tiers.restore as tr
     from ckptio.engine import run_sync
     from ckptio.manifest import ArrayItem
-    from ckptio.restoring.plan import select
+    from ckptio.restoring.planner import select
     from ckptio.store import CheckpointStore
     from ckptio.tiers.peer import RoutedBackend
     from ckptio.tiers.policy import RestorePlan

@@ -163,10 +163,10 @@ def test_the_layer_check_fails_on_a_planted_upward_import() -> None:
     is caught; so is a module the table has no row for."""
     rows = layer_table()
     graph = {"ckptio.engine.core": ["ckptio.store.facade"], "ckptio.store.facade": ["ckptio.engine.core"],
-             "ckptio.saving.job": ["ckptio.restoring.plan"], "ckptio.stray": []}
+             "ckptio.saving.job": ["ckptio.restoring.planner"], "ckptio.stray": []}
     assert upward_imports(graph, rows) == [
         "ckptio.engine.core imports ckptio.store.facade (up a layer: ckptio.engine -> ckptio.store)",
-        "ckptio.saving.job imports ckptio.restoring.plan (across its layer: ckptio.saving -> ckptio.restoring)",
+        "ckptio.saving.job imports ckptio.restoring.planner (across its layer: ckptio.saving -> ckptio.restoring)",
         "ckptio.stray: in no row of the layer table",
     ]
 

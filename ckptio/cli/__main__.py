@@ -2,6 +2,6 @@
 
 import sys
 
-from ckptio.cli.main import main
+from ckptio.cli.command import main
 
 sys.exit(main())

@@ -25,7 +25,7 @@ from ckptio.coord.waits import waiting_for
 from ckptio.manifest import ArrayItem, Manifest
 from ckptio.restoring.agreement import agree, named
 from ckptio.restoring.boxexchange import restore_exchange
-from ckptio.restoring.plan import Selection
+from ckptio.restoring.planner import Selection
 from ckptio.restoring.reshard import Region
 from ckptio.state.leaves import Sharded
 from ckptio.store import CheckpointStore

@@ -9,7 +9,7 @@ One package, its modules layered bottom to top (each imports only those above it
   ValueItem, PackTable / Items, FragmentRef (dataclasses, no JSON);
 * :mod:`.geometry` -- box overlaps and "these shards tile the array exactly once";
 * :mod:`.table` -- an array item's shards as numpy columns (:class:`~.table.ShardTable`), for planning;
-* :mod:`.values`, :mod:`.seal` -- value items' JSON; the checksummed envelope of a stored manifest;
+* :mod:`.values`, :mod:`.sealing` -- value items' JSON; the checksummed envelope of a stored manifest;
 * :mod:`.hoststate` -- per-host state items (format 8): each host's own small state, as JSON;
 * :mod:`.itemjson` -- the one writer of item JSON (objects, compact rows, pack tables);
 * :mod:`.refs` -- format 9: references to older steps' objects (``bases``) and shard digests;
@@ -52,7 +52,7 @@ from ckptio.manifest.limits import MAX_MANIFEST_BYTES
 from ckptio.manifest.model import (
     ArrayItem, Box, Extent, FragmentRef, Items, Manifest, PackTable, ShardRecord, ValueItem, split_items,
 )
-from ckptio.manifest.seal import seal, unseal
+from ckptio.manifest.sealing import seal, unseal
 from ckptio.manifest.table import ShardTable, table_of
 from ckptio.manifest.values import decode_value, encode_value
 

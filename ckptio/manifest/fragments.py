@@ -44,7 +44,7 @@ from ckptio.manifest.formats import FORMAT, version_for
 from ckptio.manifest.geometry import without_replicas
 from ckptio.manifest.hoststate import has_host_states, merge_host_state
 from ckptio.manifest.model import FragmentRef
-from ckptio.manifest.seal import seal
+from ckptio.manifest.sealing import seal
 from ckptio.system.checksum import crc32c
 
 __all__ = ["FRAGMENT_PREFIX", "FRAGMENT_VERSION", "build_root", "fragment_doc", "fragment_key", "fragment_ref",

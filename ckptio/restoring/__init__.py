@@ -10,8 +10,8 @@ The package, one concern a module, imports pointing down:
 * :mod:`.targets`: every target kind (numpy, Sharded, jax, torch, PRNG keys):
   its regions and how its leaf is built
 * :mod:`.packed`: bulk reads of many small whole arrays and pack tables
-* :mod:`.plan`: :func:`plan` ``(manifest, target) -> ReadPlan``, pure
-* :mod:`.execute`: :func:`execute` ``(plan, engine)``, the IO and checksums;
+* :mod:`.planner`: :func:`plan` ``(manifest, target) -> ReadPlan``, pure
+* :mod:`.executor`: :func:`execute` ``(plan, engine)``, the IO and checksums;
   :func:`restore_checkpoint` = prepare + execute
 * :mod:`.batches`: a format-2 restore whose fragments' metadata exceeds a budget, planned,
   read and dropped batch of fragments by batch
@@ -26,8 +26,8 @@ The package, one concern a module, imports pointing down:
 
 from __future__ import annotations
 
-from ckptio.restoring.execute import execute, prepare, restore_checkpoint
-from ckptio.restoring.plan import ReadPlan, Selection, plan, select
+from ckptio.restoring.executor import execute, prepare, restore_checkpoint
+from ckptio.restoring.planner import ReadPlan, Selection, plan, select
 from ckptio.restoring.scalars import PY_SCALARS
 from ckptio.restoring.step import restore_step
 from ckptio.restoring.targets import is_target_leaf

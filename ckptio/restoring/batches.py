@@ -10,7 +10,7 @@ by the caller, and dropped -- rows, checksums and requests -- before the next ba
 
 Each fragment is read once. The root assigns every saved box to one fragment, so batches hold
 disjoint shards and each stored byte a region needs is read once, as in the one-shot plan
-(:mod:`ckptio.restoring.plan`); every byte is still verified against its checksums before it is
+(:mod:`ckptio.restoring.planner`); every byte is still verified against its checksums before it is
 copied out. What the one-shot plan checks before reading -- that the saved shards cover each
 region -- is checked against the root's locators before the first read, and again against the
 shards the fragments actually held once every batch is planned (a fragment that lacks a row its
@@ -29,7 +29,7 @@ from ckptio.engine import ReadRequest
 from ckptio.errors import CheckpointNotFoundError, ManifestError
 from ckptio.manifest import ArrayItem, Manifest, table_of
 from ckptio.manifest.lazy import fragments_for
-from ckptio.restoring.plan import ReadPlan, Selection, _Builder
+from ckptio.restoring.planner import ReadPlan, Selection, _Builder
 from ckptio.restoring.reshard import Region, geometry_key, plan_regions
 from ckptio.restoring.targets import target_regions
 
@@ -98,7 +98,7 @@ def locator_gaps(item: ArrayItem, off: tuple[int, ...], shape: tuple[int, ...]) 
 
 
 class _RootBuilder(_Builder):
-    """:class:`~ckptio.restoring.plan._Builder` over a format-2 root: every array item becomes
+    """:class:`~ckptio.restoring.planner._Builder` over a format-2 root: every array item becomes
     regions (nothing joins the bulk reads, as with any partly loaded root), checked for coverage
     against the root's locators."""
 

@@ -57,7 +57,7 @@ from ckptio.restoring.boxroute import Pieces, TargetTable, apart, gathered, inco
 from ckptio.restoring.landing import Landing, dest_run
 from ckptio.restoring.packed import table_reads
 from ckptio.restoring.packing import buffer_lengths, pack, read_buffers
-from ckptio.restoring.plan import ReadPlan, Selection, _Builder, select
+from ckptio.restoring.planner import ReadPlan, Selection, _Builder, select
 from ckptio.restoring.reshard import Region, coverage_gaps, plan_regions
 from ckptio.restoring.runs import flat
 from ckptio.restoring.spread import may_send, original_senders, received, sent, spread_bands, spread_fragments
@@ -92,7 +92,7 @@ def restore_exchange(store: CheckpointStore, root: Manifest, step_dir: str, targ
     """Restore ``root`` (a committed manifest of ``store``'s ``step_dir``) as ``target`` asks, by
     logical-box exchange over ``coord`` (an :class:`~ckptio.coord.distributed.ExchangeCoordinator`).
     Collective. ``targets``: every host's target boxes per array, if every host can say them
-    (else they are all-gathered). ``target`` may be a :class:`~ckptio.restoring.plan.Selection`
+    (else they are all-gathered). ``target`` may be a :class:`~ckptio.restoring.planner.Selection`
     (the DCP Reader's read items, by item name). Raises on every host if any host fails.
     ``progress`` is fed ``("read", n)`` as this host's bytes land: from storage (what it reads
     itself, as a plain restore reports) and from the exchange (each round's pieces it received,

@@ -21,7 +21,7 @@ from ckptio.errors import CheckpointNotFoundError, CkptioError, IntegrityError, 
 from ckptio.manifest import ArrayItem, Manifest
 from ckptio.restoring.agreement import can_read_once, kind_of, of_kind
 from ckptio.restoring.boxexchange import restore_exchange
-from ckptio.restoring.execute import restore_checkpoint
+from ckptio.restoring.executor import restore_checkpoint
 from ckptio.store import CheckpointStore
 from ckptio.system import gcpause as _gc
 

@@ -25,7 +25,7 @@ Targets that ask for a *new* leaf rather than naming a buffer to fill (what
 
 Each kind answers, for one array item, the destination :class:`Region`\\ s
 and the :data:`Finish` that builds the leaf once they are filled; the plan
-(:mod:`ckptio.restoring.plan`) turns regions into reads.
+(:mod:`ckptio.restoring.planner`) turns regions into reads.
 """
 
 from __future__ import annotations

@@ -16,7 +16,14 @@ from typing import Any, Protocol
 
 from ckptio.engine import gather_or_cancel, run_sync
 from ckptio.manifest import (
-    FragmentRef, Manifest, build_root, fragment_doc, fragment_key, fragment_ref, seal, summary_of,
+    FragmentRef,
+    Manifest,
+    build_root,
+    fragment_doc,
+    fragment_key,
+    fragment_ref,
+    seal,
+    summary_of,
 )
 from ckptio.manifest.builder import expanded, merged_doc, validated
 from ckptio.saving.carried_fragments import carried_save_ids, carried_summary, own_part, write_carried

@@ -32,7 +32,7 @@ from ckptio.manifest import FragmentRef, Manifest
 from ckptio.manifest.codec.sections import parse_head, with_objects
 from ckptio.manifest.fragments import FRAGMENT_PREFIX, fragment_ref
 from ckptio.manifest.names import new_id
-from ckptio.manifest.seal import seal, unseal
+from ckptio.manifest.sealing import seal, unseal
 from ckptio.store import CheckpointStore
 from ckptio.store.parts import PartRecord
 from ckptio.system import jsonio as _json

@@ -28,8 +28,8 @@ from ckptio.errors import CheckpointNotFoundError, IntegrityError
 from ckptio.manage.copying import object_writers
 from ckptio.manifest import Manifest
 from ckptio.restoring import execute
-from ckptio.restoring.plan import ReadPlan, select
-from ckptio.restoring.plan import plan as plan_reads
+from ckptio.restoring.planner import ReadPlan, select
+from ckptio.restoring.planner import plan as plan_reads
 from ckptio.store import CheckpointStore
 from ckptio.tiers.group import PeerGroup
 from ckptio.tiers.peer import OBJECT_NAME, RoutedBackend, fetch_from_peers, holdings, object_host

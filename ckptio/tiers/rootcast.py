@@ -36,7 +36,7 @@ from ckptio.engine import gather_or_cancel, run_sync
 from ckptio.errors import CheckpointNotFoundError, IntegrityError
 from ckptio.manifest import MANIFEST_NAME, FragmentRef, Manifest
 from ckptio.manifest.lazy import fragments_for
-from ckptio.restoring.plan import select
+from ckptio.restoring.planner import select
 from ckptio.store import CheckpointStore, check_binding
 from ckptio.system.checksum import crc32c
 from ckptio.tiers.group import PeerGroup

@@ -20,7 +20,7 @@ LAYERS = [
     "geometry",
     "table",
     "values",
-    "seal",
+    "sealing",
     "hoststate",
     "itemjson",
     "refs",

@@ -1,4 +1,4 @@
-"""A restore onto accelerators streams (ckptio.restoring.execute.restore_streamed): its device-bound
+"""A restore onto accelerators streams (ckptio.restoring.executor.restore_streamed): its device-bound
 leaves are read a group at a time, each group placed on its devices while the next is read. On CPU
 devices here, with the accelerator check forced."""
 
@@ -14,7 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import ckptio  # noqa: E402
-execute = importlib.import_module("ckptio.restoring.execute")
+execute = importlib.import_module("ckptio.restoring.executor")
 
 
 def test_device_bound_leaves_are_read_group_by_group_and_restore_bit_exact(

@@ -21,7 +21,7 @@ import ckptio
 from ckptio.engine import run_sync
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.manifest import MANIFEST_NAME
-from ckptio.restoring.plan import select
+from ckptio.restoring.planner import select
 from ckptio.saving.job import start_save
 from ckptio.store import CheckpointStore
 from ckptio.tiers.peer import RoutedBackend

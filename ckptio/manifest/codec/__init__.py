@@ -19,7 +19,7 @@ from ckptio.manifest import formats
 from ckptio.manifest.codec import single, split
 from ckptio.manifest.limits import MAX_MANIFEST_BYTES
 from ckptio.manifest.model import Manifest, use_codec
-from ckptio.manifest.seal import seal, unseal
+from ckptio.manifest.sealing import seal, unseal
 from ckptio.system import jsonio as _json
 
 __all__ = ["decode", "decode_json", "encode", "encode_json"]

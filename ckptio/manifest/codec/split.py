@@ -39,7 +39,7 @@ from ckptio.manifest.limits import U32, check_int
 from ckptio.manifest.model import ArrayItem, FragmentRef, Manifest, ValueItem
 from ckptio.manifest.names import step_of_key
 from ckptio.manifest.refs import decode_refs
-from ckptio.manifest.seal import unseal
+from ckptio.manifest.sealing import unseal
 from ckptio.manifest.values import decode_value
 from ckptio.system import jsonio as _json
 from ckptio.system.checksum import crc32c

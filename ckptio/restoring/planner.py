@@ -5,7 +5,7 @@ turns a manifest and a target into a :class:`ReadPlan`, a plain data
 structure that says everything the restore will read (``requests``: object
 key, byte range, destination buffers, the checksums to verify) and how to
 build the restored tree from the filled buffers (``finish``). Executing it
-(:mod:`ckptio.restoring.execute`) is IO only, so whoever routes the reads (the
+(:mod:`ckptio.restoring.executor`) is IO only, so whoever routes the reads (the
 tiers fetch a plan's objects from peers first; an elastic restore may share
 them out between hosts) works on the plan, not inside the engine.
 

@@ -2,7 +2,7 @@
 
 :func:`prepare` does the little IO planning needs (a format-2 manifest's
 fragments, a check that the objects are there and as long as the manifest
-says) and returns the pure :func:`ckptio.restoring.plan.plan`; :func:`execute`
+says) and returns the pure :func:`ckptio.restoring.planner.plan`; :func:`execute`
 runs a plan's reads on an engine (every byte verified against its checksum
 as it lands) and builds the tree. :func:`restore_checkpoint` is both.
 
@@ -26,7 +26,7 @@ from typing import Any
 from ckptio.engine import Engine, Progress, run_sync
 from ckptio.manifest import ArrayItem, Manifest
 from ckptio.restoring.batches import METADATA_BUDGET, Batched, fragment_cut
-from ckptio.restoring.plan import ReadPlan, Selection, plan, select
+from ckptio.restoring.planner import ReadPlan, Selection, plan, select
 from ckptio.state.tree import unflatten
 from ckptio.store import CheckpointStore
 
@@ -44,7 +44,7 @@ def prepare(store: CheckpointStore, manifest: Manifest, step_dir: str, target: A
     Reads only what planning needs: a format-2 manifest's fragments holding the
     shards this restore meets, and (unless the store is host-local) the objects'
     sizes, so that nothing is allocated from a manifest whose objects are gone. ``host``: see
-    :func:`~ckptio.restoring.plan.plan`; ``numbers``: the fragments the target meets, if known.
+    :func:`~ckptio.restoring.planner.plan`; ``numbers``: the fragments the target meets, if known.
     """
     where = store.where(step_dir)
     sel = target if isinstance(target, Selection) else select(manifest, target, where)
