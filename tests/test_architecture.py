@@ -218,3 +218,21 @@ def test_import_ckptio_loads_no_framework_and_no_ml_dtypes() -> None:
         "assert str(decode_dtype('bfloat16')) == 'bfloat16'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_module_is_hidden_by_a_name_of_its_package() -> None:
+    """``from ckptio.restoring import plan`` must not give a function where a module of that name
+    exists (``import ckptio.x.y`` and ``ckptio.x.y`` would then disagree), nor may ``ckptio.save`` or
+    ``ckptio.restore`` (the functions) share a name with a package."""
+    hidden = []
+    for name, path in MODULES.items():
+        if not _is_package(name):
+            continue
+        subs = {m.rpartition(".")[2] for m in MODULES if m.rpartition(".")[0] == name}
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                bound = [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names]
+                hidden += [f"{name}.{b}" for b, full in bound if b in subs and full != f"{name}.{b}"]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in subs:
+                hidden.append(f"{name}.{node.name}")
+    assert hidden == []
